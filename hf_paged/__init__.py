@@ -1,0 +1,7 @@
+"""hf_paged: a paged KV cache for Hugging Face transformers."""
+
+from .allocator import BlockAllocator
+from .errors import PoolExhausted, PoolMismatch
+from .pool import BlockPool, KVLayout
+
+__all__ = ["BlockAllocator", "BlockPool", "KVLayout", "PoolExhausted", "PoolMismatch"]

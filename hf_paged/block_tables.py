@@ -1,0 +1,185 @@
+"""Per-row block tables of one `PagedCache`, their groups, and the per-step metadata every layer reuses.
+
+A *row* is one sequence of the batch that `generate()` runs. All rows of a cache have the same length (left padding
+is stored like any token and masked by the attention mask, exactly as in `DynamicCache`), so the tables form a
+rectangle and one `[B, num_table_blocks]` tensor describes them.
+
+Row groups are how one `generate()` call stores a prompt once for `num_return_sequences=n` or `num_beams=n`:
+rows in one group hold identical block tables *and* are expected to write identical K/V. Only the group's leader
+(its lowest row) writes; every layer verifies that the followers' new K/V equal the leader's, and a follower that
+differs leaves the group and copies-on-write the blocks it is about to write. So sharing never changes a value:
+it only skips storing the same value twice.
+
+NOTE: this object holds the block ids but not the cache: a `weakref.finalize` on the cache calls `release` here, so
+a cache dropped without `release()` still returns its blocks.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from .errors import PoolExhausted
+from .pool import BlockPool
+
+
+class BlockTables:
+    def __init__(self):
+        self.pool: BlockPool | None = None
+        self.tables: list[list[int]] = []  # tables[row] = block ids, in token order
+        self.leaders: list[int] = []  # leaders[row] = the lowest row of its group (itself when alone)
+        self.version = 0  # bumped on every table change; keys the metadata memo
+        self._memo: dict[tuple, torch.Tensor] = {}
+        self._tables_tensor: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def num_rows(self) -> int:
+        return len(self.tables)
+
+    @property
+    def num_table_blocks(self) -> int:
+        return len(self.tables[0]) if self.tables else 0
+
+    def held_block_ids(self) -> set[int]:
+        return {block_id for table in self.tables for block_id in table}
+
+    def has_groups(self) -> bool:
+        return any(leader != row for row, leader in enumerate(self.leaders))
+
+    # --------------------------------------------------------------- lifecycle
+    def start(self, leaders: list[int]) -> None:
+        """Begin with `len(leaders)` empty rows grouped as given."""
+        assert not self.tables, "start() on a BlockTables that still holds rows"
+        self.tables = [[] for _ in leaders]
+        self.leaders = list(leaders)
+        self._changed()
+
+    def release(self) -> None:
+        """Return every block to the pool and forget all rows (idempotent)."""
+        if self.pool is not None and self.tables:
+            # One `free` per holder: a block shared by k tables is dropped k times.
+            self.pool.allocator.free([block_id for table in self.tables for block_id in table])
+        self.tables, self.leaders = [], []
+        self._changed()
+
+    def _changed(self) -> None:
+        self.version += 1
+        self._memo.clear()
+        self._tables_tensor = None
+
+    # ---------------------------------------------------------------- blocks
+    def _reserve(self, num_blocks: int) -> None:
+        """Make sure `num_blocks` can be allocated: grow a private pool, or raise before anything changes."""
+        allocator = self.pool.allocator
+        if allocator.can_allocate(num_blocks):
+            return
+        if not self.pool.growable:
+            raise PoolExhausted(num_blocks, allocator.num_free_blocks, allocator.num_blocks)
+        self.pool.grow(max(num_blocks - allocator.num_free_blocks, allocator.num_blocks))
+
+    def group_sizes(self) -> Counter:
+        return Counter(self.leaders)
+
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Give every row blocks for `num_tokens` tokens: one fresh block per group, shared by its members."""
+        block_size = self.pool.block_size
+        num_missing = -(-num_tokens // block_size) - self.num_table_blocks
+        if num_missing <= 0:
+            return
+        sizes = self.group_sizes()
+        self._reserve(num_missing * len(sizes))
+        for leader, size in sizes.items():
+            new_block_ids = self.pool.allocator.allocate(num_missing, num_holders=size)
+            for row in range(self.num_rows):
+                if self.leaders[row] == leader:
+                    self.tables[row].extend(new_block_ids)
+        self._changed()
+
+    def make_writable(self, writers: list[int], start: int, end: int) -> None:
+        """Copy-on-write every block that a writer's group is about to write in positions [start, end) and that
+        somebody outside the group also holds."""
+        block_size = self.pool.block_size
+        sizes = self.group_sizes()
+        allocator = self.pool.allocator
+        todo = [
+            (leader, index)
+            for leader in writers
+            for index in range(start // block_size, (end - 1) // block_size + 1)
+            if allocator.ref_count(self.tables[leader][index]) != sizes[leader]
+        ]
+        if not todo:
+            return
+        self._reserve(len(todo))
+        src, dst = [], []
+        for leader, index in todo:
+            old = self.tables[leader][index]
+            new = allocator.copy_on_write(old, num_holders=sizes[leader])
+            src.append(old)
+            dst.append(new)
+            for row in range(self.num_rows):
+                if self.leaders[row] == leader:
+                    self.tables[row][index] = new
+        self.pool.copy_blocks(src, dst)
+        self._changed()
+
+    def split(self, rows: list[int]) -> None:
+        """Take `rows` out of their groups (their next write will copy-on-write)."""
+        for row in rows:
+            leader = self.leaders[row]
+            if leader == row:  # a leader leaving: the next member leads the rest
+                members = [r for r in range(self.num_rows) if self.leaders[r] == row and r != row]
+                for member in members:
+                    self.leaders[member] = members[0]
+            self.leaders[row] = row
+        self._changed()
+
+    def truncate(self, num_tokens: int) -> None:
+        """Drop the blocks past the first `num_tokens` tokens of every row."""
+        keep = -(-num_tokens // self.pool.block_size)
+        if keep >= self.num_table_blocks:
+            return
+        dropped = [block_id for table in self.tables for block_id in table[keep:]]
+        self.tables = [table[:keep] for table in self.tables]
+        self.pool.allocator.free(dropped)
+        self._changed()
+
+    def select_rows(self, indices: list[int]) -> None:
+        """New row i becomes a copy of old row `indices[i]` (beam reorder, batch select, repeat-interleave).
+
+        Rows copied from one old group form one new group: same tables, and until proven otherwise, same writes.
+        """
+        old_tables, old_leaders = self.tables, self.leaders
+        self.tables = [list(old_tables[i]) for i in indices]
+        first_row_of_old_group: dict[int, int] = {}
+        self.leaders = [first_row_of_old_group.setdefault(old_leaders[i], new) for new, i in enumerate(indices)]
+        if self.pool is not None:
+            # NOTE: incref before free, so a block kept by the new tables never passes through the free queue.
+            self.pool.allocator.incref(block_id for table in self.tables for block_id in table)
+            self.pool.allocator.free(block_id for table in old_tables for block_id in table)
+        self._changed()
+
+    # ---------------------------------------------------------------- metadata
+    def tables_tensor(self) -> torch.Tensor:
+        """`[B, num_table_blocks]` int64 on the pool's device; rebuilt only when a table changed."""
+        if self._tables_tensor is None:
+            self._tables_tensor = torch.tensor(self.tables, dtype=torch.long, device=self.pool.device)
+        return self._tables_tensor
+
+    def slots(self, rows: tuple[int, ...] | None, start: int, end: int) -> torch.Tensor:
+        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
+
+        Memoized until the next table change, so all layers of one step share one tensor.
+        """
+        key = (rows, start, end)
+        slots = self._memo.get(key)
+        if slots is None:
+            tables = self.tables_tensor()
+            if rows is not None:
+                tables = tables[list(rows)]
+            block_size = self.pool.block_size
+            positions = torch.arange(start, end, device=tables.device)
+            slots = tables[:, positions // block_size] * block_size + positions % block_size
+            self._memo[key] = slots
+        return slots

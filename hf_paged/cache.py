@@ -1,0 +1,345 @@
+"""PagedCache: a `transformers.Cache` whose K/V live in a shared `BlockPool`.
+
+`model.generate(..., past_key_values=PagedCache(config=model.config))` gives the same tokens as `DynamicCache`:
+every layer's `update` returns exactly the K/V tensor a `DynamicLayer` (or `DynamicSlidingWindowLayer`) would,
+gathered from the pool instead of kept contiguous. What changes is storage: blocks are allocated `block_size`
+tokens at a time from a pool that many caches can share, rows that hold the same prefix share its blocks by
+reference count, and beam search reorders block tables instead of copying K/V.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from .block_tables import BlockTables
+from .pool import BlockPool, KVLayout
+
+_SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
+_SUPPORTED_LAYER_TYPES = ("full_attention", *_SLIDING_LAYER_TYPES)
+
+
+class PagedLayer(CacheLayerMixin):
+    """One decoder layer's view of a `PagedCache`. It holds a length, not tensors: the K/V are in the pool.
+
+    `sliding_window=None` mirrors `DynamicLayer`; an int mirrors `DynamicSlidingWindowLayer` (same returned K/V,
+    same mask sizes; the pool still keeps every block, see `PagedCache`).
+    """
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
+        super().__init__()
+        # A weak reference: the cache owns its layers, and a cycle would delay the finalizer that frees blocks.
+        self._cache = weakref.proxy(cache)
+        self.layer_idx = layer_idx
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.cumulative_length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self._cache.update(key_states, value_states, self.layer_idx)
+
+    def first_visible(self, num_past: int) -> int:
+        """Absolute position of the first key returned by an update after `num_past` cached tokens."""
+        if self.sliding_window is None:
+            return 0
+        return max(num_past - self.sliding_window + 1, 0)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        kv_offset = self.first_visible(self.cumulative_length)
+        return self.cumulative_length - kv_offset + query_length, kv_offset
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return -1 if self.sliding_window is None else self.sliding_window
+
+    def reset(self) -> None:
+        self._cache.release()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        self._cache.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._cache.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._cache.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._cache.batch_select_indices(indices)
+
+    def offload(self):
+        raise NotImplementedError("PagedCache layers cannot be offloaded: their K/V live in the shared BlockPool")
+
+    prefetch = offload
+
+
+class PagedCache(Cache):
+    """A paged KV cache for `generate()` and any model on the standard `Cache` API.
+
+    Args:
+        config (`PreTrainedConfig`, *optional*): the model's config; gives the layer types (full / sliding window)
+            and, for a private pool, the K/V shapes. Needed unless `pool` is given.
+        pool (`BlockPool`, *optional*): a pool shared with other caches. Without one, the cache makes a private,
+            growable pool on its first `update`, with the dtype and device of the first `key_states`.
+        block_size (`int`, defaults to 16): tokens per block of a private pool (a shared pool has its own).
+        dtype (`torch.dtype`, *optional*), device (`torch.device`, *optional*): for a private pool; default to the
+            model's (the first `key_states`).
+        share_rows (`bool`, defaults to `True`): store identical rows (the expanded prompt of
+            `num_return_sequences` / `num_beams`) once, shared by reference count.
+
+    Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
+    `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
+    only the window, exactly like `DynamicSlidingWindowLayer`).
+
+    Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
+    garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
+
+    Example:
+
+    ```python
+    >>> pool = BlockPool.for_model(model, max_memory="256MiB")
+    >>> with PagedCache(config=model.config, pool=pool) as cache:
+    ...     out = model.generate(input_ids, past_key_values=cache, max_new_tokens=32)
+    >>> pool.num_used_blocks
+    0
+    ```
+    """
+
+    def __init__(
+        self,
+        config=None,
+        *,
+        pool: BlockPool | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        share_rows: bool = True,
+    ):
+        if config is None and pool is None:
+            raise ValueError("PagedCache needs a model config, a BlockPool, or both: PagedCache(config=model.config)")
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if config is not None:
+            config = config.get_text_config(decoder=True)
+            layout = KVLayout.from_config(config)
+            if pool is not None:
+                pool.check_compatible(layout)
+            sliding_windows = _sliding_windows(config)
+        else:
+            layout = pool.layout
+            sliding_windows = [None] * layout.num_layers
+        self.layout = layout
+        self.block_size = pool.block_size if pool is not None else block_size
+        self._dtype, self._device = dtype, device
+        self.share_rows = share_rows
+        self._blocks = BlockTables()
+        self._blocks.pool = pool
+        # NOTE: holds `_blocks` (not `self`), so the finalizer can run once `self` is unreachable.
+        self._finalizer = weakref.finalize(self, self._blocks.release)
+        layers = [PagedLayer(self, i, window) for i, window in enumerate(sliding_windows)]
+        super().__init__(layers=layers)
+
+    # ------------------------------------------------------------------ pool
+    @property
+    def pool(self) -> BlockPool | None:
+        """The pool holding this cache's blocks (None until the first update of a cache with a private pool)."""
+        return self._blocks.pool
+
+    def _init_pool(self, key_states: torch.Tensor, num_tokens: int) -> None:
+        num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0], 4)
+        self._blocks.pool = BlockPool(
+            self.layout,
+            num_blocks=num_blocks,
+            block_size=self.block_size,
+            dtype=self._dtype if self._dtype is not None else key_states.dtype,
+            device=self._device if self._device is not None else key_states.device,
+            growable=True,
+        )
+
+    # ---------------------------------------------------------------- update
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
+        `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        layer = self.layers[layer_idx]
+        blocks = self._blocks
+        batch_size, _, q_len, _ = key_states.shape
+        num_past = layer.cumulative_length
+        num_tokens = num_past + q_len
+        if blocks.pool is None:
+            self._init_pool(key_states, num_tokens)
+        pool = blocks.pool
+        pool.check_states(layer_idx, key_states)
+        if not layer.is_initialized:
+            layer.lazy_initialization(key_states, value_states)
+
+        if blocks.num_rows == 0:
+            blocks.start(self._initial_leaders(key_states, value_states))
+        elif batch_size != blocks.num_rows:
+            raise ValueError(
+                f"PagedCache holds {blocks.num_rows} rows but layer {layer_idx} got key_states for {batch_size}; "
+                "use batch_repeat_interleave / batch_select_indices to change the batch of a filled cache"
+            )
+
+        if blocks.has_groups():
+            self._verify_groups(key_states, value_states, num_past, num_tokens)
+        blocks.ensure_capacity(num_tokens)
+        writers = tuple(sorted(set(blocks.leaders)))
+        write_key = ("writable", writers, num_past, num_tokens)
+        if write_key not in blocks._memo:  # once per step: later layers find the blocks already private
+            blocks.make_writable(list(writers), num_past, num_tokens)
+            blocks._memo[write_key] = True
+
+        # Store the new rows: [W, kv_heads, q_len, head_dim] -> [W * q_len, kv_heads, head_dim] at their slots.
+        slots = blocks.slots(writers if len(writers) < batch_size else None, num_past, num_tokens).flatten()
+        rows = list(writers) if len(writers) < batch_size else slice(None)
+        for cache, states in ((pool.key_cache[layer_idx], key_states), (pool.value_cache[layer_idx], value_states)):
+            new = states[rows].transpose(1, 2).reshape(-1, *cache.shape[2:])
+            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
+        layer.cumulative_length = num_tokens
+
+        # Gather the visible window: [B, kv_len] slots -> [B, kv_heads, kv_len, head_dim], contiguous like DynamicCache.
+        gather = blocks.slots(None, layer.first_visible(num_past), num_tokens)
+        keys = _gather(pool.key_cache[layer_idx], gather)
+        values = _gather(pool.value_cache[layer_idx], gather)
+        return keys, values
+
+    def _initial_leaders(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
+        """Group adjacent identical rows (generate() expands prompts with repeat_interleave, so copies are adjacent)."""
+        batch_size = key_states.shape[0]
+        leaders = list(range(batch_size))
+        if not self.share_rows or batch_size == 1:
+            return leaders
+        same = _rows_equal(key_states[1:], key_states[:-1]) & _rows_equal(value_states[1:], value_states[:-1])
+        for row, is_same in enumerate(same.tolist(), start=1):
+            if is_same:
+                leaders[row] = leaders[row - 1]
+        return leaders
+
+    def _verify_groups(self, key_states, value_states, num_past: int, num_tokens: int) -> None:
+        """Split off every follower whose new K/V differ from its leader's at this layer."""
+        blocks = self._blocks
+        followers = [row for row, leader in enumerate(blocks.leaders) if leader != row]
+        leaders = [blocks.leaders[row] for row in followers]
+        same = _rows_equal(key_states[followers], key_states[leaders]) & _rows_equal(
+            value_states[followers], value_states[leaders]
+        )
+        diverged = [row for row, is_same in zip(followers, same.tolist()) if not is_same]
+        if diverged:
+            blocks.split(diverged)
+            # Earlier layers of this step were written by the old leader; copy them before this row writes.
+            if num_tokens > blocks.num_table_blocks * self.block_size:
+                return  # the blocks for this step do not exist yet: ensure_capacity gives the new group its own
+            blocks.make_writable(diverged, num_past, num_tokens)
+
+    # ------------------------------------------------------------- lifecycle
+    def release(self) -> None:
+        """Return every block to the pool. The cache is empty afterwards and can be filled again."""
+        self._blocks.release()
+        for layer in self.layers:
+            layer.cumulative_length = 0
+
+    def __enter__(self) -> PagedCache:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.release()
+
+    def reset(self) -> None:
+        self.release()
+
+    # ------------------------------------------------------ generate() hooks
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (a negative int, as in `DynamicCache.crop`)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
+                "Please use a negative integer to remove that number of tokens from the cache instead."
+            )
+        if tokens_to_remove == 0:
+            return
+        for layer in self.layers:
+            layer.cumulative_length = max(layer.cumulative_length + tokens_to_remove, 0)
+        if self._blocks.pool is not None:
+            self._blocks.truncate(max(layer.cumulative_length for layer in self.layers))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V."""
+        self._select_rows(beam_idx.tolist())
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select_rows([row for row in range(self._blocks.num_rows) for _ in range(repeats)])
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def _select_rows(self, indices: list[int]) -> None:
+        if self._blocks.num_rows == 0:
+            return
+        if not all(0 <= i < self._blocks.num_rows for i in indices):
+            raise IndexError(f"row indices must be in [0, {self._blocks.num_rows}), got {indices}")
+        self._blocks.select_rows(indices)
+
+    # ---------------------------------------------------------------- queries
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        if layer_idx >= len(self.layers):
+            return 0
+        return self.layers[layer_idx].cumulative_length
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct pool blocks this cache holds (a block shared by rows counts once)."""
+        return len(self._blocks.held_block_ids())
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of K/V this cache holds in the pool, all layers."""
+        pool = self._blocks.pool
+        return 0 if pool is None else self.num_held_blocks * pool.bytes_per_block
+
+    @property
+    def block_tables(self) -> list[list[int]]:
+        """A copy of the per-row block tables (block ids in token order)."""
+        return [list(table) for table in self._blocks.tables]
+
+    def __repr__(self) -> str:
+        return (
+            f"PagedCache(rows={self._blocks.num_rows}, seq_length={self.get_seq_length()}, "
+            f"held_blocks={self.num_held_blocks}, pool={self._blocks.pool!r})"
+        )
+
+
+def _sliding_windows(config) -> list[int | None]:
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    unsupported = sorted(set(layer_types) - set(_SUPPORTED_LAYER_TYPES))
+    if unsupported:
+        raise NotImplementedError(
+            f"PagedCache supports layer types {list(_SUPPORTED_LAYER_TYPES)}; this model has {unsupported}"
+        )
+    return [
+        kwargs["sliding_window"] if layer_type in _SLIDING_LAYER_TYPES else None
+        for layer_type, kwargs in zip(layer_types, layer_kwargs)
+    ]
+
+
+def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N, ...] x [N, ...] -> [N] bool: row n of a equals row n of b exactly."""
+    return (a == b).flatten(1).all(dim=1)
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D], slots [B, S] -> [B, H, S, D] contiguous."""
+    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, H, D]
+    return flat[slots].transpose(1, 2).contiguous()

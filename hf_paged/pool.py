@@ -1,0 +1,225 @@
+"""BlockPool: the K/V storage of every layer of one model, carved into fixed-size blocks, plus its allocator.
+
+Layout per layer (the vLLM "NHD" layout, which the Triton kernels read directly):
+
+    key_cache[layer_idx]:   [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache[layer_idx]: [num_blocks, block_size, num_kv_heads, head_dim]
+
+Token `pos` of a sequence with block table `table` lives at slot `table[pos // block_size] * block_size +
+pos % block_size` of the flattened `[num_blocks * block_size, num_kv_heads, head_dim]` view.
+
+NOTE: one block id names the same token range in *every* layer: a sequence allocates one block per `block_size`
+tokens, not one per layer, so block tables and slot mappings are built once per step and reused by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from accelerate.utils import convert_file_size_to_int
+
+from .allocator import BlockAllocator
+from .errors import PoolMismatch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-layer K/V shapes of one model: what a pool must hold for it."""
+
+    num_kv_heads: tuple[int, ...]
+    head_dims: tuple[int, ...]
+
+    def __post_init__(self):
+        if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
+            raise ValueError(f"num_kv_heads and head_dims need one entry per layer, got {self} ")
+        if min(self.num_kv_heads) <= 0 or min(self.head_dims) <= 0:
+            raise ValueError(f"num_kv_heads and head_dims must be positive, got {self}")
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.num_kv_heads)
+
+    @classmethod
+    def from_config(cls, config) -> KVLayout:
+        """Read the decoder's layer count, kv heads and head_dim from a transformers config (or a model)."""
+        config = getattr(config, "config", config)  # a model: use its config
+        if hasattr(config, "get_text_config"):
+            config = config.get_text_config(decoder=True)
+        num_layers = config.num_hidden_layers
+        num_heads = config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * block_size * itemsize * sum(h * d for h, d in zip(self.num_kv_heads, self.head_dims))
+
+
+def parse_memory(max_memory: int | str) -> int:
+    """`536870912`, `"512MiB"`, `"0.5GB"` -> bytes (accelerate's parser: KiB/MiB/GiB are powers of 1024)."""
+    num_bytes = convert_file_size_to_int(max_memory)
+    if num_bytes <= 0:
+        raise ValueError(f"max_memory must be positive, got {max_memory!r}")
+    return num_bytes
+
+
+class BlockPool:
+    """Paged K/V storage shared by any number of `PagedCache` objects of one model.
+
+    Args:
+        layout (`KVLayout`): per-layer kv heads and head_dim; `BlockPool.for_model` reads it from a config.
+        num_blocks (`int`, *optional*): how many blocks. Exactly one of `num_blocks` and `max_memory` is needed.
+        max_memory (`int` or `str`, *optional*): a byte budget for K and V of all layers ("512MiB", "2GB", 10**9);
+            the pool takes as many whole blocks as fit.
+        block_size (`int`, defaults to 16): tokens per block.
+        dtype (`torch.dtype`, defaults to `torch.float32`): storage dtype; must match the model's K/V dtype.
+        device (`torch.device` or `str`, defaults to `"cpu"`).
+        growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
+    """
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        *,
+        num_blocks: int | None = None,
+        max_memory: int | str | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        growable: bool = False,
+    ):
+        if not isinstance(block_size, int) or block_size <= 0:
+            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if (num_blocks is None) == (max_memory is None):
+            raise ValueError(
+                f"give exactly one of num_blocks and max_memory, got num_blocks={num_blocks!r}, "
+                f"max_memory={max_memory!r}"
+            )
+        self.layout = layout
+        self.block_size = block_size
+        self.dtype = dtype if dtype is not None else torch.float32
+        self.device = torch.device(device if device is not None else "cpu")
+        self.growable = growable
+        self.bytes_per_block = layout.bytes_per_block(block_size, self.dtype)
+        if max_memory is not None:
+            budget = parse_memory(max_memory)
+            num_blocks = budget // self.bytes_per_block
+            if num_blocks == 0:
+                raise ValueError(
+                    f"max_memory={max_memory!r} ({budget} bytes) holds no block of {self.bytes_per_block} bytes"
+                )
+        if not isinstance(num_blocks, int) or num_blocks <= 0:
+            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        self.allocator = BlockAllocator(num_blocks)
+        self.key_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
+        self.value_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
+
+    @classmethod
+    def for_model(
+        cls,
+        model_or_config,
+        *,
+        num_blocks: int | None = None,
+        max_memory: int | str | None = None,
+        block_size: int = 16,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> BlockPool:
+        """Build a pool shaped for a model (or its config). dtype and device follow the model unless given."""
+        if isinstance(model_or_config, torch.nn.Module):
+            dtype = dtype if dtype is not None else model_or_config.dtype
+            device = device if device is not None else model_or_config.device
+        elif dtype is None:
+            config_dtype = getattr(model_or_config, "dtype", None)
+            dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
+        return cls(
+            KVLayout.from_config(model_or_config),
+            num_blocks=num_blocks,
+            max_memory=max_memory,
+            block_size=block_size,
+            dtype=dtype,
+            device=device,
+        )
+
+    def _new_storage(self, num_blocks: int, layer_idx: int) -> torch.Tensor:
+        shape = (num_blocks, self.block_size, self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx])
+        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.allocator.num_used_blocks
+
+    def stats(self) -> dict[str, int]:
+        """Used/free blocks and bytes, for logs and leak checks."""
+        used, free = self.num_used_blocks, self.num_free_blocks
+        return {
+            "num_blocks": self.num_blocks,
+            "block_size": self.block_size,
+            "bytes_per_block": self.bytes_per_block,
+            "used_blocks": used,
+            "free_blocks": free,
+            "used_bytes": used * self.bytes_per_block,
+            "free_bytes": free * self.bytes_per_block,
+            "total_bytes": self.num_blocks * self.bytes_per_block,
+        }
+
+    # ---------------------------------------------------------------- storage
+    def check_compatible(self, layout: KVLayout) -> None:
+        """Raise `PoolMismatch` unless this pool stores K/V of the given shape."""
+        if layout != self.layout:
+            raise PoolMismatch(
+                f"pool was built for {self.layout.num_layers} layers with kv heads {sorted(set(self.layout.num_kv_heads))} "
+                f"and head_dim {sorted(set(self.layout.head_dims))}; the model has {layout.num_layers} layers with kv "
+                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}"
+            )
+
+    def check_states(self, layer_idx: int, key_states: torch.Tensor) -> None:
+        """Raise `PoolMismatch` unless `key_states` ([B, kv_heads, q_len, head_dim]) fits this pool's layer."""
+        if layer_idx >= self.layout.num_layers:
+            raise PoolMismatch(f"layer_idx {layer_idx} out of range: pool was built for {self.layout.num_layers} layers")
+        heads, dim = self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx]
+        if key_states.shape[1] != heads or key_states.shape[-1] != dim:
+            raise PoolMismatch(
+                f"layer {layer_idx}: pool holds {heads} kv heads x head_dim {dim}, key_states have "
+                f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)})"
+            )
+        if key_states.dtype != self.dtype or key_states.device != self.device:
+            raise PoolMismatch(
+                f"pool stores {self.dtype} on {self.device}, key_states are {key_states.dtype} on "
+                f"{key_states.device}; build the pool with dtype/device of the model (BlockPool.for_model(model))"
+            )
+
+    def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
+        """Copy whole blocks (every layer, K and V): the data half of copy-on-write."""
+        if not src_block_ids:
+            return
+        src = torch.tensor(src_block_ids, device=self.device)
+        dst = torch.tensor(dst_block_ids, device=self.device)
+        for cache in (*self.key_cache, *self.value_cache):
+            cache.index_copy_(0, dst, cache.index_select(0, src))
+
+    def grow(self, num_new_blocks: int) -> None:
+        """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
+        if not self.growable:
+            raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
+        for caches in (self.key_cache, self.value_cache):
+            for layer_idx, cache in enumerate(caches):
+                caches[layer_idx] = torch.cat([cache, self._new_storage(num_new_blocks, layer_idx)])
+        self.allocator.grow(num_new_blocks)
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.layout.num_layers}, "
+            f"dtype={self.dtype}, device={self.device}, free={self.num_free_blocks})"
+        )
