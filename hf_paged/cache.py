@@ -202,18 +202,22 @@ class PagedCache(Cache):
             blocks.make_writable(list(writers), num_past, num_tokens)
             blocks._memo[write_key] = True
 
-        # Store the new rows: [W, kv_heads, q_len, head_dim] -> [W * q_len, kv_heads, head_dim] at their slots.
-        slots = blocks.slots(writers if len(writers) < batch_size else None, num_past, num_tokens).flatten()
-        rows = list(writers) if len(writers) < batch_size else slice(None)
+        # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
+        subset = len(writers) < batch_size
+        slots = blocks.slots(writers if subset else None, num_past, num_tokens).flatten()
         for cache, states in ((pool.key_cache[layer_idx], key_states), (pool.value_cache[layer_idx], value_states)):
-            new = states[rows].transpose(1, 2).reshape(-1, *cache.shape[2:])
-            cache.view(-1, *cache.shape[2:]).index_copy_(0, slots, new)
+            states = states[list(writers)] if subset else states
+            num_heads, _, _, head_dim = cache.shape
+            new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)
+            cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
         layer.cumulative_length = num_tokens
 
-        # Gather the visible window: [B, kv_len] slots -> [B, kv_heads, kv_len, head_dim], contiguous like DynamicCache.
-        gather = blocks.slots(None, layer.first_visible(num_past), num_tokens)
-        keys = _gather(pool.key_cache[layer_idx], gather)
-        values = _gather(pool.value_cache[layer_idx], gather)
+        # Return the visible window [first, num_tokens) of every row, gathered from the pool.
+        first = layer.first_visible(num_past)
+        tables = blocks.tables_tensor()[:, first // self.block_size : -(-num_tokens // self.block_size)]
+        offset = first // self.block_size * self.block_size
+        keys = _gather(pool.key_cache[layer_idx], tables)[:, :, first - offset : num_tokens - offset]
+        values = _gather(pool.value_cache[layer_idx], tables)[:, :, first - offset : num_tokens - offset]
         return keys, values
 
     def _initial_leaders(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
@@ -339,7 +343,14 @@ def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a == b).flatten(1).all(dim=1)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """cache [num_blocks, block_size, H, D], slots [B, S] -> [B, H, S, D] contiguous."""
-    flat = cache.view(-1, *cache.shape[2:])  # [num_blocks * block_size, H, D]
-    return flat[slots].transpose(1, 2).contiguous()
+def _gather(cache: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """cache [H, num_blocks, block_size, D], tables [B, n] -> [B, H, n * block_size, D], contiguous per row.
+
+    One `index_select` per row writes straight into the output: a single, block-granular copy (see pool.py).
+    """
+    num_heads, _, block_size, head_dim = cache.shape
+    batch_size, num_table_blocks = tables.shape
+    out = cache.new_empty(batch_size, num_heads, num_table_blocks, block_size, head_dim)
+    for row in range(batch_size):
+        torch.index_select(cache, 1, tables[row], out=out[row])
+    return out.view(batch_size, num_heads, num_table_blocks * block_size, head_dim)

@@ -1,12 +1,17 @@
 """BlockPool: the K/V storage of every layer of one model, carved into fixed-size blocks, plus its allocator.
 
-Layout per layer (the vLLM "NHD" layout, which the Triton kernels read directly):
+Layout per layer (head-major, like FlashInfer's HND pages with the head dimension hoisted out):
 
-    key_cache[layer_idx]:   [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache[layer_idx]: [num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache[layer_idx]:   [num_kv_heads, num_blocks, block_size, head_dim]
+    value_cache[layer_idx]: [num_kv_heads, num_blocks, block_size, head_dim]
 
 Token `pos` of a sequence with block table `table` lives at slot `table[pos // block_size] * block_size +
-pos % block_size` of the flattened `[num_blocks * block_size, num_kv_heads, head_dim]` view.
+pos % block_size` of the flattened `[num_kv_heads, num_blocks * block_size, head_dim]` view.
+
+Why head-major: gathering one row's blocks with `index_select(dim=1)` lands directly in the `[kv_heads, seq, dim]`
+layout that attention wants, in one block-granular copy. Gathering from a token-major pool needs a second,
+transposing copy (measured 2x slower), and returning the transposed view instead changes eager attention's matmul
+results in the last bit. `nhd_view` gives kernels the `[num_blocks, block_size, num_kv_heads, head_dim]` view.
 
 NOTE: one block id names the same token range in *every* layer: a sequence allocates one block per `block_size`
 tokens, not one per layer, so block tables and slot mappings are built once per step and reused by all layers.
@@ -59,9 +64,12 @@ class KVLayout:
 
 def parse_memory(max_memory: int | str) -> int:
     """`536870912`, `"512MiB"`, `"0.5GB"` -> bytes (accelerate's parser: KiB/MiB/GiB are powers of 1024)."""
-    num_bytes = convert_file_size_to_int(max_memory)
-    if num_bytes <= 0:
-        raise ValueError(f"max_memory must be positive, got {max_memory!r}")
+    try:
+        num_bytes = convert_file_size_to_int(max_memory)
+    except ValueError:
+        num_bytes = 0
+    if isinstance(max_memory, bool) or num_bytes <= 0:
+        raise ValueError(f"max_memory must be a positive byte count or a size like '512MiB' or '2GB', got {max_memory!r}")
     return num_bytes
 
 
@@ -144,7 +152,7 @@ class BlockPool:
         )
 
     def _new_storage(self, num_blocks: int, layer_idx: int) -> torch.Tensor:
-        shape = (num_blocks, self.block_size, self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx])
+        shape = (self.layout.num_kv_heads[layer_idx], num_blocks, self.block_size, self.layout.head_dims[layer_idx])
         return torch.zeros(shape, dtype=self.dtype, device=self.device)
 
     # ------------------------------------------------------------------ sizes
@@ -207,7 +215,12 @@ class BlockPool:
         src = torch.tensor(src_block_ids, device=self.device)
         dst = torch.tensor(dst_block_ids, device=self.device)
         for cache in (*self.key_cache, *self.value_cache):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+            cache.index_copy_(1, dst, cache.index_select(1, src))
+
+    @staticmethod
+    def nhd_view(cache: torch.Tensor) -> torch.Tensor:
+        """[num_kv_heads, num_blocks, block_size, head_dim] -> a [num_blocks, block_size, num_kv_heads, head_dim] view."""
+        return cache.permute(1, 2, 0, 3)
 
     def grow(self, num_new_blocks: int) -> None:
         """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
@@ -215,7 +228,7 @@ class BlockPool:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
         for caches in (self.key_cache, self.value_cache):
             for layer_idx, cache in enumerate(caches):
-                caches[layer_idx] = torch.cat([cache, self._new_storage(num_new_blocks, layer_idx)])
+                caches[layer_idx] = torch.cat([cache, self._new_storage(num_new_blocks, layer_idx)], dim=1)
         self.allocator.grow(num_new_blocks)
 
     def __repr__(self) -> str:

@@ -1,0 +1,145 @@
+"""BlockAllocator: exact block ids, ref counts, copy-on-write, exhaustion. No torch needed."""
+
+import sys
+
+import pytest
+
+from hf_paged.allocator import BlockAllocator
+from hf_paged.errors import PoolExhausted
+
+
+def test_allocator_module_imports_no_torch():
+    # The allocator is pure Python by design; importing it must not pull torch in.
+    import subprocess
+
+    code = "import sys, importlib.util; sys.modules['torch'] = None; import hf_paged.allocator"
+    # hf_paged/__init__ imports torch, so load the module file directly.
+    code = (
+        "import sys, importlib.util, types; sys.modules['torch'] = None\n"
+        "pkg = types.ModuleType('hf_paged'); pkg.__path__ = [__import__('os').path.dirname(%r)]; sys.modules['hf_paged'] = pkg\n"
+        "import hf_paged.allocator\n" % (sys.modules["hf_paged.allocator"].__file__,)
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_allocate_takes_ids_in_fifo_order():
+    allocator = BlockAllocator(6)
+    assert allocator.allocate(2) == [0, 1]
+    assert allocator.allocate(3) == [2, 3, 4]
+    assert allocator.num_free_blocks == 1
+    assert allocator.num_used_blocks == 5
+    allocator.free([1, 3])
+    # Freed blocks go to the back of the queue: 5 first, then 1, then 3.
+    assert allocator.allocate(3) == [5, 1, 3]
+    allocator.check_invariants()
+
+
+def test_allocate_zero_is_a_no_op():
+    allocator = BlockAllocator(2)
+    assert allocator.allocate(0) == []
+    assert allocator.num_free_blocks == 2
+
+
+def test_exhaustion_names_numbers_and_changes_nothing():
+    allocator = BlockAllocator(4)
+    allocator.allocate(3)
+    with pytest.raises(PoolExhausted, match=r"need 2 blocks, 1 free of 4") as info:
+        allocator.allocate(2)
+    assert isinstance(info.value, RuntimeError)
+    assert (info.value.num_needed, info.value.num_free, info.value.num_total) == (2, 1, 4)
+    assert allocator.num_free_blocks == 1
+    assert allocator.allocate(1) == [3]
+    allocator.check_invariants()
+
+
+def test_ref_counts_share_and_free():
+    allocator = BlockAllocator(4)
+    a, b = allocator.allocate(2)
+    allocator.incref([a, b])
+    allocator.incref([a])
+    assert (allocator.ref_count(a), allocator.ref_count(b)) == (3, 2)
+    allocator.free([a, b])
+    assert (allocator.ref_count(a), allocator.ref_count(b)) == (2, 1)
+    assert allocator.num_free_blocks == 2
+    allocator.free([b])
+    assert allocator.ref_count(b) == 0
+    assert allocator.num_free_blocks == 3
+    allocator.free([a], times=2)
+    assert allocator.num_free_blocks == 4
+    allocator.check_invariants()
+
+
+def test_allocate_with_several_holders():
+    allocator = BlockAllocator(3)
+    assert allocator.allocate(2, num_holders=4) == [0, 1]
+    assert allocator.ref_count(0) == 4
+    allocator.free([0, 1], times=4)
+    assert allocator.num_free_blocks == 3
+
+
+def test_double_free_raises_and_changes_nothing():
+    allocator = BlockAllocator(3)
+    a, b = allocator.allocate(2)
+    allocator.free([a])
+    with pytest.raises(RuntimeError, match=f"double free of block {a}"):
+        allocator.free([b, a])
+    # b was not freed by the failed call.
+    assert allocator.ref_count(b) == 1
+    with pytest.raises(RuntimeError, match="double free"):
+        allocator.free([b, b])
+    assert allocator.ref_count(b) == 1
+    allocator.check_invariants()
+
+
+def test_incref_of_free_block_raises():
+    allocator = BlockAllocator(2)
+    with pytest.raises(RuntimeError, match="incref of free block 0"):
+        allocator.incref([0])
+
+
+def test_copy_on_write_keeps_exclusive_blocks_and_moves_shared_ones():
+    allocator = BlockAllocator(4)
+    (a,) = allocator.allocate(1)
+    assert allocator.copy_on_write(a) == a  # sole holder: write in place
+    allocator.incref([a])
+    new = allocator.copy_on_write(a)
+    assert new == 1
+    assert (allocator.ref_count(a), allocator.ref_count(new)) == (1, 1)
+    # A group of 3 holders out of 5 moves together.
+    allocator.incref([a], times=4)
+    moved = allocator.copy_on_write(a, num_holders=3)
+    assert moved == 2
+    assert (allocator.ref_count(a), allocator.ref_count(moved)) == (2, 3)
+    allocator.check_invariants()
+
+
+def test_copy_on_write_exhausted_changes_nothing():
+    allocator = BlockAllocator(1)
+    (a,) = allocator.allocate(1)
+    allocator.incref([a])
+    with pytest.raises(PoolExhausted):
+        allocator.copy_on_write(a)
+    assert allocator.ref_count(a) == 2
+
+
+def test_grow_appends_free_ids():
+    allocator = BlockAllocator(2)
+    allocator.allocate(2)
+    allocator.grow(3)
+    assert allocator.num_blocks == 5
+    assert allocator.allocate(3) == [2, 3, 4]
+    allocator.check_invariants()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "4"])
+def test_bad_sizes_are_rejected(bad):
+    with pytest.raises(ValueError, match="num_blocks must be a positive int"):
+        BlockAllocator(bad)
+
+
+def test_bad_allocate_arguments_are_rejected():
+    allocator = BlockAllocator(2)
+    with pytest.raises(ValueError):
+        allocator.allocate(-1)
+    with pytest.raises(ValueError):
+        allocator.allocate(1, num_holders=0)
