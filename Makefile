@@ -1,0 +1,32 @@
+# Every target creates its own virtual environment on first use (pip only; torch pinned to the CPU wheel
+# when no torch is present, so no CUDA packages are pulled on a CPU machine).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+
+.PHONY: setup test bench bench-full microbench
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+# The test suite, CPU only; Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py).
+# Microbenchmarks run once each as smoke tests here (--benchmark-disable).
+test: setup
+	$(PY) -m pytest -q --benchmark-disable
+
+# The main job: the benchmark on the embedded default model; writes SERVING_LOG.md.
+bench: setup
+	$(PY) -m bench --quick
+
+bench-full: setup
+	$(PY) -m bench --full
+
+# Hot-path microbenchmarks for real (allocator, cache update, decode attention reference).
+microbench: setup
+	$(PY) -m pytest -q --benchmark-only --benchmark-sort=name

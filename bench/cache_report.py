@@ -1,0 +1,136 @@
+"""PagedCache against DynamicCache under plain `generate()`: output, KV bytes held, decode speed.
+
+Run with `python -m bench` (see bench/__main__.py). Every number is measured in this process, side by side.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
+
+from hf_paged import BlockPool, PagedCache
+
+
+def dynamic_cache_bytes(cache: DynamicCache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+
+
+def demo(model, *, prompt_len: int = 24, max_new_tokens: int = 16) -> dict:
+    """Greedy generate() with both caches on one prompt: both outputs and their KV bytes."""
+    torch.manual_seed(0)
+    input_ids = torch.randint(2, model.config.vocab_size, (1, prompt_len), device=model.device)
+    dynamic = DynamicCache(config=model.config)
+    paged = PagedCache(config=model.config)
+    out_dynamic = model.generate(input_ids, past_key_values=dynamic, max_new_tokens=max_new_tokens, do_sample=False)
+    out_paged = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, do_sample=False)
+    result = {
+        "dynamic_tokens": out_dynamic[0, prompt_len:].tolist(),
+        "paged_tokens": out_paged[0, prompt_len:].tolist(),
+        "identical": bool(torch.equal(out_dynamic, out_paged)),
+        "dynamic_kv_bytes": dynamic_cache_bytes(dynamic),
+        "paged_kv_bytes": paged.held_bytes,
+        "paged_block_size": paged.block_size,
+    }
+    paged.release()
+    return result
+
+
+def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: int = 16) -> list[dict]:
+    """KV bytes held at the end of generate() for num_return_sequences=8 (sampling) and num_beams=4."""
+    rows = []
+    modes = [
+        ("num_return_sequences=8 (sampling)", dict(num_return_sequences=8, do_sample=True)),
+        ("num_beams=4", dict(num_beams=4, do_sample=False)),
+    ]
+    torch.manual_seed(0)
+    input_ids = torch.randint(2, model.config.vocab_size, (1, prompt_len), device=model.device)
+    for name, kwargs in modes:
+        dynamic = DynamicCache(config=model.config)
+        torch.manual_seed(1)
+        out_dynamic = model.generate(input_ids, past_key_values=dynamic, max_new_tokens=max_new_tokens, **kwargs)
+        pool = BlockPool.for_model(model, max_memory=4 * dynamic_cache_bytes(dynamic), block_size=block_size)
+        with PagedCache(config=model.config, pool=pool) as paged:
+            torch.manual_seed(1)
+            out_paged = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, **kwargs)
+            held = paged.held_bytes
+        rows.append(
+            {
+                "mode": name,
+                "prompt_len": prompt_len,
+                "max_new_tokens": max_new_tokens,
+                "dynamic_bytes": dynamic_cache_bytes(dynamic),
+                "paged_bytes": held,
+                "ratio": held / dynamic_cache_bytes(dynamic),
+                "identical": bool(torch.equal(out_dynamic, out_paged)),
+            }
+        )
+        del dynamic
+    return rows
+
+
+class _StepClock(LogitsProcessor):
+    """Records a timestamp at every generation step (called once per forward, after the logits exist)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        if scores.is_cuda:
+            torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        return scores
+
+
+def _prefilled(cache, model, batch_size: int, num_tokens: int, seed: int):
+    """Fill `cache` with `num_tokens` random K/V rows per layer: decode timing without a long CPU prefill."""
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    generator = torch.Generator().manual_seed(seed)
+    for layer_idx in range(config.num_hidden_layers):
+        shape = (batch_size, config.num_key_value_heads, num_tokens, head_dim)
+        keys = torch.randn(shape, generator=generator).to(model.device, model.dtype)
+        values = torch.randn(shape, generator=generator).to(model.device, model.dtype)
+        cache.update(keys, values, layer_idx)
+    return cache
+
+
+def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int = 2) -> list[dict]:
+    """generate() decode tok/s with DynamicCache and PagedCache on the same pre-filled context, interleaved."""
+    rows = []
+    for batch_size in batch_sizes:
+        for context in contexts:
+            input_ids = torch.randint(2, model.config.vocab_size, (batch_size, context), device=model.device)
+            best: dict[str, float] = {}
+            outputs = {}
+            for _ in range(repeats):  # interleaved repeats, best of: the two caches see the same machine noise
+                for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
+                                   ("paged", lambda: PagedCache(config=model.config))):
+                    cache = _prefilled(make(), model, batch_size, context - 1, seed=context)
+                    clock = _StepClock()
+                    outputs[name] = model.generate(
+                        input_ids,
+                        attention_mask=torch.ones_like(input_ids),
+                        past_key_values=cache,
+                        max_new_tokens=num_steps + 1,
+                        do_sample=False,
+                        logits_processor=LogitsProcessorList([clock]),
+                    )
+                    # The first step is the 1-token "prefill"; the rest are pure decode steps.
+                    tok_s = batch_size * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
+                    best[name] = max(best.get(name, 0.0), tok_s)
+                    if isinstance(cache, PagedCache):
+                        cache.release()
+                    del cache
+            rows.append(
+                {
+                    "batch": batch_size,
+                    "context": context,
+                    "dynamic_tok_s": best["dynamic"],
+                    "paged_tok_s": best["paged"],
+                    "ratio": best["paged"] / best["dynamic"],
+                    "identical": bool(torch.equal(outputs["dynamic"], outputs["paged"])),
+                }
+            )
+    return rows

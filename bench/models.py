@@ -1,0 +1,40 @@
+"""The benchmark's model: an embedded Llama-style config with random weights, or a real checkpoint by path."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+
+# ~27M parameters: big enough that CPU decode is not all Python overhead, small enough for a 2-core machine.
+# initializer_range is raised and embeddings are untied so greedy output is not one token repeated;
+# eos_token_id=None lets every request run to its max_new_tokens.
+DEFAULT_CONFIG = dict(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=6,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    max_position_embeddings=8192,
+    initializer_range=0.2,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=None,
+    pad_token_id=0,
+)
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def load_model(path: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None, seed: int = 0):
+    """The embedded default model (random weights, seeded), or `from_pretrained(path)` placed by accelerate."""
+    device = torch.device(device) if device is not None else default_device()
+    if path is not None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", device_map=str(device))
+        return model.eval()
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**DEFAULT_CONFIG))
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return model.to(device=device, dtype=dtype).eval()
