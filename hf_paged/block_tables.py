@@ -167,6 +167,21 @@ class BlockTables:
             self._tables_tensor = torch.tensor(self.tables, dtype=torch.long, device=self.pool.device)
         return self._tables_tensor
 
+    def step_metadata(self, num_tokens: int) -> dict:
+        """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus a memo that
+        the attention of every layer shares. Built by the first layer, reused by the rest."""
+        key = ("step", num_tokens)
+        step = self._memo.get(key)
+        if step is None:
+            tables = self.tables_tensor().to(torch.int32)
+            step = {
+                "block_tables": tables,
+                "seq_lens": torch.full((self.num_rows,), num_tokens, dtype=torch.int32, device=tables.device),
+                "kv_starts": {},
+            }
+            self._memo[key] = step
+        return step
+
     def slots(self, rows: tuple[int, ...] | None, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
 

@@ -10,6 +10,8 @@ reference count, and beam search reorders block tables instead of copying K/V.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
@@ -17,8 +19,48 @@ from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and
 from .block_tables import BlockTables
 from .pool import BlockPool, KVLayout
 
+# The attention implementation name hf_paged registers (see attention.py). "paged" is transformers' own.
+PAGED_ATTENTION = "hf_paged"
 _SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 _SUPPORTED_LAYER_TYPES = ("full_attention", *_SLIDING_LAYER_TYPES)
+
+
+@dataclass
+class DecodePlan:
+    """What a decode step's attention needs to read one layer's K/V from the pool without gathering it.
+
+    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`key.decode_plan`)
+    when the model runs the `hf_paged` attention implementation. `block_tables`, `seq_lens` and the kv_start memo
+    are built once per step and shared by every layer.
+    """
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
+    value_cache: torch.Tensor  # same
+    block_tables: torch.Tensor  # [B, num_table_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens cached per row, the new one included
+    kv_offset: int  # absolute position of the first key that the attention mask describes
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
+    _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
+
+    def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).
+
+        None when the mask is not "hidden prefix, then every key visible" (left padding, sliding window): such a
+        mask cannot be described by one start per row, and the caller falls back to gather + SDPA.
+        """
+        if attention_mask is None:
+            return torch.zeros_like(self.seq_lens)
+        memo = self._kv_starts.get(id(attention_mask))
+        if memo is not None and memo[0] is attention_mask:
+            return memo[1]
+        kv_start = None
+        if attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1:
+            visible = attention_mask[:, 0, -1, :]  # [B, kv_len]
+            first = visible.int().argmax(dim=-1)
+            if bool((visible.sum(dim=-1) == visible.shape[-1] - first).all()):
+                kv_start = (first + self.kv_offset).to(torch.int32)
+        self._kv_starts[id(attention_mask)] = (attention_mask, kv_start)
+        return kv_start
 
 
 class PagedLayer(CacheLayerMixin):
@@ -140,6 +182,7 @@ class PagedCache(Cache):
             layout = pool.layout
             sliding_windows = [None] * layout.num_layers
         self.layout = layout
+        self._config = config
         self.block_size = pool.block_size if pool is not None else block_size
         self._dtype, self._device = dtype, device
         self.share_rows = share_rows
@@ -212,13 +255,39 @@ class PagedCache(Cache):
             cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
         layer.cumulative_length = num_tokens
 
-        # Return the visible window [first, num_tokens) of every row, gathered from the pool.
         first = layer.first_visible(num_past)
-        tables = blocks.tables_tensor()[:, first // self.block_size : -(-num_tokens // self.block_size)]
+        if q_len == 1 and self._runs_paged_attention():
+            return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
+        return self._gather_visible(layer_idx, first, num_tokens)
+
+    def _runs_paged_attention(self) -> bool:
+        return getattr(self._config, "_attn_implementation", None) == PAGED_ATTENTION
+
+    def _gather_visible(self, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [first, num_tokens) of every row: two [B, kv_heads, num_tokens - first, head_dim] tensors."""
+        pool = self._blocks.pool
+        tables = self._blocks.tables_tensor()[:, first // self.block_size : -(-num_tokens // self.block_size)]
         offset = first // self.block_size * self.block_size
         keys = _gather(pool.key_cache[layer_idx], tables)[:, :, first - offset : num_tokens - offset]
         values = _gather(pool.value_cache[layer_idx], tables)[:, :, first - offset : num_tokens - offset]
         return keys, values
+
+    def _decode_placeholders(self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int):
+        pool, blocks = self._blocks.pool, self._blocks
+        step = blocks.step_metadata(num_tokens)
+        plan = DecodePlan(
+            key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
+            value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
+            block_tables=step["block_tables"],
+            seq_lens=step["seq_lens"],
+            kv_offset=first,
+            gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
+            _kv_starts=step["kv_starts"],
+        )
+        batch_size, num_heads, _, head_dim = key_states.shape
+        placeholder = key_states.new_empty(batch_size, num_heads, 0, head_dim)
+        placeholder.decode_plan = plan
+        return placeholder, placeholder
 
     def _initial_leaders(self, key_states: torch.Tensor, value_states: torch.Tensor) -> list[int]:
         """Group adjacent identical rows (generate() expands prompts with repeat_interleave, so copies are adjacent)."""

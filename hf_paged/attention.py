@@ -1,0 +1,98 @@
+"""The `hf_paged` attention implementation: decode reads K/V straight from the pool.
+
+Registered with transformers under `PAGED_ATTENTION` ("hf_paged"; "paged" already means transformers' own
+continuous batching), together with a mask function: without one, a custom attention name gets
+`attention_mask=None` and a left-padded batch is silently wrong.
+
+How it meets the cache: when the model runs this implementation, `PagedCache.update` on a decode step (one new
+token per row) stores the token and returns an empty `[B, kv_heads, 0, head_dim]` tensor carrying a `DecodePlan`
+instead of gathering the whole context. This function finds the plan on `key` and either
+- runs the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or
+- gathers the K/V once and runs SDPA (backend "torch"; "auto" elsewhere), bit-identical to plain sdpa.
+Prefill steps, and any other cache (DynamicCache, StaticCache), get plain SDPA: with no plan on `key`, this is
+exactly `sdpa_attention_forward`.
+
+The backend comes from `enable(model, backend=...)`, else `HF_PAGED_ATTENTION_BACKEND`, else "auto".
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .cache import PAGED_ATTENTION, DecodePlan
+from .kernels import paged_decode_attention
+from .kernels.dispatch import resolve_backend
+
+# Set by `enable(model, backend=...)` on every attention module (they all have a `layer_idx`).
+BACKEND_ATTR = "hf_paged_attention_backend"
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a decode placeholder
+    -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
+    plan: DecodePlan | None = getattr(key, "decode_plan", None)
+    if plan is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )
+    backend = resolve_backend(getattr(module, BACKEND_ATTR, None), query.device)
+    kv_start = plan.kv_start(attention_mask) if backend == "triton" else None
+    if backend == "torch" or kv_start is None:
+        # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
+        key, value = plan.gather()
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_decode_attention(
+        query[:, :, 0],  # [B, heads, head_dim]
+        plan.key_cache,
+        plan.value_cache,
+        plan.block_tables,
+        plan.seq_lens,
+        scale=scale,
+        kv_start=kv_start,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        backend="triton",
+    )
+    return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+
+def register() -> None:
+    """Register the attention and mask functions with transformers (idempotent; done on `import hf_paged`)."""
+    AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+    # The decode plan describes the same key range as the sdpa mask, so the sdpa mask is the right one.
+    AttentionMaskInterface.register(PAGED_ATTENTION, sdpa_mask)
+
+
+def enable(model, backend: str | None = None):
+    """Switch a loaded model to the paged attention implementation; returns the model.
+
+    Args:
+        model: a transformers `PreTrainedModel`.
+        backend (`str`, *optional*): "auto" (Triton on CUDA, torch elsewhere), "triton" or "torch". Default: the
+            environment variable `HF_PAGED_ATTENTION_BACKEND`, else "auto".
+    """
+    if backend is not None:
+        resolve_backend(backend, model.device)  # validate now: a bad value names the allowed ones
+    register()
+    model.set_attn_implementation(PAGED_ATTENTION)
+    for module in model.modules():
+        if hasattr(module, "layer_idx"):
+            setattr(module, BACKEND_ATTR, backend)
+    return model
