@@ -1,0 +1,112 @@
+"""The registered "hf_paged" attention: generate() through it equals DynamicCache + sdpa, on both backends.
+
+The Triton path runs in Triton's interpreter on CPU (tests/conftest.py sets TRITON_INTERPRET=1), so these cases
+keep generations short.
+"""
+
+import pytest
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.masking_utils import AttentionMaskInterface
+
+import hf_paged
+from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
+from tests.models import left_padded_batch, random_prompt, tiny_model
+
+MAX_NEW_TOKENS = 6
+
+
+def _generate(model, cache, mode):
+    kwargs = dict(past_key_values=cache, max_new_tokens=MAX_NEW_TOKENS, do_sample=False)
+    if mode == "batch1":
+        return model.generate(random_prompt(12), **kwargs)
+    if mode == "padded3":
+        input_ids, attention_mask = left_padded_batch(3, 12)
+        return model.generate(input_ids, attention_mask=attention_mask, **kwargs)
+    if mode == "beams":
+        return model.generate(random_prompt(12), num_beams=3, num_return_sequences=2, **kwargs)
+    raise ValueError(mode)
+
+
+def test_registered_with_transformers():
+    assert PAGED_ATTENTION in AttentionInterface._global_mapping
+    assert PAGED_ATTENTION in AttentionMaskInterface._global_mapping
+    assert AttentionInterface._global_mapping[PAGED_ATTENTION] is hf_paged.paged_attention_forward
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("mode", ["batch1", "padded3", "beams"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gpt2"])
+def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
+    kernel_calls = []
+    kernel = hf_paged.attention.paged_decode_attention
+    monkeypatch.setattr(
+        hf_paged.attention, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
+    )
+    reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
+    model = tiny_model(name, PAGED_ATTENTION)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    with PagedCache(config=model.config, pool=pool) as cache:
+        out = _generate(model, cache, mode)
+    assert torch.equal(out, reference)
+    assert pool.num_used_blocks == 0
+    # Every decode step of every layer went through the kernel on "triton", none on "torch" (gather + SDPA).
+    num_layers = model.config.num_hidden_layers
+    assert len(kernel_calls) == (num_layers * (MAX_NEW_TOKENS - 1) if backend == "triton" else 0)
+
+
+@pytest.mark.parametrize("mode", ["batch1", "padded3"])
+def test_non_paged_cache_behaves_exactly_like_sdpa(mode):
+    reference = _generate(tiny_model("llama", "sdpa"), DynamicCache(), mode)
+    out = _generate(tiny_model("llama", PAGED_ATTENTION), DynamicCache(), mode)
+    assert torch.equal(out, reference)
+
+
+def test_decode_step_returns_a_plan_instead_of_gathered_kv():
+    model = tiny_model("llama", PAGED_ATTENTION)
+    cache = PagedCache(config=model.config)
+    config = model.config
+    num_kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    prefill = torch.randn(2, num_kv_heads, 5, head_dim)
+    keys, _ = cache.update(prefill, prefill, 0)
+    assert keys.shape == (2, num_kv_heads, 5, head_dim)  # prefill: gathered K/V for SDPA
+    assert getattr(keys, "decode_plan", None) is None
+    step = torch.randn(2, num_kv_heads, 1, head_dim)
+    keys, _ = cache.update(step, step, 0)
+    assert keys.shape == (2, num_kv_heads, 0, head_dim)
+    plan = keys.decode_plan
+    assert plan.seq_lens.tolist() == [6, 6] and plan.block_tables.dtype == torch.int32
+    gathered, _ = plan.gather()
+    assert torch.equal(gathered[:, :, :5], prefill) and torch.equal(gathered[:, :, 5:], step)
+    # The plan's pool view is [num_blocks, block_size, kv_heads, head_dim] and holds the new token in place.
+    block, offset = plan.block_tables[0, 5 // cache.block_size], 5 % cache.block_size
+    assert torch.equal(plan.key_cache[block, offset], step[0, :, 0])
+    cache.release()
+
+
+def test_kv_start_reads_left_padding_and_refuses_holes():
+    model = tiny_model("llama", PAGED_ATTENTION)
+    cache = PagedCache(config=model.config)
+    states = torch.randn(2, 2, 4, 16)
+    cache.update(states, states, 0)
+    keys, _ = cache.update(states[:, :, :1], states[:, :, :1], 0)
+    plan = keys.decode_plan
+    padded = torch.tensor([[False, False, True, True, True], [True] * 5])[:, None, None, :]
+    assert plan.kv_start(padded).tolist() == [2, 0]
+    assert plan.kv_start(None).tolist() == [0, 0]
+    holes = torch.tensor([[True, False, True, True, True], [True] * 5])[:, None, None, :]
+    assert plan.kv_start(holes) is None  # the attention falls back to gather + SDPA
+    cache.release()
+
+
+def test_enable_switches_a_model_and_validates_the_backend():
+    model = tiny_model("gpt2", "sdpa", seed=3)  # a private instance: enable() mutates it
+    with pytest.raises(ValueError, match="'auto', 'triton', 'torch'"):
+        hf_paged.enable(model, backend="cuda-graphs")
+    hf_paged.enable(model, backend="torch")
+    assert model.config._attn_implementation == PAGED_ATTENTION
+    reference = _generate(tiny_model("gpt2", "sdpa", seed=3), DynamicCache(), "padded3")
+    with PagedCache(config=model.config) as cache:
+        assert torch.equal(_generate(model, cache, "padded3"), reference)
+    model.set_attn_implementation("sdpa")
