@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import DynamicCache, LogitsProcessor, LogitsProcessorList
 
-from hf_paged import BlockPool, PagedCache
+from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
@@ -96,20 +96,33 @@ def _prefilled(cache, model, batch_size: int, num_tokens: int, seed: int):
     return cache
 
 
+# (label, cache factory, attention implementation); the first is the baseline every ratio divides by.
+DECODE_VARIANTS = (
+    ("dynamic+sdpa", lambda config: DynamicCache(config=config), "sdpa"),
+    ("paged+sdpa", lambda config: PagedCache(config=config), "sdpa"),
+    ("paged+hf_paged", lambda config: PagedCache(config=config), PAGED_ATTENTION),
+)
+
+
 def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int = 2) -> list[dict]:
-    """generate() decode tok/s with DynamicCache and PagedCache on the same pre-filled context, interleaved."""
+    """generate() decode tok/s per variant on the same pre-filled context, interleaved, best of `repeats`.
+
+    "paged+sdpa" gathers each row's K/V in `PagedCache.update`; "paged+hf_paged" runs the registered attention
+    (backend "auto": the Triton kernel on CUDA, gather + SDPA on CPU).
+    """
+    original = model.config._attn_implementation
     rows = []
     for batch_size in batch_sizes:
         for context in contexts:
             input_ids = torch.randint(2, model.config.vocab_size, (batch_size, context), device=model.device)
             best: dict[str, float] = {}
             outputs = {}
-            for _ in range(repeats):  # interleaved repeats, best of: the two caches see the same machine noise
-                for name, make in (("dynamic", lambda: DynamicCache(config=model.config)),
-                                   ("paged", lambda: PagedCache(config=model.config))):
-                    cache = _prefilled(make(), model, batch_size, context - 1, seed=context)
+            for _ in range(repeats):  # interleaved repeats: every variant sees the same machine noise
+                for label, make_cache, attention in DECODE_VARIANTS:
+                    model.set_attn_implementation(attention)
+                    cache = _prefilled(make_cache(model.config), model, batch_size, context - 1, seed=context)
                     clock = _StepClock()
-                    outputs[name] = model.generate(
+                    outputs[label] = model.generate(
                         input_ids,
                         attention_mask=torch.ones_like(input_ids),
                         past_key_values=cache,
@@ -119,18 +132,17 @@ def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int =
                     )
                     # The first step is the 1-token "prefill"; the rest are pure decode steps.
                     tok_s = batch_size * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
-                    best[name] = max(best.get(name, 0.0), tok_s)
+                    best[label] = max(best.get(label, 0.0), tok_s)
                     if isinstance(cache, PagedCache):
                         cache.release()
                     del cache
-            rows.append(
-                {
-                    "batch": batch_size,
-                    "context": context,
-                    "dynamic_tok_s": best["dynamic"],
-                    "paged_tok_s": best["paged"],
-                    "ratio": best["paged"] / best["dynamic"],
-                    "identical": bool(torch.equal(outputs["dynamic"], outputs["paged"])),
-                }
-            )
+            model.set_attn_implementation(original)
+            baseline = DECODE_VARIANTS[0][0]
+            row = {"batch": batch_size, "context": context}
+            for label, _, _ in DECODE_VARIANTS:
+                row[f"{label} tok/s"] = best[label]
+            for label, _, _ in DECODE_VARIANTS[1:]:
+                row[f"{label} / {baseline}"] = best[label] / best[baseline]
+            row["identical"] = all(torch.equal(outputs[baseline], out) for out in outputs.values())
+            rows.append(row)
     return rows

@@ -30,7 +30,7 @@ class BlockTables:
         self.tables: list[list[int]] = []  # tables[row] = block ids, in token order
         self.leaders: list[int] = []  # leaders[row] = the lowest row of its group (itself when alone)
         self.version = 0  # bumped on every table change; keys the metadata memo
-        self._memo: dict[tuple, torch.Tensor] = {}
+        self._memo: dict[tuple, object] = {}  # per-step metadata; cleared on every table change
         self._tables_tensor: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ queries
@@ -123,6 +123,14 @@ class BlockTables:
                     self.tables[row][index] = new
         self.pool.copy_blocks(src, dst)
         self._changed()
+
+    def make_writable_once(self, writers: tuple[int, ...], start: int, end: int) -> None:
+        """`make_writable` for the first layer of a step; later layers of the same step find the blocks private
+        already (a table change in between, such as a split, clears the memo and checks again)."""
+        key = ("writable", writers, start, end)
+        if key not in self._memo:
+            self.make_writable(list(writers), start, end)
+            self._memo[key] = True
 
     def split(self, rows: list[int]) -> None:
         """Take `rows` out of their groups (their next write will copy-on-write)."""

@@ -240,10 +240,7 @@ class PagedCache(Cache):
             self._verify_groups(key_states, value_states, num_past, num_tokens)
         blocks.ensure_capacity(num_tokens)
         writers = tuple(sorted(set(blocks.leaders)))
-        write_key = ("writable", writers, num_past, num_tokens)
-        if write_key not in blocks._memo:  # once per step: later layers find the blocks already private
-            blocks.make_writable(list(writers), num_past, num_tokens)
-            blocks._memo[write_key] = True
+        blocks.make_writable_once(writers, num_past, num_tokens)
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size

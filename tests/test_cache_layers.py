@@ -1,0 +1,85 @@
+"""PagedCache returns exactly what DynamicCache returns, layer by layer: same K/V tensors, same mask sizes.
+
+This is the contract behind token-identical generate(): sliding layers return only their window, like
+DynamicSlidingWindowLayer, and crop / reorder / repeat / select keep the two caches in step.
+"""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged import BlockPool, PagedCache
+from tests.models import tiny_model
+
+
+def _kv_shape(config, batch, q_len):
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return batch, config.num_key_value_heads, q_len, head_dim
+
+
+def _step(caches, config, batch, q_len, generator):
+    """Feed the same random K/V to every layer of both caches; compare returns and mask sizes."""
+    dynamic, paged = caches
+    for layer_idx in range(config.num_hidden_layers):
+        assert paged.get_mask_sizes(q_len, layer_idx) == dynamic.get_mask_sizes(q_len, layer_idx)
+        assert paged.get_seq_length(layer_idx) == dynamic.get_seq_length(layer_idx)
+        keys = torch.randn(_kv_shape(config, batch, q_len), generator=generator)
+        values = torch.randn(_kv_shape(config, batch, q_len), generator=generator)
+        expected = dynamic.update(keys, values, layer_idx)
+        got = paged.update(keys, values, layer_idx)
+        assert got[0].shape == expected[0].shape, f"layer {layer_idx}"
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1]), f"layer {layer_idx}"
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3", "llama"])
+def test_update_returns_what_dynamic_cache_returns(name):
+    config = tiny_model(name).config  # mistral / gemma3: sliding window 8, so 30 tokens slide well past it
+    generator = torch.Generator().manual_seed(0)
+    pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
+    caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    assert caches[1].is_sliding == caches[0].is_sliding
+    _step(caches, config, 2, 11, generator)  # prefill, ends inside a block
+    for _ in range(20):  # decode past the window
+        _step(caches, config, 2, 1, generator)
+    _step(caches, config, 2, 3, generator)  # a multi-token step after the window is full
+    caches[1].release()
+    assert pool.num_used_blocks == 0
+
+
+def test_reorder_repeat_select_and_crop_track_dynamic_cache():
+    config = tiny_model("llama").config
+    generator = torch.Generator().manual_seed(1)
+    pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
+    caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    _step(caches, config, 2, 6, generator)
+    for cache in caches:
+        cache.batch_repeat_interleave(3)  # 6 rows sharing 2 rows' blocks
+    assert caches[1].num_held_blocks == 2 * 2
+    _step(caches, config, 6, 1, generator)
+    for cache in caches:
+        cache.reorder_cache(torch.tensor([5, 5, 0, 1, 2, 2]))
+    _step(caches, config, 6, 2, generator)
+    for cache in caches:
+        cache.crop(-3)
+    _step(caches, config, 6, 1, generator)
+    for cache in caches:
+        cache.batch_select_indices(torch.tensor([4, 1]))
+    _step(caches, config, 2, 2, generator)
+    caches[1].release()
+    pool.allocator.check_invariants()
+    assert pool.num_used_blocks == 0
+
+
+def test_crop_rejects_positive_values_like_dynamic_cache():
+    cache = PagedCache(config=tiny_model("llama").config)
+    with pytest.raises(ValueError, match="negative integer"):
+        cache.crop(3)
+
+
+def test_batch_size_change_without_reorder_is_an_error():
+    config = tiny_model("llama").config
+    cache = PagedCache(config=config)
+    cache.update(*(torch.zeros(_kv_shape(config, 2, 3)),) * 2, 0)
+    with pytest.raises(ValueError, match="holds 2 rows but layer 0 got key_states for 3"):
+        cache.update(*(torch.zeros(_kv_shape(config, 3, 1)),) * 2, 0)
+    cache.release()
