@@ -1,0 +1,36 @@
+"""Paged-attention kernels: plain tensors in, tensors out (no transformers import here).
+
+- `paged_decode_attention` / `store_kv`: dispatch to Triton (CUDA tensors) or the PyTorch reference (otherwise);
+  see `dispatch.py` for the `backend` argument and the `HF_PAGED_ATTENTION_BACKEND` variable.
+- `*_torch`: the PyTorch references (`reference.py`), also the CPU fallback.
+- `*_triton`: the Triton kernels (`triton_decode.py`, `triton_store.py`), imported on first attribute access so
+  that this package imports without Triton installed.
+"""
+
+from .dispatch import BACKEND_ENV_VAR, BACKENDS, paged_decode_attention, resolve_backend, store_kv
+from .reference import gather_kv, paged_decode_attention_torch, store_kv_torch
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV_VAR",
+    "gather_kv",
+    "paged_decode_attention",
+    "paged_decode_attention_torch",
+    "paged_decode_attention_triton",
+    "resolve_backend",
+    "store_kv",
+    "store_kv_torch",
+    "store_kv_triton",
+]
+
+
+def __getattr__(name: str):
+    if name == "paged_decode_attention_triton":
+        from .triton_decode import paged_decode_attention_triton
+
+        return paged_decode_attention_triton
+    if name == "store_kv_triton":
+        from .triton_store import store_kv_triton
+
+        return store_kv_triton
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

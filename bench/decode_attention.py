@@ -1,0 +1,229 @@
+"""Decode attention over a paged KV pool: the Triton kernel vs. gather + SDPA vs. SDPA on contiguous K/V.
+
+For every (batch, context) cell, one new token per sequence attends to `context` cached tokens:
+  (a) paged:         `hf_paged.kernels.paged_decode_attention` reading the block pool through block tables;
+  (b) gather+sdpa:   copy each sequence's K/V out of the pool into contiguous tensors (the block-table gather),
+                     then `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
+  (c) sdpa-contig:   SDPA on K/V that are already contiguous (what a non-paged cache would do; the bound to beat).
+GQA runs through SDPA without copying K/V heads: the q heads of one kv head become the query "length" dim.
+
+Bandwidth = bytes that must be read (K and V of every sequence, plus the queries) / time, the same count for all
+three methods, so the columns compare directly. Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
+
+    python bench/decode_attention.py                                  # default grid, bf16, on the GPU
+    python bench/decode_attention.py --batch-sizes 1 8 --context-lens 8192 --json bench/results/decode.json
+    python bench/decode_attention.py --device cpu --tiny              # seconds-long smoke run on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+from tabulate import tabulate
+
+from hf_paged.kernels import gather_kv, paged_decode_attention, resolve_backend
+
+# Peak HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name(); the first row whose words all occur
+# in the name wins, so the more specific rows come first.
+PEAK_BANDWIDTH = [
+    (("H200",), 4.8e12),
+    (("H100", "PCIe"), 2.0e12),
+    (("H100", "NVL"), 3.9e12),
+    (("H100",), 3.35e12),  # SXM (HBM3), reported as "NVIDIA H100 80GB HBM3"
+    (("A100", "80GB"), 2.0e12),
+]
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--context-lens", type=int, nargs="+", default=[512, 2048, 8192, 32768])
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu (a smoke run; combine with --tiny)")
+    parser.add_argument("--backend", choices=["auto", "triton", "torch"], default="auto", help="for method (a)")
+    parser.add_argument("--peak-bandwidth", type=float, help="bytes/s; overrides the table keyed by device name")
+    parser.add_argument("--warmup-ms", type=float, default=25.0)
+    parser.add_argument("--rep-ms", type=float, default=100.0)
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--tiny", action="store_true", help="tiny shapes (batch 1 2, context 64 256, 4/2 heads, head_dim 64, fp32)"
+    )
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.batch_sizes, args.context_lens = [1, 2], [64, 256]
+        args.num_q_heads, args.num_kv_heads, args.head_dim, args.dtype = 4, 2, 64, "fp32"
+    if args.num_q_heads % args.num_kv_heads:
+        parser.error(f"--num-q-heads ({args.num_q_heads}) must be a multiple of --num-kv-heads ({args.num_kv_heads})")
+    return args
+
+
+def peak_bandwidth(device: torch.device, override: float | None) -> tuple[str, float | None]:
+    """(device name, peak bytes/s or None when unknown)."""
+    if device.type != "cuda":
+        return "cpu", override
+    name = torch.cuda.get_device_name(device)
+    if override is not None:
+        return name, override
+    for words, bandwidth in PEAK_BANDWIDTH:
+        if all(word in name for word in words):
+            return name, bandwidth
+    return name, None
+
+
+def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
+    """Median milliseconds per call of `fn`."""
+    if device.type == "cuda":
+        from triton.testing import do_bench
+
+        return do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    fn()  # CPU: warm up once, then time whole calls until rep_ms has passed
+    times, deadline = [], time.perf_counter() + rep_ms / 1e3
+    while not times or time.perf_counter() < deadline:
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def fits_in_memory(num_bytes: int, device: torch.device) -> bool:
+    if device.type != "cuda":
+        return True
+    free, _ = torch.cuda.mem_get_info(device)
+    return num_bytes < 0.9 * free
+
+
+def sdpa_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """query [B, Hq, D], key/value [B, Hkv, S, D] -> [B, Hq, D]. The GQA group rides in SDPA's query-length dim."""
+    batch, num_q_heads, head_dim = query.shape
+    q = query.view(batch, key.shape[1], num_q_heads // key.shape[1], head_dim)  # [B, Hkv, group, D]
+    return torch.nn.functional.scaled_dot_product_attention(q, key, value, scale=scale).reshape(query.shape)
+
+
+def bench_cell(args, batch: int, context: int, device: torch.device, peak: float | None) -> list[dict]:
+    dtype = DTYPES[args.dtype]
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    blocks_per_seq = math.ceil(context / args.block_size)
+    num_blocks = batch * blocks_per_seq
+    kv_bytes = 2 * num_blocks * args.block_size * args.num_kv_heads * args.head_dim * itemsize
+    read_bytes = 2 * batch * context * args.num_kv_heads * args.head_dim * itemsize
+    read_bytes += batch * args.num_q_heads * args.head_dim * itemsize
+    cell = {"batch": batch, "context": context}
+    # Peak memory: the pool, one contiguous copy of all K/V ((b)'s gather output, or (c)'s inputs), and half a copy
+    # in flight while (c)'s inputs are made contiguous; plus room for do_bench's L2-flush buffer.
+    needed = int(2.5 * kv_bytes) + (512 << 20)
+    if not fits_in_memory(needed, device):
+        print(f"skip batch={batch} context={context}: needs ~{needed / 2**30:.1f} GiB", file=sys.stderr)
+        return [{**cell, "method": "all", "skipped": "does not fit in memory"}]
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
+    key_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    value_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    # Scattered block tables, as in a pool that has served many requests.
+    perm = torch.randperm(num_blocks, generator=gen, device=device)
+    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, args.num_q_heads, args.head_dim, generator=gen, dtype=dtype, device=device)
+    scale = args.head_dim**-0.5
+    out = torch.empty_like(query)
+
+    def paged():
+        paged_decode_attention(
+            query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out, backend=args.backend
+        )
+
+    def gather_then_sdpa():
+        key = gather_kv(key_cache, block_tables, context)  # [B, Hkv, S, D]
+        value = gather_kv(value_cache, block_tables, context)
+        return sdpa_decode(query, key, value, scale)
+
+    backend = resolve_backend(args.backend, device)
+    rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
+    if backend == "triton":
+        from hf_paged.kernels.triton_decode import choose_num_splits
+
+        rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, blocks_per_seq * args.block_size, device)
+    paged_out = out.float()
+    rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
+
+    key = gather_kv(key_cache, block_tables, context).contiguous()
+    value = gather_kv(value_cache, block_tables, context).contiguous()
+    del key_cache, value_cache  # keep the peak at the pool plus one copy
+    rows.append(
+        {
+            **cell,
+            "method": "sdpa-contig",
+            "ms": time_ms(lambda: sdpa_decode(query, key, value, scale), device, args.warmup_ms, args.rep_ms),
+        }
+    )
+    max_err = (sdpa_decode(query, key, value, scale).float() - paged_out).abs().max().item()
+    for row in rows:
+        row["bytes"] = read_bytes
+        row["bandwidth_gbs"] = read_bytes / (row["ms"] * 1e-3) / 1e9
+        row["peak_fraction"] = read_bytes / (row["ms"] * 1e-3) / peak if peak else None
+    rows[0]["max_abs_err_vs_sdpa"] = max_err
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print(
+            "CUDA is not available: this benchmark times GPU kernels. "
+            "For a smoke run of the script on CPU: python bench/decode_attention.py --device cpu --tiny"
+        )
+        return 0
+    device_name, peak = peak_bandwidth(device, args.peak_bandwidth)
+    peak_text = f"{peak / 1e12:.2f} TB/s" if peak else "unknown (--peak-bandwidth)"
+    print(
+        f"device: {device_name}, peak bandwidth: {peak_text}; "
+        f"{args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads, head_dim {args.head_dim}, "
+        f"block_size {args.block_size}"
+    )
+
+    results = []
+    for batch in args.batch_sizes:
+        for context in args.context_lens:
+            results.extend(bench_cell(args, batch, context, device, peak))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    table = [
+        [
+            r["batch"],
+            r["context"],
+            r["method"],
+            r.get("skipped") or f"{r['ms'] * 1e3:.1f}",
+            f"{r['bandwidth_gbs']:.1f}" if "ms" in r else "",
+            f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "",
+            r.get("num_splits", ""),
+            f"{r['max_abs_err_vs_sdpa']:.1e}" if "max_abs_err_vs_sdpa" in r else "",
+        ]
+        for r in results
+    ]
+    headers = ["batch", "context", "method", "time (us)", "GB/s", "% peak", "splits", "max |err|"]
+    print(tabulate(table, headers=headers, disable_numparse=True))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            report = {"device": device_name, "peak_bandwidth": peak, "args": vars(args), "results": results}
+            json.dump(report, f, indent=2)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

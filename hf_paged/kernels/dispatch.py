@@ -1,0 +1,99 @@
+"""Backend choice for the paged kernels: Triton on CUDA tensors, the PyTorch reference otherwise.
+
+`backend` is "auto", "triton" or "torch". When a call does not pass one, the environment variable
+`HF_PAGED_ATTENTION_BACKEND` (same values, read at every call) decides, and "auto" when it is unset.
+
+The Triton modules are imported on first use, not at import time: `import hf_paged.kernels` works without Triton
+(macOS, CPU-only installs), and `TRITON_INTERPRET` may still be set after `hf_paged` is imported.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+
+from .reference import paged_decode_attention_torch, store_kv_torch
+
+BACKENDS = ("auto", "triton", "torch")
+BACKEND_ENV_VAR = "HF_PAGED_ATTENTION_BACKEND"
+
+
+def triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
+
+
+def resolve_backend(backend: str | None, device: torch.device) -> str:
+    """Return "triton" or "torch" for tensors on `device`. `None` reads `HF_PAGED_ATTENTION_BACKEND`, then "auto"."""
+    source = "backend"
+    if backend is None:
+        backend, source = os.environ.get(BACKEND_ENV_VAR, "auto"), BACKEND_ENV_VAR
+    choice = backend.strip().lower() if isinstance(backend, str) else backend
+    if choice not in BACKENDS:
+        raise ValueError(f"{source} must be one of {', '.join(map(repr, BACKENDS))}, got {backend!r}")
+    has_triton = triton_installed()
+    if choice == "auto":
+        return "triton" if device.type == "cuda" and has_triton else "torch"
+    if choice == "triton":
+        if not has_triton:
+            raise ValueError(f"{source}='triton' but triton is not installed; use 'torch' or 'auto'")
+        if device.type != "cuda" and not _triton_interpreting():
+            raise ValueError(
+                f"{source}='triton' needs CUDA tensors (got {device.type}), or TRITON_INTERPRET=1 set before the "
+                f"first Triton call to run the kernels on CPU in Triton's interpreter"
+            )
+    return choice
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged pool; arguments and shapes as in `paged_decode_attention_torch`.
+
+    query `[B, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`, block_tables
+    `[B, max_blocks_per_seq]` int32, seq_lens `[B]` int32 -> `[B, num_q_heads, head_dim]` in `query.dtype`.
+    `backend`: "auto" | "triton" | "torch"; `None` follows `HF_PAGED_ATTENTION_BACKEND`.
+    """
+    kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, out=out)
+    if resolve_backend(backend, query.device) == "torch":
+        return paged_decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
+    from .triton_decode import paged_decode_attention_triton
+
+    return paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    backend: str | None = None,
+) -> None:
+    """Write K/V rows `[num_tokens, num_kv_heads, head_dim]` to their slots (`[num_tokens]` int64) in place.
+
+    Arguments as in `store_kv_torch`; `backend` as in `paged_decode_attention`.
+    """
+    if resolve_backend(backend, key_cache.device) == "torch":
+        store_kv_torch(key, value, key_cache, value_cache, slot_mapping)
+        return
+    from .triton_store import store_kv_triton
+
+    store_kv_triton(key, value, key_cache, value_cache, slot_mapping)

@@ -1,0 +1,78 @@
+"""Triton store of new K/V rows into the paged pool (the write half of paged attention).
+
+Reference: `reference.store_kv_torch` (same signature). One program per (token, kv head) copies one `head_dim` row of
+K and one of V to its slot; rows are contiguous in the NHD layout, so each program does two coalesced loads and
+two coalesced stores. Import through `hf_paged.kernels` (lazily), like `triton_decode.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    value_ptr,  # [num_tokens, num_kv_heads, head_dim]
+    key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    slot_mapping_ptr,  # [num_tokens] int64
+    stride_kt, stride_kh, stride_kd,
+    stride_vt, stride_vh, stride_vd,
+    stride_kcb, stride_kcs, stride_kch, stride_kcd,
+    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HEAD_DIM_PAD: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)  # int64: a head-major pool's head stride times head overflows int32
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    block_id = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < HEAD_DIM
+
+    k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=d_mask)
+    v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=d_mask)
+    k_dst = key_cache_ptr + block_id * stride_kcb + offset * stride_kcs + head * stride_kch + d * stride_kcd
+    v_dst = value_cache_ptr + block_id * stride_vcb + offset * stride_vcs + head * stride_vch + d * stride_vcd
+    tl.store(k_dst, k.to(key_cache_ptr.dtype.element_ty), mask=d_mask)
+    tl.store(v_dst, v.to(value_cache_ptr.dtype.element_ty), mask=d_mask)
+
+
+def store_kv_triton(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Triton version of `store_kv_torch`; see there for the arguments and shapes.
+
+    Unlike the reference, the caches may have any strides; slots are not bounds-checked (the reference's
+    `index_copy_` is, on CPU), so an out-of-range slot writes out of bounds.
+    """
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape or key_cache.shape[2:] != key.shape[1:] or value_cache.shape != key_cache.shape:
+        raise ValueError(
+            f"key {tuple(key.shape)} and value {tuple(value.shape)} must be [num_tokens, num_kv_heads, head_dim] "
+            f"matching key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)}"
+        )
+    if tuple(slot_mapping.shape) != (num_tokens,):
+        raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
+    if num_tokens == 0:
+        return
+    _store_kv_kernel[(num_tokens, num_kv_heads)](
+        key, value, key_cache, value_cache, slot_mapping,
+        *key.stride(),
+        *value.stride(),
+        *key_cache.stride(),
+        *value_cache.stride(),
+        BLOCK_SIZE=key_cache.shape[1],
+        HEAD_DIM=head_dim,
+        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+        num_warps=1 if head_dim <= 128 else 2,
+    )

@@ -1,0 +1,430 @@
+"""Paged kernels (Triton and PyTorch) against an independent gathered-contiguous fp64 reference.
+
+Without a GPU the Triton kernels run in Triton's CPU interpreter (`TRITON_INTERPRET=1`, set by conftest.py). The
+parameter sets are targeted slices, not a full cartesian product, so the interpreter stays fast.
+
+Every pool is poisoned: blocks no sequence owns and slots past a sequence's end hold NaN, and block-table entries
+past a sequence's length point at random blocks. A kernel that reads (and fails to mask) anything outside the
+visible range produces NaN and fails `assert_close`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import hf_paged.kernels as kernels
+from hf_paged.kernels import gather_kv, paged_decode_attention, resolve_backend, store_kv
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+CAN_RUN_TRITON = HAS_TRITON and (DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+TOLERANCES = {
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.float16: dict(atol=3e-3, rtol=3e-3),
+    torch.bfloat16: dict(atol=2e-2, rtol=2e-2),
+}
+
+
+def decode_impl(name: str):
+    """The implementation under test: "torch" (reference.py) or "triton" (skipped where it cannot run)."""
+    if name == "torch":
+        return kernels.paged_decode_attention_torch
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    return kernels.paged_decode_attention_triton
+
+
+@dataclass
+class PagedBatch:
+    query: torch.Tensor  # [B, num_q_heads, head_dim]
+    key_cache: torch.Tensor  # [num_blocks, block_size, num_kv_heads, head_dim]
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor  # [B, max_blocks_per_seq] int32
+    seq_lens: torch.Tensor  # [B] int32
+
+    @property
+    def args(self):
+        return self.query, self.key_cache, self.value_cache, self.block_tables, self.seq_lens
+
+
+def make_batch(
+    seq_lens: list[int],
+    *,
+    block_size: int,
+    num_q_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> PagedBatch:
+    """A poisoned pool with random, scattered block tables (see the module docstring)."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_per_seq = [math.ceil(n / block_size) for n in seq_lens]
+    num_blocks = sum(blocks_per_seq) + 3  # spare blocks nobody owns
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+
+    perm = torch.randperm(num_blocks, generator=gen)
+    width = max(blocks_per_seq) + 1  # one extra column: never inside any sequence
+    block_tables = torch.randint(0, num_blocks, (len(seq_lens), width), generator=gen, dtype=torch.int32)
+    first = 0
+    for b, (n, num_seq_blocks) in enumerate(zip(seq_lens, blocks_per_seq)):
+        block_ids = perm[first : first + num_seq_blocks]
+        first += num_seq_blocks
+        block_tables[b, :num_seq_blocks] = block_ids.int()
+        for pos in range(n):  # only positions 0..n-1 get finite data
+            block_id, offset = block_ids[pos // block_size], pos % block_size
+            key_cache[block_id, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+            value_cache[block_id, offset] = torch.randn(num_kv_heads, head_dim, generator=gen).to(dtype)
+    query = torch.randn(len(seq_lens), num_q_heads, head_dim, generator=gen).to(dtype)
+    return PagedBatch(
+        query.to(DEVICE),
+        key_cache.to(DEVICE),
+        value_cache.to(DEVICE),
+        block_tables.to(DEVICE),
+        torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+    )
+
+
+def reference_decode(batch: PagedBatch, *, scale, kv_start=None, sliding_window=None, softcap=None) -> torch.Tensor:
+    """Independent reference: per sequence, concatenate its blocks, keep the visible positions, fp64 softmax."""
+    query, key_cache, value_cache, block_tables, seq_lens = (t.cpu() for t in batch.args)
+    num_q_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for b in range(query.shape[0]):
+        n = int(seq_lens[b])
+        block_ids = block_tables[b, : math.ceil(n / block_size)].tolist()
+        # k, v: [n, num_kv_heads, head_dim] -> [n', num_q_heads, head_dim] (GQA: each kv head serves a group)
+        k = torch.cat([key_cache[i] for i in block_ids])[:n].double()
+        v = torch.cat([value_cache[i] for i in block_ids])[:n].double()
+        pos = torch.arange(n)
+        visible = pos >= (int(kv_start[b]) if kv_start is not None else 0)
+        if sliding_window is not None:
+            visible &= (n - 1) - pos < sliding_window
+        if not visible.any():
+            continue  # no visible key: zeros
+        group = num_q_heads // num_kv_heads
+        k = k[visible].repeat_interleave(group, dim=1)
+        v = v[visible].repeat_interleave(group, dim=1)
+        logits = torch.einsum("hd,shd->hs", query[b].double(), k) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        out[b] = torch.einsum("hs,shd->hd", torch.softmax(logits, dim=-1), v)
+    return out
+
+
+def check_decode(impl_name: str, batch: PagedBatch, **kwargs) -> None:
+    scale = batch.query.shape[-1] ** -0.5
+    result = decode_impl(impl_name)(*batch.args, scale=scale, **kwargs)
+    assert result.shape == batch.query.shape and result.dtype == batch.query.dtype
+    expected = reference_decode(batch, scale=scale, **{k: v for k, v in kwargs.items() if k != "num_splits"})
+    torch.testing.assert_close(result.cpu().double(), expected, **TOLERANCES[batch.query.dtype])
+
+
+IMPLS = pytest.mark.parametrize("impl", ["torch", "triton"])
+
+
+# ------------------------------------------------------------------ lengths x block size
+@IMPLS
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        pytest.param(lambda bs: [1], id="one-token"),
+        pytest.param(lambda bs: [3 * bs + 5], id="long"),
+        pytest.param(lambda bs: [bs, 1, 2 * bs], id="block-aligned"),
+        pytest.param(lambda bs: [bs + 1, 3 * bs + 5, 7], id="block-plus-one"),
+    ],
+)
+def test_decode_lengths_and_block_sizes(impl, block_size, lengths):
+    batch = make_batch(
+        lengths(block_size), block_size=block_size, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float32
+    )
+    check_decode(impl, batch)
+
+
+# ------------------------------------------------------------------ heads x head_dim x dtype
+@IMPLS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(4, 4), (8, 2), (4, 1)], ids=["MHA", "GQA", "MQA"])
+def test_decode_heads_head_dim_dtype(impl, num_q_heads, num_kv_heads, head_dim, dtype):
+    batch = make_batch(
+        [1, 17, 53],
+        block_size=16,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=head_dim,
+    )
+    check_decode(impl, batch)
+
+
+@IMPLS
+def test_decode_head_dim_256_bf16(impl):
+    batch = make_batch([40, 9], block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=256, dtype=torch.bfloat16)
+    check_decode(impl, batch)
+
+
+# ------------------------------------------------------------------ masking: kv_start, sliding window, softcap
+@IMPLS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param(dict(kv_start=[0, 5, 40]), id="kv_start"),
+        pytest.param(dict(sliding_window=1), id="window-1"),
+        pytest.param(dict(sliding_window=20), id="window-20"),
+        pytest.param(dict(sliding_window=4096), id="window-longer-than-seq"),
+        pytest.param(dict(softcap=5.0), id="softcap"),
+        pytest.param(dict(kv_start=[3, 2, 30], sliding_window=24, softcap=30.0), id="all"),
+    ],
+)
+def test_decode_masking(impl, dtype, options):
+    batch = make_batch([9, 33, 70], block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=dtype, seed=1)
+    if "kv_start" in options:
+        options = {**options, "kv_start": torch.tensor(options["kv_start"], dtype=torch.int32, device=DEVICE)}
+    check_decode(impl, batch, **options)
+
+
+def test_decode_no_visible_key_gives_zeros():
+    """kv_start == seq_len leaves nothing to attend to: a defined zero output, not NaN."""
+    batch = make_batch([5, 20], block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    kv_start = torch.tensor([5, 3], dtype=torch.int32, device=DEVICE)
+    for impl in ("torch", "triton"):
+        check_decode(impl, batch, kv_start=kv_start)
+        result = decode_impl(impl)(*batch.args, scale=0.125, kv_start=kv_start)
+        assert torch.equal(result[0].cpu(), torch.zeros(4, 64))
+
+
+# ------------------------------------------------------------------ Triton split-K
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="plain"),
+        pytest.param(dict(sliding_window=40), id="window"),  # early splits see no key at all
+        pytest.param(dict(kv_start=[0, 150, 4], softcap=10.0), id="kv_start-softcap"),
+    ],
+)
+def test_decode_split_k(num_splits, options):
+    batch = make_batch([1, 200, 130], block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=80, dtype=torch.float16)
+    if "kv_start" in options:
+        options = {**options, "kv_start": torch.tensor(options["kv_start"], dtype=torch.int32, device=DEVICE)}
+    check_decode("triton", batch, num_splits=num_splits, **options)
+
+
+# ------------------------------------------------------------------ strides and `out`
+def as_strided_cache(cache: torch.Tensor, storage: str) -> torch.Tensor:
+    """The same values as `cache` ([num_blocks, block_size, H, D]), viewed out of another storage layout."""
+    if storage == "head-major":  # [H, num_blocks, block_size, D] storage, as BlockPool.nhd_view sees it
+        return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    assert storage == "fused-kv"  # [num_blocks, block_size, 2, H, D] storage, K at index 0 of dim 2
+    return torch.stack([cache, torch.zeros_like(cache)], dim=2)[:, :, 0]
+
+
+@IMPLS
+@pytest.mark.parametrize("storage", ["head-major", "fused-kv"])
+def test_decode_strided_inputs_and_out(impl, storage):
+    """Caches viewed out of other storage layouts, a transposed query, and a strided `out` buffer."""
+    batch = make_batch([30, 3], block_size=8, num_q_heads=8, num_kv_heads=2, head_dim=64, dtype=torch.float16)
+    key_cache, value_cache = as_strided_cache(batch.key_cache, storage), as_strided_cache(batch.value_cache, storage)
+    assert not key_cache.is_contiguous()
+    query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)  # same values, non-contiguous
+    strided = PagedBatch(query, key_cache, value_cache, batch.block_tables, batch.seq_lens)
+    out = torch.zeros(2, 8, 128, dtype=torch.float16, device=DEVICE)[..., ::2]
+    result = decode_impl(impl)(*strided.args, scale=0.125, out=out)
+    assert result is out
+    expected = reference_decode(batch, scale=0.125)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[torch.float16])
+
+
+def test_decode_rejects_mismatched_heads():
+    batch = make_batch([4], block_size=8, num_q_heads=6, num_kv_heads=4, head_dim=64, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"num_q_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
+        paged_decode_attention(*batch.args, scale=1.0, backend="torch")
+
+
+def test_gather_kv_matches_block_walk():
+    batch = make_batch([10, 3], block_size=4, num_q_heads=2, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    gathered = gather_kv(batch.key_cache, batch.block_tables, 10)  # [B, H, S, D]
+    assert gathered.shape == (2, 2, 10, 64)
+    for b, n in enumerate(batch.seq_lens.tolist()):
+        for pos in range(n):
+            block_id = int(batch.block_tables[b, pos // 4])
+            assert torch.equal(gathered[b, :, pos], batch.key_cache[block_id, pos % 4])
+
+
+# ------------------------------------------------------------------ store_kv
+@pytest.mark.parametrize(
+    "cache_dtype,input_dtype",
+    [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16), (torch.float16, torch.float32)],
+    ids=["fp32", "bf16", "fp32-into-fp16"],
+)
+@pytest.mark.parametrize("head_dim", [64, 80])
+@pytest.mark.parametrize("storage", ["contiguous", "head-major"])
+def test_store_kv_triton_matches_torch(cache_dtype, input_dtype, head_dim, storage):
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    gen = torch.Generator().manual_seed(head_dim)
+    num_blocks, block_size, num_kv_heads, num_tokens = 6, 8, 3, 13
+    initial = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
+    if storage == "head-major":
+        initial = as_strided_cache(initial, storage)
+    key = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(input_dtype).to(DEVICE)
+    value = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen).to(input_dtype).to(DEVICE)
+    slot_mapping = torch.randperm(num_blocks * block_size, generator=gen)[:num_tokens].to(DEVICE)
+
+    caches = {}
+    for backend in ("torch", "triton"):
+        # clone() keeps the strides of a non-overlapping dense view: head-major copies stay head-major
+        key_cache, value_cache = initial.clone(), (initial + 1).clone()
+        assert key_cache.stride() == initial.stride()
+        store_kv(key, value, key_cache, value_cache, slot_mapping, backend=backend)
+        caches[backend] = key_cache, value_cache
+    assert torch.equal(caches["triton"][0], caches["torch"][0])
+    assert torch.equal(caches["triton"][1], caches["torch"][1])
+
+    key_flat = caches["triton"][0].view(-1, num_kv_heads, head_dim)
+    value_flat = caches["triton"][1].view(-1, num_kv_heads, head_dim)
+    assert torch.equal(key_flat[slot_mapping], key.to(cache_dtype))
+    assert torch.equal(value_flat[slot_mapping], value.to(cache_dtype))
+    untouched = torch.ones(num_blocks * block_size, dtype=torch.bool, device=DEVICE)
+    untouched[slot_mapping] = False
+    assert torch.equal(key_flat[untouched], initial.reshape(-1, num_kv_heads, head_dim)[untouched])
+    assert torch.equal(value_flat[untouched], (initial + 1).reshape(-1, num_kv_heads, head_dim)[untouched])
+
+
+def test_store_kv_then_decode_round_trip():
+    """Writing a sequence token by token with store_kv gives the cache that decode attention reads back."""
+    gen = torch.Generator().manual_seed(7)
+    block_size, num_kv_heads, head_dim, n = 8, 2, 64, 19
+    key_cache = torch.zeros(5, block_size, num_kv_heads, head_dim, device=DEVICE)
+    value_cache = torch.zeros_like(key_cache)
+    block_table = torch.tensor([[3, 0, 4]], dtype=torch.int32, device=DEVICE)
+    keys = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    values = torch.randn(n, num_kv_heads, head_dim, generator=gen).to(DEVICE)
+    slots = torch.tensor([int(block_table[0, p // block_size]) * block_size + p % block_size for p in range(n)])
+    store_kv(keys, values, key_cache, value_cache, slots.to(DEVICE), backend="torch")
+    torch.testing.assert_close(gather_kv(key_cache, block_table, n)[0].transpose(0, 1), keys)
+    torch.testing.assert_close(gather_kv(value_cache, block_table, n)[0].transpose(0, 1), values)
+
+
+# ------------------------------------------------------------------ backend switch
+def test_backend_argument_and_env_var(monkeypatch):
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    assert resolve_backend(None, cpu) == "torch"
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("torch", cuda) == "torch"
+    if HAS_TRITON:
+        assert resolve_backend("auto", cuda) == "triton"
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        assert resolve_backend("triton", cpu) == "triton"
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "torch")
+    assert resolve_backend(None, cuda) == "torch"
+    assert resolve_backend("auto", cpu) == "torch"  # an explicit argument wins over the variable
+    if HAS_TRITON:
+        monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+        assert resolve_backend(None, cpu) == "triton"
+
+
+def test_backend_bad_values(monkeypatch):
+    with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'torch', got 'cuda'"):
+        resolve_backend("cuda", torch.device("cpu"))
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "flash")
+    with pytest.raises(ValueError, match=r"HF_PAGED_ATTENTION_BACKEND must be one of .*'torch', got 'flash'"):
+        resolve_backend(None, torch.device("cpu"))
+    if HAS_TRITON:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(ValueError, match="needs CUDA tensors"):
+            resolve_backend("triton", torch.device("cpu"))
+
+
+def test_backend_triton_not_installed(monkeypatch):
+    import hf_paged.kernels.dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
+    assert resolve_backend("auto", torch.device("cuda")) == "torch"
+    with pytest.raises(ValueError, match="triton is not installed"):
+        resolve_backend("triton", torch.device("cuda"))
+
+
+def test_dispatch_calls_the_chosen_backend(monkeypatch):
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    import hf_paged.kernels.dispatch as dispatch
+    import hf_paged.kernels.triton_decode as triton_decode
+
+    calls = []
+    monkeypatch.setattr(dispatch, "paged_decode_attention_torch", lambda *a, **k: calls.append("torch"))
+    monkeypatch.setattr(triton_decode, "paged_decode_attention_triton", lambda *a, **k: calls.append("triton"))
+    batch = make_batch([3], block_size=8, num_q_heads=2, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    for env in ("torch", "triton"):
+        monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", env)
+        paged_decode_attention(*batch.args, scale=1.0)
+    paged_decode_attention(*batch.args, scale=1.0, backend="torch")
+    assert calls == ["torch", "triton", "torch"]
+
+
+# ------------------------------------------------------------------ GPU compilation, without a GPU
+COMPILE_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from hf_paged.kernels import triton_decode, triton_store
+
+def compile(fn, arch, ptr_types, constexprs, **options):
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            signature[name] = "*" + ptr_types.get(name, ptr_types["default"])
+        else:
+            signature[name] = "fp32" if name in ("scale", "softcap") else "i32"
+    # strides of 1 as constexprs, as Triton's launcher specializes them: the kernels' real, vectorized form
+    constexprs = {**constexprs, **{n: 1 for n in fn.arg_names if n.startswith("stride") and n.endswith("d")}}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    src = ASTSource(fn, signature, constexprs={(fn.arg_names.index(k),): v for k, v in constexprs.items()})
+    triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
+
+decode = dict(GROUP=4, GROUP_PAD=16, HEAD_DIM=80, HEAD_DIM_PAD=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4,
+              HAS_KV_START=True, USE_SLIDING_WINDOW=True, USE_SOFTCAP=True, DOT_PRECISION="tf32", DOT_UPCAST=False)
+int_ptrs = dict(block_tables_ptr="i32", seq_lens_ptr="i32", kv_start_ptr="i32")
+compile(triton_decode._paged_decode_kernel, 90, dict(default="bf16", partial_out_ptr="fp32", partial_lse_ptr="fp32",
+        **int_ptrs), decode, num_warps=4, num_stages=2)
+decode.update(GROUP=1, HEAD_DIM=256, HEAD_DIM_PAD=256, BLOCK_N=32, NUM_SPLITS=1, HAS_KV_START=False,
+              USE_SLIDING_WINDOW=False, USE_SOFTCAP=False, DOT_PRECISION="ieee")
+compile(triton_decode._paged_decode_kernel, 80, dict(default="fp32", **int_ptrs), decode, num_warps=4, num_stages=2)
+compile(triton_decode._merge_splits_kernel, 90, dict(default="fp32", out_ptr="fp16"),
+        dict(HEAD_DIM=128, HEAD_DIM_PAD=128, NUM_SPLITS=33, SPLITS_PAD=64), num_warps=4)
+compile(triton_store._store_kv_kernel, 90, dict(default="bf16", slot_mapping_ptr="i64"),
+        dict(BLOCK_SIZE=16, HEAD_DIM=128, HEAD_DIM_PAD=128), num_warps=1)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed")
+def test_triton_kernels_compile_for_gpu(tmp_path):
+    """Compile the kernels to sm_90 / sm_80 cubins with the ptxas bundled in the triton wheel: catches what the CPU
+    interpreter lets through (dot shapes, dtypes, constexpr misuse) on machines without a GPU."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_CACHE_DIR": str(tmp_path)}
+    env.pop("TRITON_INTERPRET", None)  # real JIT functions, not interpreted ones
+    result = subprocess.run(
+        [sys.executable, "-c", COMPILE_SCRIPT], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
