@@ -9,6 +9,7 @@ reference count, and beam search reorders block tables instead of copying K/V.
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from .block_tables import BlockTables
+from .kernels import store_kv
+from .kernels.dispatch import BACKEND_ENV_VAR, resolve_backend
 from .pool import BlockPool, KVLayout
 
 # The attention implementation name hf_paged registers (see attention.py). "paged" is transformers' own.
@@ -245,11 +248,9 @@ class PagedCache(Cache):
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
         slots = blocks.slots(writers if subset else None, num_past, num_tokens).flatten()
-        for cache, states in ((pool.key_cache[layer_idx], key_states), (pool.value_cache[layer_idx], value_states)):
-            states = states[list(writers)] if subset else states
-            num_heads, _, _, head_dim = cache.shape
-            new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)
-            cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
+        if subset:
+            key_states, value_states = key_states[list(writers)], value_states[list(writers)]
+        _store(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
         layer.cumulative_length = num_tokens
 
         first = layer.first_visible(num_past)
@@ -402,6 +403,26 @@ def _sliding_windows(config) -> list[int | None]:
         kwargs["sliding_window"] if layer_type in _SLIDING_LAYER_TYPES else None
         for layer_type, kwargs in zip(layer_types, layer_kwargs)
     ]
+
+
+def _store(key_cache, value_cache, key_states, value_states, slots) -> None:
+    """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
+
+    The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
+    TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
+    """
+    num_heads, _, _, head_dim = key_cache.shape
+    device = key_cache.device
+    if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
+        if resolve_backend(None, device) == "triton":
+            key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
+            value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
+            store_kv(key_rows, value_rows, BlockPool.nhd_view(key_cache), BlockPool.nhd_view(value_cache), slots,
+                     backend="triton")
+            return
+    for cache, states in ((key_cache, key_states), (value_cache, value_states)):
+        new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]
+        cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
 
 
 def _rows_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,9 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
     monkeypatch.setattr(
         hf_paged.attention, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
     )
+    store_calls = []
+    store = hf_paged.cache.store_kv
+    monkeypatch.setattr(hf_paged.cache, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k))
     reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
     model = tiny_model(name, PAGED_ATTENTION)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
@@ -54,6 +57,8 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
     # Every decode step of every layer went through the kernel on "triton", none on "torch" (gather + SDPA).
     num_layers = model.config.num_hidden_layers
     assert len(kernel_calls) == (num_layers * (MAX_NEW_TOKENS - 1) if backend == "triton" else 0)
+    # New rows go through the Triton store kernel on "triton" (prefill and decode), index_copy_ on "torch".
+    assert len(store_calls) == (num_layers * MAX_NEW_TOKENS if backend == "triton" else 0)
 
 
 @pytest.mark.parametrize("mode", ["batch1", "padded3"])
@@ -110,3 +115,14 @@ def test_enable_switches_a_model_and_validates_the_backend():
     with PagedCache(config=model.config) as cache:
         assert torch.equal(_generate(model, cache, "padded3"), reference)
     model.set_attn_implementation("sdpa")
+
+
+def test_from_pretrained_with_the_registered_name(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("qwen3", "sdpa").save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation=PAGED_ATTENTION).eval()
+    assert model.config._attn_implementation == PAGED_ATTENTION
+    reference = _generate(tiny_model("qwen3", "sdpa"), DynamicCache(), "padded3")
+    with PagedCache(config=model.config) as cache:
+        assert torch.equal(_generate(model, cache, "padded3"), reference)
