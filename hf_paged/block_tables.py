@@ -103,12 +103,16 @@ class BlockTables:
         block_size = self.pool.block_size
         sizes = self.group_sizes()
         allocator = self.pool.allocator
-        todo = [
-            (leader, index)
-            for leader in writers
-            for index in range(start // block_size, (end - 1) // block_size + 1)
-            if allocator.ref_count(self.tables[leader][index]) != sizes[leader]
-        ]
+        # Plan against the ref counts as the plan leaves them: once the other holders of a block have moved to
+        # their copies, the last group holding it writes in place (two rows forked from one need one copy, not two).
+        moved: Counter = Counter()
+        todo = []
+        for leader in writers:
+            for index in range(start // block_size, (end - 1) // block_size + 1):
+                block_id = self.tables[leader][index]
+                if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
+                    todo.append((leader, index))
+                    moved[block_id] += sizes[leader]
         if not todo:
             return
         self._reserve(len(todo))

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from .block_tables import BlockTables
+from .errors import PoolExhausted
 from .kernels import store_kv
 from .kernels.dispatch import BACKEND_ENV_VAR, resolve_backend
 from .pool import BlockPool, KVLayout
@@ -231,7 +232,8 @@ class PagedCache(Cache):
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
-        if blocks.num_rows == 0:
+        starting = blocks.num_rows == 0
+        if starting:
             blocks.start(self._initial_leaders(key_states, value_states))
         elif batch_size != blocks.num_rows:
             raise ValueError(
@@ -240,10 +242,20 @@ class PagedCache(Cache):
             )
 
         if blocks.has_groups():
-            self._verify_groups(key_states, value_states, num_past, num_tokens)
-        blocks.ensure_capacity(num_tokens)
+            self._verify_groups(key_states, value_states)
+        # Both steps check for enough free blocks before they change anything; if the second fails, give back what
+        # the first took, so a failed update holds exactly the blocks it held before.
         writers = tuple(sorted(set(blocks.leaders)))
-        blocks.make_writable_once(writers, num_past, num_tokens)
+        num_table_blocks = blocks.num_table_blocks
+        try:
+            blocks.ensure_capacity(num_tokens)
+            blocks.make_writable_once(writers, num_past, num_tokens)
+        except PoolExhausted:
+            if starting:
+                blocks.release()
+            else:
+                blocks.truncate(num_table_blocks * self.block_size)
+            raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
@@ -299,8 +311,12 @@ class PagedCache(Cache):
                 leaders[row] = leaders[row - 1]
         return leaders
 
-    def _verify_groups(self, key_states, value_states, num_past: int, num_tokens: int) -> None:
-        """Split off every follower whose new K/V differ from its leader's at this layer."""
+    def _verify_groups(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Split off every follower whose new K/V differ from its leader's at this layer.
+
+        A split row becomes its own writer; the `make_writable_once` that follows copies-on-write the blocks it is
+        about to write, with the earlier layers of this step (written by its old leader, equal to its own) inside.
+        """
         blocks = self._blocks
         followers = [row for row, leader in enumerate(blocks.leaders) if leader != row]
         leaders = [blocks.leaders[row] for row in followers]
@@ -310,10 +326,6 @@ class PagedCache(Cache):
         diverged = [row for row, is_same in zip(followers, same.tolist()) if not is_same]
         if diverged:
             blocks.split(diverged)
-            # Earlier layers of this step were written by the old leader; copy them before this row writes.
-            if num_tokens > blocks.num_table_blocks * self.block_size:
-                return  # the blocks for this step do not exist yet: ensure_capacity gives the new group its own
-            blocks.make_writable(diverged, num_past, num_tokens)
 
     # ------------------------------------------------------------- lifecycle
     def release(self) -> None:
