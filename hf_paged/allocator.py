@@ -5,14 +5,21 @@ The storage that the ids index lives in `pool.py`.
 
 Invariants (checked by `check_invariants`, relied on everywhere):
 - a block is either free (`ref_count == 0`, in the free queue exactly once) or held (`ref_count >= 1`, not queued);
-- `num_free_blocks + num_used_blocks == num_blocks`.
+- `num_free_blocks + num_used_blocks == num_blocks`;
+- with prefix caching, `block id -> hash` and `hash -> block id` are inverse maps, and only full blocks whose
+  contents are exactly the hashed tokens carry a hash.
+
+Prefix caching (vLLM's design, smaller): a full block can be remembered by a hash chain over token ids. A freed
+cached block stays in the free queue with its contents, in least-recently-freed order, and is evicted (its hash
+forgotten) only when `allocate` pops it for new data; a lookup that hits it takes it back out of the queue.
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
-from collections import deque
-from collections.abc import Iterable
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
 
 from .errors import PoolExhausted
 
@@ -25,15 +32,21 @@ class BlockAllocator:
     live on different threads; a failed call leaves the allocator exactly as it was.
     """
 
-    def __init__(self, num_blocks: int):
+    def __init__(self, num_blocks: int, enable_prefix_caching: bool = False):
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        # NOTE: FIFO order. Freed blocks go to the back, so the least recently freed block is reused first; the
-        # allocator tests pin this order down exactly.
-        self._free: deque[int] = deque(range(num_blocks))
+        # NOTE: FIFO order. Freed blocks go to the back, so the least recently freed block is reused first (and,
+        # with prefix caching, the least recently used cached block is evicted first); the allocator tests pin
+        # this order down exactly. An OrderedDict, not a deque: a prefix hit removes a block from the middle.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
         self._lock = threading.RLock()
+        self.enable_prefix_caching = enable_prefix_caching
+        self._block_of_hash: dict[bytes, int] = {}
+        self._hash_of_block: dict[int, bytes] = {}
+        self.num_prefix_queries = 0  # blocks looked up
+        self.num_prefix_hits = 0  # blocks found
 
     # ------------------------------------------------------------------ queries
     @property
@@ -61,10 +74,11 @@ class BlockAllocator:
         with self._lock:
             if num_blocks > len(self._free):
                 raise PoolExhausted(num_blocks, len(self._free), self.num_blocks)
-            block_ids = [self._free.popleft() for _ in range(num_blocks)]
+            block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
             for block_id in block_ids:
                 assert self._ref_counts[block_id] == 0, f"free block {block_id} had ref_count {self._ref_counts[block_id]}"
                 self._ref_counts[block_id] = num_holders
+                self._forget(block_id)  # evicted: new data will overwrite the cached contents
             return block_ids
 
     def incref(self, block_ids: Iterable[int], times: int = 1) -> None:
@@ -95,7 +109,7 @@ class BlockAllocator:
             for block_id in block_ids:
                 self._ref_counts[block_id] -= times
                 if self._ref_counts[block_id] == 0:
-                    self._free.append(block_id)
+                    self._free[block_id] = None
 
     def copy_on_write(self, block_id: int, num_holders: int = 1) -> int:
         """Make `block_id` writable for a caller that holds it `num_holders` times.
@@ -108,6 +122,7 @@ class BlockAllocator:
             if ref_count < num_holders:
                 raise RuntimeError(f"copy_on_write of block {block_id} by {num_holders} holders, it has {ref_count}")
             if ref_count == num_holders:
+                self._forget(block_id)  # written in place: its contents stop matching its hash
                 return block_id
             (new_block_id,) = self.allocate(1, num_holders)
             self._ref_counts[block_id] -= num_holders
@@ -118,9 +133,60 @@ class BlockAllocator:
         if num_new_blocks <= 0:
             raise ValueError(f"grow needs a positive number of blocks, got {num_new_blocks}")
         with self._lock:
-            self._free.extend(range(self.num_blocks, self.num_blocks + num_new_blocks))
+            self._free.update(OrderedDict.fromkeys(range(self.num_blocks, self.num_blocks + num_new_blocks)))
             self._ref_counts.extend([0] * num_new_blocks)
             self.num_blocks += num_new_blocks
+
+    # ----------------------------------------------------------- prefix cache
+    def is_cached(self, block_id: int) -> bool:
+        return block_id in self._hash_of_block
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_of_block)
+
+    def cache_block(self, block_id: int, block_hash: bytes) -> None:
+        """Remember that held block `block_id` holds exactly the tokens that `block_hash` names.
+
+        NOTE: a hash already cached in another block is not moved: block tables are append-only and may still
+        name the other block, so the duplicate simply stays uncached (vLLM does the same).
+        """
+        if not self.enable_prefix_caching:
+            return
+        with self._lock:
+            if self._ref_counts[block_id] <= 0:
+                raise RuntimeError(f"cache_block of free block {block_id}: only held blocks can be cached")
+            if block_hash in self._block_of_hash or block_id in self._hash_of_block:
+                return
+            self._block_of_hash[block_hash] = block_id
+            self._hash_of_block[block_id] = block_hash
+
+    def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """Take a hold on the cached blocks of the longest cached prefix of `block_hashes`; return their ids."""
+        with self._lock:
+            block_ids = []
+            for block_hash in block_hashes:
+                block_id = self._block_of_hash.get(block_hash)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+            for block_id in block_ids:
+                if self._ref_counts[block_id] == 0:
+                    del self._free[block_id]  # a hit on a freed block takes it back out of the queue
+                self._ref_counts[block_id] += 1
+            self.num_prefix_queries += len(block_hashes)
+            self.num_prefix_hits += len(block_ids)
+            return block_ids
+
+    def uncache(self, block_id: int) -> None:
+        """Forget `block_id`'s hash (its contents are about to change)."""
+        with self._lock:
+            self._forget(block_id)
+
+    def _forget(self, block_id: int) -> None:
+        block_hash = self._hash_of_block.pop(block_id, None)
+        if block_hash is not None:
+            del self._block_of_hash[block_hash]
 
     # --------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
@@ -133,6 +199,27 @@ class BlockAllocator:
             num_held = sum(1 for count in self._ref_counts if count > 0)
             assert all(count >= 0 for count in self._ref_counts), "negative ref_count"
             assert num_held + len(free) == self.num_blocks, f"{num_held} held + {len(free)} free != {self.num_blocks}"
+            assert len(self._block_of_hash) == len(self._hash_of_block), "hash maps out of step"
+            for block_hash, block_id in self._block_of_hash.items():
+                assert self._hash_of_block[block_id] == block_hash, f"block {block_id} hash maps disagree"
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, num_free_blocks={self.num_free_blocks})"
+
+
+def hash_block_tokens(parent_hash: bytes | None, block_index: int, token_ids: Sequence[int]) -> bytes:
+    """The hash of one full block: its position in the chain, its tokens, and (through the parent) every token
+    before it. SHA-256, so two different prefixes never share a cached block in practice."""
+    digest = hashlib.sha256(parent_hash or b"")
+    digest.update(block_index.to_bytes(8, "little"))
+    digest.update(b"".join(int(token).to_bytes(8, "little", signed=True) for token in token_ids))
+    return digest.digest()
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """Hash chain over the full blocks of `token_ids` (a trailing partial block gets no hash)."""
+    hashes: list[bytes] = []
+    for index in range(len(token_ids) // block_size):
+        parent = hashes[-1] if hashes else None
+        hashes.append(hash_block_tokens(parent, index, token_ids[index * block_size : (index + 1) * block_size]))
+    return hashes

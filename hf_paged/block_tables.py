@@ -70,14 +70,13 @@ class BlockTables:
         self._tables_tensor = None
 
     # ---------------------------------------------------------------- blocks
-    def _reserve(self, num_blocks: int) -> None:
-        """Make sure `num_blocks` can be allocated: grow a private pool, or raise before anything changes."""
+    def _take(self, num_blocks: int) -> list[int]:
+        """`num_blocks` fresh blocks (one holder each) in ONE allocator call: atomic against other threads sharing
+        the pool, so a `PoolExhausted` here means nothing changed. A private pool grows first instead."""
         allocator = self.pool.allocator
-        if allocator.can_allocate(num_blocks):
-            return
-        if not self.pool.growable:
-            raise PoolExhausted(num_blocks, allocator.num_free_blocks, allocator.num_blocks)
-        self.pool.grow(max(num_blocks - allocator.num_free_blocks, allocator.num_blocks))
+        if self.pool.growable and not allocator.can_allocate(num_blocks):
+            self.pool.grow(max(num_blocks - allocator.num_free_blocks, allocator.num_blocks))
+        return allocator.allocate(num_blocks)
 
     def group_sizes(self) -> Counter:
         return Counter(self.leaders)
@@ -89,12 +88,14 @@ class BlockTables:
         if num_missing <= 0:
             return
         sizes = self.group_sizes()
-        self._reserve(num_missing * len(sizes))
-        for leader, size in sizes.items():
-            new_block_ids = self.pool.allocator.allocate(num_missing, num_holders=size)
+        new_block_ids = self._take(num_missing * len(sizes))
+        for group, (leader, size) in enumerate(sizes.items()):
+            group_block_ids = new_block_ids[group * num_missing : (group + 1) * num_missing]
+            if size > 1:
+                self.pool.allocator.incref(group_block_ids, times=size - 1)
             for row in range(self.num_rows):
                 if self.leaders[row] == leader:
-                    self.tables[row].extend(new_block_ids)
+                    self.tables[row].extend(group_block_ids)
         self._changed()
 
     def make_writable(self, writers: list[int], start: int, end: int) -> None:
@@ -113,19 +114,22 @@ class BlockTables:
                 if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
                     todo.append((leader, index))
                     moved[block_id] += sizes[leader]
+                elif allocator.is_cached(block_id):
+                    allocator.uncache(block_id)  # written in place (after a crop): its hash no longer holds
         if not todo:
             return
-        self._reserve(len(todo))
-        src, dst = [], []
-        for leader, index in todo:
-            old = self.tables[leader][index]
-            new = allocator.copy_on_write(old, num_holders=sizes[leader])
+        new_block_ids = self._take(len(todo))  # all or nothing: nothing below can fail for lack of blocks
+        src = []
+        for (leader, index), new in zip(todo, new_block_ids):
+            old, size = self.tables[leader][index], sizes[leader]
+            if size > 1:
+                allocator.incref([new], times=size - 1)
+            allocator.free([old], times=size)  # other holders remain: the plan only moves groups off shared blocks
             src.append(old)
-            dst.append(new)
             for row in range(self.num_rows):
                 if self.leaders[row] == leader:
                     self.tables[row][index] = new
-        self.pool.copy_blocks(src, dst)
+        self.pool.copy_blocks(src, new_block_ids)
         self._changed()
 
     def make_writable_once(self, writers: tuple[int, ...], start: int, end: int) -> None:
@@ -173,6 +177,12 @@ class BlockTables:
         self._changed()
 
     # ---------------------------------------------------------------- metadata
+    def adopt(self, block_ids: list[int]) -> None:
+        """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit)."""
+        self.start([0])
+        self.tables[0] = list(block_ids)
+        self._changed()
+
     def tables_tensor(self) -> torch.Tensor:
         """`[B, num_table_blocks]` int64 on the pool's device; rebuilt only when a table changed."""
         if self._tables_tensor is None:

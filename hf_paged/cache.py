@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
+from .allocator import block_hashes
 from .block_tables import BlockTables
 from .errors import PoolExhausted
 from .kernels import store_kv
@@ -328,9 +329,54 @@ class PagedCache(Cache):
             blocks.split(diverged)
 
     # ------------------------------------------------------------- lifecycle
-    def release(self) -> None:
-        """Return every block to the pool. The cache is empty afterwards and can be filled again."""
-        self._blocks.release()
+    @classmethod
+    def from_prefix(cls, pool: BlockPool, input_ids, config=None, **kwargs) -> PagedCache:
+        """A cache already holding the longest cached prefix of `input_ids` ([S] or [1, S] token ids).
+
+        At least one token is always left to compute (generate() re-feeds the whole prompt when the cache holds all
+        of it), so at most `(S - 1) // block_size` blocks are reused. Needs `BlockPool(...,
+        enable_prefix_caching=True)`; blocks get cached by `release(token_ids=...)`.
+
+        `model.generate(input_ids, past_key_values=PagedCache.from_prefix(pool, input_ids, model.config))` then
+        computes only the rest of the prompt.
+        """
+        token_ids = _token_rows(input_ids)
+        if len(token_ids) != 1:
+            raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
+        token_ids = token_ids[0]
+        cache = cls(config, pool=pool, **kwargs)
+        num_blocks = (len(token_ids) - 1) // pool.block_size
+        block_ids = pool.allocator.lookup_prefix(block_hashes(token_ids[: num_blocks * pool.block_size], pool.block_size))
+        if block_ids:
+            cache._blocks.adopt(block_ids)
+            for layer in cache.layers:
+                layer.cumulative_length = len(block_ids) * pool.block_size
+        return cache
+
+    def release(self, token_ids=None, attention_mask=None) -> None:
+        """Return every block to the pool. The cache is empty afterwards and can be filled again.
+
+        Args:
+            token_ids (`torch.Tensor` or list, *optional*): `[B, S]` (or `[S]` for one row): every token of each
+                row, prompt and generated (what `generate()` returned). With prefix caching on, the full blocks
+                they describe stay cached in the pool for `from_prefix`.
+            attention_mask (`torch.Tensor`, *optional*): `[B, S]`; rows with padding are not cached (their K/V
+                were computed with shifted positions).
+        """
+        blocks, pool = self._blocks, self._blocks.pool
+        if token_ids is not None and pool is not None and pool.allocator.enable_prefix_caching and blocks.num_rows:
+            rows = _token_rows(token_ids)
+            if len(rows) != blocks.num_rows:
+                raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
+            padded = [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
+            num_cached_tokens = min(layer.cumulative_length for layer in self.layers)
+            for row, (row_ids, is_padded) in enumerate(zip(rows, padded)):
+                if is_padded:
+                    continue
+                row_ids = row_ids[: min(len(row_ids), num_cached_tokens)]
+                for block_id, block_hash in zip(blocks.tables[row], block_hashes(row_ids, pool.block_size)):
+                    pool.allocator.cache_block(block_id, block_hash)
+        blocks.release()
         for layer in self.layers:
             layer.cumulative_length = 0
 
@@ -415,6 +461,12 @@ def _sliding_windows(config) -> list[int | None]:
         kwargs["sliding_window"] if layer_type in _SLIDING_LAYER_TYPES else None
         for layer_type, kwargs in zip(layer_types, layer_kwargs)
     ]
+
+
+def _token_rows(token_ids) -> list[list[int]]:
+    """[S] or [B, S] ids (tensor or nested lists) -> B lists of ints."""
+    rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+    return [list(rows)] if not rows or not isinstance(rows[0], (list, tuple)) else [list(row) for row in rows]
 
 
 def _store(key_cache, value_cache, key_states, value_states, slots) -> None:

@@ -85,6 +85,9 @@ class BlockPool:
         dtype (`torch.dtype`, defaults to `torch.float32`): storage dtype; must match the model's K/V dtype.
         device (`torch.device` or `str`, defaults to `"cpu"`).
         growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
+        enable_prefix_caching (`bool`, defaults to `False`): remember full blocks by a hash chain over their token
+            ids (`PagedCache.release(token_ids=...)`) so `PagedCache.from_prefix` can reuse them. A pool with prefix
+            caching belongs to one model: two models with the same shapes would read each other's K/V.
     """
 
     def __init__(
@@ -97,6 +100,7 @@ class BlockPool:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         growable: bool = False,
+        enable_prefix_caching: bool = False,
     ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -120,7 +124,7 @@ class BlockPool:
                 )
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
-        self.allocator = BlockAllocator(num_blocks)
+        self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self.key_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
         self.value_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
 
@@ -134,6 +138,7 @@ class BlockPool:
         block_size: int = 16,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
+        enable_prefix_caching: bool = False,
     ) -> BlockPool:
         """Build a pool shaped for a model (or its config). dtype and device follow the model unless given."""
         if isinstance(model_or_config, torch.nn.Module):
@@ -149,6 +154,7 @@ class BlockPool:
             block_size=block_size,
             dtype=dtype,
             device=device,
+            enable_prefix_caching=enable_prefix_caching,
         )
 
     def _new_storage(self, num_blocks: int, layer_idx: int) -> torch.Tensor:
@@ -169,9 +175,13 @@ class BlockPool:
         return self.allocator.num_used_blocks
 
     def stats(self) -> dict[str, int]:
-        """Used/free blocks and bytes, for logs and leak checks."""
+        """Used/free blocks and bytes, for logs and leak checks; prefix-cache counts in blocks."""
         used, free = self.num_used_blocks, self.num_free_blocks
+        allocator = self.allocator
         return {
+            "cached_blocks": allocator.num_cached_blocks,
+            "prefix_cache_queries": allocator.num_prefix_queries,
+            "prefix_cache_hits": allocator.num_prefix_hits,
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,

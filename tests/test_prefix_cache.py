@@ -1,0 +1,147 @@
+"""Prefix caching: exact allocator behaviour (hits, LRU eviction, invalidation) and generate() from a cached prefix."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged import BlockAllocator, BlockPool, PagedCache
+from hf_paged.allocator import block_hashes, hash_block_tokens
+from tests.models import left_padded_batch, tiny_model
+
+H = [hash_block_tokens(None, i, [i]) for i in range(4)]
+
+
+def test_hash_chain_depends_on_every_earlier_token_and_position():
+    a = block_hashes([1, 2, 3, 4, 5, 6, 7], 2)
+    assert len(a) == 3  # the trailing partial block has no hash
+    b = block_hashes([9, 2, 3, 4, 5, 6], 2)
+    assert a[0] != b[0] and a[1] != b[1]  # same tokens in block 1, different parent
+    assert block_hashes([1, 2, 3, 4], 2) == a[:2]
+    assert hash_block_tokens(None, 0, [1, 2]) != hash_block_tokens(None, 1, [1, 2])
+
+
+def test_freed_cached_blocks_are_hit_and_taken_back_out_of_the_free_queue():
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    assert allocator.allocate(2) == [0, 1]
+    allocator.cache_block(0, H[0])
+    allocator.cache_block(1, H[1])
+    allocator.free([0, 1])
+    assert allocator.num_free_blocks == 4 and allocator.num_cached_blocks == 2
+    assert allocator.lookup_prefix([H[0], H[1], H[2]]) == [0, 1]
+    assert (allocator.num_prefix_queries, allocator.num_prefix_hits) == (3, 2)
+    assert allocator.ref_count(0) == 1 and allocator.num_free_blocks == 2
+    assert allocator.allocate(2) == [2, 3]  # the hit blocks are not in the queue any more
+    allocator.check_invariants()
+
+
+def test_lookup_stops_at_the_first_miss():
+    allocator = BlockAllocator(3, enable_prefix_caching=True)
+    allocator.allocate(2)
+    allocator.cache_block(1, H[1])
+    assert allocator.lookup_prefix([H[0], H[1]]) == []  # block 1 is cached, but its parent is not
+
+
+def test_eviction_takes_the_least_recently_freed_cached_block():
+    allocator = BlockAllocator(3, enable_prefix_caching=True)
+    allocator.allocate(3)
+    for block_id in range(3):
+        allocator.cache_block(block_id, H[block_id])
+    allocator.free([1])
+    allocator.free([0])
+    allocator.free([2])
+    assert allocator.allocate(1) == [1]  # evicts block 1: its hash is forgotten
+    assert allocator.lookup_prefix([H[1]]) == []
+    assert allocator.lookup_prefix([H[0]]) == [0]
+    assert allocator.num_cached_blocks == 2
+    allocator.check_invariants()
+
+
+def test_writing_in_place_forgets_the_hash_and_duplicates_stay_uncached():
+    allocator = BlockAllocator(3, enable_prefix_caching=True)
+    a, b = allocator.allocate(2)
+    allocator.cache_block(a, H[0])
+    allocator.cache_block(b, H[0])  # same contents in a second block: not moved
+    assert allocator.lookup_prefix([H[0]]) == [a]
+    allocator.free([a])
+    assert allocator.copy_on_write(a) == a  # sole holder writes in place
+    assert allocator.num_cached_blocks == 0
+    allocator.check_invariants()
+
+
+def test_disabled_prefix_caching_caches_nothing():
+    allocator = BlockAllocator(2)
+    (a,) = allocator.allocate(1)
+    allocator.cache_block(a, H[0])
+    assert allocator.lookup_prefix([H[0]]) == [] and allocator.num_cached_blocks == 0
+
+
+def _cold(model, input_ids, max_new_tokens=8):
+    return model.generate(input_ids, past_key_values=DynamicCache(), max_new_tokens=max_new_tokens, do_sample=False)
+
+
+def test_generate_from_a_cached_prefix_equals_a_cold_run():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4, enable_prefix_caching=True)
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 128, (1, 21), generator=generator)
+
+    with PagedCache(config=model.config, pool=pool) as cache:
+        first = model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+        cache.release(token_ids=first)  # prompt + 7 fed tokens = 28 cached tokens = 7 full blocks
+    assert torch.equal(first, _cold(model, prompt))
+    assert pool.num_used_blocks == 0 and pool.stats()["cached_blocks"] == 7
+
+    # Same prompt again: 5 of its 5 full blocks are cached but one token must stay uncached -> (21-1)//4 = 5.
+    cache = PagedCache.from_prefix(pool, prompt, model.config)
+    assert cache.get_seq_length() == 20
+    with cache:
+        assert torch.equal(model.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False), first)
+
+    # A different continuation of the first 13 tokens reuses 3 blocks and computes the rest.
+    other = torch.cat([prompt[:, :13], torch.randint(1, 128, (1, 9), generator=generator)], dim=1)
+    with PagedCache.from_prefix(pool, other, model.config) as cache:
+        assert cache.get_seq_length() == 12
+        out = model.generate(other, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, _cold(model, other))
+
+    # A prompt that is exactly the cached sequence still leaves one token to compute.
+    with PagedCache.from_prefix(pool, first[:, :28], model.config) as cache:
+        assert cache.get_seq_length() == 24
+    stats = pool.stats()
+    assert stats["prefix_cache_hits"] == 5 + 3 + 6 and pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
+def test_padded_rows_are_not_cached_and_overwritten_blocks_are_forgotten():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4, enable_prefix_caching=True)
+    input_ids, attention_mask = left_padded_batch(2, 12)  # row 0 unpadded, row 1 padded
+    with PagedCache(config=model.config, pool=pool) as cache:
+        out = model.generate(input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=4)
+        full_mask = torch.cat([attention_mask, torch.ones(2, 4, dtype=attention_mask.dtype)], dim=1)
+        cache.release(token_ids=out, attention_mask=full_mask)
+    assert pool.stats()["cached_blocks"] == 15 // 4  # row 0 only: 15 cached tokens -> 3 full blocks
+
+    with PagedCache.from_prefix(pool, out[0], model.config) as cache:
+        assert cache.get_seq_length() == 12
+        cache.crop(-2)  # positions 10, 11 of block 2 will be rewritten
+        num_kv_heads, head_dim = 2, 16
+        for layer_idx in range(model.config.num_hidden_layers):
+            new = torch.zeros(1, num_kv_heads, 2, head_dim)
+            cache.update(new, new, layer_idx)
+    assert pool.stats()["cached_blocks"] == 2  # block 2 no longer holds what its hash says
+    with PagedCache.from_prefix(pool, out[0], model.config) as cache:
+        assert cache.get_seq_length() == 8
+
+
+def test_from_prefix_rejects_batches_and_release_checks_rows():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4, enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="one sequence"):
+        PagedCache.from_prefix(pool, torch.ones(2, 8, dtype=torch.long), model.config)
+    cache = PagedCache(config=model.config, pool=pool)
+    model.generate(torch.ones(1, 6, dtype=torch.long), past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match="release got token_ids for 2 rows, the cache holds 1"):
+        cache.release(token_ids=torch.ones(2, 8, dtype=torch.long))
+    cache.release()
+    assert pool.num_used_blocks == 0
