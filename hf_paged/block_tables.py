@@ -204,6 +204,19 @@ class BlockTables:
             self._memo[key] = step
         return step
 
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        """`[B * num_heads * n]` int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]` pool view, in
+        `[B, num_heads, n]` order, for table blocks [first_block, end_block): one `index_select` then lands every
+        row's blocks in `[B, num_heads, n * block_size, head_dim]` order. Memoized for the step's other layers."""
+        key = ("gather", first_block, end_block, num_heads, num_pool_blocks)
+        index = self._memo.get(key)
+        if index is None:
+            tables = self.tables_tensor()[:, first_block:end_block]
+            heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
+            index = (heads[None, :, None] + tables[:, None, :]).flatten()
+            self._memo[key] = index
+        return index
+
     def slots(self, rows: tuple[int, ...] | None, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
 
