@@ -98,6 +98,8 @@ def render(results: dict) -> str:
         "### KV bytes held at the end of generate()",
         "",
         "Rows that share the prompt store it once (reference counts); beams share their common history.",
+        "`paged_workspace_bytes` is the reused gather buffer of the sdpa/eager path (one layer's K/V of the",
+        "largest step, not pool memory); `ratio_with_workspace` counts it too.",
         "",
         tabulate(results["kv_bytes_held"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",

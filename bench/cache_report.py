@@ -54,7 +54,7 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
         with PagedCache(config=model.config, pool=pool) as paged:
             torch.manual_seed(1)
             out_paged = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, **kwargs)
-            held = paged.held_bytes
+            held, workspace = paged.held_bytes, paged.workspace_bytes
         rows.append(
             {
                 "mode": name,
@@ -63,6 +63,9 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
                 "dynamic_bytes": dynamic_cache_bytes(dynamic),
                 "paged_bytes": held,
                 "ratio": held / dynamic_cache_bytes(dynamic),
+                # The gather buffer: one layer's visible K/V of the largest step, reused; not pool memory.
+                "paged_workspace_bytes": workspace,
+                "ratio_with_workspace": (held + workspace) / dynamic_cache_bytes(dynamic),
                 "identical": bool(torch.equal(out_dynamic, out_paged)),
             }
         )
