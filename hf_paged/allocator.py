@@ -41,7 +41,9 @@ class BlockAllocator:
         # this order down exactly. An OrderedDict, not a deque: a prefix hit removes a block from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
+        # Re-entrant, and public as `lock` so a caller can make a read-then-act sequence atomic (block_tables.py).
         self._lock = threading.RLock()
+        self.lock = self._lock
         self.enable_prefix_caching = enable_prefix_caching
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}

@@ -106,30 +106,32 @@ class BlockTables:
         allocator = self.pool.allocator
         # Plan against the ref counts as the plan leaves them: once the other holders of a block have moved to
         # their copies, the last group holding it writes in place (two rows forked from one need one copy, not two).
+        # NOTE: under the allocator lock, so no other thread's prefix lookup can take a hold on a block between
+        # "nobody else holds it" and forgetting its hash.
         moved: Counter = Counter()
         todo = []
-        for leader in writers:
-            for index in range(start // block_size, (end - 1) // block_size + 1):
-                block_id = self.tables[leader][index]
-                if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
-                    todo.append((leader, index))
-                    moved[block_id] += sizes[leader]
-                elif allocator.is_cached(block_id):
-                    allocator.uncache(block_id)  # written in place (after a crop): its hash no longer holds
+        with allocator.lock:
+            for leader in writers:
+                for index in range(start // block_size, (end - 1) // block_size + 1):
+                    block_id = self.tables[leader][index]
+                    if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
+                        todo.append((leader, index))
+                        moved[block_id] += sizes[leader]
+                    elif allocator.is_cached(block_id):
+                        allocator.uncache(block_id)  # written in place (after a crop): its hash no longer holds
         if not todo:
             return
         new_block_ids = self._take(len(todo))  # all or nothing: nothing below can fail for lack of blocks
-        src = []
-        for (leader, index), new in zip(todo, new_block_ids):
-            old, size = self.tables[leader][index], sizes[leader]
-            if size > 1:
-                allocator.incref([new], times=size - 1)
-            allocator.free([old], times=size)  # other holders remain: the plan only moves groups off shared blocks
-            src.append(old)
+        src = [self.tables[leader][index] for leader, index in todo]
+        # Copy while the group still holds every source block: once dropped, another thread may reuse it.
+        self.pool.copy_blocks(src, new_block_ids)
+        for (leader, index), old, new in zip(todo, src, new_block_ids):
+            if sizes[leader] > 1:
+                allocator.incref([new], times=sizes[leader] - 1)
             for row in range(self.num_rows):
                 if self.leaders[row] == leader:
                     self.tables[row][index] = new
-        self.pool.copy_blocks(src, new_block_ids)
+            allocator.free([old], times=sizes[leader])  # other holders remain: only this group moved off
         self._changed()
 
     def make_writable_once(self, writers: tuple[int, ...], start: int, end: int) -> None:
