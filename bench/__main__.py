@@ -19,7 +19,7 @@ import transformers
 from tabulate import tabulate
 
 from . import cache_report
-from .models import load_model
+from .models import load_model, sliding_window_model
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -39,9 +39,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     sizes = (
-        dict(prompt_len=1024, max_new_tokens=64, contexts=[512, 4096], num_steps=32, repeats=3)
+        dict(prompt_len=1024, max_new_tokens=64, contexts=[512, 4096], num_steps=32, repeats=3,
+             sliding_prompt_len=3584, sliding_new_tokens=512)
         if args.full
-        else dict(prompt_len=256, max_new_tokens=32, contexts=[256, 1024], num_steps=16, repeats=2)
+        else dict(prompt_len=256, max_new_tokens=32, contexts=[256, 1024], num_steps=16, repeats=2,
+             sliding_prompt_len=448, sliding_new_tokens=64)
     )
     model = load_model(args.model, device=args.device)
     started = time.time()
@@ -51,6 +53,12 @@ def main(argv=None) -> int:
     print(f"demo: identical={demo['identical']}", flush=True)
     memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
+    sliding = cache_report.sliding_window_bytes(
+        sliding_window_model(256, device=args.device),
+        prompt_len=sizes["sliding_prompt_len"],
+        max_new_tokens=sizes["sliding_new_tokens"],
+    )
+    print(tabulate(sliding, headers="keys", floatfmt=".3f"), flush=True)
     speed = cache_report.decode_speed(
         model, batch_sizes=[1, 16], contexts=sizes["contexts"], num_steps=sizes["num_steps"], repeats=sizes["repeats"]
     )
@@ -65,7 +73,13 @@ def main(argv=None) -> int:
         "model": args.model or "embedded Llama-style (bench/models.py), random weights",
         "wall_seconds": round(time.time() - started, 1),
     }
-    results = {"header": header, "demo": demo, "kv_bytes_held": memory, "decode_speed": speed}
+    results = {
+        "header": header,
+        "demo": demo,
+        "kv_bytes_held": memory,
+        "sliding_window_bytes": sliding,
+        "decode_speed": speed,
+    }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(results, indent=2))
     Path(args.log).write_text(render(results))
@@ -102,6 +116,13 @@ def render(results: dict) -> str:
         "largest step, not pool memory); `ratio_with_workspace` counts it too.",
         "",
         tabulate(results["kv_bytes_held"], headers="keys", tablefmt="github", floatfmt=".3f"),
+        "",
+        "### Sliding-window model: K/V bytes held at the end of generate()",
+        "",
+        "The default model's sizes with a sliding window on every layer (Mistral-style). DynamicCache keeps the",
+        "last window - 1 tokens per layer; PagedCache gives back blocks that fell out of every window.",
+        "",
+        tabulate(results["sliding_window_bytes"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",
         "### Decode speed, generate() with each cache on the same pre-filled context",
         "",

@@ -73,6 +73,32 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
     return rows
 
 
+def sliding_window_bytes(model, *, prompt_len: int, max_new_tokens: int, block_size: int = 16) -> list[dict]:
+    """K/V bytes held at the end of generate() on an all-sliding-window model: DynamicCache (keeps the last
+    window - 1 tokens per layer) vs PagedCache releasing out-of-window blocks, and without release."""
+    torch.manual_seed(0)
+    input_ids = torch.randint(2, model.config.vocab_size, (1, prompt_len), device=model.device)
+    dynamic = DynamicCache(config=model.config)
+    reference = model.generate(input_ids, past_key_values=dynamic, max_new_tokens=max_new_tokens, do_sample=False)
+    rows = []
+    for release in (True, False):
+        paged = PagedCache(config=model.config, block_size=block_size, release_out_of_window=release)
+        out = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, do_sample=False)
+        rows.append(
+            {
+                "cache": f"PagedCache (release_out_of_window={release})",
+                "sliding_window": model.config.sliding_window,
+                "tokens": prompt_len + max_new_tokens,
+                "dynamic_bytes": dynamic_cache_bytes(dynamic),
+                "paged_bytes": paged.held_bytes,
+                "ratio": paged.held_bytes / dynamic_cache_bytes(dynamic),
+                "identical": bool(torch.equal(out, reference)),
+            }
+        )
+        paged.release()
+    return rows
+
+
 class _StepClock(LogitsProcessor):
     """Records a timestamp at every generation step (called once per forward, after the logits exist)."""
 

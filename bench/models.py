@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 
 # ~27M parameters: big enough that CPU decode is not all Python overhead, small enough for a 2-core machine.
 # initializer_range is raised and embeddings are untied so greedy output is not one token repeated;
@@ -37,4 +37,13 @@ def load_model(path: str | None = None, *, dtype: torch.dtype | None = None, dev
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(**DEFAULT_CONFIG))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def sliding_window_model(sliding_window: int = 256, *, device: str | None = None, seed: int = 0):
+    """The default model's sizes as a Mistral-style model whose every layer has a sliding window."""
+    device = torch.device(device) if device is not None else default_device()
+    torch.manual_seed(seed)
+    model = MistralForCausalLM(MistralConfig(**DEFAULT_CONFIG, sliding_window=sliding_window))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()

@@ -4,6 +4,10 @@ A *row* is one sequence of the batch that `generate()` runs. All rows of a cache
 is stored like any token and masked by the attention mask, exactly as in `DynamicCache`), so the tables form a
 rectangle and one `[B, num_table_blocks]` tensor describes them.
 
+Block tables are indexed by *logical* block (`position // block_size`), offset by `base`: the number of leading
+blocks every row has already given back because no layer can attend to them again (all-sliding-window models).
+`tables[row][i]` holds logical block `base + i`.
+
 Row groups are how one `generate()` call stores a prompt once for `num_return_sequences=n` or `num_beams=n`:
 rows in one group hold identical block tables *and* are expected to write identical K/V. Only the group's leader
 (its lowest row) writes; every layer verifies that the followers' new K/V equal the leader's, and a follower that
@@ -29,6 +33,7 @@ class BlockTables:
         self.pool: BlockPool | None = None
         self.tables: list[list[int]] = []  # tables[row] = block ids, in token order
         self.leaders: list[int] = []  # leaders[row] = the lowest row of its group (itself when alone)
+        self.base = 0  # logical index of tables[row][0]: leading blocks released by sliding windows
         self.version = 0  # bumped on every table change; keys the metadata memo
         self._memo: dict[tuple, object] = {}  # per-step metadata; cleared on every table change
         self._tables_tensor: torch.Tensor | None = None
@@ -42,6 +47,11 @@ class BlockTables:
     def num_table_blocks(self) -> int:
         return len(self.tables[0]) if self.tables else 0
 
+    @property
+    def end_block(self) -> int:
+        """Logical index one past the last block of every table."""
+        return self.base + self.num_table_blocks
+
     def held_block_ids(self) -> set[int]:
         return {block_id for table in self.tables for block_id in table}
 
@@ -54,6 +64,7 @@ class BlockTables:
         assert not self.tables, "start() on a BlockTables that still holds rows"
         self.tables = [[] for _ in leaders]
         self.leaders = list(leaders)
+        self.base = 0
         self._changed()
 
     def release(self) -> None:
@@ -62,6 +73,7 @@ class BlockTables:
             # One `free` per holder: a block shared by k tables is dropped k times.
             self.pool.allocator.free([block_id for table in self.tables for block_id in table])
         self.tables, self.leaders = [], []
+        self.base = 0
         self._changed()
 
     def _changed(self) -> None:
@@ -84,7 +96,7 @@ class BlockTables:
     def ensure_capacity(self, num_tokens: int) -> None:
         """Give every row blocks for `num_tokens` tokens: one fresh block per group, shared by its members."""
         block_size = self.pool.block_size
-        num_missing = -(-num_tokens // block_size) - self.num_table_blocks
+        num_missing = -(-num_tokens // block_size) - self.end_block
         if num_missing <= 0:
             return
         sizes = self.group_sizes()
@@ -112,7 +124,7 @@ class BlockTables:
         todo = []
         with allocator.lock:
             for leader in writers:
-                for index in range(start // block_size, (end - 1) // block_size + 1):
+                for index in range(start // block_size - self.base, (end - 1) // block_size + 1 - self.base):
                     block_id = self.tables[leader][index]
                     if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
                         todo.append((leader, index))
@@ -155,12 +167,27 @@ class BlockTables:
 
     def truncate(self, num_tokens: int) -> None:
         """Drop the blocks past the first `num_tokens` tokens of every row."""
-        keep = -(-num_tokens // self.pool.block_size)
+        keep = -(-num_tokens // self.pool.block_size) - self.base
         if keep >= self.num_table_blocks:
             return
+        if keep < 0:
+            raise RuntimeError(
+                f"cannot keep {num_tokens} tokens: the first {self.base * self.pool.block_size} were already released "
+                "by the sliding window; call activate_past_recording() before generating to be able to roll back"
+            )
         dropped = [block_id for table in self.tables for block_id in table[keep:]]
         self.tables = [table[:keep] for table in self.tables]
         self.pool.allocator.free(dropped)
+        self._changed()
+
+    def release_front(self, first_needed: int) -> None:
+        """Give back every block wholly before position `first_needed` (no layer will attend to it again)."""
+        num_released = min(first_needed // self.pool.block_size - self.base, self.num_table_blocks)
+        if num_released <= 0:
+            return
+        self.pool.allocator.free([block_id for table in self.tables for block_id in table[:num_released]])
+        self.tables = [table[num_released:] for table in self.tables]
+        self.base += num_released
         self._changed()
 
     def select_rows(self, indices: list[int]) -> None:
@@ -181,7 +208,7 @@ class BlockTables:
     # ---------------------------------------------------------------- metadata
     def adopt(self, block_ids: list[int]) -> None:
         """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit)."""
-        self.start([0])
+        self.start([0])  # base 0: a cached prefix starts at the first token
         self.tables[0] = list(block_ids)
         self._changed()
 
@@ -193,14 +220,21 @@ class BlockTables:
 
     def step_metadata(self, num_tokens: int) -> dict:
         """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus a memo that
-        the attention of every layer shares. Built by the first layer, reused by the rest."""
+        the attention of every layer shares. Built by the first layer, reused by the rest.
+
+        Kernel positions count from the first block still held: `seq_lens = num_tokens - base * block_size`, and
+        `position_offset` says how much to subtract from an absolute position."""
         key = ("step", num_tokens)
         step = self._memo.get(key)
         if step is None:
             tables = self.tables_tensor().to(torch.int32)
+            position_offset = self.base * self.pool.block_size
             step = {
                 "block_tables": tables,
-                "seq_lens": torch.full((self.num_rows,), num_tokens, dtype=torch.int32, device=tables.device),
+                "seq_lens": torch.full(
+                    (self.num_rows,), num_tokens - position_offset, dtype=torch.int32, device=tables.device
+                ),
+                "position_offset": position_offset,
                 "kv_starts": {},
             }
             self._memo[key] = step
@@ -208,12 +242,13 @@ class BlockTables:
 
     def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
         """`[B * num_heads * n]` int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]` pool view, in
-        `[B, num_heads, n]` order, for table blocks [first_block, end_block): one `index_select` then lands every
+        `[B, num_heads, n]` order, for logical blocks [first_block, end_block): one `index_select` then lands every
         row's blocks in `[B, num_heads, n * block_size, head_dim]` order. Memoized for the step's other layers."""
         key = ("gather", first_block, end_block, num_heads, num_pool_blocks)
         index = self._memo.get(key)
         if index is None:
-            tables = self.tables_tensor()[:, first_block:end_block]
+            assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
+            tables = self.tables_tensor()[:, first_block - self.base : end_block - self.base]
             heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
             index = (heads[None, :, None] + tables[:, None, :]).flatten()
             self._memo[key] = index
@@ -232,6 +267,6 @@ class BlockTables:
                 tables = tables[list(rows)]
             block_size = self.pool.block_size
             positions = torch.arange(start, end, device=tables.device)
-            slots = tables[:, positions // block_size] * block_size + positions % block_size
+            slots = tables[:, positions // block_size - self.base] * block_size + positions % block_size
             self._memo[key] = slots
         return slots

@@ -42,8 +42,9 @@ class DecodePlan:
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
     value_cache: torch.Tensor  # same
     block_tables: torch.Tensor  # [B, num_table_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32: tokens cached per row, the new one included
+    seq_lens: torch.Tensor  # [B] int32: tokens per row from the first held block, the new one included
     kv_offset: int  # absolute position of the first key that the attention mask describes
+    position_offset: int  # absolute position of block_tables[:, 0]'s first token (blocks released before it)
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
 
@@ -63,7 +64,7 @@ class DecodePlan:
             visible = attention_mask[:, 0, -1, :]  # [B, kv_len]
             first = visible.int().argmax(dim=-1)
             if bool((visible.sum(dim=-1) == visible.shape[-1] - first).all()):
-                kv_start = (first + self.kv_offset).to(torch.int32)
+                kv_start = (first + self.kv_offset - self.position_offset).to(torch.int32)
         self._kv_starts[id(attention_mask)] = (attention_mask, kv_start)
         return kv_start
 
@@ -86,6 +87,10 @@ class PagedLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.cumulative_length = 0
+        self.record_past = False  # as DynamicSlidingWindowLayer: keep out-of-window blocks until the next crop
+
+    def activate_past_recording(self) -> None:
+        self.record_past = True
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -144,6 +149,9 @@ class PagedCache(Cache):
             model's (the first `key_states`).
         share_rows (`bool`, defaults to `True`): store identical rows (the expanded prompt of
             `num_return_sequences` / `num_beams`) once, shared by reference count.
+        release_out_of_window (`bool`, defaults to `True`): when every layer has a sliding window (Mistral-style),
+            give back blocks that fell out of all windows, so a long generation holds about what DynamicCache
+            does. Models with any full-attention layer keep every block.
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
     `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
@@ -173,6 +181,7 @@ class PagedCache(Cache):
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         share_rows: bool = True,
+        release_out_of_window: bool = True,
     ):
         if config is None and pool is None:
             raise ValueError("PagedCache needs a model config, a BlockPool, or both: PagedCache(config=model.config)")
@@ -199,6 +208,7 @@ class PagedCache(Cache):
         self._finalizer = weakref.finalize(self, self._blocks.release)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(sliding_windows)]
         super().__init__(layers=layers)
+        self._releases_out_of_window = release_out_of_window and all(w is not None for w in sliding_windows)
 
     # ------------------------------------------------------------------ pool
     @property
@@ -235,6 +245,8 @@ class PagedCache(Cache):
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
+        if layer_idx == 0 and self._releases_out_of_window:
+            self._release_out_of_window()
         starting = blocks.num_rows == 0
         if starting:
             blocks.start(self._initial_leaders(key_states, value_states))
@@ -272,6 +284,15 @@ class PagedCache(Cache):
         if q_len == 1 and self._runs_paged_attention():
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
+
+    def _release_out_of_window(self) -> None:
+        """Before a step: give back the blocks before the first key any layer's next update can return.
+
+        NOTE: at the start of a step, never during one: the previous step's attention has read its keys, and each
+        layer's `first_visible(cumulative_length)` is exactly where its next gather starts.
+        """
+        if self._blocks.num_rows and not any(layer.record_past for layer in self.layers):
+            self._blocks.release_front(min(layer.first_visible(layer.cumulative_length) for layer in self.layers))
 
     def _runs_paged_attention(self) -> bool:
         return getattr(self._config, "_attn_implementation", None) == PAGED_ATTENTION
@@ -319,6 +340,7 @@ class PagedCache(Cache):
             block_tables=step["block_tables"],
             seq_lens=step["seq_lens"],
             kv_offset=first,
+            position_offset=step["position_offset"],
             gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
             _kv_starts=step["kv_starts"],
         )
@@ -401,7 +423,8 @@ class PagedCache(Cache):
                 if is_padded:
                     continue
                 row_ids = row_ids[: min(len(row_ids), num_cached_tokens)]
-                for block_id, block_hash in zip(blocks.tables[row], block_hashes(row_ids, pool.block_size)):
+                hashes = block_hashes(row_ids, pool.block_size)[blocks.base :]  # released blocks are gone
+                for block_id, block_hash in zip(blocks.tables[row], hashes):
                     pool.allocator.cache_block(block_id, block_hash)
         blocks.release()
         self._workspace.clear()
@@ -427,10 +450,18 @@ class PagedCache(Cache):
             )
         if tokens_to_remove == 0:
             return
-        for layer in self.layers:
-            layer.cumulative_length = max(layer.cumulative_length + tokens_to_remove, 0)
+        lengths = [max(layer.cumulative_length + tokens_to_remove, 0) for layer in self.layers]
+        released = self._blocks.base * self.block_size
+        needed = min(layer.first_visible(length) for layer, length in zip(self.layers, lengths))
+        if needed < released:
+            raise RuntimeError(
+                f"`crop({tokens_to_remove})` needs keys from position {needed}, but the sliding window already released "
+                f"positions before {released}; call `activate_past_recording()` first to be able to roll back"
+            )
         if self._blocks.pool is not None:
-            self._blocks.truncate(max(layer.cumulative_length for layer in self.layers))
+            self._blocks.truncate(max(lengths))
+        for layer, length in zip(self.layers, lengths):
+            layer.cumulative_length = length
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V."""

@@ -42,8 +42,52 @@ def test_update_returns_what_dynamic_cache_returns(name):
     for _ in range(20):  # decode past the window
         _step(caches, config, 2, 1, generator)
     _step(caches, config, 2, 3, generator)  # a multi-token step after the window is full
+    held_per_row = caches[1].num_held_blocks / 2
+    if name == "mistral":  # every layer slides: only the window's blocks (plus the partial ones) stay held
+        assert held_per_row <= -(-config.sliding_window // 4) + 1
+    else:  # a full-attention layer needs every block
+        assert held_per_row == -(-caches[1].get_seq_length() // 4)
     caches[1].release()
     assert pool.num_used_blocks == 0
+
+
+def test_sliding_release_waits_for_crop_when_recording_past():
+    config = tiny_model("mistral").config
+    generator = torch.Generator().manual_seed(2)
+    caches = (DynamicCache(config=config), PagedCache(config=config, block_size=4))
+    for cache in caches:
+        cache.activate_past_recording()
+    _step(caches, config, 1, 6, generator)
+    for _ in range(10):
+        _step(caches, config, 1, 1, generator)
+    assert caches[1].num_held_blocks == 4  # 16 tokens, nothing released while recording
+    for cache in caches:
+        cache.crop(-5)  # a rollback past the window edge works because nothing was released
+    _step(caches, config, 1, 2, generator)
+    for cache in caches:  # what generate()'s deferred stop check does when it hands the cache back
+        cache.crop(0)
+        for layer in cache.layers:
+            layer.record_past = False
+    _step(caches, config, 1, 1, generator)
+    _step(caches, config, 1, 1, generator)
+    assert caches[1].num_held_blocks <= 3  # released at the start of the next step
+    caches[1].release()
+
+
+def test_crop_past_released_blocks_raises_like_dynamic_sliding_layers():
+    config = tiny_model("mistral").config
+    cache = PagedCache(config=config, block_size=4)
+    states = torch.randn(_kv_shape(config, 1, 20))
+    for step in range(2):
+        for layer_idx in range(config.num_hidden_layers):
+            cache.update(states[:, :, : 20 if step == 0 else 1], states[:, :, : 20 if step == 0 else 1], layer_idx)
+    assert cache.block_tables[0] and cache.get_seq_length() == 21
+    with pytest.raises(RuntimeError, match="already released positions before 12.*activate_past_recording"):
+        cache.crop(-6)
+    assert cache.get_seq_length() == 21  # a refused crop changes nothing
+    cache.crop(-1)
+    assert cache.get_seq_length() == 20
+    cache.release()
 
 
 def test_reorder_repeat_select_and_crop_track_dynamic_cache():
