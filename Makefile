@@ -29,4 +29,4 @@ bench-full: setup
 
 # Hot-path microbenchmarks for real (allocator, cache update, decode attention reference).
 microbench: setup
-	$(PY) -m pytest -q --benchmark-only --benchmark-sort=name
+	$(PY) -m pytest -q tests/test_bench_hotpaths.py tests/test_bench_kernels.py --benchmark-only --benchmark-sort=name --benchmark-columns=min,median,mean,rounds
