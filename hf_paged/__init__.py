@@ -3,6 +3,7 @@
 from .allocator import BlockAllocator
 from .attention import enable, paged_attention_forward, register
 from .cache import PAGED_ATTENTION, DecodePlan, PagedCache, PagedLayer
+from .engine import Engine, RequestFailed, SamplingParams
 from .errors import PoolExhausted, PoolMismatch
 from .pool import BlockPool, KVLayout
 from .registry import (
@@ -27,6 +28,7 @@ __all__ = [
     "BlockPool",
     "DecodePlan",
     "DuplicateBackend",
+    "Engine",
     "KVLayout",
     "PagedCache",
     "PagedLayer",
@@ -34,6 +36,8 @@ __all__ = [
     "PluginLoadWarning",
     "PoolExhausted",
     "PoolMismatch",
+    "RequestFailed",
+    "SamplingParams",
     "UnknownBackend",
     "available_backends",
     "create_cache",

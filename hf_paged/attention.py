@@ -54,6 +54,8 @@ def paged_attention_forward(
     if backend == "torch" or kv_start is None:
         # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
         key, value = plan.gather()
+        if plan.ragged:
+            attention_mask = plan.length_mask(sliding_window)
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
         )

@@ -249,8 +249,7 @@ class BlockTables:
         if index is None:
             assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
             tables = self.tables_tensor()[:, first_block - self.base : end_block - self.base]
-            heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
-            index = (heads[None, :, None] + tables[:, None, :]).flatten()
+            index = head_major_index(tables, num_heads, num_pool_blocks)
             self._memo[key] = index
         return index
 
@@ -270,3 +269,10 @@ class BlockTables:
             slots = tables[:, positions // block_size - self.base] * block_size + positions % block_size
             self._memo[key] = slots
         return slots
+
+
+def head_major_index(tables: torch.Tensor, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+    """tables [B, n] -> [B * num_heads * n] int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]`
+    pool view, in `[B, num_heads, n]` order (see `BlockTables.gather_index`)."""
+    heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
+    return (heads[None, :, None] + tables[:, None, :]).flatten()

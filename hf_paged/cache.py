@@ -46,6 +46,9 @@ class DecodePlan:
     kv_offset: int  # absolute position of the first key that the attention mask describes
     position_offset: int  # absolute position of block_tables[:, 0]'s first token (blocks released before it)
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
+    # Rows of different lengths (the engine's batches): `seq_lens` alone says which keys each row sees, the
+    # attention mask is ignored, and `gather` pads every row to the longest (mask with `length_mask`).
+    ragged: bool = False
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -54,7 +57,7 @@ class DecodePlan:
         None when the mask is not "hidden prefix, then every key visible" (left padding, sliding window): such a
         mask cannot be described by one start per row, and the caller falls back to gather + SDPA.
         """
-        if attention_mask is None:
+        if attention_mask is None or self.ragged:
             return torch.zeros_like(self.seq_lens)
         memo = self._kv_starts.get(id(attention_mask))
         if memo is not None and memo[0] is attention_mask:
@@ -67,6 +70,17 @@ class DecodePlan:
                 kv_start = (first + self.kv_offset - self.position_offset).to(torch.int32)
         self._kv_starts[id(attention_mask)] = (attention_mask, kv_start)
         return kv_start
+
+
+    def length_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[B, 1, 1, max_len] bool for a ragged `gather`: key j is visible to row b when j < seq_lens[b] (and,
+        with a sliding window, j > seq_lens[b] - 1 - sliding_window)."""
+        positions = torch.arange(int(self.seq_lens.max()), device=self.seq_lens.device)[None, :]
+        lengths = self.seq_lens[:, None]
+        visible = positions < lengths
+        if sliding_window is not None:
+            visible &= positions > lengths - 1 - sliding_window
+        return visible[:, None, None, :]
 
 
 class PagedLayer(CacheLayerMixin):
@@ -277,7 +291,7 @@ class PagedCache(Cache):
         slots = blocks.slots(writers if subset else None, num_past, num_tokens).flatten()
         if subset:
             key_states, value_states = key_states[list(writers)], value_states[list(writers)]
-        _store(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
+        store_kv_rows(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
         layer.cumulative_length = num_tokens
 
         first = layer.first_visible(num_past)
@@ -528,7 +542,7 @@ def _token_rows(token_ids) -> list[list[int]]:
     return [list(rows)] if not rows or not isinstance(rows[0], (list, tuple)) else [list(row) for row in rows]
 
 
-def _store(key_cache, value_cache, key_states, value_states, slots) -> None:
+def store_kv_rows(key_cache, value_cache, key_states, value_states, slots) -> None:
     """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
 
     The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under

@@ -1,0 +1,8 @@
+"""Continuous batching on one BlockPool: scheduler, per-step cache views, sampling and the Engine."""
+
+from .engine import Engine, EngineStats, RequestFailed
+from .sampling import SamplingParams
+from .scheduler import Request, Scheduler
+from .step_cache import StepCache
+
+__all__ = ["Engine", "EngineStats", "Request", "RequestFailed", "SamplingParams", "Scheduler", "StepCache"]

@@ -1,0 +1,193 @@
+"""Engine: continuous batching of many requests on one BlockPool.
+
+    engine = Engine(model, BlockPool.for_model(model, max_memory="1GiB"), max_num_seqs=64)
+    outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)   # token ids, in input order
+
+Each `step()` runs one forward over every decoding request (ragged rows, no padding to the longest sequence)
+through the "hf_paged" attention, plus one forward per scheduled prefill chunk; then samples, retires finished
+requests and frees their blocks. `Engine` switches the model to the "hf_paged" attention implementation (which
+behaves exactly like sdpa with any other cache).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import enable
+from ..pool import BlockPool, KVLayout
+from .sampling import SamplingParams, sample
+from .scheduler import Request, Scheduler
+from .step_cache import StepCache
+
+
+class RequestFailed(RuntimeError):
+    """Some requests could not run (e.g. larger than the whole pool); the others finished.
+
+    `errors` maps input index -> message; `outputs` holds every input's tokens (empty for a failed one).
+    """
+
+    def __init__(self, errors: dict[int, str], outputs: list[list[int]]):
+        self.errors, self.outputs = errors, outputs
+        super().__init__("; ".join(f"input {index}: {message}" for index, message in errors.items()))
+
+
+@dataclass
+class EngineStats:
+    num_steps: int = 0
+    peak_running: int = 0
+    running_sum: int = 0  # sum over steps of the requests that ran, for the mean
+    num_preemptions: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    used_blocks: list[int] = field(default_factory=list)  # pool blocks in use after each step
+
+    @property
+    def mean_running(self) -> float:
+        return self.running_sum / self.num_steps if self.num_steps else 0.0
+
+
+class Engine:
+    """Serve many requests from one `BlockPool` with any model that works with `PagedCache`.
+
+    Args:
+        model: a transformers causal LM (decoder-only, full or sliding-window attention layers).
+        pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
+        max_num_seqs (`int`, defaults to 64): requests running at once.
+        max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
+            goes to prefill chunks, so one long prompt cannot stall decoding).
+    """
+
+    def __init__(self, model, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
+        pool.check_compatible(KVLayout.from_config(model.config))
+        self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
+        self.pool = pool
+        self.scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+        self.stats = EngineStats()
+        self._requests: dict[int, Request] = {}
+        self._ids = itertools.count()
+        generation_config = getattr(model, "generation_config", None)
+        self._eos_token_id = getattr(generation_config, "eos_token_id", None)
+        if isinstance(self._eos_token_id, list):
+            self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
+
+    # ------------------------------------------------------------------ API
+    def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
+        """Queue a request; returns its id. `sampling`: SamplingParams fields (temperature, top_k, top_p, seed,
+        stop_token_ids, ignore_eos, eos_token_id; eos defaults to the model's generation config)."""
+        prompt_ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        sampling.setdefault("eos_token_id", self._eos_token_id)
+        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator().manual_seed(params.seed)
+        request = Request(next(self._ids), prompt_ids, params, generator=generator)
+        self._requests[request.request_id] = request
+        self.scheduler.add(request)
+        return request.request_id
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[tuple[int, int]]:
+        """Run one scheduling step; returns the (request_id, token_id) pairs it produced."""
+        plan = self.scheduler.schedule()
+        events: list[tuple[int, int]] = []
+        with torch.inference_mode():
+            for request, chunk in plan.prefill:
+                logits = self._prefill(request, chunk)
+                if request.num_pending == 0:  # the chunk reached the end of the input: sample
+                    events.append(self._append(request, logits))
+            if plan.decode:
+                logits = self._decode(plan.decode)
+                events += [self._append(request, row) for request, row in zip(plan.decode, logits)]
+        for request in [r for r in self.scheduler.running if self._is_done(r)]:
+            self.scheduler.retire(request)
+        stats = self.stats
+        stats.num_steps += 1
+        num_ran = len(plan.decode) + len(plan.prefill)
+        stats.running_sum += num_ran
+        stats.peak_running = max(stats.peak_running, num_ran)
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.used_blocks.append(self.pool.num_used_blocks)
+        return events
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling):
+        """Yield (input index, token id) as tokens are produced; failed inputs raise `RequestFailed` at the end."""
+        request_ids = self._add_all(prompts, max_new_tokens, sampling)
+        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
+        while self.has_unfinished():
+            for request_id, token in self.step():
+                if request_id in index_of:
+                    yield index_of[request_id], token
+        self._raise_failures(request_ids)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling
+    ) -> list[list[int]]:
+        """Generated token ids per prompt, in input order (`ignore_eos`, `temperature`, ... as in add_request)."""
+        request_ids = self._add_all(prompts, max_new_tokens, sampling)
+        while self.has_unfinished():
+            self.step()
+        self._raise_failures(request_ids)
+        return [self._requests[request_id].output_ids for request_id in request_ids]
+
+    # -------------------------------------------------------------- internals
+    def _add_all(self, prompts, max_new_tokens, sampling) -> list[int]:
+        if isinstance(max_new_tokens, int):
+            max_new_tokens = [max_new_tokens] * len(prompts)
+        if len(max_new_tokens) != len(prompts):
+            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
+        return [self.add_request(p, n, **sampling) for p, n in zip(prompts, max_new_tokens)]
+
+    def _raise_failures(self, request_ids: list[int]) -> None:
+        errors = {i: self._requests[r].error for i, r in enumerate(request_ids) if self._requests[r].error}
+        if errors:
+            raise RequestFailed(errors, [self._requests[r].output_ids for r in request_ids])
+
+    def _prefill(self, request: Request, chunk: int) -> torch.Tensor:
+        start = request.num_computed
+        device = self.model.device
+        input_ids = torch.tensor([request.token_ids[start : start + chunk]], device=device)
+        position_ids = torch.arange(start, start + chunk, device=device)[None, :]
+        cache = StepCache(self.pool, [request.block_ids], [start], chunk)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        request.num_computed += chunk
+        self.stats.prefill_tokens += chunk
+        return out.logits[0, -1]
+
+    def _decode(self, requests: list[Request]) -> torch.Tensor:
+        device = self.model.device
+        input_ids = torch.tensor([[r.token_ids[-1]] for r in requests], device=device)
+        position_ids = torch.tensor([[r.num_computed] for r in requests], device=device)
+        cache = StepCache(self.pool, [r.block_ids for r in requests], [r.num_computed for r in requests], 1)
+        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
+                         logits_to_keep=1)
+        for request in requests:
+            request.num_computed += 1
+        self.stats.decode_tokens += len(requests)
+        return out.logits[:, -1]
+
+    def _append(self, request: Request, logits: torch.Tensor) -> tuple[int, int]:
+        token = sample(logits, request.params, request.generator)
+        request.output_ids.append(token)
+        if request.first_token_time is None:
+            request.first_token_time = time.perf_counter()
+        return request.request_id, token
+
+    def _is_done(self, request: Request) -> bool:
+        if not request.output_ids or request.num_pending != 1:
+            return False
+        return len(request.output_ids) >= request.params.max_new_tokens or request.params.is_stop(
+            request.output_ids[-1]
+        )
+
+    def request(self, request_id: int) -> Request:
+        return self._requests[request_id]

@@ -1,0 +1,137 @@
+"""Requests and the scheduler: which requests run this step, with how many tokens, on which blocks.
+
+Every step: admit waiting requests while blocks allow (keeping one block per running request in reserve for
+decode growth), give every running request with one pending token a decode row, and spend the rest of the token
+budget on prefill chunks. When a row needs a block and none is free, the most recently admitted request is
+preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated), so no request fails
+for lack of memory unless it could never fit the whole pool.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..pool import BlockPool
+from .sampling import SamplingParams
+
+
+@dataclass
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    generator: torch.Generator | None = None
+    error: str | None = None
+    finished: bool = False
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+@dataclass
+class ScheduledStep:
+    decode: list[Request]  # one token each, batched in one forward
+    prefill: list[tuple[Request, int]]  # (request, chunk length), one forward each
+
+
+class Scheduler:
+    def __init__(self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int):
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
+            )
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # in admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.pool.block_size)
+
+    def add(self, request: Request) -> None:
+        """Queue a request; one that could never fit the whole pool fails at once, alone."""
+        worst = self._blocks_for(len(request.prompt_ids) + request.params.max_new_tokens)
+        if worst > self.pool.num_blocks:
+            request.error = (
+                f"request {request.request_id} needs {worst} blocks ({len(request.prompt_ids)} prompt + "
+                f"{request.params.max_new_tokens} new tokens, block_size {self.pool.block_size}); the pool has "
+                f"{self.pool.num_blocks}"
+            )
+            request.finished = True
+            return
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _grow(self, request: Request, num_tokens: int) -> bool:
+        """Give `request` blocks for `num_tokens` tokens in total; False when the pool has too few free."""
+        missing = self._blocks_for(num_tokens) - len(request.block_ids)
+        if missing <= 0:
+            return True
+        if not self.pool.allocator.can_allocate(missing):
+            return False
+        request.block_ids += self.pool.allocator.allocate(missing)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.pool.allocator.free(request.block_ids)
+        request.block_ids, request.num_computed = [], 0
+        self.running.remove(request)
+        self.waiting.appendleft(request)
+        self.num_preemptions += 1
+
+    def retire(self, request: Request) -> None:
+        self.pool.allocator.free(request.block_ids)
+        request.block_ids = []
+        request.finished = True
+        request.finish_time = time.perf_counter()
+        self.running.remove(request)
+
+    def schedule(self) -> ScheduledStep:
+        # Admit: blocks for the whole pending input, plus one growth block per running request in reserve.
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            need = self._blocks_for(len(request.token_ids) + 1) + len(self.running)
+            if need > self.pool.num_free_blocks and self.running:
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+
+        budget = self.max_num_batched_tokens
+        decode: list[Request] = []
+        prefill: list[tuple[Request, int]] = []
+        for request in list(self.running):
+            if request not in self.running:  # preempted while making room for an earlier one
+                continue
+            chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
+            if chunk <= 0:
+                continue
+            while not self._grow(request, request.num_computed + chunk):
+                victim = self.running[-1]
+                self._preempt(victim)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            budget -= chunk
+            (decode.append(request) if request.num_pending == 1 else prefill.append((request, chunk)))
+        return ScheduledStep(decode=decode, prefill=prefill)
