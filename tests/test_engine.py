@@ -152,3 +152,30 @@ def test_bad_engine_arguments():
         engine.add_request([])
     with pytest.raises(ValueError, match="max_new_tokens has 1 entries for 2 prompts"):
         engine.generate([[1], [2]], max_new_tokens=[3])
+
+
+def _shared_prefix_prompts(num_requests=6, prefix_len=40, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    system = torch.randint(1, 128, (prefix_len,), generator=generator).tolist()
+    return [system + torch.randint(1, 128, (5 + i,), generator=generator).tolist() for i in range(num_requests)]
+
+
+def test_shared_system_prompt_is_computed_once_with_identical_output():
+    prompts = _shared_prefix_prompts()
+    new_tokens = [6] * len(prompts)
+    reference = _reference("llama", prompts, new_tokens)
+    results = {}
+    for caching in (False, True):
+        model = tiny_model("llama", "hf_paged")
+        pool = BlockPool.for_model(model, num_blocks=96, block_size=4)
+        # A budget of 44 tokens: the first request's prefill fills a step, the others start after it is cached.
+        engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=44, enable_prefix_caching=caching)
+        assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
+        results[caching] = engine.stats
+        assert pool.num_used_blocks == 0
+    cold, warm = results[False], results[True]
+    fed = lambda stats: stats.prefill_tokens + stats.decode_tokens  # noqa: E731  (a prompt's last token may decode)
+    assert fed(cold) == sum(map(len, prompts)) + sum(new_tokens) - len(prompts) and cold.prefix_hit_tokens == 0
+    # Every request after the first finds the 40-token system prompt (10 full blocks of 4) cached.
+    assert warm.prefix_hit_tokens == 40 * (len(prompts) - 1)
+    assert fed(warm) == fed(cold) - warm.prefix_hit_tokens

@@ -42,7 +42,8 @@ class EngineStats:
     peak_running: int = 0
     running_sum: int = 0  # sum over steps of the requests that ran, for the mean
     num_preemptions: int = 0
-    prefill_tokens: int = 0
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
+    prefill_tokens: int = 0  # prompt tokens computed
     decode_tokens: int = 0
     used_blocks: list[int] = field(default_factory=list)  # pool blocks in use after each step
 
@@ -60,10 +61,22 @@ class Engine:
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
             goes to prefill chunks, so one long prompt cannot stall decoding).
+        enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes at admission. Turns the
+            pool's prefix cache on (a pool with prefix caching belongs to one model).
     """
 
-    def __init__(self, model, pool: BlockPool, *, max_num_seqs: int = 64, max_num_batched_tokens: int = 512):
+    def __init__(
+        self,
+        model,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 512,
+        enable_prefix_caching: bool = True,
+    ):
         pool.check_compatible(KVLayout.from_config(model.config))
+        if enable_prefix_caching:
+            pool.allocator.enable_prefix_caching = True
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
         self.scheduler = Scheduler(pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
@@ -102,11 +115,14 @@ class Engine:
         with torch.inference_mode():
             for request, chunk in plan.prefill:
                 logits = self._prefill(request, chunk)
+                self.scheduler.cache_full_blocks(request)
                 if request.num_pending == 0:  # the chunk reached the end of the input: sample
                     events.append(self._append(request, logits))
             if plan.decode:
                 logits = self._decode(plan.decode)
-                events += [self._append(request, row) for request, row in zip(plan.decode, logits)]
+                for request, row in zip(plan.decode, logits):
+                    self.scheduler.cache_full_blocks(request)
+                    events.append(self._append(request, row))
         for request in [r for r in self.scheduler.running if self._is_done(r)]:
             self.scheduler.retire(request)
         stats = self.stats
@@ -115,6 +131,7 @@ class Engine:
         stats.running_sum += num_ran
         stats.peak_running = max(stats.peak_running, num_ran)
         stats.num_preemptions = self.scheduler.num_preemptions
+        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         stats.used_blocks.append(self.pool.num_used_blocks)
         return events
 

@@ -5,6 +5,10 @@ decode growth), give every running request with one pending token a decode row, 
 budget on prefill chunks. When a row needs a block and none is free, the most recently admitted request is
 preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated), so no request fails
 for lack of memory unless it could never fit the whole pool.
+
+With prefix caching on, a request's first prefill takes the longest cached prefix of its tokens (full blocks,
+always leaving one token to compute), and every block that fills up is remembered by its hash chain, so requests
+sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..allocator import hash_block_tokens
 from ..pool import BlockPool
 from .sampling import SamplingParams
 
@@ -28,6 +33,9 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose K/V are in the pool
     generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
+    num_registered_blocks: int = 0  # leading blocks of block_ids the prefix cache knows
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     error: str | None = None
     finished: bool = False
     arrival_time: float = field(default_factory=time.perf_counter)
@@ -62,6 +70,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.num_prefix_hit_tokens = 0
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.pool.block_size)
@@ -93,11 +102,42 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request) -> None:
-        self.pool.allocator.free(request.block_ids)
-        request.block_ids, request.num_computed = [], 0
+        self.pool.allocator.free(request.block_ids)  # cached full blocks stay findable until evicted
+        request.block_ids, request.num_computed, request.num_registered_blocks = [], 0, 0
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
+
+    def _reuse_prefix(self, request: Request) -> None:
+        """Start a request's prefill from the longest cached prefix of its tokens."""
+        allocator, block_size = self.pool.allocator, self.pool.block_size
+        if not allocator.enable_prefix_caching:
+            return
+        num_blocks = (len(request.token_ids) - 1) // block_size  # one token is always left to compute
+        self._extend_hashes(request, num_blocks)
+        request.block_ids = allocator.lookup_prefix(request.block_hashes[:num_blocks])
+        request.num_registered_blocks = len(request.block_ids)
+        request.num_computed = request.num_cached_tokens = len(request.block_ids) * block_size
+        self.num_prefix_hit_tokens += request.num_computed
+
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        block_size, tokens = self.pool.block_size, request.token_ids
+        for index in range(len(request.block_hashes), num_blocks):
+            parent = request.block_hashes[-1] if request.block_hashes else None
+            request.block_hashes.append(
+                hash_block_tokens(parent, index, tokens[index * block_size : (index + 1) * block_size])
+            )
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """After a forward: remember every block of `request` that is now full of computed tokens."""
+        allocator = self.pool.allocator
+        if not allocator.enable_prefix_caching:
+            return
+        num_full = request.num_computed // self.pool.block_size
+        self._extend_hashes(request, num_full)
+        for index in range(request.num_registered_blocks, num_full):
+            allocator.cache_block(request.block_ids[index], request.block_hashes[index])
+        request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def retire(self, request: Request) -> None:
         self.pool.allocator.free(request.block_ids)
@@ -122,9 +162,13 @@ class Scheduler:
         for request in list(self.running):
             if request not in self.running:  # preempted while making room for an earlier one
                 continue
+            if request.num_pending > 1 and budget <= 0:
+                continue  # no prefill budget left this step
+            if request.num_computed == 0 and not request.block_ids:
+                # NOTE: looked up when its prefill starts, not at admission: requests admitted together wait for
+                # the budget, and by then the first one has computed (and cached) the prefix they share.
+                self._reuse_prefix(request)
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
-            if chunk <= 0:
-                continue
             while not self._grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
                 self._preempt(victim)
