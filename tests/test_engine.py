@@ -174,8 +174,8 @@ def test_shared_system_prompt_is_computed_once_with_identical_output():
         results[caching] = engine.stats
         assert pool.num_used_blocks == 0
     cold, warm = results[False], results[True]
-    fed = lambda stats: stats.prefill_tokens + stats.decode_tokens  # noqa: E731  (a prompt's last token may decode)
-    assert fed(cold) == sum(map(len, prompts)) + sum(new_tokens) - len(prompts) and cold.prefix_hit_tokens == 0
+    assert cold.prefill_tokens == sum(map(len, prompts)) and cold.prefix_hit_tokens == 0
     # Every request after the first finds the 40-token system prompt (10 full blocks of 4) cached.
     assert warm.prefix_hit_tokens == 40 * (len(prompts) - 1)
-    assert fed(warm) == fed(cold) - warm.prefix_hit_tokens
+    assert warm.prefill_tokens == cold.prefill_tokens - warm.prefix_hit_tokens
+    assert warm.decode_tokens == cold.decode_tokens == sum(new_tokens) - len(prompts)

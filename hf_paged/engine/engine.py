@@ -43,8 +43,8 @@ class EngineStats:
     running_sum: int = 0  # sum over steps of the requests that ran, for the mean
     num_preemptions: int = 0
     prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    prefill_tokens: int = 0  # prompt tokens computed
-    decode_tokens: int = 0
+    prefill_tokens: int = 0  # input tokens computed before a request's first output (recomputation included)
+    decode_tokens: int = 0  # generated tokens fed back
     used_blocks: list[int] = field(default_factory=list)  # pool blocks in use after each step
 
     @property
@@ -189,7 +189,11 @@ class Engine:
                          logits_to_keep=1)
         for request in requests:
             request.num_computed += 1
-        self.stats.decode_tokens += len(requests)
+            # A row feeding a prompt's last token (its prefill ended on a step boundary) is prefill work.
+            if request.output_ids:
+                self.stats.decode_tokens += 1
+            else:
+                self.stats.prefill_tokens += 1
         return out.logits[:, -1]
 
     def _append(self, request: Request, logits: torch.Tensor) -> tuple[int, int]:
