@@ -1,8 +1,10 @@
-"""`python -m bench`: the main job. Runs the cache report on the embedded default model (or `--model PATH`) and
-writes SERVING_LOG.md plus a JSON of raw results.
+"""`python -m bench`: the main job. Runs the serving benchmark, then the cache report, on the embedded default model
+(or `--model PATH`) and writes SERVING_LOG.md plus JSONs of raw results (bench/results/).
 
-    python -m bench --quick        # a few minutes on 2 CPU cores
+    python -m bench --quick        # under 5 minutes on 2 CPU cores
     python -m bench --full         # the numbers committed in SERVING_LOG.md
+    python -m bench --budgets 2,4 --backends dynamic,engine --serving-only
+    python -m bench --workload poisson --rate 2     # also: shared-prefix, long, parallel-sampling
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ import torch
 import transformers
 from tabulate import tabulate
 
-from . import cache_report
+from . import cache_report, serving, serving_report
 from .models import load_model, sliding_window_model
+from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,16 +31,96 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (default)")
-    size.add_argument("--full", action="store_true", help="the issue's sizes: prompt 1024, contexts 512 and 4096")
+    size.add_argument("--full", action="store_true", help="full sizes: serving workloads about 3x larger, 4 budgets; cache report prompt 1024, contexts 512 and 4096")
     parser.add_argument("--model", default=None, help="a checkpoint path for from_pretrained (default: embedded model)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
-    return parser.parse_args(argv)
+    parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
+    parser.add_argument("--plot", default=str(ROOT / "bench" / "results" / "serving.png"),
+                        help="PNG of tok/s and concurrency against budget (needs matplotlib)")
+    parser.add_argument("--workload", default="burst", choices=WORKLOADS,
+                        help="serving workload (default: burst; see bench/workloads.py)")
+    parser.add_argument("--rate", type=float, default=None,
+                        help="poisson arrival rate in requests/s (default: quick 4, full 1)")
+    parser.add_argument("--budgets", type=_floats, default=None,
+                        help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)")
+    parser.add_argument("--backends", type=_names, default=None,
+                        help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
+                        "and any third-party cache backend)")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="serving runs per backend and budget, interleaved; the fastest is kept (quick 2, full 1)")
+    parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = parser.parse_args(argv)
+    if args.rate is not None and args.workload != "poisson":
+        parser.error(f"--rate applies to --workload poisson, not {args.workload}")
+    return args
+
+
+def _floats(text: str) -> list[float]:
+    values = [float(part) for part in text.split(",") if part.strip()]
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"budgets must be positive numbers, e.g. 2,8; got {text!r}")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    model = load_model(args.model, device=args.device)
+    started = time.time()
+    print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
+
+    workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
+    budgets = args.budgets or ([2, 4, 8, 16] if args.full else [2, 8])
+    repeats = args.repeats or (1 if args.full else 2)
+    run = serving.run_serving(model, workload, budgets, args.backends, repeats=repeats, progress=not args.no_progress)
+    rows = serving_report.summarize_all(run)
+    notes = [*run.notes, serving_report.plot(rows, args.plot)]
+    print(notes[0], flush=True)
+    served = {"facts": serving_report.describe(run), "rows": rows, "notes": notes}
+    print(_serving_table(rows), flush=True)
+    results = {"serving": served}
+    if not args.serving_only:
+        results.update(run_cache_report(model, args))
+
+    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
+    header = {
+        "command": command.strip(),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
+        "device": str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else ""),
+        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "model": args.model or "embedded Llama-style (bench/models.py), random weights",
+        "wall_seconds": round(time.time() - started, 1),
+    }
+    results = {"header": header, **results}
+    for path, content in ((args.serving_json, {"header": header, **served}), (args.json, _cache_part(results))):
+        if content is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(json.dumps(content, indent=2))
+    Path(args.log).write_text(render(results))
+    print(f"wrote {args.log}, {args.serving_json}" + ("" if args.serving_only else f" and {args.json}"))
+    return 0
+
+
+def _serving_table(rows: list[dict]) -> str:
+    keys = ["budget", "backend", "output_tok_s", "tok_s_vs_dynamic", "mean_concurrency", "utilization",
+            "preemptions", "num_agree"]
+    return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
+
+
+def _cache_part(results: dict) -> dict | None:
+    if "demo" not in results:
+        return None
+    return {key: value for key, value in results.items() if key != "serving"}
+
+
+def run_cache_report(model, args) -> dict:
+    """The cache report (PagedCache under plain generate()): demo, KV bytes held, sliding window, decode speed."""
     sizes = (
         dict(prompt_len=1024, max_new_tokens=64, contexts=[512, 4096], num_steps=32, repeats=3,
              sliding_prompt_len=3584, sliding_new_tokens=512)
@@ -45,10 +128,6 @@ def main(argv=None) -> int:
         else dict(prompt_len=256, max_new_tokens=32, contexts=[256, 1024], num_steps=16, repeats=2,
              sliding_prompt_len=448, sliding_new_tokens=64)
     )
-    model = load_model(args.model, device=args.device)
-    started = time.time()
-    print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
-
     demo = cache_report.demo(model)
     print(f"demo: identical={demo['identical']}", flush=True)
     memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
@@ -63,36 +142,24 @@ def main(argv=None) -> int:
         model, batch_sizes=[1, 16], contexts=sizes["contexts"], num_steps=sizes["num_steps"], repeats=sizes["repeats"]
     )
     print(tabulate(speed, headers="keys", floatfmt=".2f"), flush=True)
-
-    command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
-    header = {
-        "command": command.strip(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
-        "device": str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else ""),
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
-        "model": args.model or "embedded Llama-style (bench/models.py), random weights",
-        "wall_seconds": round(time.time() - started, 1),
-    }
-    results = {
-        "header": header,
-        "demo": demo,
-        "kv_bytes_held": memory,
-        "sliding_window_bytes": sliding,
-        "decode_speed": speed,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(results, indent=2))
-    Path(args.log).write_text(render(results))
-    print(f"wrote {args.log} and {args.json}")
-    return 0
+    return {"demo": demo, "kv_bytes_held": memory, "sliding_window_bytes": sliding, "decode_speed": speed}
 
 
 def render(results: dict) -> str:
-    header, demo = results["header"], results["demo"]
+    """SERVING_LOG.md: the header, the serving sections (when run), then the cache report (when run)."""
     lines = ["# Serving log", ""]
-    lines += [f"- {key}: `{value}`" for key, value in header.items()]
-    lines += [
-        "",
+    lines += [f"- {key}: `{value}`" for key, value in results["header"].items()]
+    lines.append("")
+    if "serving" in results:
+        lines += serving_report.render(results["serving"])
+    if "demo" in results:
+        lines += render_cache_report(results)
+    return "\n".join(lines)
+
+
+def render_cache_report(results: dict) -> list[str]:
+    demo = results["demo"]
+    lines = [
         "## PagedCache under plain generate()",
         "",
         "Greedy output of one prompt with each cache (first tokens), and the K/V bytes each holds afterwards:",
@@ -133,7 +200,7 @@ def render(results: dict) -> str:
         tabulate(results["decode_speed"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",
     ]
-    return "\n".join(lines)
+    return lines
 
 
 if __name__ == "__main__":

@@ -1,0 +1,269 @@
+"""Metrics of a serving run (tok/s, latency percentiles, concurrency, KV utilization, greedy agreement), the
+markdown sections of SERVING_LOG.md and an optional plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tabulate import tabulate
+
+from .serving import (
+    BLOCK_SIZE,
+    ENGINE_MAX_NUM_SEQS,
+    MAX_NUM_BATCHED_TOKENS,
+    NOISY_LOAD,
+    PEER,
+    STATIC_SLOT_TOKENS,
+    RunResult,
+    ServingRun,
+)
+
+MIB = 2**20
+BASELINE = "dynamic"
+
+
+def percentile(values, q: float) -> float | None:
+    """The q-th percentile (0-100) with linear interpolation; None for no values."""
+    values = sorted(values)
+    if not values:
+        return None
+    position = (len(values) - 1) * q / 100
+    low = int(position)
+    high = min(low + 1, len(values) - 1)
+    return values[low] + (values[high] - values[low]) * (position - low)
+
+
+def first_difference(output: list[int], reference: list[int]) -> int | None:
+    """The first position where the two token lists differ (a length difference counts); None when equal."""
+    for position, (a, b) in enumerate(zip(output, reference)):
+        if a != b:
+            return position
+    return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def summarize(result: RunResult, run: ServingRun) -> dict:
+    """One table row: the metrics of one backend under one budget."""
+    workload = run.workload
+    sequences = workload.sequences  # one spec per generated sequence
+    assert [len(output) for output in result.outputs] == [spec.max_new_tokens for spec in sequences], result.backend
+    ttft = [first - spec.arrival for first, spec in zip(result.first_token, sequences)]
+    tpot = [
+        (finish - first) / (spec.max_new_tokens - 1)
+        for first, finish, spec in zip(result.first_token, result.finish, sequences)
+        if spec.max_new_tokens > 1
+    ]
+    mismatches = None  # sampled: nothing to compare with
+    if run.reference is not None:
+        mismatches = [
+            {"request": index, "first_difference": position}
+            for index, (output, reference) in enumerate(zip(result.outputs, run.reference))
+            if (position := first_difference(output, reference)) is not None
+        ]
+    budget = next(b for b in run.budgets if b.multiple == result.multiple)
+    return {
+        "budget": f"{result.multiple:g}x",
+        "backend": result.backend,
+        "kv_budget_mib": budget.bytes / MIB,
+        "wall_s": result.wall_s,
+        "output_tok_s": workload.num_output_tokens / result.wall_s,
+        "requests_s": workload.num_requests / result.wall_s,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p99_s": percentile(ttft, 99),
+        "tpot_p50_ms": 1000 * percentile(tpot, 50) if tpot else None,
+        "tpot_p99_ms": 1000 * percentile(tpot, 99) if tpot else None,
+        "peak_concurrency": result.peak_concurrency,
+        "mean_concurrency": result.mean_concurrency,
+        "reserved_mib": result.reserved_bytes / MIB,
+        "live_at_peak_mib": None if result.live_bytes_peak is None else result.live_bytes_peak / MIB,
+        "utilization": None if result.live_bytes_peak is None else result.live_bytes_peak / result.reserved_bytes,
+        "held_at_peak_mib": None if result.held_bytes_peak is None else result.held_bytes_peak / MIB,
+        "other_load": result.extra.get("other_load"),
+        "preemptions": result.num_preemptions,
+        "wasted_tokens": result.wasted_tokens,
+        "num_agree": None if mismatches is None else len(sequences) - len(mismatches),
+        "num_sequences": len(sequences),
+        "mismatches": mismatches,
+        "extra": result.extra,
+        "per_request": {"ttft_s": ttft, "finish_s": result.finish},
+    }
+
+
+def summarize_all(run: ServingRun) -> list[dict]:
+    """Rows in run order, each with its ratios to the dynamic baseline of the same budget (when it ran)."""
+    rows = [summarize(result, run) for result in run.results]
+    baselines = {row["budget"]: row for row in rows if row["backend"] == BASELINE}
+    for row in rows:
+        base = baselines.get(row["budget"])
+        row["tok_s_vs_dynamic"] = row["output_tok_s"] / base["output_tok_s"] if base else None
+        row["concurrency_vs_dynamic"] = row["mean_concurrency"] / base["mean_concurrency"] if base else None
+    return rows
+
+
+def describe(run: ServingRun) -> dict:
+    """The workload and budget facts the report states, JSON-ready."""
+    workload, unit = run.workload, run.budgets[0]
+    return {
+        "workload": workload.name,
+        "description": workload.description,
+        "num_requests": workload.num_requests,
+        "num_samples": workload.num_samples,
+        "temperature": workload.temperature,
+        "num_prompt_tokens": workload.num_prompt_tokens,
+        "num_output_tokens": workload.num_output_tokens,
+        "max_prompt_len": workload.max_prompt_len,
+        "max_new_tokens": workload.max_new_tokens,
+        "reservation_tokens": unit.reservation_tokens,
+        "bytes_per_token": unit.bytes_per_token,
+        "reservation_bytes": unit.reservation_bytes,
+        "budget_multiples": [b.multiple for b in run.budgets],
+        "repeats": run.repeats,
+        "failures": run.failures,
+    }
+
+
+def _fmt(value, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def render(serving: dict) -> list[str]:
+    """The serving sections of SERVING_LOG.md, from `{"facts": describe(run), "rows": summarize_all(run), ...}`."""
+    facts, rows = serving["facts"], serving["rows"]
+    throughput = [
+        [
+            row["budget"], row["backend"], _fmt(row["output_tok_s"], ".1f"), _fmt(row["tok_s_vs_dynamic"], ".2f"),
+            _fmt(row["requests_s"], ".2f"), _fmt(row["ttft_p50_s"], ".2f"), _fmt(row["ttft_p99_s"], ".2f"),
+            _fmt(row["tpot_p50_ms"], ".1f"), _fmt(row["tpot_p99_ms"], ".1f"), _fmt(row["wall_s"], ".1f"),
+            _fmt(row["other_load"], ".2f"),
+            "n/a (sampled)" if row["num_agree"] is None else f"{row['num_agree']}/{row['num_sequences']}",
+        ]
+        for row in rows
+    ]
+    memory = [
+        [
+            row["budget"], row["backend"], _fmt(row["kv_budget_mib"], ".2f"), row["peak_concurrency"],
+            _fmt(row["mean_concurrency"], ".1f"),
+            _fmt(row["concurrency_vs_dynamic"], ".2f"), _fmt(row["reserved_mib"], ".2f"),
+            _fmt(row["live_at_peak_mib"], ".2f"), _fmt(row["utilization"], ".2f"),
+            _fmt(row["held_at_peak_mib"], ".2f"), row["preemptions"], row["wasted_tokens"],
+        ]
+        for row in rows
+    ]
+    lines = [
+        f"## Serving: `{facts['workload']}` workload at matched KV budgets",
+        "",
+        f"Workload: {facts['description']}; {facts['num_output_tokens']} output tokens in all. Every request runs",
+        "greedy to its own output length (no eos). One worst-case reservation = longest prompt + longest output",
+        f"= {facts['max_prompt_len']} + {facts['max_new_tokens']} tokens, rounded up to whole blocks of {BLOCK_SIZE}: "
+        f"{facts['reservation_tokens']} tokens x {facts['bytes_per_token']} K/V bytes per token "
+        f"= {facts['reservation_bytes'] / MIB:.2f} MiB. Budget `Nx` = N reservations, the same for every backend:",
+        "",
+        "- `dynamic`: static batches of `budget // reservation` requests in arrival order through `generate()` with",
+        "  `DynamicCache` (sdpa), left-padded, `max_new_tokens` = the batch's longest output; tokens past a request's",
+        "  own length are counted as `wasted`, not as output;",
+        f"- `static`: the same with `StaticCache` slots of max({STATIC_SLOT_TOKENS}, reservation) tokens, so",
+        "  `budget // slot` rows (at least 1, which can exceed the budget: see `reserved`);",
+        "- `paged-generate`: the dynamic batches with `PagedCache` on a `BlockPool` of exactly the budget",
+        "  (\"hf_paged\" attention);",
+        f"- `engine`: `hf_paged.Engine` on a `BlockPool` of exactly the budget (max_num_seqs {ENGINE_MAX_NUM_SEQS}, "
+        f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}),",
+        "  prefix caching on (its default), requests added when they arrive, stepped until done;",
+        f"- `{PEER}`: transformers' own continuous batching (the manager behind `model.generate_batch`, used",
+        "  directly to give each request its own `max_new_tokens`) with `num_blocks` = budget / block bytes,",
+        f"  `page_size` {BLOCK_SIZE}, `max_batch_tokens` {MAX_NUM_BATCHED_TOKENS}, block sharing on (its default),",
+        "  on sdpa;",
+        "- any other name: a third-party cache backend from `hf_paged.available_backends()`, run like `dynamic`.",
+        "",
+        *(
+            [
+                f"Parallel sampling: each request is {facts['num_samples']} sequences (static batches: "
+                "`num_return_sequences`, a batch takes `budget // (n x reservation)` requests; engine: n seeded",
+                f"requests; `{PEER}`: its `num_return_sequences` forks). Latency and concurrency count sequences.",
+                "",
+            ]
+            if facts["num_samples"] > 1
+            else []
+        ),
+        "TTFT is measured from the request's arrival; static batches stamp every step with a logits-processor",
+        "clock, and a request finishes at its own last token (streaming semantics, generous to static batching).",
+        "TPOT = (finish - first token) / (outputs - 1). Ratios divide by `dynamic` at the same budget.",
+        f"Each (budget, backend) ran {facts['repeats']} time(s), interleaved; the table shows the fastest run.",
+        "`other load`: CPU cores other processes kept busy during the run (from /proc/stat); a run above",
+        f"{NOISY_LOAD} was run once more and the faster kept. A high value means that row's timings are disturbed.",
+        "",
+        "### Throughput and latency",
+        "",
+        tabulate(
+            throughput,
+            headers=["budget", "backend", "out tok/s", "vs dynamic", "req/s", "TTFT p50 s", "TTFT p99 s",
+                     "TPOT p50 ms", "TPOT p99 ms", "wall s", "other load", "greedy agree"],
+            tablefmt="github",
+            disable_numparse=True,
+        ),
+        "",
+        "### KV memory and concurrency",
+        "",
+        "Concurrency: sequences in flight (static batches: the batch size; engine: requests run per step), mean",
+        "weighted by time over the wall time. `reserved`: K/V memory set aside (dynamic: batch x reservation;",
+        "static: batch x slot; paged/engine/peer: the pool). `live at peak`: K/V of real tokens (prompt + the",
+        "request's own outputs; no padding, no wasted tokens; a shared prefix block counted once) at the busiest",
+        "moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends, padding",
+        f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
+        "",
+        tabulate(
+            memory,
+            headers=["budget", "backend", "budget MiB", "peak seqs", "mean seqs", "vs dynamic", "reserved MiB",
+                     "live at peak MiB", "utilization", "held at peak MiB", "preemptions", "wasted tokens"],
+            tablefmt="github",
+            disable_numparse=True,
+        ),
+        "",
+        "### Greedy agreement with per-request generate()",
+        "",
+        "Every backend's outputs against each request alone through `generate()` with `DynamicCache` (sdpa).",
+        "",
+    ]
+    mismatched = [row for row in rows if row["mismatches"]]
+    if facts["temperature"] > 0:
+        lines.append(f"Sampled workload (temperature {facts['temperature']:g}): the backends draw from different "
+                     "generators, so outputs are not compared; every sequence has its full length.")
+    elif not mismatched:
+        lines.append(f"All {len(rows)} runs reproduce every request token for token.")
+    for row in mismatched:
+        shown = ", ".join(f"request {m['request']} at token {m['first_difference']}" for m in row["mismatches"][:10])
+        more = f" (and {len(row['mismatches']) - 10} more)" if len(row["mismatches"]) > 10 else ""
+        lines.append(f"- `{row['backend']}` at {row['budget']}: {row['num_agree']}/{row['num_sequences']} agree; "
+                     f"first differences: {shown}{more}")
+    notes = [f"- `{key}` failed: {error}" for key, error in facts["failures"].items()]
+    notes += [f"- {note}" for note in serving.get("notes", [])]
+    if notes:
+        lines += ["", "### Notes", "", *notes]
+    lines.append("")
+    return lines
+
+
+def plot(rows: list[dict], path: str | Path) -> str:
+    """Output tok/s and mean concurrency against budget, one line per backend, as a PNG; returns a note."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot was drawn (it is not a dependency of this project)"
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for backend in dict.fromkeys(row["backend"] for row in rows):
+        mine = [row for row in rows if row["backend"] == backend]
+        budgets = [float(row["budget"].rstrip("x")) for row in mine]
+        left.plot(budgets, [row["output_tok_s"] for row in mine], marker="o", label=backend)
+        right.plot(budgets, [row["mean_concurrency"] for row in mine], marker="o", label=backend)
+    for axis, label in ((left, "output tok/s"), (right, "mean concurrent sequences")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("KV budget (x worst-case reservation)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+    left.legend()
+    figure.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return f"plot: `{Path(path).name}`"
