@@ -32,14 +32,20 @@ def _engine(name, num_blocks, **kwargs):
 
 
 @pytest.mark.parametrize(
-    "num_blocks, max_num_batched_tokens",
-    [(64, 512), (64, 8), (12, 512)],
-    ids=["ample", "chunked-prefill", "preempting"],
+    "num_blocks, max_num_batched_tokens, decode_reserve_tokens",
+    [(64, 512, 64), (64, 8, 64), (12, 512, 0)],
+    ids=["ample", "chunked-prefill", "preempting"],  # no growth reserve: admission outruns the pool
 )
 @pytest.mark.parametrize("name", ["llama", "mistral"])
-def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_batched_tokens):
+def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_batched_tokens, decode_reserve_tokens):
     prompts = _prompts()
-    engine, pool = _engine(name, num_blocks, max_num_seqs=4, max_num_batched_tokens=max_num_batched_tokens)
+    engine, pool = _engine(
+        name,
+        num_blocks,
+        max_num_seqs=4,
+        max_num_batched_tokens=max_num_batched_tokens,
+        decode_reserve_tokens=decode_reserve_tokens,
+    )
     outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert outputs == _reference(name, prompts, NEW_TOKENS)
     assert pool.num_used_blocks == 0
@@ -179,3 +185,17 @@ def test_shared_system_prompt_is_computed_once_with_identical_output():
     assert warm.prefix_hit_tokens == 40 * (len(prompts) - 1)
     assert warm.prefill_tokens == cold.prefill_tokens - warm.prefix_hit_tokens
     assert warm.decode_tokens == cold.decode_tokens == sum(new_tokens) - len(prompts)
+
+
+def test_the_growth_reserve_prevents_preemption_that_a_one_block_reserve_causes():
+    prompts = _prompts()
+    runs = {}
+    for reserve in (0, 16):
+        engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve)
+        assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == _reference(
+            "llama", prompts, NEW_TOKENS
+        )
+        runs[reserve] = engine.stats.num_preemptions
+    assert runs[16] < runs[0]
+    with pytest.raises(ValueError, match="decode_reserve_tokens must be >= 0"):
+        _engine("llama", 16, decode_reserve_tokens=-1)
