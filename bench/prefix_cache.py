@@ -1,7 +1,7 @@
 """Shared-system-prompt workload on the Engine, prefix caching on vs off: prompt tokens computed and TTFT.
 
-All requests arrive at t=0 and share one system prompt; each adds a few unique tokens. Run from `python -m bench`
-(or `python -m bench.prefix_cache` alone).
+All requests arrive at t=0 and share one system prompt; each adds a few unique tokens. Run with
+`python -m bench.prefix_cache` (the serving harness has the same workload: `python -m bench --workload shared-prefix`).
 """
 
 from __future__ import annotations
