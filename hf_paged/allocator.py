@@ -41,9 +41,8 @@ class BlockAllocator:
         # this order down exactly. An OrderedDict, not a deque: a prefix hit removes a block from the middle.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref_counts: list[int] = [0] * num_blocks
-        # Re-entrant, and public as `lock` so a caller can make a read-then-act sequence atomic (block_tables.py).
-        self._lock = threading.RLock()
-        self.lock = self._lock
+        # Re-entrant, and public so a caller can make a read-then-act sequence atomic (block_tables.py).
+        self.lock = threading.RLock()
         self.enable_prefix_caching = enable_prefix_caching
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
@@ -73,7 +72,7 @@ class BlockAllocator:
         """
         if num_blocks < 0 or num_holders < 1:
             raise ValueError(f"allocate needs num_blocks >= 0 and num_holders >= 1, got {num_blocks}, {num_holders}")
-        with self._lock:
+        with self.lock:
             if num_blocks > len(self._free):
                 raise PoolExhausted(num_blocks, len(self._free), self.num_blocks)
             block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
@@ -85,7 +84,7 @@ class BlockAllocator:
 
     def incref(self, block_ids: Iterable[int], times: int = 1) -> None:
         """Add `times` holders to each held block (a fork: a second block table now names it)."""
-        with self._lock:
+        with self.lock:
             block_ids = list(block_ids)
             for block_id in block_ids:
                 if self._ref_counts[block_id] <= 0:
@@ -98,7 +97,7 @@ class BlockAllocator:
 
         A double free (dropping a holder the block does not have) raises before anything changes.
         """
-        with self._lock:
+        with self.lock:
             block_ids = list(block_ids)
             drops: dict[int, int] = {}
             for block_id in block_ids:
@@ -119,7 +118,7 @@ class BlockAllocator:
         Returns `block_id` itself when nobody else holds it. Otherwise moves the caller's holds to a fresh block and
         returns its id; the caller must then copy the data (`BlockPool.copy_blocks`) before writing.
         """
-        with self._lock:
+        with self.lock:
             ref_count = self._ref_counts[block_id]
             if ref_count < num_holders:
                 raise RuntimeError(f"copy_on_write of block {block_id} by {num_holders} holders, it has {ref_count}")
@@ -134,7 +133,7 @@ class BlockAllocator:
         """Append `num_new_blocks` free ids at the end of the id range (the pool grew its storage to match)."""
         if num_new_blocks <= 0:
             raise ValueError(f"grow needs a positive number of blocks, got {num_new_blocks}")
-        with self._lock:
+        with self.lock:
             self._free.update(OrderedDict.fromkeys(range(self.num_blocks, self.num_blocks + num_new_blocks)))
             self._ref_counts.extend([0] * num_new_blocks)
             self.num_blocks += num_new_blocks
@@ -155,7 +154,7 @@ class BlockAllocator:
         """
         if not self.enable_prefix_caching:
             return
-        with self._lock:
+        with self.lock:
             if self._ref_counts[block_id] <= 0:
                 raise RuntimeError(f"cache_block of free block {block_id}: only held blocks can be cached")
             if block_hash in self._block_of_hash or block_id in self._hash_of_block:
@@ -165,7 +164,7 @@ class BlockAllocator:
 
     def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Take a hold on the cached blocks of the longest cached prefix of `block_hashes`; return their ids."""
-        with self._lock:
+        with self.lock:
             block_ids = []
             for block_hash in block_hashes:
                 block_id = self._block_of_hash.get(block_hash)
@@ -182,7 +181,7 @@ class BlockAllocator:
 
     def uncache(self, block_id: int) -> None:
         """Forget `block_id`'s hash (its contents are about to change)."""
-        with self._lock:
+        with self.lock:
             self._forget(block_id)
 
     def _forget(self, block_id: int) -> None:
@@ -193,7 +192,7 @@ class BlockAllocator:
     # --------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
         """Assert the allocator's invariants; for tests and debugging, O(num_blocks)."""
-        with self._lock:
+        with self.lock:
             free = list(self._free)
             assert len(free) == len(set(free)), "a block is in the free queue twice"
             for block_id in free:

@@ -75,7 +75,7 @@ class StepCache(Cache):
             self.tables.gather(1, positions // block_size) * block_size + positions % block_size
         ).flatten()  # [B * q_len]
         self.new_lens = torch.tensor([n + q_len for n in seq_lens], dtype=torch.int32, device=device)
-        self._index: torch.Tensor | None = None
+        self._index: dict[tuple[int, int], torch.Tensor] = {}  # (kv_heads, pool blocks) -> gather index
         super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -109,12 +109,14 @@ class StepCache(Cache):
         """[B, kv_heads, longest, head_dim] keys and values; positions past a row's length are not its keys."""
         key_cache, value_cache = self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx]
         num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        if self._index is None:
-            self._index = head_major_index(self.tables, num_heads, num_pool_blocks)
+        # Layers may differ in kv heads, so the index is keyed by shape (one entry for a uniform model).
+        index = self._index.get((num_heads, num_pool_blocks))
+        if index is None:
+            index = self._index[(num_heads, num_pool_blocks)] = head_major_index(self.tables, num_heads, num_pool_blocks)
         length = int(self.new_lens.max())
         batch_size = self.tables.shape[0]
         return tuple(
-            torch.index_select(cache.view(-1, block_size, head_dim), 0, self._index)
+            torch.index_select(cache.view(-1, block_size, head_dim), 0, index)
             .view(batch_size, num_heads, -1, head_dim)[:, :, :length]
             for cache in (key_cache, value_cache)
         )
