@@ -20,11 +20,17 @@ setup: $(VENV)/.installed
 test: setup
 	$(PY) -m pytest -q --benchmark-disable
 
-# The main job: the benchmark on the embedded default model; writes SERVING_LOG.md.
-bench: setup
+# The benchmark draws its plot with matplotlib (the `plot` extra; also in `dev`, installed explicitly here so the
+# bench targets do not depend on what `dev` lists).
+$(VENV)/.plot-installed: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e '.[plot]'
+	touch $@
+
+# The main job: the benchmark on the embedded default model; writes SERVING_LOG.md and serving_plot_burst.png.
+bench: setup $(VENV)/.plot-installed
 	$(PY) -m bench --quick
 
-bench-full: setup
+bench-full: setup $(VENV)/.plot-installed
 	$(PY) -m bench --full
 
 # Hot-path microbenchmarks for real (allocator, cache update, decode attention reference).

@@ -1,5 +1,6 @@
 """`python -m bench`: the main job. Runs the serving benchmark, then the cache report, on the embedded default model
-(or `--model PATH`) and writes SERVING_LOG.md plus JSONs of raw results (bench/results/).
+(or `--model PATH`) and writes SERVING_LOG.md, a plot of the serving run next to it (needs matplotlib, the `plot`
+extra) and JSONs of raw results (bench/results/).
 
     python -m bench --quick        # under 5 minutes on 2 CPU cores
     python -m bench --full         # the numbers committed in SERVING_LOG.md
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
@@ -22,9 +24,11 @@ from tabulate import tabulate
 
 from . import cache_report, serving, serving_report
 from .models import load_model, sliding_window_model
+from .plot import plot_serving
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
+NO_MATPLOTLIB = "matplotlib is not installed: no plot was drawn (`pip install -e '.[plot]'`)"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -37,8 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
     parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
-    parser.add_argument("--plot", default=str(ROOT / "bench" / "results" / "serving.png"),
-                        help="PNG of tok/s and concurrency against budget (needs matplotlib)")
+    parser.add_argument("--plot", default=None,
+                        help="PNG of tok/s and concurrency against budget (needs matplotlib; "
+                        "default: serving_plot_WORKLOAD.png next to --log)")
     parser.add_argument("--workload", default="burst", choices=WORKLOADS,
                         help="serving workload (default: burst; see bench/workloads.py)")
     parser.add_argument("--rate", type=float, default=None,
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     model = load_model(args.model, device=args.device)
     started = time.time()
+    device = str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else "")
     print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
@@ -80,10 +86,10 @@ def main(argv=None) -> int:
     repeats = args.repeats or (1 if args.full else 2)
     run = serving.run_serving(model, workload, budgets, args.backends, repeats=repeats, progress=not args.no_progress)
     rows = serving_report.summarize_all(run)
-    notes = [*run.notes, serving_report.plot(rows, args.plot)]
-    print(notes[0], flush=True)
-    served = {"facts": serving_report.describe(run), "rows": rows, "notes": notes}
     print(_serving_table(rows), flush=True)
+    plot = draw_plot(rows, args, device)
+    notes = run.notes + ([] if plot else [NO_MATPLOTLIB])
+    served = {"facts": serving_report.describe(run), "rows": rows, "notes": notes, "plot": plot}
     results = {"serving": served}
     if not args.serving_only:
         results.update(run_cache_report(model, args))
@@ -92,7 +98,7 @@ def main(argv=None) -> int:
     header = {
         "command": command.strip(),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
-        "device": str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else ""),
+        "device": device,
         "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
         "model": args.model or "embedded Llama-style (bench/models.py), random weights",
         "wall_seconds": round(time.time() - started, 1),
@@ -105,6 +111,16 @@ def main(argv=None) -> int:
     Path(args.log).write_text(render(results))
     print(f"wrote {args.log}, {args.serving_json}" + ("" if args.serving_only else f" and {args.json}"))
     return 0
+
+
+def draw_plot(rows: list[dict], args: argparse.Namespace, device: str) -> str | None:
+    """The serving plot at `--plot`, by default next to the log; returns its path relative to the log's folder (what
+    the log's image link needs), or None when matplotlib is not installed."""
+    log_dir = Path(args.log).resolve().parent
+    path = Path(args.plot) if args.plot else log_dir / f"serving_plot_{args.workload}.png"
+    written = plot_serving(rows, path, title=f"Serving: {args.workload} workload on {device}")
+    print(f"wrote {written}" if written else NO_MATPLOTLIB, flush=True)
+    return None if written is None else Path(os.path.relpath(written.resolve(), log_dir)).as_posix()
 
 
 def _serving_table(rows: list[dict]) -> str:

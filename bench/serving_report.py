@@ -1,9 +1,7 @@
 """Metrics of a serving run (tok/s, latency percentiles, concurrency, KV utilization, greedy agreement), the
-markdown sections of SERVING_LOG.md and an optional plot."""
+markdown sections of SERVING_LOG.md (the plot itself is drawn by bench/plot.py)."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 from tabulate import tabulate
 
@@ -126,7 +124,8 @@ def _fmt(value, spec: str) -> str:
 
 
 def render(serving: dict) -> list[str]:
-    """The serving sections of SERVING_LOG.md, from `{"facts": describe(run), "rows": summarize_all(run), ...}`."""
+    """The serving sections of SERVING_LOG.md, from `{"facts": describe(run), "rows": summarize_all(run), ...}`;
+    optional keys: `notes` (lines) and `plot` (the PNG's path relative to the log, linked when given)."""
     facts, rows = serving["facts"], serving["rows"]
     throughput = [
         [
@@ -217,6 +216,19 @@ def render(serving: dict) -> list[str]:
             disable_numparse=True,
         ),
         "",
+        *(
+            [
+                "### Throughput and concurrency against budget",
+                "",
+                "The two tables above as a plot: output tok/s (left) and mean concurrent sequences (right) of each "
+                "backend at each budget.",
+                "",
+                f"![{facts['workload']}: output tok/s and mean concurrency against KV budget]({serving['plot']})",
+                "",
+            ]
+            if serving.get("plot")
+            else []
+        ),
         "### Greedy agreement with per-request generate()",
         "",
         "Every backend's outputs against each request alone through `generate()` with `DynamicCache` (sdpa).",
@@ -240,30 +252,3 @@ def render(serving: dict) -> list[str]:
     lines.append("")
     return lines
 
-
-def plot(rows: list[dict], path: str | Path) -> str:
-    """Output tok/s and mean concurrency against budget, one line per backend, as a PNG; returns a note."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot was drawn (it is not a dependency of this project)"
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for backend in dict.fromkeys(row["backend"] for row in rows):
-        mine = [row for row in rows if row["backend"] == backend]
-        budgets = [float(row["budget"].rstrip("x")) for row in mine]
-        left.plot(budgets, [row["output_tok_s"] for row in mine], marker="o", label=backend)
-        right.plot(budgets, [row["mean_concurrency"] for row in mine], marker="o", label=backend)
-    for axis, label in ((left, "output tok/s"), (right, "mean concurrent sequences")):
-        axis.set_xscale("log", base=2)
-        axis.set_xlabel("KV budget (x worst-case reservation)")
-        axis.set_ylabel(label)
-        axis.grid(True, alpha=0.3)
-    left.legend()
-    figure.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
-    return f"plot: `{Path(path).name}`"
