@@ -6,7 +6,9 @@ continuous batching), together with a mask function: without one, a custom atten
 
 How it meets the cache: when the model runs this implementation, `PagedCache.update` on a decode step (one new
 token per row) stores the token and returns an empty `[B, kv_heads, 0, head_dim]` tensor carrying a `DecodePlan`
-instead of gathering the whole context. This function finds the plan on `key` and either
+instead of gathering the whole context. The plan holds the block tables of the layer's layer group (a Gemma-style
+pool keeps one per group; a sliding group's tables start at its first unreleased block, `position_offset`), so
+the same code serves every group. This function finds the plan on `key` and either
 - runs the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or
 - gathers the K/V once and runs SDPA (backend "torch"; "auto" elsewhere), bit-identical to plain sdpa.
 Prefill steps, and any other cache (DynamicCache, StaticCache), get plain SDPA: with no plan on `key`, this is
@@ -22,7 +24,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import PAGED_ATTENTION, DecodePlan
+from .decode_plan import PAGED_ATTENTION, DecodePlan
 from .kernels import paged_decode_attention
 from .kernels.dispatch import resolve_backend
 

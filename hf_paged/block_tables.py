@@ -1,12 +1,16 @@
-"""Per-row block tables of one `PagedCache`, their groups, and the per-step metadata every layer reuses.
+"""Per-row block tables of one layer group of a `PagedCache`, their row groups, and the per-step metadata every layer
+of the layer group reuses.
+
+A `PagedCache` holds one `BlockTables` per layer group of its pool (layer_groups.py); a uniform model has one. Block
+ids in one layer group's tables are read and written only by that group's layers.
 
 A *row* is one sequence of the batch that `generate()` runs. All rows of a cache have the same length (left padding
 is stored like any token and masked by the attention mask, exactly as in `DynamicCache`), so the tables form a
 rectangle and one `[B, num_table_blocks]` tensor describes them.
 
 Block tables are indexed by *logical* block (`position // block_size`), offset by `base`: the number of leading
-blocks every row has already given back because no layer can attend to them again (all-sliding-window models).
-`tables[row][i]` holds logical block `base + i`.
+blocks every row has already given back because no layer of the group can attend to them again (a layer group whose
+layers all slide). `tables[row][i]` holds logical block `base + i`.
 
 Row groups are how one `generate()` call stores a prompt once for `num_return_sequences=n` or `num_beams=n`:
 rows in one group hold identical block tables *and* are expected to write identical K/V. Only the group's leader
@@ -14,8 +18,8 @@ rows in one group hold identical block tables *and* are expected to write identi
 differs leaves the group and copies-on-write the blocks it is about to write. So sharing never changes a value:
 it only skips storing the same value twice.
 
-NOTE: this object holds the block ids but not the cache: a `weakref.finalize` on the cache calls `release` here, so
-a cache dropped without `release()` still returns its blocks.
+NOTE: this object holds the block ids but not the cache: a `weakref.finalize` on the cache calls `release` on every
+layer group's tables, so a cache dropped without `release()` still returns its blocks.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from collections import Counter
 
 import torch
 
+from .allocator import block_hashes
 from .errors import PoolExhausted
 from .pool import BlockPool
 
@@ -33,7 +38,7 @@ class BlockTables:
         self.pool: BlockPool | None = None
         self.tables: list[list[int]] = []  # tables[row] = block ids, in token order
         self.leaders: list[int] = []  # leaders[row] = the lowest row of its group (itself when alone)
-        self.base = 0  # logical index of tables[row][0]: leading blocks released by sliding windows
+        self.base = 0  # logical index of tables[row][0]: leading blocks released by a sliding layer group
         self.version = 0  # bumped on every table change; keys the metadata memo
         self._memo: dict[tuple, object] = {}  # per-step metadata; cleared on every table change
         self._tables_tensor: torch.Tensor | None = None
@@ -89,6 +94,37 @@ class BlockTables:
         if self.pool.growable and not allocator.can_allocate(num_blocks):
             self.pool.grow(max(num_blocks - allocator.num_free_blocks, allocator.num_blocks))
         return allocator.allocate(num_blocks)
+
+    # -------------------------------------------------------------- row groups
+    def start_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, share_rows: bool) -> None:
+        """Begin with one row per row of the first layer's `key_states` ([B, kv_heads, q_len, head_dim]). With
+        `share_rows`, adjacent rows with identical K and V form one row group (generate() expands prompts with
+        repeat_interleave, so copies are adjacent)."""
+        batch_size = key_states.shape[0]
+        leaders = list(range(batch_size))
+        if share_rows and batch_size > 1:
+            same = rows_equal(key_states[1:], key_states[:-1]) & rows_equal(value_states[1:], value_states[:-1])
+            for row, is_same in enumerate(same.tolist(), start=1):
+                if is_same:
+                    leaders[row] = leaders[row - 1]
+        self.start(leaders)
+
+    def verify_row_groups(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Split off every follower whose new K/V ([B, kv_heads, q_len, head_dim]) differ from its leader's.
+
+        A split row becomes its own writer; the `make_writable_once` that follows copies-on-write the blocks it is
+        about to write, with the earlier layers of this step (written by its old leader, equal to its own) inside.
+        NOTE: per layer group. A row split in one group may still share in another: every layer of that other group
+        verified its writes equal, which is all sharing promises.
+        """
+        followers = [row for row, leader in enumerate(self.leaders) if leader != row]
+        leaders = [self.leaders[row] for row in followers]
+        same = rows_equal(key_states[followers], key_states[leaders]) & rows_equal(
+            value_states[followers], value_states[leaders]
+        )
+        diverged = [row for row, is_same in zip(followers, same.tolist()) if not is_same]
+        if diverged:
+            self.split(diverged)
 
     def group_sizes(self) -> Counter:
         return Counter(self.leaders)
@@ -212,6 +248,29 @@ class BlockTables:
         self.tables[0] = list(block_ids)
         self._changed()
 
+    # ----------------------------------------------------------- prefix cache
+    def adopt_prefix(self, token_ids: list[int]) -> int:
+        """Begin with one row holding the longest cached prefix of `token_ids` (at least one token is left to
+        compute); returns how many tokens it holds. Needs a pool with one layer group (prefix caching does)."""
+        block_size = self.pool.block_size
+        num_blocks = (len(token_ids) - 1) // block_size
+        block_ids = self.pool.allocator.lookup_prefix(block_hashes(token_ids[: num_blocks * block_size], block_size))
+        if block_ids:
+            self.adopt(block_ids)
+        return len(block_ids) * block_size
+
+    def cache_rows(self, rows: list[list[int]], padded: list[bool], num_tokens: int) -> None:
+        """Remember every full block of each unpadded row by the hash chain of its tokens: `rows[r]` are row r's token
+        ids, of which the first `num_tokens` have their K/V stored."""
+        allocator, block_size = self.pool.allocator, self.pool.block_size
+        for row, (row_ids, is_padded) in enumerate(zip(rows, padded)):
+            if is_padded:
+                continue
+            hashes = block_hashes(row_ids[:num_tokens], block_size)[self.base :]  # released blocks are gone
+            for block_id, block_hash in zip(self.tables[row], hashes):
+                allocator.cache_block(block_id, block_hash)
+
+    # ---------------------------------------------------------------- metadata
     def tables_tensor(self) -> torch.Tensor:
         """`[B, num_table_blocks]` int64 on the pool's device; rebuilt only when a table changed."""
         if self._tables_tensor is None:
@@ -276,3 +335,8 @@ def head_major_index(tables: torch.Tensor, num_heads: int, num_pool_blocks: int)
     pool view, in `[B, num_heads, n]` order (see `BlockTables.gather_index`)."""
     heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
     return (heads[None, :, None] + tables[:, None, :]).flatten()
+
+
+def rows_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[N, ...] x [N, ...] -> [N] bool: row n of a equals row n of b exactly."""
+    return (a == b).flatten(1).all(dim=1)

@@ -13,37 +13,60 @@ layout that attention wants, in one block-granular copy. Gathering from a token-
 transposing copy (measured 2x slower), and returning the transposed view instead changes eager attention's matmul
 results in the last bit. `nhd_view` gives kernels the `[num_blocks, block_size, num_kv_heads, head_dim]` view.
 
-NOTE: one block id names the same token range in *every* layer: a sequence allocates one block per `block_size`
-tokens, not one per layer, so block tables and slot mappings are built once per step and reused by all layers.
+Layer groups (layer_groups.py): a block id names the same token range in every layer *of one layer group*, so a
+sequence allocates one block per `block_size` tokens per group, not one per layer, and block tables and slot
+mappings are built once per step per group. A uniform model (all full, or all sliding) is one group, and then
+`key_cache[l]` is layer l's own tensor. A model that mixes attention types has several groups of `num_slots` layers;
+`key_cache[l]` is then the storage tensor of layer l's slot, shared (aliased) with the layers of other groups at
+that slot, and a block is `num_slots` layers' worth of bytes.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from accelerate.utils import convert_file_size_to_int
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .allocator import BlockAllocator
 from .errors import PoolMismatch
+from .layer_groups import LayerGroups, LayerGroupsUnsupported, derive_layer_groups, group_of_layer, slot_of_layer
 
 
 @dataclass(frozen=True)
 class KVLayout:
-    """Per-layer K/V shapes of one model: what a pool must hold for it."""
+    """Per-layer K/V shapes of one model: what a pool must hold for it.
+
+    `layer_types` (one transformers layer type per layer, such as "full_attention" or "sliding_attention"; all
+    "full_attention" when not given) only decides how a pool groups layers (`layer_groups`).
+
+    NOTE: `layer_types` is left out of equality. Two layouts are equal when they store the same shapes, and any
+    grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per group of its
+    pool and releases a group's blocks only when every layer of that group slides (by the cache's own config).
+    """
 
     num_kv_heads: tuple[int, ...]
     head_dims: tuple[int, ...]
+    layer_types: tuple[str, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
             raise ValueError(f"num_kv_heads and head_dims need one entry per layer, got {self} ")
         if min(self.num_kv_heads) <= 0 or min(self.head_dims) <= 0:
             raise ValueError(f"num_kv_heads and head_dims must be positive, got {self}")
+        layer_types = ("full_attention",) * self.num_layers if self.layer_types is None else tuple(self.layer_types)
+        if len(layer_types) != self.num_layers:
+            raise ValueError(f"layer_types needs one entry per layer ({self.num_layers}), got {len(layer_types)}")
+        object.__setattr__(self, "layer_types", layer_types)
 
     @property
     def num_layers(self) -> int:
         return len(self.num_kv_heads)
+
+    def layer_groups(self) -> LayerGroups:
+        """The layer groups a pool of this layout uses (see layer_groups.py): one group unless types mix."""
+        return derive_layer_groups(self.layer_types, list(zip(self.num_kv_heads, self.head_dims)))
 
     @classmethod
     def from_config(cls, config) -> KVLayout:
@@ -55,9 +78,12 @@ class KVLayout:
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers)
+        layer_types, _ = get_layer_types_and_kwargs(config)
+        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, tuple(layer_types))
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what
+        DynamicCache pays per `block_size` tokens of a full-attention model)."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * block_size * itemsize * sum(h * d for h, d in zip(self.num_kv_heads, self.head_dims))
 
@@ -87,7 +113,14 @@ class BlockPool:
         growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
         enable_prefix_caching (`bool`, defaults to `False`): remember full blocks by a hash chain over their token
             ids (`PagedCache.release(token_ids=...)`) so `PagedCache.from_prefix` can reuse them. A pool with prefix
-            caching belongs to one model: two models with the same shapes would read each other's K/V.
+            caching belongs to one model: two models with the same shapes would read each other's K/V. Needs one
+            layer group (`group_layers=False` for a model that mixes attention types).
+        group_layers (`bool`, defaults to `True`): split layers of different attention types into layer groups
+            (`layout.layer_groups()`), so sliding-window layers can give back blocks that left their window. False
+            forces one group of every layer (then nothing is released unless every layer slides).
+
+    Attributes: `layer_groups` (tuple of layer-index tuples), `num_groups`, `num_slots` (layers per group, the
+    storage tensors per K and V), `key_cache` / `value_cache` (one tensor per layer; aliased across groups).
     """
 
     def __init__(
@@ -101,6 +134,7 @@ class BlockPool:
         device: torch.device | str | None = None,
         growable: bool = False,
         enable_prefix_caching: bool = False,
+        group_layers: bool = True,
     ):
         if not isinstance(block_size, int) or block_size <= 0:
             raise ValueError(f"block_size must be a positive int, got {block_size!r}")
@@ -114,7 +148,20 @@ class BlockPool:
         self.dtype = dtype if dtype is not None else torch.float32
         self.device = torch.device(device if device is not None else "cpu")
         self.growable = growable
-        self.bytes_per_block = layout.bytes_per_block(block_size, self.dtype)
+        self.layer_groups: LayerGroups = layout.layer_groups() if group_layers else (tuple(range(layout.num_layers)),)
+        if enable_prefix_caching:
+            # NOTE: a sliding group gives back its oldest blocks as a generation moves on, so a prefix hit would need
+            # the last window's blocks rather than a hash chain from the first (vLLM's sliding-window manager);
+            # until then, prefix caching and layer groups exclude each other, loudly.
+            self.check_one_group("prefix caching (enable_prefix_caching=True)")
+        self.group_of_layer = group_of_layer(self.layer_groups)
+        self.slot_of_layer = slot_of_layer(self.layer_groups)
+        self.num_slots = max(len(group) for group in self.layer_groups)
+        # slot -> (kv heads, head_dim) of the layers using it; derive_layer_groups guarantees they agree.
+        full_group = next(group for group in self.layer_groups if len(group) == self.num_slots)
+        self._slot_shapes = [(layout.num_kv_heads[l], layout.head_dims[l]) for l in full_group]
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        self.bytes_per_block = 2 * block_size * itemsize * sum(h * d for h, d in self._slot_shapes)
         if max_memory is not None:
             budget = parse_memory(max_memory)
             num_blocks = budget // self.bytes_per_block
@@ -125,8 +172,13 @@ class BlockPool:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
-        self.key_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
-        self.value_cache = [self._new_storage(num_blocks, i) for i in range(layout.num_layers)]
+        # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
+        # index by layer as before). grow() replaces the tensors and refreshes the lists in place.
+        self._key_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
+        self._value_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
+        self.key_cache: list[torch.Tensor] = []
+        self.value_cache: list[torch.Tensor] = []
+        self._alias_layers()
 
     @classmethod
     def for_model(
@@ -139,8 +191,10 @@ class BlockPool:
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         enable_prefix_caching: bool = False,
+        group_layers: bool = True,
     ) -> BlockPool:
-        """Build a pool shaped for a model (or its config). dtype and device follow the model unless given."""
+        """Build a pool shaped for a model (or its config). dtype and device follow the model unless given; a model
+        that mixes attention types gets layer groups unless `group_layers=False` (see `BlockPool`)."""
         if isinstance(model_or_config, torch.nn.Module):
             dtype = dtype if dtype is not None else model_or_config.dtype
             device = device if device is not None else model_or_config.device
@@ -155,11 +209,34 @@ class BlockPool:
             dtype=dtype,
             device=device,
             enable_prefix_caching=enable_prefix_caching,
+            group_layers=group_layers,
         )
 
-    def _new_storage(self, num_blocks: int, layer_idx: int) -> torch.Tensor:
-        shape = (self.layout.num_kv_heads[layer_idx], num_blocks, self.block_size, self.layout.head_dims[layer_idx])
-        return torch.zeros(shape, dtype=self.dtype, device=self.device)
+    def _new_storage(self, num_blocks: int, slot: int) -> torch.Tensor:
+        num_kv_heads, head_dim = self._slot_shapes[slot]
+        return torch.zeros((num_kv_heads, num_blocks, self.block_size, head_dim), dtype=self.dtype, device=self.device)
+
+    def _alias_layers(self) -> None:
+        """Point every layer's entry of `key_cache` / `value_cache` at its slot's tensor (in place)."""
+        self.key_cache[:] = [self._key_slots[slot] for slot in self.slot_of_layer]
+        self.value_cache[:] = [self._value_slots[slot] for slot in self.slot_of_layer]
+
+    # ----------------------------------------------------------------- groups
+    @property
+    def num_groups(self) -> int:
+        """Layer groups; each needs its own block table per sequence (1 for a uniform model)."""
+        return len(self.layer_groups)
+
+    def check_one_group(self, user: str) -> None:
+        """Raise `LayerGroupsUnsupported` naming `user` unless this pool has one layer group, i.e. unless one block
+        table per sequence addresses every layer (prefix caching, and code that indexes `key_cache[l]` with one
+        table for all layers)."""
+        if self.num_groups > 1:
+            raise LayerGroupsUnsupported(
+                f"{user} needs a pool with one layer group; this pool has {self.num_groups} ({self.layer_groups}), "
+                "because the model mixes attention types. Build it with BlockPool.for_model(..., group_layers=False) "
+                "(sliding layers then keep every block)"
+            )
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -185,6 +262,7 @@ class BlockPool:
             "num_blocks": self.num_blocks,
             "block_size": self.block_size,
             "bytes_per_block": self.bytes_per_block,
+            "num_groups": self.num_groups,
             "used_blocks": used,
             "free_blocks": free,
             "used_bytes": used * self.bytes_per_block,
@@ -194,7 +272,8 @@ class BlockPool:
 
     # ---------------------------------------------------------------- storage
     def check_compatible(self, layout: KVLayout) -> None:
-        """Raise `PoolMismatch` unless this pool stores K/V of the given shape."""
+        """Raise `PoolMismatch` unless this pool stores K/V of the given shape (layer types may differ: see
+        `KVLayout`; the pool's layer groups serve any model of its shapes)."""
         if layout != self.layout:
             raise PoolMismatch(
                 f"pool was built for {self.layout.num_layers} layers with kv heads {sorted(set(self.layout.num_kv_heads))} "
@@ -219,12 +298,13 @@ class BlockPool:
             )
 
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
-        """Copy whole blocks (every layer, K and V): the data half of copy-on-write."""
+        """Copy whole blocks (every slot, K and V; so every layer of the group that owns them): the data half of
+        copy-on-write."""
         if not src_block_ids:
             return
         src = torch.tensor(src_block_ids, device=self.device)
         dst = torch.tensor(dst_block_ids, device=self.device)
-        for cache in (*self.key_cache, *self.value_cache):
+        for cache in (*self._key_slots, *self._value_slots):
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @staticmethod
@@ -236,13 +316,14 @@ class BlockPool:
         """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
         if not self.growable:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
-        for caches in (self.key_cache, self.value_cache):
-            for layer_idx, cache in enumerate(caches):
-                caches[layer_idx] = torch.cat([cache, self._new_storage(num_new_blocks, layer_idx)], dim=1)
+        for slots in (self._key_slots, self._value_slots):
+            for slot, cache in enumerate(slots):
+                slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot)], dim=1)
+        self._alias_layers()
         self.allocator.grow(num_new_blocks)
 
     def __repr__(self) -> str:
         return (
             f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.layout.num_layers}, "
-            f"dtype={self.dtype}, device={self.device}, free={self.num_free_blocks})"
+            f"groups={self.num_groups}, dtype={self.dtype}, device={self.device}, free={self.num_free_blocks})"
         )

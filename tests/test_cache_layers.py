@@ -42,11 +42,15 @@ def test_update_returns_what_dynamic_cache_returns(name):
     for _ in range(20):  # decode past the window
         _step(caches, config, 2, 1, generator)
     _step(caches, config, 2, 3, generator)  # a multi-token step after the window is full
-    held_per_row = caches[1].num_held_blocks / 2
-    if name == "mistral":  # every layer slides: only the window's blocks (plus the partial ones) stay held
-        assert held_per_row <= -(-config.sliding_window // 4) + 1
-    else:  # a full-attention layer needs every block
-        assert held_per_row == -(-caches[1].get_seq_length() // 4)
+    # One layer group per attention type for gemma3 (sliding, full); one group of every layer otherwise.
+    assert len(caches[1].layer_groups) == (2 if name == "gemma3" else 1)
+    for group, held in zip(caches[1].layer_groups, caches[1].held_blocks_per_group):
+        held_per_row = held / 2
+        if all(caches[0].layers[layer_idx].is_sliding for layer_idx in group):
+            # Every layer of the group slides: only the window's blocks (plus the partial ones) stay held.
+            assert held_per_row <= -(-config.sliding_window // 4) + 1
+        else:  # a full-attention layer needs every block
+            assert held_per_row == -(-caches[1].get_seq_length() // 4)
     caches[1].release()
     assert pool.num_used_blocks == 0
 

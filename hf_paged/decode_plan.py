@@ -1,0 +1,68 @@
+"""DecodePlan: what one decode step's attention needs to read a layer's K/V straight from the pool.
+
+`PagedCache.update` (and the engine's `StepCache`) return it attached to an empty placeholder tensor when the model
+runs the `hf_paged` attention implementation (attention.py); block tables and lengths are built once per step (per
+layer group) and shared by the step's layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+# The attention implementation name hf_paged registers (see attention.py). "paged" is transformers' own.
+PAGED_ATTENTION = "hf_paged"
+
+
+@dataclass
+class DecodePlan:
+    """What a decode step's attention needs to read one layer's K/V from the pool without gathering it.
+
+    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`key.decode_plan`)
+    when the model runs the `hf_paged` attention implementation. `block_tables`, `seq_lens` and the kv_start memo
+    are built once per step and shared by every layer.
+    """
+
+    key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
+    value_cache: torch.Tensor  # same
+    block_tables: torch.Tensor  # [B, num_table_blocks] int32
+    seq_lens: torch.Tensor  # [B] int32: tokens per row from the first held block, the new one included
+    kv_offset: int  # absolute position of the first key that the attention mask describes
+    position_offset: int  # absolute position of block_tables[:, 0]'s first token (blocks released before it)
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
+    # Rows of different lengths (the engine's batches): `seq_lens` alone says which keys each row sees, the
+    # attention mask is ignored, and `gather` pads every row to the longest (mask with `length_mask`).
+    ragged: bool = False
+    _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
+
+    def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+        """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).
+
+        None when the mask is not "hidden prefix, then every key visible" (left padding, sliding window): such a
+        mask cannot be described by one start per row, and the caller falls back to gather + SDPA.
+        """
+        if attention_mask is None or self.ragged:
+            return torch.zeros_like(self.seq_lens)
+        memo = self._kv_starts.get(id(attention_mask))
+        if memo is not None and memo[0] is attention_mask:
+            return memo[1]
+        kv_start = None
+        if attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1:
+            visible = attention_mask[:, 0, -1, :]  # [B, kv_len]
+            first = visible.int().argmax(dim=-1)
+            if bool((visible.sum(dim=-1) == visible.shape[-1] - first).all()):
+                kv_start = (first + self.kv_offset - self.position_offset).to(torch.int32)
+        self._kv_starts[id(attention_mask)] = (attention_mask, kv_start)
+        return kv_start
+
+    def length_mask(self, sliding_window: int | None = None) -> torch.Tensor:
+        """[B, 1, 1, max_len] bool for a ragged `gather`: key j is visible to row b when j < seq_lens[b] (and,
+        with a sliding window, j > seq_lens[b] - 1 - sliding_window)."""
+        positions = torch.arange(int(self.seq_lens.max()), device=self.seq_lens.device)[None, :]
+        lengths = self.seq_lens[:, None]
+        visible = positions < lengths
+        if sliding_window is not None:
+            visible &= positions > lengths - 1 - sliding_window
+        return visible[:, None, None, :]
