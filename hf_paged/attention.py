@@ -46,6 +46,11 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a decode placeholder
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
+    step_plan = getattr(key, "step_plan", None)
+    if step_plan is not None:  # the engine's packed step: decode rows and prefill chunks in one sequence
+        return step_plan.attend(
+            module, query, dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs
+        )
     plan: DecodePlan | None = getattr(key, "decode_plan", None)
     if plan is None:
         return sdpa_attention_forward(

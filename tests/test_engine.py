@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged import BlockPool, Engine, RequestFailed, SamplingParams
+from hf_paged.layer_groups import LayerGroupsUnsupported
 from tests.models import tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
@@ -27,14 +28,16 @@ def _reference(name, prompts, new_tokens):
 
 def _engine(name, num_blocks, **kwargs):
     model = tiny_model(name, "hf_paged")
-    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4)
+    # The engine keeps one block table per request for all layers: one layer group.
+    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4, group_layers=False)
     return Engine(model, pool, **kwargs), pool
 
 
 @pytest.mark.parametrize(
     "num_blocks, max_num_batched_tokens, decode_reserve_tokens",
-    [(64, 512, 64), (64, 8, 64), (12, 512, 0)],
-    ids=["ample", "chunked-prefill", "preempting"],  # no growth reserve: admission outruns the pool
+    [(64, 512, None), (64, 8, None), (12, 512, 0), (12, 512, None)],
+    # no growth reserve: admission outruns the pool; the default lookahead fits the tight pool without preempting
+    ids=["ample", "chunked-prefill", "preempting", "tight-lookahead"],
 )
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_batched_tokens, decode_reserve_tokens):
@@ -52,7 +55,7 @@ def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_bat
     pool.allocator.check_invariants()
     stats = engine.stats
     assert stats.peak_running <= 4 and stats.mean_running > 1
-    if num_blocks == 12:  # 5 requests of up to 10 blocks each in 12 blocks: someone must be recomputed
+    if decode_reserve_tokens == 0:  # 5 requests of up to 10 blocks each in 12 blocks: someone must be recomputed
         assert stats.num_preemptions > 0
     else:
         assert stats.num_preemptions == 0
@@ -187,15 +190,107 @@ def test_shared_system_prompt_is_computed_once_with_identical_output():
     assert warm.decode_tokens == cold.decode_tokens == sum(new_tokens) - len(prompts)
 
 
-def test_the_growth_reserve_prevents_preemption_that_a_one_block_reserve_causes():
+def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
     prompts = _prompts()
     runs = {}
-    for reserve in (0, 16):
+    for reserve in (0, 4, None):
         engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve)
         assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == _reference(
             "llama", prompts, NEW_TOKENS
         )
-        runs[reserve] = engine.stats.num_preemptions
-    assert runs[16] < runs[0]
-    with pytest.raises(ValueError, match="decode_reserve_tokens must be >= 0"):
+        runs[reserve] = engine.stats
+        assert pool.num_used_blocks == 0
+    assert runs[None].num_preemptions == 0 < runs[0].num_preemptions
+    assert runs[4].num_preemptions <= runs[0].num_preemptions
+    # The lookahead still runs requests side by side when their peaks fit together.
+    assert runs[None].peak_running >= 2
+    with pytest.raises(ValueError, match="decode_reserve_tokens must be None or >= 0, got -1"):
         _engine("llama", 16, decode_reserve_tokens=-1)
+
+
+def test_lookahead_counts_blocks_freed_by_requests_that_finish_first():
+    # A 4-block pool of 4-token blocks: a request of 6 prompt + 7 new tokens peaks at 12 tokens = 3 blocks. A second
+    # 2-token request with 3 new tokens peaks at 4 tokens (1 block) and finishes long before the first one peaks.
+    engine, pool = _engine("llama", 4, max_num_seqs=4)
+    scheduler = engine.scheduler
+    engine.add_request(list(range(2, 8)), max_new_tokens=7, ignore_eos=True)
+    engine.step()  # the first request is running, 2 blocks held
+    engine.add_request([9, 10], max_new_tokens=3, ignore_eos=True)
+    assert scheduler.fits(scheduler.waiting[0])
+    engine.add_request(list(range(2, 14)), max_new_tokens=2, ignore_eos=True)  # 13 tokens at peak: 4 blocks
+    assert not scheduler.fits(scheduler.waiting[-1])
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running == 2
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_every_step_is_one_forward_with_decode_rows_and_prefill_chunks_packed(name):
+    # Small token budget: prompts arrive in chunks while earlier requests decode, so steps mix both kinds.
+    prompts = _prompts(lengths=(5, 17, 9, 30, 3))
+    engine, pool = _engine(name, 64, max_num_seqs=4, max_num_batched_tokens=10)
+    forwards, mixed = [], []
+    original = engine._forward
+
+    def spy(rows):
+        forwards.append(len(rows))
+        mixed.append(any(n == 1 for _, n in rows) and any(n > 1 for _, n in rows))
+        return original(rows)
+
+    engine._forward = spy
+    outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert outputs == _reference(name, prompts, NEW_TOKENS)
+    assert len(forwards) == engine.stats.num_steps  # exactly one forward per step
+    assert sum(mixed) >= 3  # and some of them carried decode rows and prefill chunks together
+    assert pool.num_used_blocks == 0
+
+
+def test_step_cache_packed_attention_equals_each_row_alone():
+    # Three decode rows of different lengths and two prefill chunks (one with cached tokens), one forward.
+    from hf_paged.engine import StepCache
+
+    model = tiny_model("llama", "hf_paged", seed=3)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    generator = torch.Generator().manual_seed(0)
+    lengths = [(7, 1), (12, 1), (3, 1), (0, 6), (9, 5)]  # (cached tokens, new tokens) per row
+    tokens = [torch.randint(1, 128, (n + q,), generator=generator).tolist() for n, q in lengths]
+    tables, next_block = [], 0
+    with torch.inference_mode():
+        for (cached, new), row_tokens in zip(lengths, tokens):
+            num_blocks = -(-(cached + new) // 4)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+            if cached:  # fill the cached part through a one-row step, as the engine's first chunk would
+                cache = StepCache(pool, [tables[-1]], [0], [cached])
+                model(torch.tensor([row_tokens[:cached]]), position_ids=cache.position_ids, past_key_values=cache)
+        cache = StepCache(pool, tables, [n for n, _ in lengths], [q for _, q in lengths])
+        packed = [t for (n, q), row_tokens in zip(lengths, tokens) for t in row_tokens[n : n + q]]
+        logits = model(
+            torch.tensor([packed]), position_ids=cache.position_ids, past_key_values=cache, use_cache=True
+        ).logits[0]
+        reference = tiny_model("llama", "sdpa", seed=3)
+        for b, ((cached, new), row_tokens) in enumerate(zip(lengths, tokens)):
+            expected = reference(torch.tensor([row_tokens])).logits[0, cached:]
+            start = cache.starts[b]
+            torch.testing.assert_close(logits[start : start + new], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_step_cache_rejects_bad_rows():
+    from hf_paged.engine import StepCache
+
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"decode rows \(q_len 1\) must come before prefill chunks, got q_lens \[3, 1\]"):
+        StepCache(pool, [[0], [1]], [0, 0], [3, 1])
+    with pytest.raises(ValueError, match="a block table of 1 blocks cannot hold 5 tokens"):
+        StepCache(pool, [[0]], [2], [3])
+    with pytest.raises(ValueError, match="one entry per row, got 2, 1, 1"):
+        StepCache(pool, [[0], [1]], [0], [1])
+
+
+def test_a_pool_with_several_layer_groups_is_refused_with_the_fix_named():
+    model = tiny_model("gemma3", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    assert pool.num_groups == 2
+    with pytest.raises(LayerGroupsUnsupported, match=r"Engine needs a pool with one layer group.*group_layers=False"):
+        Engine(model, pool)

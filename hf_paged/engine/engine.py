@@ -3,9 +3,9 @@
     engine = Engine(model, BlockPool.for_model(model, max_memory="1GiB"), max_num_seqs=64)
     outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)   # token ids, in input order
 
-Each `step()` runs one forward over every decoding request (ragged rows, no padding to the longest sequence)
-through the "hf_paged" attention, plus one forward per scheduled prefill chunk; then samples, retires finished
-requests and frees their blocks. `Engine` switches the model to the "hf_paged" attention implementation (which
+Each `step()` runs one forward over every scheduled request: the decode rows' next tokens and the prefill chunks
+packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
+padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches the model to the "hf_paged" attention implementation (which
 behaves exactly like sdpa with any other cache).
 """
 
@@ -63,8 +63,11 @@ class Engine:
             goes to prefill chunks, so one long prompt cannot stall decoding).
         enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes at admission. Turns the
             pool's prefix cache on (a pool with prefix caching belongs to one model).
-        decode_reserve_tokens (`int`, defaults to 64): a request is admitted only if the pool can also hold every
-            running request's next this-many tokens; fewer admissions, far fewer preemptions.
+        decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
+            only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
+            the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
+            the blocks of requests that finish first. The default never preempts; a finite value admits more when
+            requests usually stop early (eos) and preempts when they do not.
     """
 
     def __init__(
@@ -75,9 +78,12 @@ class Engine:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
-        decode_reserve_tokens: int = 64,
+        decode_reserve_tokens: int | None = None,
     ):
         pool.check_compatible(KVLayout.from_config(model.config))
+        # NOTE: a request has one block table for every layer; per-group tables (and the sliding groups'
+        # release) are what PagedCache does for generate(), not yet the engine.
+        pool.check_one_group("Engine")
         if enable_prefix_caching:
             pool.allocator.enable_prefix_caching = True
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
@@ -89,6 +95,7 @@ class Engine:
             decode_reserve_tokens=decode_reserve_tokens,
         )
         self.stats = EngineStats()
+        self._workspace: dict = {}  # StepCache gather buffers, reused across steps
         self._requests: dict[int, Request] = {}
         self._ids = itertools.count()
         generation_config = getattr(model, "generation_config", None)
@@ -117,27 +124,29 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[tuple[int, int]]:
-        """Run one scheduling step; returns the (request_id, token_id) pairs it produced."""
+        """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced."""
         plan = self.scheduler.schedule()
+        rows = [(request, 1) for request in plan.decode] + plan.prefill
+        rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
         events: list[tuple[int, int]] = []
-        with torch.inference_mode():
-            for request, chunk in plan.prefill:
-                logits = self._prefill(request, chunk)
+        if rows:
+            with torch.inference_mode():
+                logits = self._forward(rows)
+            for (request, num_tokens), row_logits in zip(rows, logits):
+                if request.output_ids:
+                    self.stats.decode_tokens += num_tokens
+                else:  # prompt tokens (a prompt's last token may ride in a decode row): prefill work
+                    self.stats.prefill_tokens += num_tokens
+                request.num_computed += num_tokens
                 self.scheduler.cache_full_blocks(request)
-                if request.num_pending == 0:  # the chunk reached the end of the input: sample
-                    events.append(self._append(request, logits))
-            if plan.decode:
-                logits = self._decode(plan.decode)
-                for request, row in zip(plan.decode, logits):
-                    self.scheduler.cache_full_blocks(request)
-                    events.append(self._append(request, row))
+                if request.num_pending == 0:  # the row reached the end of its input: sample
+                    events.append(self._append(request, row_logits))
         for request in [r for r in self.scheduler.running if self._is_done(r)]:
             self.scheduler.retire(request)
         stats = self.stats
         stats.num_steps += 1
-        num_ran = len(plan.decode) + len(plan.prefill)
-        stats.running_sum += num_ran
-        stats.peak_running = max(stats.peak_running, num_ran)
+        stats.running_sum += len(rows)
+        stats.peak_running = max(stats.peak_running, len(rows))
         stats.num_preemptions = self.scheduler.num_preemptions
         stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         stats.used_blocks.append(self.pool.num_used_blocks)
@@ -176,33 +185,29 @@ class Engine:
         if errors:
             raise RequestFailed(errors, [self._requests[r].output_ids for r in request_ids])
 
-    def _prefill(self, request: Request, chunk: int) -> torch.Tensor:
-        start = request.num_computed
+    def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns
+        [len(rows), vocab] logits at each row's last new token."""
+        cache = StepCache(
+            self.pool,
+            [request.block_ids for request, _ in rows],
+            [request.num_computed for request, _ in rows],
+            [num_tokens for _, num_tokens in rows],
+            workspace=self._workspace,
+        )
+        token_ids = [
+            token for request, num_tokens in rows
+            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
+        ]
         device = self.model.device
-        input_ids = torch.tensor([request.token_ids[start : start + chunk]], device=device)
-        position_ids = torch.arange(start, start + chunk, device=device)[None, :]
-        cache = StepCache(self.pool, [request.block_ids], [start], chunk)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        request.num_computed += chunk
-        self.stats.prefill_tokens += chunk
-        return out.logits[0, -1]
-
-    def _decode(self, requests: list[Request]) -> torch.Tensor:
-        device = self.model.device
-        input_ids = torch.tensor([[r.token_ids[-1]] for r in requests], device=device)
-        position_ids = torch.tensor([[r.num_computed] for r in requests], device=device)
-        cache = StepCache(self.pool, [r.block_ids for r in requests], [r.num_computed for r in requests], 1)
-        out = self.model(input_ids=input_ids, position_ids=position_ids, past_key_values=cache, use_cache=True,
-                         logits_to_keep=1)
-        for request in requests:
-            request.num_computed += 1
-            # A row feeding a prompt's last token (its prefill ended on a step boundary) is prefill work.
-            if request.output_ids:
-                self.stats.decode_tokens += 1
-            else:
-                self.stats.prefill_tokens += 1
-        return out.logits[:, -1]
+        out = self.model(
+            input_ids=torch.tensor([token_ids], device=device),
+            position_ids=cache.position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
+        )
+        return out.logits[0]
 
     def _append(self, request: Request, logits: torch.Tensor) -> tuple[int, int]:
         token = sample(logits, request.params, request.generator)

@@ -1,7 +1,7 @@
 """Requests and the scheduler: which requests run this step, with how many tokens, on which blocks.
 
-Every step: admit waiting requests while blocks allow (keeping in reserve what every running request may grow
-by over its next `decode_reserve_tokens` tokens), give every running request with one pending token a decode row, and spend the rest of the token
+Every step: admit waiting requests while blocks allow, looking ahead at how the running requests will grow (see
+`Scheduler.fits`), give every running request with one pending token a decode row, and spend the rest of the token
 budget on prefill chunks. When a row needs a block and none is free, the most recently admitted request is
 preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated), so no request fails
 for lack of memory unless it could never fit the whole pool.
@@ -55,19 +55,24 @@ class Request:
 @dataclass
 class ScheduledStep:
     decode: list[Request]  # one token each, batched in one forward
-    prefill: list[tuple[Request, int]]  # (request, chunk length), one forward each
+    prefill: list[tuple[Request, int]]  # (request, chunk length); the engine packs all of it in one forward
 
 
 class Scheduler:
     def __init__(
-        self, pool: BlockPool, *, max_num_seqs: int, max_num_batched_tokens: int, decode_reserve_tokens: int = 64
+        self,
+        pool: BlockPool,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        decode_reserve_tokens: int | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
             )
-        if decode_reserve_tokens < 0:
-            raise ValueError(f"decode_reserve_tokens must be >= 0, got {decode_reserve_tokens}")
+        if decode_reserve_tokens is not None and decode_reserve_tokens < 0:
+            raise ValueError(f"decode_reserve_tokens must be None or >= 0, got {decode_reserve_tokens}")
         self.pool = pool
         self.decode_reserve_tokens = decode_reserve_tokens
         self.max_num_seqs = max_num_seqs
@@ -151,26 +156,50 @@ class Scheduler:
         request.finish_time = time.perf_counter()
         self.running.remove(request)
 
-    def _blocks_to_grow(self, request: Request) -> int:
-        """Blocks `request` still lacks for its input plus its next `decode_reserve_tokens` outputs."""
-        remaining = request.params.max_new_tokens - len(request.output_ids)
-        target = len(request.token_ids) + max(min(remaining, self.decode_reserve_tokens), 1)
-        return max(self._blocks_for(target) - len(request.block_ids), 0)
+    def _growth(self, request: Request) -> tuple[int, int]:
+        """(tokens `request` holds once its input is computed, decode steps until its K/V stop growing)."""
+        num_tokens = len(request.prompt_ids) + len(request.output_ids)
+        # NOTE: the last sampled token is never fed back, so K/V peak at prompt + max_new_tokens - 1 tokens.
+        final = len(request.prompt_ids) + request.params.max_new_tokens - 1
+        steps = max(final - num_tokens, 0)
+        if self.decode_reserve_tokens is not None:
+            steps = min(steps, self.decode_reserve_tokens)
+        return num_tokens, steps
+
+    def fits(self, newcomer: Request) -> bool:
+        """Whether the pool can hold `newcomer` next to the running requests at every step of the lookahead.
+
+        Every running request grows by one token per step until its `max_new_tokens` (or for
+        `decode_reserve_tokens` steps, when set) and its blocks come back when it finishes, so the demand at step
+        t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0 or just
+        before one of them finishes. Blocks shared through the prefix cache are counted once per holder, so the
+        check errs on the side of admitting too few.
+
+        NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
+        preempted: requests can only finish earlier than planned (eos, stop tokens), which frees blocks sooner.
+        A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
+        when they do not.
+        """
+        block_size = self.pool.block_size
+        growths = [self._growth(request) for request in self.running] + [self._growth(newcomer)]
+        held = {block_id for request in self.running for block_id in request.block_ids}
+        available = self.pool.num_free_blocks + len(held)
+        # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait: a few ms at n=256.
+        for t in {0, *(steps for _, steps in growths)}:
+            demand = sum((tokens + t + block_size - 1) // block_size for tokens, steps in growths if steps >= t)
+            if demand > available:
+                return False
+        return True
 
     def schedule(self) -> ScheduledStep:
-        # Admit while the pool can hold the newcomer's input and near-term growth on top of the running requests'.
-        # NOTE: reserving only one block per running request made admission and preemption chase each other: a
-        # request preempted for lack of blocks was re-admitted as soon as they freed, re-prefilled, and preempted
-        # again (639 preemptions for 48 requests in the full burst run).
-        reserve = sum(self._blocks_to_grow(request) for request in self.running)
+        # NOTE: admission looks ahead instead of keeping a fixed reserve: reserving one block per running request
+        # made admission and preemption chase each other (a preempted request was re-admitted as soon as blocks
+        # freed, re-prefilled, and preempted again: 639 preemptions for 48 requests in the full burst run), and a
+        # 64-token reserve still preempted and held concurrency below what the pool allows.
         while self.waiting and len(self.running) < self.max_num_seqs:
-            request = self.waiting[0]
-            need = self._blocks_to_grow(request)
-            if need + reserve > self.pool.num_free_blocks and self.running:
+            if self.running and not self.fits(self.waiting[0]):
                 break
-            reserve += need
-            self.waiting.popleft()
-            self.running.append(request)
+            self.running.append(self.waiting.popleft())
 
         budget = self.max_num_batched_tokens
         decode: list[Request] = []

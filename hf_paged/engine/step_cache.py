@@ -1,20 +1,31 @@
-"""StepCache: one engine forward's view of the pool, for rows that each have their own block table and length.
+"""StepCache: one engine forward over every scheduled request, packed into a single sequence.
 
-`PagedCache` serves `generate()`, where every row has the same length. The engine batches requests of different
-lengths, so each step builds a `StepCache` over the scheduled requests' block tables:
+`PagedCache` serves `generate()`, where every row has the same length. The engine runs one forward per step over
+requests of different lengths and kinds, so each step packs their new tokens into one `[1, num_tokens]` sequence:
 
-- a decode step: B rows, one new token each at its own position; attention gets a ragged `DecodePlan` (per-row
-  `seq_lens`), so no row is padded to the longest for storage and the Triton kernel reads each row's blocks;
-- a prefill chunk: one row, `q_len` new tokens after `seq_len` cached ones; attention gets the gathered K/V.
+    tokens:  | r0 | r1 | r2 |  r3 (prefill chunk, 5 tokens)  |      decode rows first, then prefill chunks
+    row b:   seq_lens[b] cached tokens in blocks tables[b], q_lens[b] new ones at positions seq_lens[b]...
+
+Linear layers, norms and rotary embeddings are per token, so they do not care how the rows are packed; only
+attention does. `update` stores every new token in its slot and returns an empty placeholder carrying a `StepPlan`,
+which the "hf_paged" attention hands the whole step to (`StepPlan.attend`):
+- the decode rows (one query each) go through the paged decode path as one ragged batch (Triton kernel on the
+  pool, or one gather + SDPA with a per-row length mask), so no row is padded to the longest for storage;
+- each prefill chunk gathers its own row's K/V and runs SDPA with a causal mask offset by its cached length (the
+  mask `generate()` would build for that row alone, so the numbers match a batch-1 forward).
 
 The blocks must already be allocated (the scheduler does it); a `StepCache` never allocates or frees.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from ..attention import paged_attention_forward
 from ..block_tables import head_major_index
 from ..cache import DecodePlan, store_kv_rows
 from ..pool import BlockPool
@@ -46,77 +57,180 @@ class _StepLayer(CacheLayerMixin):
         return -1
 
 
+@dataclass
+class StepPlan:
+    """What attention needs for one layer of a packed step (attached to the placeholder `update` returns)."""
+
+    cache: StepCache
+    layer_idx: int
+    decode: torch.Tensor | None  # placeholder [num_decode, kv_heads, 0, head_dim] carrying the rows' DecodePlan
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        *,
+        sliding_window: int | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None)."""
+        cache = self.cache
+        _, num_heads, num_tokens, head_dim = query.shape
+        out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        num_decode = cache.num_decode
+        if num_decode:
+            decode_query = query[0, :, :num_decode].transpose(0, 1).unsqueeze(2).contiguous()  # [n, heads, 1, D]
+            decoded, _ = paged_attention_forward(
+                module, decode_query, self.decode, self.decode, None, sliding_window=sliding_window, **kwargs
+            )
+            out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
+        for row in range(num_decode, len(cache.seq_lens)):
+            start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
+            key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len, head_dim]
+            mask = _chunk_mask(seq_len, q_len, sliding_window, query.device)
+            chunk, _ = sdpa_attention_forward(
+                module, query[:, :, start : start + q_len], key, value, mask, sliding_window=sliding_window, **kwargs
+            )
+            out[0, start : start + q_len] = chunk[0]  # [q_len, heads, D]
+        return out, None
+
+
+def _chunk_mask(seq_len: int, q_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
+    """[1, 1, q_len, seq_len + q_len] bool: query i (position seq_len + i) sees key j when j <= seq_len + i (and,
+    with a window, j > seq_len + i - sliding_window). None where sdpa's own mask would be skipped for plain causal
+    attention (no cached keys, the whole chunk inside the window), as `generate()` does for a batch-1 prompt."""
+    kv_len = seq_len + q_len
+    if seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
+        return None
+    query_positions = torch.arange(seq_len, kv_len, device=device)[:, None]
+    key_positions = torch.arange(kv_len, device=device)[None, :]
+    visible = key_positions <= query_positions
+    if sliding_window is not None:
+        visible &= key_positions > query_positions - sliding_window
+    return visible[None, None]
+
+
 class StepCache(Cache):
-    """Rows `b` with block tables `tables[b]` holding `seq_lens[b]` cached tokens; this forward adds `q_len` each.
+    """Rows `b` with block tables `tables[b]` holding `seq_lens[b]` cached tokens; this forward adds `q_lens[b]`.
+
+    The rows' new tokens are packed into one sequence in row order: the model's input is `[1, sum(q_lens)]`.
 
     Args:
         pool (`BlockPool`): the shared pool.
-        tables (`list[list[int]]`): per-row block ids; each must already cover `seq_lens[b] + q_len` tokens.
+        tables (`list[list[int]]`): per-row block ids; each must already cover `seq_lens[b] + q_lens[b]` tokens.
         seq_lens (`list[int]`): tokens already cached per row.
-        q_len (`int`): new tokens per row in this forward (1 for a decode step; a prefill chunk is one row).
+        q_lens (`list[int]`): new tokens per row; decode rows (1) come before prefill chunks (more than 1).
+        workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
     """
 
-    def __init__(self, pool: BlockPool, tables: list[list[int]], seq_lens: list[int], q_len: int):
-        if q_len > 1 and len(tables) != 1:
-            raise ValueError(f"a prefill chunk is one row, got {len(tables)} rows with q_len {q_len}")
-        self.pool = pool
-        self.seq_lens = list(seq_lens)
-        self.q_len = q_len
+    def __init__(
+        self,
+        pool: BlockPool,
+        tables: list[list[int]],
+        seq_lens: list[int],
+        q_lens: list[int],
+        *,
+        workspace: dict | None = None,
+    ):
+        if not (len(tables) == len(seq_lens) == len(q_lens)) or not tables:
+            raise ValueError(
+                f"tables, seq_lens and q_lens need one entry per row, got {len(tables)}, {len(seq_lens)}, "
+                f"{len(q_lens)}"
+            )
+        if any(q < 1 for q in q_lens):
+            raise ValueError(f"every row adds at least one token, got q_lens {q_lens}")
+        self.num_decode = sum(1 for q in q_lens if q == 1)
+        if any(q != 1 for q in q_lens[: self.num_decode]):
+            raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
         device, block_size = pool.device, pool.block_size
-        num_table_blocks = max(-(-(n + q_len) // block_size) for n in seq_lens)
-        for table, n in zip(tables, seq_lens):
-            if len(table) * block_size < n + q_len:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {n + q_len} tokens")
+        for table, n, q in zip(tables, seq_lens, q_lens):
+            if len(table) * block_size < n + q:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {n + q} tokens")
+        self.pool = pool
+        self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
+        self.starts = [0]
+        for q in q_lens[:-1]:
+            self.starts.append(self.starts[-1] + q)
+        self.num_table_blocks = [-(-(n + q) // block_size) for n, q in zip(seq_lens, q_lens)]
+        width = max(self.num_table_blocks)
         # Rows padded to the longest table; padding entries are never read (each row stops at its length).
-        padded = [table[:num_table_blocks] + [0] * (num_table_blocks - len(table[:num_table_blocks])) for table in tables]
-        self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, num_table_blocks]
-        positions = torch.tensor(seq_lens, device=device)[:, None] + torch.arange(q_len, device=device)  # [B, q]
-        self.slots = (
-            self.tables.gather(1, positions // block_size) * block_size + positions % block_size
-        ).flatten()  # [B * q_len]
-        self.new_lens = torch.tensor([n + q_len for n in seq_lens], dtype=torch.int32, device=device)
-        self._index: dict[tuple[int, int], torch.Tensor] = {}  # (kv_heads, pool blocks) -> gather index
+        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+        self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, width]
+        rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
+        positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
+        rows_t = torch.tensor(rows, device=device)
+        positions_t = torch.tensor(positions, device=device)
+        self.slots = self.tables[rows_t, positions_t // block_size] * block_size + positions_t % block_size  # [T]
+        self.position_ids = positions_t[None, :]  # [1, T]: the model's position_ids
+        self.new_lens = torch.tensor([n + q for n, q in zip(seq_lens, q_lens)], dtype=torch.int32, device=device)
+        self._decode_tables = self.tables[: self.num_decode].to(torch.int32)
+        self._workspace = {} if workspace is None else workspace
+        self._index: dict[tuple, torch.Tensor] = {}  # (rows, kv_heads, pool blocks) -> gather index
         super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
+
+    @property
+    def last_token_indices(self) -> list[int]:
+        """Index in the packed sequence of each row's last new token (where its next-token logits are)."""
+        return [start + q - 1 for start, q in zip(self.starts, self.q_lens)]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [B, kv_heads, q_len, head_dim] -> a ragged decode placeholder (q_len 1), or the prefill
-        row's K/V [1, kv_heads, seq_len + q_len, head_dim]."""
+        """key/value_states [1, kv_heads, num_tokens, head_dim] -> an empty [1, kv_heads, 0, head_dim] placeholder
+        carrying the step's `StepPlan` (twice, as keys and values); attention does the rest."""
         pool = self.pool
         pool.check_states(layer_idx, key_states)
         key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
         store_kv_rows(key_cache, value_cache, key_states, value_states, self.slots)
-        if self.q_len == 1:
-            plan = DecodePlan(
+        _, num_heads, _, head_dim = key_states.shape
+        decode = None
+        if self.num_decode:
+            decode = key_states.new_empty(self.num_decode, num_heads, 0, head_dim)
+            decode.decode_plan = DecodePlan(
                 key_cache=pool.nhd_view(key_cache),
                 value_cache=pool.nhd_view(value_cache),
-                block_tables=self.tables.to(torch.int32),
-                seq_lens=self.new_lens,
+                block_tables=self._decode_tables,
+                seq_lens=self.new_lens[: self.num_decode],
                 kv_offset=0,
                 position_offset=0,
-                gather=lambda: self._gather(layer_idx),
+                gather=lambda: self._gather(layer_idx, 0, self.num_decode),
                 ragged=True,
             )
-            batch_size, num_heads, _, head_dim = key_states.shape
-            placeholder = key_states.new_empty(batch_size, num_heads, 0, head_dim)
-            placeholder.decode_plan = plan
-            return placeholder, placeholder
-        return self._gather(layer_idx)
+        placeholder = key_states.new_empty(1, num_heads, 0, head_dim)
+        placeholder.step_plan = StepPlan(self, layer_idx, decode)
+        return placeholder, placeholder
 
-    def _gather(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """[B, kv_heads, longest, head_dim] keys and values; positions past a row's length are not its keys."""
+    def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s keys and values, cached and new: two [1, kv_heads, seq_len + q_len, head_dim] tensors."""
+        return self._gather(layer_idx, row, row + 1)
+
+    def _gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values, views into the
+        workspace (valid until the next gather); positions past a row's length are not its keys."""
         key_cache, value_cache = self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx]
         num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        # Layers may differ in kv heads, so the index is keyed by shape (one entry for a uniform model).
-        index = self._index.get((num_heads, num_pool_blocks))
+        num_blocks = max(self.num_table_blocks[first_row:end_row])
+        # Layers may differ in kv heads, so the index is keyed by shape (one entry per row range for most models).
+        key = (first_row, end_row, num_heads, num_pool_blocks)
+        index = self._index.get(key)
         if index is None:
-            index = self._index[(num_heads, num_pool_blocks)] = head_major_index(self.tables, num_heads, num_pool_blocks)
-        length = int(self.new_lens.max())
-        batch_size = self.tables.shape[0]
-        return tuple(
-            torch.index_select(cache.view(-1, block_size, head_dim), 0, index)
-            .view(batch_size, num_heads, -1, head_dim)[:, :, :length]
-            for cache in (key_cache, value_cache)
-        )
+            tables = self.tables[first_row:end_row, :num_blocks]
+            index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
+        length = int(self.new_lens[first_row:end_row].max())
+        num_rows = end_row - first_row
+        gathered = []
+        for name, cache in (("keys", key_cache), ("values", value_cache)):
+            out = self._buffer(name, index.numel() * block_size * head_dim, cache)
+            out = out.view(index.numel(), block_size, head_dim)
+            torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
+            gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, :length])
+        return gathered[0], gathered[1]
+
+    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat buffer of at least `numel` elements, reused across layers and steps (grown, never shrunk)."""
+        key = (name, like.dtype, like.device)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._workspace[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer[:numel]

@@ -1,0 +1,161 @@
+"""Continuous-batching runners: hf_paged's Engine and transformers' own continuous batching (the peer)."""
+
+from __future__ import annotations
+
+import time
+
+from transformers import ContinuousBatchingConfig
+
+from hf_paged import BlockPool, Engine
+
+from .runs import (
+    BLOCK_SIZE,
+    ENGINE_MAX_NUM_SEQS,
+    MAX_NUM_BATCHED_TOKENS,
+    PEER,
+    Budget,
+    RunResult,
+    attention,
+    generation_config,
+    sleep_until,
+)
+from .workloads import Workload
+
+
+def _engine_live_tokens(requests, block_size: int) -> int:
+    """Computed tokens in the blocks the unfinished requests hold, a block shared by a prefix hit counted once."""
+    held: dict[int, int] = {}
+    for request in requests:
+        if request.finished:
+            continue
+        for index, block_id in enumerate(request.block_ids):
+            tokens = min(block_size, request.num_computed - index * block_size)
+            held[block_id] = max(held.get(block_id, 0), tokens)
+    return sum(tokens for tokens in held.values() if tokens > 0)
+
+
+def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
+    """hf_paged's Engine; each request is added once its arrival time has passed, as `num_samples` engine requests
+    (seeded) for a sampled workload."""
+    pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE, group_layers=False)
+    n = workload.num_requests
+    sampling = dict(temperature=workload.temperature) if workload.sampled else {}
+    added = 0  # workload requests added so far
+    request_ids = []  # engine request ids, one per sequence, request-major
+    busy = []  # (seconds, requests that ran) per step
+    live_peak = held_peak = 0
+    with attention(model, None):  # the Engine switches to "hf_paged"; give the model back as it was
+        engine = Engine(model, pool, max_num_seqs=ENGINE_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+        start = time.perf_counter()
+        while added < n or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while added < n and workload.requests[added].arrival <= now:
+                spec = workload.requests[added]
+                for sample in range(workload.num_samples):
+                    if workload.sampled:
+                        sampling["seed"] = added * workload.num_samples + sample
+                    request_ids.append(engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
+                                                          ignore_eos=True, **sampling))
+                added += 1
+            if not engine.has_unfinished():
+                sleep_until(start + workload.requests[added].arrival)
+                continue
+            ran_before, step_start = engine.stats.running_sum, time.perf_counter()
+            engine.step()
+            busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before))
+            live_tokens = _engine_live_tokens(engine.scheduler.running, pool.block_size)
+            live_peak = max(live_peak, live_tokens * budget.bytes_per_token)
+            held_peak = max(held_peak, pool.num_used_blocks * pool.bytes_per_block)
+        wall = time.perf_counter() - start
+    requests = [engine.request(r) for r in request_ids]
+    failed = {i: r.error for i, r in enumerate(requests) if r.error}
+    if failed:
+        raise RuntimeError(f"engine: {len(failed)} requests failed: {failed}")
+    stats = engine.stats
+    return RunResult(
+        backend="engine",
+        multiple=budget.multiple,
+        outputs=[list(r.output_ids) for r in requests],
+        first_token=[r.first_token_time - start for r in requests],
+        finish=[r.finish_time - start for r in requests],
+        wall_s=wall,
+        peak_concurrency=stats.peak_running,
+        mean_concurrency=sum(seconds * rows for seconds, rows in busy) / wall,
+        reserved_bytes=pool.num_blocks * pool.bytes_per_block,
+        live_bytes_peak=live_peak,
+        held_bytes_peak=held_peak,
+        num_preemptions=stats.num_preemptions,
+        extra={
+            "num_steps": stats.num_steps,
+            "mean_running_per_step": stats.mean_running,
+            "prefill_tokens": stats.prefill_tokens,
+            "decode_tokens": stats.decode_tokens,
+            "num_blocks": pool.num_blocks,
+            "prefix_hit_tokens": getattr(stats, "prefix_hit_tokens", 0),
+        },
+    )
+
+
+def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
+    """transformers' continuous batching (the manager `generate_batch` uses), with per-request max_new_tokens.
+
+    The budget is its `num_blocks` (whole-model blocks of `page_size` tokens, the same bytes as our blocks);
+    `max_batch_tokens` and `max_requests_per_batch` match the engine's.
+    """
+    num_blocks = budget.bytes // (budget.bytes_per_token * BLOCK_SIZE)
+    cb_config = ContinuousBatchingConfig(
+        seed=0,
+        page_size=BLOCK_SIZE,
+        num_blocks=num_blocks,
+        max_batch_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_requests_per_batch=ENGINE_MAX_NUM_SEQS,
+    )
+    config = generation_config(model, workload)
+    config.eos_token_id = -1  # its way of saying "no eos"
+    config.max_new_tokens = workload.max_new_tokens
+    # Sequence ids, request-major: a request with num_samples > 1 forks children named "<id>__child#<k>".
+    sequence_ids = [
+        f"r{index}" if sample == 0 else f"r{index}__child#{sample - 1}"
+        for index in range(workload.num_requests)
+        for sample in range(workload.num_samples)
+    ]
+    n = len(sequence_ids)
+    results = {}
+    with attention(model, "sdpa"), model.continuous_batching_context_manager(
+        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60
+    ) as manager:
+        cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
+        reserved = int(cache.cache_tensor.numel() * cache.cache_tensor.element_size()) if cache is not None else 0
+        start = time.perf_counter()
+        for index, spec in enumerate(workload.requests):
+            sleep_until(start + spec.arrival)
+            manager.add_request(list(spec.prompt_ids), request_id=f"r{index}", max_new_tokens=spec.max_new_tokens,
+                                record_timestamps=True, eos_token_id=-1)
+        while len(results) < n:
+            result = manager.get_result(timeout=1)
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+            elif result is None and not manager.is_running():
+                raise RuntimeError(f"{PEER}: the generation thread stopped with {n - len(results)} requests left")
+        wall = time.perf_counter() - start
+    ordered = [results[sequence_id] for sequence_id in sequence_ids]
+    failed = {i: r.error for i, r in enumerate(ordered) if r.error is not None}
+    if failed:
+        raise RuntimeError(f"{PEER}: {len(failed)} requests failed: {failed}")
+    # Concurrency from each request's lifespan (left the queue, finished). Its live K/V is not observable from
+    # outside: chunked prefill, prefix sharing and evictions happen inside its cache, so none is reported.
+    spans = [(r.lifespan[0] - start, r.lifespan[1] - start) for r in ordered]
+    return RunResult(
+        backend=PEER,
+        multiple=budget.multiple,
+        outputs=[list(r.generated_tokens) for r in ordered],
+        first_token=[r.timestamps[0] - start for r in ordered],
+        finish=[r.timestamps[-1] - start for r in ordered],
+        wall_s=wall,
+        peak_concurrency=max(sum(s <= t < e for s, e in spans) for t, _ in spans),
+        mean_concurrency=sum(e - s for s, e in spans) / wall,
+        reserved_bytes=reserved or num_blocks * budget.bytes_per_token * BLOCK_SIZE,
+        live_bytes_peak=None,
+        extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE},
+    )
+

@@ -1,0 +1,101 @@
+"""What every serving runner shares: the KV budget, the result record, and the model settings they all use."""
+
+from __future__ import annotations
+
+import copy
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from transformers import GenerationConfig
+
+from hf_paged import KVLayout
+
+from .workloads import Workload
+
+BLOCK_SIZE = 16
+PAD_TOKEN_ID = 0
+STATIC_SLOT_TOKENS = 1024
+ENGINE_MAX_NUM_SEQS = 256
+MAX_NUM_BATCHED_TOKENS = 512
+PEER = "hf-generate-batch"
+
+
+@dataclass(frozen=True)
+class Budget:
+    multiple: float
+    reservation_tokens: int  # one worst-case request, rounded up to whole blocks
+    bytes_per_token: int  # K/V of one token, every layer
+
+    @property
+    def reservation_bytes(self) -> int:
+        return self.reservation_tokens * self.bytes_per_token
+
+    @property
+    def bytes(self) -> int:
+        return int(self.multiple * self.reservation_bytes)
+
+    @classmethod
+    def for_workload(cls, model, workload: Workload, multiple: float) -> Budget:
+        layout = KVLayout.from_config(model.config)
+        bytes_per_block = layout.bytes_per_block(BLOCK_SIZE, model.dtype)
+        assert bytes_per_block % BLOCK_SIZE == 0, bytes_per_block
+        worst = workload.max_prompt_len + workload.max_new_tokens
+        # NOTE: rounded up to whole blocks so that `multiple` paged rows of the worst length fit a pool of the
+        # budget, as they fit `multiple` contiguous slots; the difference is under one block per request.
+        reservation = -(-worst // BLOCK_SIZE) * BLOCK_SIZE
+        return cls(multiple, reservation, bytes_per_block // BLOCK_SIZE)
+
+
+@dataclass
+class RunResult:
+    """One backend serving one workload under one budget. Times are seconds since the run started."""
+
+    backend: str
+    multiple: float
+    outputs: list[list[int]]  # per request, exactly its max_new_tokens tokens
+    first_token: list[float]
+    finish: list[float]
+    wall_s: float
+    peak_concurrency: int
+    mean_concurrency: float  # time-weighted over the wall time
+    reserved_bytes: int  # K/V memory the backend set aside
+    live_bytes_peak: int | None  # K/V bytes of real tokens (prompt + own outputs) at the peak; None: not observable
+    held_bytes_peak: int | None = None  # pool blocks in use at the peak (paged backends)
+    num_preemptions: int = 0
+    wasted_tokens: int = 0  # generated past a request's own max_new_tokens (static batches)
+    extra: dict = field(default_factory=dict)
+
+
+@contextmanager
+def attention(model, name: str | None):
+    """Run with `model` on attention implementation `name` (None: as it is); restore the original afterwards."""
+    original = model.config._attn_implementation
+    if name is not None and name != original:
+        model.set_attn_implementation(name)
+    try:
+        yield model
+    finally:
+        if model.config._attn_implementation != original:
+            model.set_attn_implementation(original)
+
+
+def generation_config(model, workload: Workload | None = None) -> GenerationConfig:
+    """The model's generation config, never stopping at eos, padding with PAD_TOKEN_ID: greedy, or for a sampled
+    workload plain temperature sampling (no top-k/top-p, as the engine samples) with `num_samples` sequences."""
+    config = copy.deepcopy(model.generation_config)
+    config.eos_token_id, config.pad_token_id = None, PAD_TOKEN_ID
+    if workload is not None and workload.sampled:
+        config.do_sample, config.temperature, config.top_k, config.top_p = True, workload.temperature, 0, 1.0
+        config.num_return_sequences = workload.num_samples
+    else:
+        config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
+    return config
+
+
+
+def sleep_until(deadline: float) -> None:
+    delay = deadline - time.perf_counter()
+    if delay > 0:
+        time.sleep(delay)
+

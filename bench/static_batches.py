@@ -1,0 +1,177 @@
+"""Static-batch runners: requests in arrival order, in batches as large as the budget holds, through generate().
+
+"dynamic" (DynamicCache), "static" (StaticCache slots), "paged-generate" (PagedCache on a BlockPool of the budget)
+and any third-party registry backend all run the same batches, so they differ only in storage.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache, LogitsProcessorList
+
+from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
+from hf_paged import registry as hf_registry
+
+from .cache_report import _StepClock
+from .runs import (
+    BLOCK_SIZE,
+    PAD_TOKEN_ID,
+    STATIC_SLOT_TOKENS,
+    Budget,
+    RunResult,
+    attention,
+    generation_config,
+    sleep_until,
+)
+from .workloads import Workload
+
+
+def _left_padded(specs, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(input_ids, attention_mask)`, `[B, longest prompt]` int64, rows left-padded with PAD_TOKEN_ID."""
+    width = max(len(s.prompt_ids) for s in specs)
+    input_ids = torch.full((len(specs), width), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(specs), width), dtype=torch.long)
+    for row, spec in enumerate(specs):
+        input_ids[row, width - len(spec.prompt_ids) :] = torch.tensor(spec.prompt_ids)
+        attention_mask[row, width - len(spec.prompt_ids) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def run_static_batches(
+    model,
+    workload: Workload,
+    budget: Budget,
+    *,
+    backend: str,
+    batch_size: int,
+    new_cache: Callable[[], tuple[object, Callable[[], None]]],
+    reserved_bytes: int,
+    attn_implementation: str | None = "sdpa",
+    held_bytes: Callable[[], int] | None = None,
+) -> RunResult:
+    """Requests in arrival order, `batch_size` at a time (times `num_samples` rows), through generate(); a batch
+    starts when its last request has arrived and the previous batch is done. `new_cache()` -> (cache, release)."""
+    config = generation_config(model, workload)
+    num_samples = workload.num_samples
+    n = workload.num_requests * num_samples  # sequences, request-major
+    outputs, first_token, finish = [None] * n, [0.0] * n, [0.0] * n
+    busy = []  # (seconds, rows) per batch
+    live_peak = held_peak = wasted = 0
+    with attention(model, attn_implementation):
+        start = time.perf_counter()
+        for first in range(0, workload.num_requests, batch_size):
+            specs = workload.requests[first : first + batch_size]
+            sleep_until(start + specs[-1].arrival)
+            input_ids, attention_mask = _left_padded(specs, model.device)
+            max_new_tokens = config.max_new_tokens = max(s.max_new_tokens for s in specs)
+            cache, release = new_cache()
+            clock = _StepClock()
+            torch.manual_seed(first)  # sampled workloads: reproducible per batch
+            batch_start = time.perf_counter()
+            try:
+                out = model.generate(
+                    input_ids,
+                    attention_mask=attention_mask,
+                    past_key_values=cache,
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([clock]),
+                )
+                if held_bytes is not None:
+                    held_peak = max(held_peak, held_bytes())
+            finally:
+                release()
+            busy.append((time.perf_counter() - batch_start, len(specs) * num_samples))
+            assert len(clock.times) == max_new_tokens, (len(clock.times), max_new_tokens)
+            # generate() expands each prompt into num_samples consecutive rows: row = request-major sequence order.
+            for row in range(out.shape[0]):
+                spec, index = specs[row // num_samples], first * num_samples + row
+                # NOTE: a row's output is complete once its own last token exists; its later tokens are waste.
+                outputs[index] = out[row, input_ids.shape[1] : input_ids.shape[1] + spec.max_new_tokens].tolist()
+                first_token[index] = clock.times[0] - start
+                finish[index] = clock.times[spec.max_new_tokens - 1] - start
+                wasted += max_new_tokens - spec.max_new_tokens
+            # Live: each prompt once (samples share it in content) plus every sequence's own outputs.
+            live_tokens = sum(len(s.prompt_ids) + num_samples * s.max_new_tokens for s in specs)
+            live_peak = max(live_peak, live_tokens * budget.bytes_per_token)
+        wall = time.perf_counter() - start
+    return RunResult(
+        backend=backend,
+        multiple=budget.multiple,
+        outputs=outputs,
+        first_token=first_token,
+        finish=finish,
+        wall_s=wall,
+        peak_concurrency=max(rows for _, rows in busy),
+        mean_concurrency=sum(seconds * rows for seconds, rows in busy) / wall,
+        reserved_bytes=reserved_bytes,
+        live_bytes_peak=live_peak,
+        held_bytes_peak=held_peak if held_bytes is not None else None,
+        wasted_tokens=wasted,
+        extra={"batch_size": batch_size, "rows_per_batch": batch_size * num_samples, "num_batches": len(busy)},
+    )
+
+
+def dynamic_batch_size(budget: Budget, num_samples: int = 1) -> int:
+    """Requests per static batch: as many worst-case rows (num_samples per request) as the budget holds, at least
+    one request (which can exceed a small budget; the reserved bytes say so)."""
+    return max(1, budget.bytes // (num_samples * budget.reservation_bytes))
+
+
+def run_dynamic(model, workload: Workload, budget: Budget) -> RunResult:
+    batch = dynamic_batch_size(budget, workload.num_samples)
+    return run_static_batches(
+        model, workload, budget, backend="dynamic", batch_size=batch,
+        new_cache=lambda: (DynamicCache(config=model.config), lambda: None),
+        reserved_bytes=batch * workload.num_samples * budget.reservation_bytes,
+    )
+
+
+def run_static(model, workload: Workload, budget: Budget) -> RunResult:
+    slot = max(STATIC_SLOT_TOKENS, budget.reservation_tokens)
+    rows_bytes = workload.num_samples * slot * budget.bytes_per_token
+    batch = max(1, budget.bytes // rows_bytes)
+    return run_static_batches(
+        model, workload, budget, backend="static", batch_size=batch,
+        new_cache=lambda: (hf_registry.create_cache("static", model, max_cache_len=slot), lambda: None),
+        reserved_bytes=batch * rows_bytes,
+    )
+
+
+def run_paged_generate(model, workload: Workload, budget: Budget) -> RunResult:
+    batch = dynamic_batch_size(budget, workload.num_samples)
+    # The pool is the budget, or what dynamic reserves when a single request's rows exceed it (parallel sampling).
+    pool_bytes = max(budget.bytes, batch * workload.num_samples * budget.reservation_bytes)
+    pool = BlockPool.for_model(model, max_memory=pool_bytes, block_size=BLOCK_SIZE)
+
+    def new_cache():
+        cache = PagedCache(config=model.config, pool=pool)
+        return cache, cache.release
+
+    return run_static_batches(
+        model, workload, budget, backend="paged-generate", batch_size=batch, new_cache=new_cache,
+        reserved_bytes=pool.num_blocks * pool.bytes_per_block, attn_implementation=PAGED_ATTENTION,
+        held_bytes=lambda: pool.num_used_blocks * pool.bytes_per_block,
+    )
+
+
+def run_registry_backend(name: str, registry=None) -> Callable[..., RunResult]:
+    """A runner for a third-party backend: the dynamic batches, each on `registry.create_cache(name, model)`."""
+    registry = registry if registry is not None else hf_registry.registry
+
+    def run(model, workload: Workload, budget: Budget) -> RunResult:
+        batch = dynamic_batch_size(budget, workload.num_samples)
+
+        def new_cache():
+            cache = registry.create_cache(name, model)
+            return cache, getattr(cache, "release", lambda: None)
+
+        return run_static_batches(
+            model, workload, budget, backend=name, batch_size=batch, new_cache=new_cache,
+            reserved_bytes=batch * workload.num_samples * budget.reservation_bytes,
+        )
+
+    return run
+
