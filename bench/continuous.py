@@ -22,22 +22,26 @@ from .runs import (
 from .workloads import Workload
 
 
-def _engine_live_tokens(requests, block_size: int) -> int:
-    """Computed tokens in the blocks the unfinished requests hold, a block shared by a prefix hit counted once."""
+def _engine_live_bytes(requests, pool: BlockPool) -> int:
+    """K/V bytes of computed tokens in the blocks the unfinished requests hold (every layer group; a block shared by
+    a prefix hit counted once)."""
+    block_size = pool.block_size
     held: dict[int, int] = {}
     for request in requests:
         if request.finished:
             continue
-        for index, block_id in enumerate(request.block_ids):
-            tokens = min(block_size, request.num_computed - index * block_size)
-            held[block_id] = max(held.get(block_id, 0), tokens)
-    return sum(tokens for tokens in held.values() if tokens > 0)
+        for table, first in zip(request.block_tables, request.first_blocks):
+            for index, block_id in enumerate(table, start=first):
+                tokens = min(block_size, request.num_computed - index * block_size)
+                held[block_id] = max(held.get(block_id, 0), tokens)
+    # NOTE: a block holds `block_size` tokens of the layers of its group: pool.bytes_per_block covers them.
+    return sum(tokens for tokens in held.values() if tokens > 0) * pool.bytes_per_block // block_size
 
 
 def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
     """hf_paged's Engine; each request is added once its arrival time has passed, as `num_samples` engine requests
     (seeded) for a sampled workload."""
-    pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE, group_layers=False)
+    pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
     n = workload.num_requests
     sampling = dict(temperature=workload.temperature) if workload.sampled else {}
     added = 0  # workload requests added so far
@@ -63,8 +67,7 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
             ran_before, step_start = engine.stats.running_sum, time.perf_counter()
             engine.step()
             busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before))
-            live_tokens = _engine_live_tokens(engine.scheduler.running, pool.block_size)
-            live_peak = max(live_peak, live_tokens * budget.bytes_per_token)
+            live_peak = max(live_peak, _engine_live_bytes(engine.scheduler.running, pool))
             held_peak = max(held_peak, pool.num_used_blocks * pool.bytes_per_block)
         wall = time.perf_counter() - start
     requests = [engine.request(r) for r in request_ids]

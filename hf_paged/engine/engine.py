@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import enable
+from ..paged_layer import sliding_windows
 from ..pool import BlockPool, KVLayout
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
@@ -56,13 +57,16 @@ class Engine:
     """Serve many requests from one `BlockPool` with any model that works with `PagedCache`.
 
     Args:
-        model: a transformers causal LM (decoder-only, full or sliding-window attention layers).
+        model: a transformers causal LM (decoder-only, full or sliding-window attention layers). Each request
+            holds one block table per layer group of the pool; a group whose layers all slide gives back the blocks
+            that left the window, so sliding-window models hold about a window of K/V per request.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
             goes to prefill chunks, so one long prompt cannot stall decoding).
-        enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes at admission. Turns the
-            pool's prefix cache on (a pool with prefix caching belongs to one model).
+        enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes at admission. Default: on when the
+            pool has one layer group (prefix caching needs that; see `BlockPool`). Turns the pool's prefix cache on
+            (a pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
@@ -77,14 +81,14 @@ class Engine:
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool = True,
+        enable_prefix_caching: bool | None = None,
         decode_reserve_tokens: int | None = None,
     ):
         pool.check_compatible(KVLayout.from_config(model.config))
-        # NOTE: a request has one block table for every layer; per-group tables (and the sliding groups'
-        # release) are what PagedCache does for generate(), not yet the engine.
-        pool.check_one_group("Engine")
+        if enable_prefix_caching is None:  # on where the pool allows it (one layer group)
+            enable_prefix_caching = pool.num_groups == 1
         if enable_prefix_caching:
+            pool.check_one_group("prefix caching (enable_prefix_caching=True)")
             pool.allocator.enable_prefix_caching = True
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
@@ -93,6 +97,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
+            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)),
         )
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
@@ -188,11 +193,13 @@ class Engine:
     def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns
         [len(rows), vocab] logits at each row's last new token."""
+        groups = range(self.pool.num_groups)
         cache = StepCache(
             self.pool,
-            [request.block_ids for request, _ in rows],
+            [[request.block_tables[g] for request, _ in rows] for g in groups],
             [request.num_computed for request, _ in rows],
             [num_tokens for _, num_tokens in rows],
+            first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
             workspace=self._workspace,
         )
         token_ids = [

@@ -6,7 +6,12 @@ budget on prefill chunks. When a row needs a block and none is free, the most re
 preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated), so no request fails
 for lack of memory unless it could never fit the whole pool.
 
-With prefix caching on, a request's first prefill takes the longest cached prefix of its tokens (full blocks,
+Layer groups: a request holds one block table per layer group of the pool (one for a uniform model; Gemma-style
+models have sliding and full groups). A group whose layers all slide gives back, at the start of every step, the
+blocks that no query from then on can see, so its table keeps only about a window of blocks; `first_blocks[g]`
+counts the blocks released before the table's first entry.
+
+With prefix caching on (one-group pools only), a request's first prefill takes the longest cached prefix of its tokens (full blocks,
 always leaving one token to compute), and every block that fills up is remembered by its hash chain, so requests
 sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again.
 """
@@ -30,11 +35,12 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     output_ids: list[int] = field(default_factory=list)
-    block_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # per layer group: its held block ids
+    first_blocks: list[int] = field(default_factory=list)  # per layer group: leading blocks released before them
     num_computed: int = 0  # tokens whose K/V are in the pool
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
-    num_registered_blocks: int = 0  # leading blocks of block_ids the prefix cache knows
+    num_registered_blocks: int = 0  # leading blocks (of group 0) the prefix cache knows
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     error: str | None = None
     finished: bool = False
@@ -45,6 +51,11 @@ class Request:
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block id the request holds, all groups."""
+        return [block_id for table in self.block_tables for block_id in table]
 
     @property
     def num_pending(self) -> int:
@@ -66,6 +77,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         decode_reserve_tokens: int | None = None,
+        sliding_windows: list[int | None] | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -74,6 +86,16 @@ class Scheduler:
         if decode_reserve_tokens is not None and decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be None or >= 0, got {decode_reserve_tokens}")
         self.pool = pool
+        # Per layer group: the window when every layer of the group slides (the largest), else None (keeps all).
+        windows = sliding_windows if sliding_windows is not None else [None] * pool.layout.num_layers
+        if len(windows) != pool.layout.num_layers:
+            raise ValueError(f"sliding_windows needs one entry per layer ({pool.layout.num_layers}), got {len(windows)}")
+        self.group_windows = [
+            None if any(windows[layer] is None for layer in group) else max(windows[layer] for layer in group)
+            for group in pool.layer_groups
+        ]
+        if pool.allocator.enable_prefix_caching:
+            pool.check_one_group("prefix caching")
         self.decode_reserve_tokens = decode_reserve_tokens
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -87,7 +109,8 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         """Queue a request; one that could never fit the whole pool fails at once, alone."""
-        worst = self._blocks_for(len(request.prompt_ids) + request.params.max_new_tokens)
+        tokens, steps = len(request.prompt_ids), request.params.max_new_tokens - 1
+        worst = max(self._demand(tokens, prefilling=True), self._demand(tokens + steps, prefilling=False))
         if worst > self.pool.num_blocks:
             request.error = (
                 f"request {request.request_id} needs {worst} blocks ({len(request.prompt_ids)} prompt + "
@@ -101,19 +124,50 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def _first_needed_block(self, group: int, position: int) -> int:
+        """The first block of `group` that a query at `position` (or later) can see."""
+        window = self.group_windows[group]
+        return 0 if window is None else max(position - window + 1, 0) // self.pool.block_size
+
+    def _release_out_of_window(self, request: Request) -> None:
+        """Give back each sliding group's blocks that no query from `num_computed` on can see."""
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                continue
+            num_released = self._first_needed_block(group, request.num_computed) - request.first_blocks[group]
+            if num_released > 0:
+                table = request.block_tables[group]
+                self.pool.allocator.free(table[:num_released])
+                del table[:num_released]
+                request.first_blocks[group] += num_released
+
     def _grow(self, request: Request, num_tokens: int) -> bool:
-        """Give `request` blocks for `num_tokens` tokens in total; False when the pool has too few free."""
-        missing = self._blocks_for(num_tokens) - len(request.block_ids)
-        if missing <= 0:
+        """Give `request` blocks for `num_tokens` tokens in every group; False when the pool has too few free."""
+        if not request.block_tables:
+            request.block_tables = [[] for _ in self.group_windows]
+            request.first_blocks = [0] * len(self.group_windows)
+        end_block = self._blocks_for(num_tokens)
+        missing = [
+            max(end_block - first - len(table), 0) for table, first in zip(request.block_tables, request.first_blocks)
+        ]
+        total = sum(missing)
+        if total == 0:
             return True
-        if not self.pool.allocator.can_allocate(missing):
+        if not self.pool.allocator.can_allocate(total):
             return False
-        request.block_ids += self.pool.allocator.allocate(missing)
+        new = self.pool.allocator.allocate(total)  # one allocation for every group: all or nothing
+        for table, count in zip(request.block_tables, missing):
+            table += new[:count]
+            del new[:count]
         return True
 
-    def _preempt(self, request: Request) -> None:
+    def _free_blocks(self, request: Request) -> None:
         self.pool.allocator.free(request.block_ids)  # cached full blocks stay findable until evicted
-        request.block_ids, request.num_computed, request.num_registered_blocks = [], 0, 0
+        request.block_tables, request.first_blocks = [], []
+
+    def _preempt(self, request: Request) -> None:
+        self._free_blocks(request)
+        request.num_computed, request.num_registered_blocks = 0, 0
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -125,9 +179,10 @@ class Scheduler:
             return
         num_blocks = (len(request.token_ids) - 1) // block_size  # one token is always left to compute
         self._extend_hashes(request, num_blocks)
-        request.block_ids = allocator.lookup_prefix(request.block_hashes[:num_blocks])
-        request.num_registered_blocks = len(request.block_ids)
-        request.num_computed = request.num_cached_tokens = len(request.block_ids) * block_size
+        hit = allocator.lookup_prefix(request.block_hashes[:num_blocks])
+        request.block_tables, request.first_blocks = [hit], [0]  # prefix caching implies one layer group
+        request.num_registered_blocks = len(hit)
+        request.num_computed = request.num_cached_tokens = len(hit) * block_size
         self.num_prefix_hit_tokens += request.num_computed
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
@@ -145,13 +200,13 @@ class Scheduler:
             return
         num_full = request.num_computed // self.pool.block_size
         self._extend_hashes(request, num_full)
-        for index in range(request.num_registered_blocks, num_full):
-            allocator.cache_block(request.block_ids[index], request.block_hashes[index])
+        table, first = request.block_tables[0], request.first_blocks[0]
+        for index in range(max(request.num_registered_blocks, first), num_full):
+            allocator.cache_block(table[index - first], request.block_hashes[index])
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def retire(self, request: Request) -> None:
-        self.pool.allocator.free(request.block_ids)
-        request.block_ids = []
+        self._free_blocks(request)
         request.finished = True
         request.finish_time = time.perf_counter()
         self.running.remove(request)
@@ -180,16 +235,33 @@ class Scheduler:
         A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
         when they do not.
         """
-        block_size = self.pool.block_size
-        growths = [self._growth(request) for request in self.running] + [self._growth(newcomer)]
+        growths = [(*self._growth(request), request.num_pending > 1) for request in self.running]
+        growths.append((*self._growth(newcomer), True))
         held = {block_id for request in self.running for block_id in request.block_ids}
         available = self.pool.num_free_blocks + len(held)
         # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait: a few ms at n=256.
-        for t in {0, *(steps for _, steps in growths)}:
-            demand = sum((tokens + t + block_size - 1) // block_size for tokens, steps in growths if steps >= t)
+        for t in {0, *(steps for _, steps, _ in growths)}:
+            demand = sum(
+                self._demand(tokens + t, prefilling=prefilling and t == 0)
+                for tokens, steps, prefilling in growths
+                if steps >= t
+            )
             if demand > available:
                 return False
         return True
+
+    def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
+        """Blocks a request of `num_tokens` tokens holds over all groups: everything in a full group; in a sliding
+        group, from the first block its last token's query sees (all of them while its prompt is computed).
+
+        NOTE: a prompt prefilled in several chunks holds a little more in a sliding group than this counts after
+        step 0 (the chunk's own blocks); preemption covers that rare overshoot.
+        """
+        end_block = self._blocks_for(num_tokens)
+        if prefilling:
+            return end_block * len(self.group_windows)
+        groups = range(len(self.group_windows))
+        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
 
     def schedule(self) -> ScheduledStep:
         # NOTE: admission looks ahead instead of keeping a fixed reserve: reserving one block per running request
@@ -209,10 +281,12 @@ class Scheduler:
                 continue
             if request.num_pending > 1 and budget <= 0:
                 continue  # no prefill budget left this step
-            if request.num_computed == 0 and not request.block_ids:
+            if request.num_computed == 0 and not request.block_tables:
                 # NOTE: looked up when its prefill starts, not at admission: requests admitted together wait for
                 # the budget, and by then the first one has computed (and cached) the prefix they share.
                 self._reuse_prefix(request)
+            if request.block_tables:
+                self._release_out_of_window(request)
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
             while not self._grow(request, request.num_computed + chunk):
                 victim = self.running[-1]

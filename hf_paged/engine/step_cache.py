@@ -14,6 +14,11 @@ which the "hf_paged" attention hands the whole step to (`StepPlan.attend`):
 - each prefill chunk gathers its own row's K/V and runs SDPA with a causal mask offset by its cached length (the
   mask `generate()` would build for that row alone, so the numbers match a batch-1 forward).
 
+Layer groups: each row has one block table per layer group of the pool, and layer l reads and writes through the
+table of its group (`pool.group_of_layer[l]`). A sliding group's table may start after blocks that were released:
+`first_blocks[g][b]` of them, so its keys start at position `first_blocks[g][b] * block_size`; `seq_lens` in the
+decode plan count from there, which is all the ragged decode path needs (a window is measured from the end).
+
 The blocks must already be allocated (the scheduler does it); a `StepCache` never allocates or frees.
 """
 
@@ -86,8 +91,9 @@ class StepPlan:
             out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
         for row in range(num_decode, len(cache.seq_lens)):
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
-            key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len, head_dim]
-            mask = _chunk_mask(seq_len, q_len, sliding_window, query.device)
+            key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
+            first = cache.first_position(self.layer_idx, row)
+            mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
             chunk, _ = sdpa_attention_forward(
                 module, query[:, :, start : start + q_len], key, value, mask, sliding_window=sliding_window, **kwargs
             )
@@ -95,78 +101,118 @@ class StepPlan:
         return out, None
 
 
-def _chunk_mask(seq_len: int, q_len: int, sliding_window: int | None, device) -> torch.Tensor | None:
-    """[1, 1, q_len, seq_len + q_len] bool: query i (position seq_len + i) sees key j when j <= seq_len + i (and,
-    with a window, j > seq_len + i - sliding_window). None where sdpa's own mask would be skipped for plain causal
-    attention (no cached keys, the whole chunk inside the window), as `generate()` does for a batch-1 prompt."""
+def _chunk_mask(
+    seq_len: int, q_len: int, sliding_window: int | None, first: int, device
+) -> torch.Tensor | None:
+    """[1, 1, q_len, seq_len + q_len - first] bool for keys from position `first` on: query i (position seq_len + i)
+    sees the key at position p when p <= seq_len + i (and, with a window, p > seq_len + i - sliding_window). None
+    where sdpa's own mask would be skipped for plain causal attention (no cached keys, the whole chunk inside the
+    window), as `generate()` does for a batch-1 prompt."""
     kv_len = seq_len + q_len
     if seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
         return None
     query_positions = torch.arange(seq_len, kv_len, device=device)[:, None]
-    key_positions = torch.arange(kv_len, device=device)[None, :]
+    key_positions = torch.arange(first, kv_len, device=device)[None, :]
     visible = key_positions <= query_positions
     if sliding_window is not None:
         visible &= key_positions > query_positions - sliding_window
     return visible[None, None]
 
 
+@dataclass
+class _GroupStep:
+    """One layer group's share of a step: its rows' block tables and where the new tokens go."""
+
+    tables: torch.Tensor  # [B, width] long: row b's held blocks, padded with 0 (never read)
+    num_table_blocks: list[int]  # per row: blocks its keys span
+    first_positions: list[int]  # per row: position of its table's first key
+    slots: torch.Tensor  # [num_tokens] long: pool slot of each new token
+    seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
+    decode_tables: torch.Tensor  # [num_decode, width] int32
+
+
 class StepCache(Cache):
-    """Rows `b` with block tables `tables[b]` holding `seq_lens[b]` cached tokens; this forward adds `q_lens[b]`.
+    """Rows `b` holding `seq_lens[b]` cached tokens; this forward adds `q_lens[b]` tokens to each.
 
     The rows' new tokens are packed into one sequence in row order: the model's input is `[1, sum(q_lens)]`.
 
     Args:
         pool (`BlockPool`): the shared pool.
-        tables (`list[list[int]]`): per-row block ids; each must already cover `seq_lens[b] + q_lens[b]` tokens.
+        block_tables (`list[list[list[int]]]`): `block_tables[g][b]`, row b's held blocks in layer group g; each
+            must already cover `seq_lens[b] + q_lens[b]` tokens.
         seq_lens (`list[int]`): tokens already cached per row.
         q_lens (`list[int]`): new tokens per row; decode rows (1) come before prefill chunks (more than 1).
+        first_blocks (`list[list[int]]`, *optional*): `first_blocks[g][b]`, blocks released before row b's table in
+            group g (sliding groups); default none.
         workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
     """
 
     def __init__(
         self,
         pool: BlockPool,
-        tables: list[list[int]],
+        block_tables: list[list[list[int]]],
         seq_lens: list[int],
         q_lens: list[int],
         *,
+        first_blocks: list[list[int]] | None = None,
         workspace: dict | None = None,
     ):
-        if not (len(tables) == len(seq_lens) == len(q_lens)) or not tables:
+        num_rows = len(seq_lens)
+        if len(block_tables) != pool.num_groups:
+            raise ValueError(f"block_tables needs one list per layer group ({pool.num_groups}), got {len(block_tables)}")
+        if first_blocks is None:
+            first_blocks = [[0] * num_rows for _ in block_tables]
+        if not num_rows or len(q_lens) != num_rows or any(
+            len(tables) != num_rows or len(firsts) != num_rows for tables, firsts in zip(block_tables, first_blocks)
+        ):
             raise ValueError(
-                f"tables, seq_lens and q_lens need one entry per row, got {len(tables)}, {len(seq_lens)}, "
-                f"{len(q_lens)}"
+                f"block tables, first blocks, seq_lens and q_lens need one entry per row, got "
+                f"{[len(t) for t in block_tables]}, {[len(f) for f in first_blocks]}, {num_rows}, {len(q_lens)}"
             )
         if any(q < 1 for q in q_lens):
             raise ValueError(f"every row adds at least one token, got q_lens {q_lens}")
         self.num_decode = sum(1 for q in q_lens if q == 1)
         if any(q != 1 for q in q_lens[: self.num_decode]):
             raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
-        device, block_size = pool.device, pool.block_size
-        for table, n, q in zip(tables, seq_lens, q_lens):
-            if len(table) * block_size < n + q:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {n + q} tokens")
         self.pool = pool
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = [0]
         for q in q_lens[:-1]:
             self.starts.append(self.starts[-1] + q)
-        self.num_table_blocks = [-(-(n + q) // block_size) for n, q in zip(seq_lens, q_lens)]
-        width = max(self.num_table_blocks)
-        # Rows padded to the longest table; padding entries are never read (each row stops at its length).
-        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        self.tables = torch.tensor(padded, dtype=torch.long, device=device)  # [B, width]
+        device = pool.device
         rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
         positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
-        rows_t = torch.tensor(rows, device=device)
-        positions_t = torch.tensor(positions, device=device)
-        self.slots = self.tables[rows_t, positions_t // block_size] * block_size + positions_t % block_size  # [T]
-        self.position_ids = positions_t[None, :]  # [1, T]: the model's position_ids
-        self.new_lens = torch.tensor([n + q for n, q in zip(seq_lens, q_lens)], dtype=torch.int32, device=device)
-        self._decode_tables = self.tables[: self.num_decode].to(torch.int32)
+        self._rows = torch.tensor(rows, device=device)
+        self._positions = torch.tensor(positions, device=device)
+        self.position_ids = self._positions[None, :]  # [1, T]: the model's position_ids
+        self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = {} if workspace is None else workspace
-        self._index: dict[tuple, torch.Tensor] = {}  # (rows, kv_heads, pool blocks) -> gather index
+        self._index: dict[tuple, torch.Tensor] = {}  # (group, rows, kv_heads, pool blocks) -> gather index
         super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
+
+    def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> _GroupStep:
+        device, block_size = self.pool.device, self.pool.block_size
+        first_positions = [first * block_size for first in first_blocks]
+        ends = [n + q for n, q in zip(self.seq_lens, self.q_lens)]
+        num_table_blocks = [-(-(end - first) // block_size) for end, first in zip(ends, first_positions)]
+        for table, needed, end in zip(tables, num_table_blocks, ends):
+            if len(table) < needed:
+                raise ValueError(f"a block table of {len(table)} blocks cannot hold {end} tokens")
+        width = max(num_table_blocks)
+        # Rows padded to the longest table; padding entries are never read (each row stops at its length).
+        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
+        tables_t = torch.tensor(padded, dtype=torch.long, device=device)
+        relative = self._positions - torch.tensor(first_positions, device=device)[self._rows]
+        slots = tables_t[self._rows, relative // block_size] * block_size + relative % block_size
+        seq_lens = torch.tensor([end - first for end, first in zip(ends, first_positions)], dtype=torch.int32)
+        return _GroupStep(
+            tables=tables_t,
+            num_table_blocks=num_table_blocks,
+            first_positions=first_positions,
+            slots=slots,
+            seq_lens=seq_lens.to(device),
+            decode_tables=tables_t[: self.num_decode].to(torch.int32),
+        )
 
     @property
     def last_token_indices(self) -> list[int]:
@@ -176,13 +222,18 @@ class StepCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return max(self.seq_lens)
 
+    def first_position(self, layer_idx: int, row: int) -> int:
+        """Position of the first key `row` still holds in layer `layer_idx` (0 unless its group released blocks)."""
+        return self._groups[self.pool.group_of_layer[layer_idx]].first_positions[row]
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [1, kv_heads, num_tokens, head_dim] -> an empty [1, kv_heads, 0, head_dim] placeholder
         carrying the step's `StepPlan` (twice, as keys and values); attention does the rest."""
         pool = self.pool
         pool.check_states(layer_idx, key_states)
+        group = self._groups[pool.group_of_layer[layer_idx]]
         key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        store_kv_rows(key_cache, value_cache, key_states, value_states, self.slots)
+        store_kv_rows(key_cache, value_cache, key_states, value_states, group.slots)
         _, num_heads, _, head_dim = key_states.shape
         decode = None
         if self.num_decode:
@@ -190,8 +241,8 @@ class StepCache(Cache):
             decode.decode_plan = DecodePlan(
                 key_cache=pool.nhd_view(key_cache),
                 value_cache=pool.nhd_view(value_cache),
-                block_tables=self._decode_tables,
-                seq_lens=self.new_lens[: self.num_decode],
+                block_tables=group.decode_tables,
+                seq_lens=group.seq_lens[: self.num_decode],
                 kv_offset=0,
                 position_offset=0,
                 gather=lambda: self._gather(layer_idx, 0, self.num_decode),
@@ -202,22 +253,25 @@ class StepCache(Cache):
         return placeholder, placeholder
 
     def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s keys and values, cached and new: two [1, kv_heads, seq_len + q_len, head_dim] tensors."""
+        """Row `row`'s held keys and values, cached and new: two [1, kv_heads, keys, head_dim] tensors, from
+        `first_position(layer_idx, row)` to its last new token."""
         return self._gather(layer_idx, row, row + 1)
 
     def _gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values, views into the
-        workspace (valid until the next gather); positions past a row's length are not its keys."""
+        """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values from each row's first held
+        block, views into the workspace (valid until the next gather); positions past a row's length are not keys."""
+        group_idx = self.pool.group_of_layer[layer_idx]
+        group = self._groups[group_idx]
         key_cache, value_cache = self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx]
         num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        num_blocks = max(self.num_table_blocks[first_row:end_row])
+        num_blocks = max(group.num_table_blocks[first_row:end_row])
         # Layers may differ in kv heads, so the index is keyed by shape (one entry per row range for most models).
-        key = (first_row, end_row, num_heads, num_pool_blocks)
+        key = (group_idx, first_row, end_row, num_heads, num_pool_blocks)
         index = self._index.get(key)
         if index is None:
-            tables = self.tables[first_row:end_row, :num_blocks]
+            tables = group.tables[first_row:end_row, :num_blocks]
             index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
-        length = int(self.new_lens[first_row:end_row].max())
+        length = int(group.seq_lens[first_row:end_row].max())
         num_rows = end_row - first_row
         gathered = []
         for name, cache in (("keys", key_cache), ("values", value_cache)):
