@@ -355,6 +355,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if len(want) == num_reusable and want and len(input_ids) % block_size == 0:
             event("from_prefix: whole input cached, last block recomputed")
         self.append(t, [input_ids[num_cached_tokens:]])
+        if self.holds_cached_block(t) and data.draw(st.booleans(), label="rewrite part of the prefix"):
+            self.rewrite(t, data)
 
     @precondition(lambda self: self.tracked and self.pool.num_free_blocks > 0)
     @rule(data=st.data())
@@ -433,9 +435,12 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @precondition(lambda self: any(self.holds_cached_block(t) for t in self.tracked))
     @rule(data=st.data())
     def rewrite_cached_block(self, data):
+        candidates = [t for t in self.tracked if self.holds_cached_block(t)]
+        self.rewrite(data.draw(st.sampled_from(candidates), label="cache"), data)
+
+    def rewrite(self, t: Tracked, data) -> None:
         """Crop back into a held cached block and append: written in place (sole holders) it must lose its hash;
         shared with others, it is copied and keeps it."""
-        t = data.draw(st.sampled_from([t for t in self.tracked if self.holds_cached_block(t)]), label="cache")
         block_size = self.block_size
         cached_indices = [
             index for index, b in enumerate(t.cache.block_tables[0]) if self.pool.allocator.is_cached(b)
@@ -448,8 +453,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         t.rows = [row[:keep] for row in t.rows]
         self.check_only_freed(before)
         q_len = data.draw(st.integers(1, 2 * block_size), label="q_len")
+        cached_before = self.pool.allocator.num_cached_blocks
         if self.append(t, self.draw_new_rows(data, t, t.batch, q_len)):
-            event("rewrite: appended into a cached block")
+            event("rewrite: ok" + (", forgot a hash" if self.pool.allocator.num_cached_blocks < cached_before else ""))
+        event("rewrite: tried")
 
     @precondition(lambda self: self.tracked)
     @rule(data=st.data())
