@@ -35,6 +35,7 @@ class DecodePlan:
     # Rows of different lengths (the engine's batches): `seq_lens` alone says which keys each row sees, the
     # attention mask is ignored, and `gather` pads every row to the longest (mask with `length_mask`).
     ragged: bool = False
+    length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -59,10 +60,15 @@ class DecodePlan:
 
     def length_mask(self, sliding_window: int | None = None) -> torch.Tensor:
         """[B, 1, 1, max_len] bool for a ragged `gather`: key j is visible to row b when j < seq_lens[b] (and,
-        with a sliding window, j > seq_lens[b] - 1 - sliding_window)."""
+        with a sliding window, j > seq_lens[b] - 1 - sliding_window). Memoized per window in `length_masks`, which
+        plans of one step over the same rows may share."""
+        mask = self.length_masks.get(sliding_window)
+        if mask is not None:
+            return mask
         positions = torch.arange(int(self.seq_lens.max()), device=self.seq_lens.device)[None, :]
         lengths = self.seq_lens[:, None]
         visible = positions < lengths
         if sliding_window is not None:
             visible &= positions > lengths - 1 - sliding_window
-        return visible[:, None, None, :]
+        mask = self.length_masks[sliding_window] = visible[:, None, None, :]
+        return mask

@@ -138,9 +138,9 @@ class Engine:
             with torch.inference_mode():
                 logits = self._forward(rows)
             for (request, num_tokens), row_logits in zip(rows, logits):
-                if request.output_ids:
-                    self.stats.decode_tokens += num_tokens
-                else:  # prompt tokens (a prompt's last token may ride in a decode row): prefill work
+                if request.output_ids and request.num_pending == 1:  # feeding back its last output
+                    self.stats.decode_tokens += 1
+                else:  # prompt tokens, or a preempted request's recomputation: prefill work
                     self.stats.prefill_tokens += num_tokens
                 request.num_computed += num_tokens
                 self.scheduler.cache_full_blocks(request)

@@ -53,7 +53,9 @@ class _StepLayer(CacheLayerMixin):
         raise NotImplementedError("StepCache.update is called on the cache, not its layers")
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self._cache.get_seq_length() + query_length, 0
+        # NOTE: the step's attention builds its own masks (StepPlan.attend ignores the model's), so describe a
+        # plain causal block: sdpa's mask function then skips building a [1, 1, T, kv_len] mask nobody reads.
+        return query_length, 0
 
     def get_seq_length(self) -> int:
         return self._cache.get_seq_length()
@@ -129,6 +131,7 @@ class _GroupStep:
     slots: torch.Tensor  # [num_tokens] long: pool slot of each new token
     seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
     decode_tables: torch.Tensor  # [num_decode, width] int32
+    length_masks: dict  # shared by the decode plans of the group's layers this step
 
 
 class StepCache(Cache):
@@ -212,6 +215,7 @@ class StepCache(Cache):
             slots=slots,
             seq_lens=seq_lens.to(device),
             decode_tables=tables_t[: self.num_decode].to(torch.int32),
+            length_masks={},
         )
 
     @property
@@ -247,6 +251,7 @@ class StepCache(Cache):
                 position_offset=0,
                 gather=lambda: self._gather(layer_idx, 0, self.num_decode),
                 ragged=True,
+                length_masks=group.length_masks,
             )
         placeholder = key_states.new_empty(1, num_heads, 0, head_dim)
         placeholder.step_plan = StepPlan(self, layer_idx, decode)
