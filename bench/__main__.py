@@ -23,7 +23,7 @@ import transformers
 from tabulate import tabulate
 
 from . import cache_report, serving, serving_report
-from .models import load_model, sliding_window_model
+from .models import load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
 from .workloads import WORKLOADS, make_workload
 
@@ -148,11 +148,13 @@ def run_cache_report(model, args) -> dict:
     print(f"demo: identical={demo['identical']}", flush=True)
     memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
-    sliding = cache_report.sliding_window_bytes(
-        sliding_window_model(256, device=args.device),
-        prompt_len=sizes["sliding_prompt_len"],
-        max_new_tokens=sizes["sliding_new_tokens"],
-    )
+    sliding = [
+        row
+        for window_model in (sliding_window_model(256, device=args.device), mixed_window_model(256, device=args.device))
+        for row in cache_report.sliding_window_bytes(
+            window_model, prompt_len=sizes["sliding_prompt_len"], max_new_tokens=sizes["sliding_new_tokens"]
+        )
+    ]
     print(tabulate(sliding, headers="keys", floatfmt=".3f"), flush=True)
     speed = cache_report.decode_speed(
         model, batch_sizes=[1, 16], contexts=sizes["contexts"], num_steps=sizes["num_steps"], repeats=sizes["repeats"]
@@ -202,8 +204,10 @@ def render_cache_report(results: dict) -> list[str]:
         "",
         "### Sliding-window model: K/V bytes held at the end of generate()",
         "",
-        "The default model's sizes with a sliding window on every layer (Mistral-style). DynamicCache keeps the",
-        "last window - 1 tokens per layer; PagedCache gives back blocks that fell out of every window.",
+        "The default model's sizes with a sliding window on every layer (Mistral-style, one layer group), and as a",
+        "Gemma3-style model of 5 sliding layers then 1 full layer (one layer group per layer). DynamicCache keeps",
+        "the last window - 1 tokens per sliding layer; PagedCache gives back, per layer group, the blocks that fell",
+        "out of the window of every layer in the group.",
         "",
         tabulate(results["sliding_window_bytes"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",

@@ -74,8 +74,9 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
 
 
 def sliding_window_bytes(model, *, prompt_len: int, max_new_tokens: int, block_size: int = 16) -> list[dict]:
-    """K/V bytes held at the end of generate() on an all-sliding-window model: DynamicCache (keeps the last
-    window - 1 tokens per layer) vs PagedCache releasing out-of-window blocks, and without release."""
+    """K/V bytes held at the end of generate() on a model with sliding-window layers: DynamicCache (keeps the last
+    window - 1 tokens per sliding layer) vs PagedCache releasing out-of-window blocks per layer group, and without
+    release."""
     torch.manual_seed(0)
     input_ids = torch.randint(2, model.config.vocab_size, (1, prompt_len), device=model.device)
     dynamic = DynamicCache(config=model.config)
@@ -86,8 +87,10 @@ def sliding_window_bytes(model, *, prompt_len: int, max_new_tokens: int, block_s
         out = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, do_sample=False)
         rows.append(
             {
+                "model": type(model).__name__.removesuffix("ForCausalLM"),
                 "cache": f"PagedCache (release_out_of_window={release})",
                 "sliding_window": model.config.sliding_window,
+                "layer_groups": paged.pool.num_groups,
                 "tokens": prompt_len + max_new_tokens,
                 "dynamic_bytes": dynamic_cache_bytes(dynamic),
                 "paged_bytes": paged.held_bytes,

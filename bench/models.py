@@ -3,7 +3,15 @@
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+)
 
 # ~27M parameters: big enough that CPU decode is not all Python overhead, small enough for a 2-core machine.
 # initializer_range is raised and embeddings are untied so greedy output is not one token repeated;
@@ -45,5 +53,24 @@ def sliding_window_model(sliding_window: int = 256, *, device: str | None = None
     device = torch.device(device) if device is not None else default_device()
     torch.manual_seed(seed)
     model = MistralForCausalLM(MistralConfig(**DEFAULT_CONFIG, sliding_window=sliding_window))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def mixed_window_model(sliding_window: int = 256, *, device: str | None = None, seed: int = 0):
+    """The default model's sizes as a Gemma3-style model: 5 sliding-window layers, then 1 full-attention layer."""
+    device = torch.device(device) if device is not None else default_device()
+    torch.manual_seed(seed)
+    sizes = {key: value for key, value in DEFAULT_CONFIG.items() if key not in ("bos_token_id", "pad_token_id")}
+    config = Gemma3TextConfig(
+        **sizes,
+        head_dim=DEFAULT_CONFIG["hidden_size"] // DEFAULT_CONFIG["num_attention_heads"],
+        query_pre_attn_scalar=DEFAULT_CONFIG["hidden_size"] // DEFAULT_CONFIG["num_attention_heads"],
+        sliding_window=sliding_window,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        pad_token_id=0,
+        bos_token_id=1,
+    )
+    model = Gemma3ForCausalLM(config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return model.to(device=device, dtype=dtype).eval()
