@@ -112,7 +112,7 @@ class BlockTables:
     def verify_row_groups(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Split off every follower whose new K/V ([B, kv_heads, q_len, head_dim]) differ from its leader's.
 
-        A split row becomes its own writer; the `make_writable_once` that follows copies-on-write the blocks it is
+        A split row becomes its own writer; the `prepare_write` that follows copies-on-write the blocks it is
         about to write, with the earlier layers of this step (written by its old leader, equal to its own) inside.
         NOTE: per layer group. A row split in one group may still share in another: every layer of that other group
         verified its writes equal, which is all sharing promises.
@@ -129,66 +129,78 @@ class BlockTables:
     def group_sizes(self) -> Counter:
         return Counter(self.leaders)
 
-    def ensure_capacity(self, num_tokens: int) -> None:
-        """Give every row blocks for `num_tokens` tokens: one fresh block per group, shared by its members."""
-        block_size = self.pool.block_size
-        num_missing = -(-num_tokens // block_size) - self.end_block
-        if num_missing <= 0:
-            return
-        sizes = self.group_sizes()
-        new_block_ids = self._take(num_missing * len(sizes))
-        for group, (leader, size) in enumerate(sizes.items()):
-            group_block_ids = new_block_ids[group * num_missing : (group + 1) * num_missing]
-            if size > 1:
-                self.pool.allocator.incref(group_block_ids, times=size - 1)
-            for row in range(self.num_rows):
-                if self.leaders[row] == leader:
-                    self.tables[row].extend(group_block_ids)
-        self._changed()
+    def prepare_write(self, writers: tuple[int, ...], start: int, end: int) -> None:
+        """Make positions [start, end) writable for every writer (a row group's leader): fresh blocks up to `end`,
+        one per row group and shared by its members, and a copy of every block a writer's group is about to write
+        that somebody outside the group also holds.
 
-    def make_writable(self, writers: list[int], start: int, end: int) -> None:
-        """Copy-on-write every block that a writer's group is about to write in positions [start, end) and that
-        somebody outside the group also holds."""
+        All or nothing: the fresh blocks and the copies are counted first and taken in ONE allocator call, so a
+        `PoolExhausted` (which names the whole count) leaves the tables, the free queue (in order) and the prefix
+        cache as they were. Memoized for the later layers of a step (a table change in between, such as a split,
+        clears the memo and plans again).
+        """
+        key = ("writable", writers, start, end)
+        if key in self._memo:
+            return
         block_size = self.pool.block_size
         sizes = self.group_sizes()
         allocator = self.pool.allocator
-        # Plan against the ref counts as the plan leaves them: once the other holders of a block have moved to
-        # their copies, the last group holding it writes in place (two rows forked from one need one copy, not two).
-        # NOTE: under the allocator lock, so no other thread's prefix lookup can take a hold on a block between
-        # "nobody else holds it" and forgetting its hash.
-        moved: Counter = Counter()
-        todo = []
+        # NOTE: plan and take under the allocator lock, so no other thread's prefix lookup can take a hold on a block
+        # between "nobody else holds it" and forgetting its hash, and no other thread can take the counted blocks.
         with allocator.lock:
-            for leader in writers:
-                for index in range(start // block_size - self.base, (end - 1) // block_size + 1 - self.base):
-                    block_id = self.tables[leader][index]
-                    if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
-                        todo.append((leader, index))
-                        moved[block_id] += sizes[leader]
-                    elif allocator.is_cached(block_id):
-                        allocator.uncache(block_id)  # written in place (after a crop): its hash no longer holds
-        if not todo:
-            return
-        new_block_ids = self._take(len(todo))  # all or nothing: nothing below can fail for lack of blocks
-        src = [self.tables[leader][index] for leader, index in todo]
-        # Copy while the group still holds every source block: once dropped, another thread may reuse it.
-        self.pool.copy_blocks(src, new_block_ids)
-        for (leader, index), old, new in zip(todo, src, new_block_ids):
-            if sizes[leader] > 1:
-                allocator.incref([new], times=sizes[leader] - 1)
+            num_missing = max(-(-end // block_size) - self.end_block, 0)
+            todo, in_place = self._plan_copies(writers, start, end, sizes)
+            num_fresh = num_missing * len(sizes)
+            new_block_ids = self._take(num_fresh + len(todo)) if num_fresh + len(todo) else []
+            # Only now that nothing can fail: a block written in place (after a crop) stops matching its hash.
+            for block_id in in_place:
+                allocator.uncache(block_id)
+        for group, (leader, size) in enumerate(sizes.items()):
+            group_block_ids = new_block_ids[group * num_missing : (group + 1) * num_missing]
+            if size > 1:
+                allocator.incref(group_block_ids, times=size - 1)
             for row in range(self.num_rows):
                 if self.leaders[row] == leader:
-                    self.tables[row][index] = new
-            allocator.free([old], times=sizes[leader])  # other holders remain: only this group moved off
-        self._changed()
+                    self.tables[row].extend(group_block_ids)
+        if todo:
+            copies = new_block_ids[num_fresh:]
+            src = [self.tables[leader][index] for leader, index in todo]
+            # Copy while the group still holds every source block: once dropped, another thread may reuse it.
+            self.pool.copy_blocks(src, copies)
+            for (leader, index), old, new in zip(todo, src, copies):
+                if sizes[leader] > 1:
+                    allocator.incref([new], times=sizes[leader] - 1)
+                for row in range(self.num_rows):
+                    if self.leaders[row] == leader:
+                        self.tables[row][index] = new
+                allocator.free([old], times=sizes[leader])  # other holders remain: only this group moved off
+        if new_block_ids:
+            self._changed()
+        self._memo[key] = True
 
-    def make_writable_once(self, writers: tuple[int, ...], start: int, end: int) -> None:
-        """`make_writable` for the first layer of a step; later layers of the same step find the blocks private
-        already (a table change in between, such as a split, clears the memo and checks again)."""
-        key = ("writable", writers, start, end)
-        if key not in self._memo:
-            self.make_writable(list(writers), start, end)
-            self._memo[key] = True
+    def _plan_copies(
+        self, writers: tuple[int, ...], start: int, end: int, sizes: Counter
+    ) -> tuple[list[tuple[int, int]], list[int]]:
+        """Which held blocks that writers write in [start, end) need a copy: `(leader, table index)` pairs, and the
+        cached blocks written in place instead. Changes nothing; the caller holds the allocator lock.
+
+        Plans against the ref counts as the plan leaves them: once the other holders of a block have moved to their
+        copies, the last group holding it writes in place (two rows forked from one need one copy, not two). Blocks
+        past the end of the tables are fresh, held by their group alone, so they never need a copy."""
+        block_size, allocator = self.pool.block_size, self.pool.allocator
+        first = start // block_size - self.base
+        stop = min((end - 1) // block_size + 1 - self.base, self.num_table_blocks)
+        moved: Counter = Counter()
+        todo, in_place = [], []
+        for leader in writers:
+            for index in range(first, stop):
+                block_id = self.tables[leader][index]
+                if allocator.ref_count(block_id) - moved[block_id] != sizes[leader]:
+                    todo.append((leader, index))
+                    moved[block_id] += sizes[leader]
+                elif allocator.is_cached(block_id):
+                    in_place.append(block_id)
+        return todo, in_place
 
     def split(self, rows: list[int]) -> None:
         """Take `rows` out of their groups (their next write will copy-on-write)."""

@@ -165,18 +165,14 @@ class PagedCache(Cache):
 
         if blocks.has_groups():
             blocks.verify_row_groups(key_states, value_states)
-        # Both steps check for enough free blocks before they change anything; if the second fails, give back what
-        # the first took, so a failed update holds exactly the blocks it held before.
+        # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
+        # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty.
         writers = tuple(sorted(set(blocks.leaders)))
-        end_block = blocks.end_block
         try:
-            blocks.ensure_capacity(num_tokens)
-            blocks.make_writable_once(writers, num_past, num_tokens)
+            blocks.prepare_write(writers, num_past, num_tokens)
         except PoolExhausted:
             if starting:
                 blocks.release()
-            else:
-                blocks.truncate(end_block * self.block_size)
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
