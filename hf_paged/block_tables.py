@@ -29,7 +29,6 @@ from collections import Counter
 import torch
 
 from .allocator import block_hashes
-from .errors import PoolExhausted
 from .pool import BlockPool
 
 
