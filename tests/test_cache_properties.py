@@ -34,6 +34,42 @@ MAX_ROWS = 6  # forks stop here, so one cache cannot take the whole pool in one 
 MAX_Q_LEN = 6
 
 
+def check_holders(pool: BlockPool, tracked, num_blocks: int) -> None:
+    """The allocator's own invariants; free + used = total; every ref count equals the number of tables (over all
+    `tracked` caches) naming the block; and held == named by some table: a block nobody names is a leak, a named
+    free block a use-after-free."""
+    allocator = pool.allocator
+    allocator.check_invariants()
+    assert pool.num_free_blocks + pool.num_used_blocks == num_blocks
+    holders = Counter(block_id for t in tracked for table in t.cache.block_tables for block_id in table)
+    for block_id in range(num_blocks):
+        ref_count = allocator.ref_count(block_id)
+        assert ref_count == holders[block_id], f"block {block_id}: ref_count {ref_count}, {holders[block_id]} holders"
+    assert pool.num_used_blocks == len(holders), "a held block that no table names, or a named free block"
+
+
+def release_all(pool: BlockPool | None, tracked) -> None:
+    """A machine's teardown: release every cache; then nothing may be held and the allocator must be consistent."""
+    for t in tracked:
+        t.cache.release()
+    if pool is not None:
+        assert pool.num_used_blocks == 0, pool.stats()
+        pool.allocator.check_invariants()
+
+
+def machine_settings(max_examples: int) -> settings:
+    """Hypothesis settings of the state machines: the same examples on every run (derandomized, no example
+    database), so CI is stable; raise `max_examples` locally to explore more."""
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=30,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
+    )
+
+
 class Tracked:
     """One cache under test and its shadow: per layer `[B, H, S, D]` K and V, or None before the first append."""
 
@@ -259,15 +295,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
 
     @invariant()
     def ref_counts_match_the_tables(self):
-        allocator = self.pool.allocator
-        allocator.check_invariants()
-        assert self.pool.num_free_blocks + self.pool.num_used_blocks == NUM_BLOCKS
-        holders = Counter(block_id for t in self.tracked for table in t.cache.block_tables for block_id in table)
-        for block_id in range(NUM_BLOCKS):
-            ref_count = allocator.ref_count(block_id)
-            assert ref_count == holders[block_id], f"block {block_id}: ref_count {ref_count}, {holders[block_id]} holders"
-        # Held == named by some table: a block nobody names is a leak, a named free block a use-after-free.
-        assert self.pool.num_used_blocks == len(holders)
+        check_holders(self.pool, self.tracked, NUM_BLOCKS)
 
     @invariant()
     def tables_are_rectangular_and_groups_share_tables(self):
@@ -289,21 +317,10 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 assert t.cache.get_seq_length() == 0
 
     def teardown(self):
-        for t in self.tracked:
-            t.cache.release()
-        if self.pool is not None:
-            assert self.pool.num_used_blocks == 0, self.pool.stats()
-            self.pool.allocator.check_invariants()
+        release_all(self.pool, self.tracked)
 
 
-PagedCacheMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,  # the same examples on every run, so CI is stable
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+PagedCacheMachine.TestCase.settings = machine_settings(max_examples=100)
 test_paged_cache_state_machine = PagedCacheMachine.TestCase
 
 

@@ -29,12 +29,13 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hf_paged import BlockPool, KVLayout, PagedCache, PoolExhausted
 from hf_paged.allocator import block_hashes
+from tests.test_cache_properties import check_holders, machine_settings, release_all
 
 NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
 LAYOUT = KVLayout((NUM_KV_HEADS,) * NUM_LAYERS, (HEAD_DIM,) * NUM_LAYERS)
@@ -442,14 +443,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- invariants
     @invariant()
     def pool_bookkeeping(self):
+        check_holders(self.pool, self.tracked, NUM_BLOCKS)
         allocator = self.pool.allocator
-        allocator.check_invariants()
-        assert self.pool.num_free_blocks + self.pool.num_used_blocks == NUM_BLOCKS
-        holders = Counter(b for t in self.tracked for table in t.cache.block_tables for b in table)
-        for block_id in range(NUM_BLOCKS):
-            ref_count = allocator.ref_count(block_id)
-            assert ref_count == holders[block_id], f"block {block_id}: ref_count {ref_count}, {holders[block_id]} held"
-        assert self.pool.num_used_blocks == len(holders), "a held block that no table names, or a named free block"
         free = set(allocator._free)
         assert allocator.num_cached_blocks == len(allocator._block_of_hash) == len(allocator._hash_of_block)
         for block_hash, block_id in allocator._block_of_hash.items():
@@ -489,21 +484,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                     assert torch.equal(values[:, : t.seq_len], want_values[layer_idx]), f"{where}: values"
 
     def teardown(self):
-        for t in self.tracked:
-            t.cache.release()
-        if self.pool is not None:
-            assert self.pool.num_used_blocks == 0, self.pool.stats()
-            self.pool.allocator.check_invariants()
+        release_all(self.pool, self.tracked)
 
 
-PrefixCacheMachine.TestCase.settings = settings(
-    max_examples=200,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,  # the same examples on every run: CI is stable (explore more with a higher max_examples)
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+PrefixCacheMachine.TestCase.settings = machine_settings(max_examples=200)
 test_prefix_cache_state_machine = PrefixCacheMachine.TestCase
 
 

@@ -11,18 +11,27 @@ shadow come from test_cache_properties.py, whose machine covers full-attention c
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 import pytest
 import torch
-from hypothesis import HealthCheck, event, settings
+from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from transformers import DynamicCache, MistralConfig
 
 from hf_paged import BlockPool, PagedCache, PoolExhausted
-from tests.test_cache_properties import HEAD_DIM, MAX_ROWS, NUM_KV_HEADS, NUM_LAYERS, Tracked, draw_states
+from tests.test_cache_properties import (
+    HEAD_DIM,
+    MAX_ROWS,
+    NUM_KV_HEADS,
+    NUM_LAYERS,
+    Tracked,
+    check_holders,
+    draw_states,
+    machine_settings,
+    release_all,
+)
 
 SLIDING_NUM_BLOCKS = 24
 
@@ -278,15 +287,8 @@ class SlidingWindowMachine(RuleBasedStateMachine):
     # ------------------------------------------------------------- invariants
     @invariant()
     def pool_bookkeeping(self):
-        allocator = self.pool.allocator
-        allocator.check_invariants()
-        assert self.pool.num_free_blocks + self.pool.num_used_blocks == SLIDING_NUM_BLOCKS
-        holders = Counter(b for t in self.tracked for table in t.cache.block_tables for b in table)
-        for block_id in range(SLIDING_NUM_BLOCKS):
-            ref_count = allocator.ref_count(block_id)
-            assert ref_count == holders[block_id], f"block {block_id}: ref_count {ref_count}, {holders[block_id]} held"
         # Released blocks are free: a held block that no table names would be a leak.
-        assert self.pool.num_used_blocks == len(holders)
+        check_holders(self.pool, self.tracked, SLIDING_NUM_BLOCKS)
 
     @invariant()
     def held_blocks_hold_the_shadow(self):
@@ -315,19 +317,8 @@ class SlidingWindowMachine(RuleBasedStateMachine):
                     assert torch.equal(values[:, :num_held], want_values), f"cache {index} row {row} values"
 
     def teardown(self):
-        for t in self.tracked:
-            t.cache.release()
-        if self.pool is not None:
-            assert self.pool.num_used_blocks == 0, self.pool.stats()
-            self.pool.allocator.check_invariants()
+        release_all(self.pool, self.tracked)
 
 
-SlidingWindowMachine.TestCase.settings = settings(
-    max_examples=100,
-    stateful_step_count=30,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
-)
+SlidingWindowMachine.TestCase.settings = machine_settings(max_examples=100)
 test_sliding_window_state_machine = SlidingWindowMachine.TestCase
