@@ -46,6 +46,23 @@ _COMMON = dict(
 )
 
 
+def gemma3_config(layer_types: list[str]) -> Gemma3TextConfig:
+    """The tiny Gemma3 config with the given layer types (one layer each; window SLIDING_WINDOW)."""
+    return Gemma3TextConfig(
+        **_COMMON,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        max_position_embeddings=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=layer_types,
+    )
+
+
 def _config(name: str, num_layers: int):
     """The config of model `name`: hidden 64, `num_layers` decoder layers, vocab VOCAB_SIZE."""
     decoder = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=num_layers, max_position_embeddings=256)
@@ -63,17 +80,7 @@ def _config(name: str, num_layers: int):
         layer_types = ["sliding_attention", "full_attention"] * (num_layers // 2) + ["sliding_attention"] * (
             num_layers % 2
         )
-        config = Gemma3TextConfig(
-            **_COMMON,
-            **decoder,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            head_dim=16,
-            query_pre_attn_scalar=16,
-            sliding_window=SLIDING_WINDOW,
-            layer_types=layer_types,
-        )
-        return Gemma3ForCausalLM, config
+        return Gemma3ForCausalLM, gemma3_config(layer_types)
     if name == "gpt2":  # MHA, learned positions
         config = GPT2Config(**_COMMON, n_embd=64, n_inner=128, n_layer=num_layers, n_head=4, n_positions=256)
         return GPT2LMHeadModel, config

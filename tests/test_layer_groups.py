@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache, Gemma3ForCausalLM
 
 from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache
 from hf_paged.layer_groups import LayerGroupsUnsupported, derive_layer_groups
-from tests.models import PAD_TOKEN_ID, SLIDING_WINDOW, VOCAB_SIZE, left_padded_batch, random_prompt, tiny_model
+from bench.cache_report import dynamic_cache_bytes
+from tests.models import SLIDING_WINDOW, gemma3_config, left_padded_batch, random_prompt, tiny_model
 
 S, F = "sliding_attention", "full_attention"
 BLOCK_SIZE = 4
@@ -29,33 +30,9 @@ def _sliding_blocks_per_row(num_tokens: int) -> int:
     return _blocks(num_tokens) - max(num_tokens - SLIDING_WINDOW, 0) // BLOCK_SIZE
 
 
-def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    """K/V bytes DynamicCache holds: every layer's keys and values tensors."""
-    return sum(
-        tensor.numel() * tensor.element_size() for layer in cache.layers for tensor in (layer.keys, layer.values)
-    )
-
-
 def gemma3_with_pattern(layer_types: list[str], attn_implementation: str = "sdpa") -> Gemma3ForCausalLM:
     """A tiny random Gemma3 with the given layer types (same settings as tests/models.py's gemma3)."""
-    config = Gemma3TextConfig(
-        vocab_size=VOCAB_SIZE,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=PAD_TOKEN_ID,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(layer_types),
-        max_position_embeddings=256,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=SLIDING_WINDOW,
-        layer_types=layer_types,
-    )
+    config = gemma3_config(layer_types)
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
     return Gemma3ForCausalLM(config).eval()
