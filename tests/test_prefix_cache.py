@@ -4,9 +4,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged import BlockAllocator, BlockPool, PagedCache
+from hf_paged import BlockAllocator, BlockPool, PagedCache, PoolExhausted
 from hf_paged.allocator import block_hashes, hash_block_tokens
 from tests.models import left_padded_batch, tiny_model
+from tests.prefix_kv import LAYOUT, update_rows
 
 H = [hash_block_tokens(None, i, [i]) for i in range(4)]
 
@@ -145,3 +146,44 @@ def test_from_prefix_rejects_batches_and_release_checks_rows():
         cache.release(token_ids=torch.ones(2, 8, dtype=torch.long))
     cache.release()
     assert pool.num_used_blocks == 0
+
+
+# ------------------------------------------------------------------------------------------------ regressions
+# What the machine found: an update() that raised PoolExhausted held the blocks it held before, but had changed the
+# prefix cache (it took fresh blocks, then failed on a copy-on-write). Now it counts fresh blocks and copies first.
+def test_failed_update_keeps_cached_free_blocks():
+    """Two forked rows diverge past their half-full shared block: 2 new blocks fit the 2 free (cached) ones, the
+    copy of the shared block does not. The update must fail without evicting the 2 cached blocks."""
+    pool = BlockPool(LAYOUT, num_blocks=5, block_size=4, enable_prefix_caching=True)
+    first = PagedCache(pool=pool)
+    update_rows(first, [[1] * 8])
+    first.release(token_ids=[[1] * 8])
+    assert pool.allocator.num_cached_blocks == 2 and pool.num_free_blocks == 5
+    forked = PagedCache(pool=pool)
+    update_rows(forked, [[2] * 6])
+    forked.batch_repeat_interleave(2)
+    other = PagedCache(pool=pool)
+    update_rows(other, [[3]])
+    assert pool.num_free_blocks == 2 and all(pool.allocator.is_cached(b) for b in pool.allocator._free)
+    # 1 fresh block for each of the 2 diverged rows, and 1 copy of their shared half-full block
+    with pytest.raises(PoolExhausted, match=r"need 3 blocks, 2 free of 5"):
+        update_rows(forked, [[2] * 6 + [1] * 6, [2] * 6 + [3] * 6], num_past=6)
+    assert forked.block_tables == [[2, 3], [2, 3]] and pool.num_free_blocks == 2
+    assert pool.allocator.num_cached_blocks == 2, "the failed update evicted cached blocks"
+
+
+def test_failed_update_keeps_the_hash_of_a_block_it_did_not_write():
+    """A cached prefix shared by two forked rows, cropped into its last block: the rows diverge, one must copy the
+    block (no block is free), the other would write it in place. The update fails; the block was not written."""
+    pool = BlockPool(LAYOUT, num_blocks=2, block_size=4, enable_prefix_caching=True)
+    first = PagedCache(pool=pool)
+    update_rows(first, [[1] * 8])
+    first.release(token_ids=[[1] * 8])
+    cache = PagedCache.from_prefix(pool, [1] * 9)
+    assert cache.block_tables == [[0, 1]]
+    cache.batch_repeat_interleave(2)
+    cache.crop(-2)
+    with pytest.raises(PoolExhausted, match=r"need 1 blocks, 0 free of 2"):
+        update_rows(cache, [[1] * 6 + [2, 2], [1] * 6 + [3, 3]], num_past=6)
+    assert cache.block_tables == [[0, 1], [0, 1]] and cache.get_seq_length() == 6
+    assert pool.allocator.num_cached_blocks == 2, "the failed update forgot the hash of a block it did not write"

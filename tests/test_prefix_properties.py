@@ -1,9 +1,7 @@
 """Random prefix-caching sequences on `PagedCache`s sharing one `BlockPool(enable_prefix_caching=True)`.
 
-K/V are what a model would write: a function of the whole token prefix up to and including the position (a
-blake2b digest of it, cut into 32 int16 values, exact in float32: per layer, K and V, head and dim). Two rows hold
-equal K/V at a position exactly when their prefixes are equal, so from token ids alone the test knows what every
-live cache and every cached block must hold.
+K/V are what a model would write: a function of the whole token prefix up to and including the position
+(`tests/prefix_kv.py`), so from token ids alone the test knows what every live cache and every cached block must hold.
 
 Rules: append tokens, fork / reorder / select rows, crop, release (with token ids, some rows marked padded, or
 without), start a cache from a prefix of a released sequence (or of a fresh one) with `from_prefix`, crop back into
@@ -22,63 +20,24 @@ hashes of the full blocks of its unpadded rows that are not cached yet.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 from collections import Counter
 from dataclasses import dataclass
 
-import pytest
 import torch
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from hf_paged import BlockPool, KVLayout, PagedCache, PoolExhausted
+from hf_paged import BlockPool, PagedCache, PoolExhausted
 from hf_paged.allocator import block_hashes
+from tests.prefix_kv import LAYOUT, NUM_LAYERS, read_blocks, rows_kv, token_kv
 from tests.test_cache_properties import check_holders, machine_settings, release_all
 
-NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM = 2, 2, 4
-LAYOUT = KVLayout((NUM_KV_HEADS,) * NUM_LAYERS, (HEAD_DIM,) * NUM_LAYERS)
 NUM_BLOCKS = 16
 MAX_CACHES = 3
 MAX_ROWS = 4
 MAX_Q_LEN = 8
 TOKENS = st.integers(1, 3)  # a tiny vocabulary: independently drawn sequences often share a prefix
-
-
-# ---------------------------------------------------------------------------------------------- K/V of tokens
-@functools.lru_cache(maxsize=1 << 16)
-def _prefix_digest(prefix: tuple[int, ...]) -> bytes:
-    """64 bytes naming `prefix` (a chain, like the block hashes, but per token)."""
-    parent = _prefix_digest(prefix[:-1]) if len(prefix) > 1 else b""
-    return hashlib.blake2b(parent + prefix[-1].to_bytes(8, "little")).digest()
-
-
-def token_kv(tokens) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V, each `[NUM_LAYERS, H, S, D]` float32, that a model writes for the `S` tokens of one row."""
-    tokens = tuple(tokens)
-    if not tokens:
-        empty = torch.zeros(NUM_LAYERS, NUM_KV_HEADS, 0, HEAD_DIM)
-        return empty, empty
-    digests = bytearray(b"".join(_prefix_digest(tokens[: p + 1]) for p in range(len(tokens))))
-    values = torch.frombuffer(digests, dtype=torch.int16).float()
-    values = values.view(len(tokens), 2, NUM_LAYERS, NUM_KV_HEADS, HEAD_DIM).permute(1, 2, 3, 0, 4)
-    return values[0], values[1]
-
-
-def rows_kv(rows: list[list[int]], start: int, end: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per layer `[B, H, end - start, D]` K and V of positions [start, end) of every row."""
-    per_row = [token_kv(row[:end]) for row in rows]
-    keys = [torch.stack([k[layer_idx, :, start:end] for k, _ in per_row]) for layer_idx in range(NUM_LAYERS)]
-    values = [torch.stack([v[layer_idx, :, start:end] for _, v in per_row]) for layer_idx in range(NUM_LAYERS)]
-    return keys, values
-
-
-def read_blocks(pool: BlockPool, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[H, len(block_ids) * block_size, D]` K and V that the pool holds in `block_ids`, in order (read straight
-    from the storage, not through the cache's gather)."""
-    index = torch.tensor(block_ids, dtype=torch.long)
-    return pool.key_cache[layer_idx][:, index].flatten(1, 2), pool.value_cache[layer_idx][:, index].flatten(1, 2)
 
 
 # ----------------------------------------------------------------------------------------------- the machine
@@ -489,50 +448,3 @@ class PrefixCacheMachine(RuleBasedStateMachine):
 
 PrefixCacheMachine.TestCase.settings = machine_settings(max_examples=200)
 test_prefix_cache_state_machine = PrefixCacheMachine.TestCase
-
-
-# ------------------------------------------------------------------------------------------------ regressions
-# What the machine found: an update() that raised PoolExhausted held the blocks it held before, but had changed the
-# prefix cache (it took fresh blocks, then failed on a copy-on-write). Now it counts fresh blocks and copies first.
-def _update(cache: PagedCache, tokens_per_row: list[list[int]], num_past: int = 0) -> None:
-    keys, values = rows_kv(tokens_per_row, num_past, len(tokens_per_row[0]))
-    for layer_idx in range(NUM_LAYERS):
-        cache.update(keys[layer_idx], values[layer_idx], layer_idx)
-
-
-def test_failed_update_keeps_cached_free_blocks():
-    """Two forked rows diverge past their half-full shared block: 2 new blocks fit the 2 free (cached) ones, the
-    copy of the shared block does not. The update must fail without evicting the 2 cached blocks."""
-    pool = BlockPool(LAYOUT, num_blocks=5, block_size=4, enable_prefix_caching=True)
-    first = PagedCache(pool=pool)
-    _update(first, [[1] * 8])
-    first.release(token_ids=[[1] * 8])
-    assert pool.allocator.num_cached_blocks == 2 and pool.num_free_blocks == 5
-    forked = PagedCache(pool=pool)
-    _update(forked, [[2] * 6])
-    forked.batch_repeat_interleave(2)
-    other = PagedCache(pool=pool)
-    _update(other, [[3]])
-    assert pool.num_free_blocks == 2 and all(pool.allocator.is_cached(b) for b in pool.allocator._free)
-    # 1 fresh block for each of the 2 diverged rows, and 1 copy of their shared half-full block
-    with pytest.raises(PoolExhausted, match=r"need 3 blocks, 2 free of 5"):
-        _update(forked, [[2] * 6 + [1] * 6, [2] * 6 + [3] * 6], num_past=6)
-    assert forked.block_tables == [[2, 3], [2, 3]] and pool.num_free_blocks == 2
-    assert pool.allocator.num_cached_blocks == 2, "the failed update evicted cached blocks"
-
-
-def test_failed_update_keeps_the_hash_of_a_block_it_did_not_write():
-    """A cached prefix shared by two forked rows, cropped into its last block: the rows diverge, one must copy the
-    block (no block is free), the other would write it in place. The update fails; the block was not written."""
-    pool = BlockPool(LAYOUT, num_blocks=2, block_size=4, enable_prefix_caching=True)
-    first = PagedCache(pool=pool)
-    _update(first, [[1] * 8])
-    first.release(token_ids=[[1] * 8])
-    cache = PagedCache.from_prefix(pool, [1] * 9)
-    assert cache.block_tables == [[0, 1]]
-    cache.batch_repeat_interleave(2)
-    cache.crop(-2)
-    with pytest.raises(PoolExhausted, match=r"need 1 blocks, 0 free of 2"):
-        _update(cache, [[1] * 6 + [2, 2], [1] * 6 + [3, 3]], num_past=6)
-    assert cache.block_tables == [[0, 1], [0, 1]] and cache.get_seq_length() == 6
-    assert pool.allocator.num_cached_blocks == 2, "the failed update forgot the hash of a block it did not write"
