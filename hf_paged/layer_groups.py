@@ -21,14 +21,6 @@ from collections.abc import Sequence
 LayerGroups = tuple[tuple[int, ...], ...]  # groups[g] = the layer indices of group g, ascending
 
 
-class LayerGroupsUnsupported(NotImplementedError):
-    """An operation that needs one block table per sequence (prefix caching, the Engine) met a pool whose layers are
-    split into several layer groups.
-
-    NOTE: defined here, not in errors.py, only because this change does not own errors.py; move it there freely.
-    """
-
-
 def derive_layer_groups(layer_types: Sequence[str], shapes: Sequence[tuple[int, int]]) -> LayerGroups:
     """Split layers into groups by attention type; `shapes[l]` is layer l's `(num_kv_heads, head_dim)`.
 

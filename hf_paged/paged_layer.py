@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
 
 if TYPE_CHECKING:
+    import torch
+
     from .cache import PagedCache
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")

@@ -30,8 +30,8 @@ from accelerate.utils import convert_file_size_to_int
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .allocator import BlockAllocator
-from .errors import PoolMismatch
-from .layer_groups import LayerGroups, LayerGroupsUnsupported, derive_layer_groups, group_of_layer, slot_of_layer
+from .errors import LayerGroupsUnsupported, PoolMismatch
+from .layer_groups import LayerGroups, derive_layer_groups, group_of_layer, slot_of_layer
 
 
 @dataclass(frozen=True)
@@ -147,6 +147,8 @@ class BlockPool:
         self.block_size = block_size
         self.dtype = dtype if dtype is not None else torch.float32
         self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it, as
+            self.device = torch.device("cuda", torch.cuda.current_device())  # tensors do, so device checks match
         self.growable = growable
         self.layer_groups: LayerGroups = layout.layer_groups() if group_layers else (tuple(range(layout.num_layers)),)
         if enable_prefix_caching:

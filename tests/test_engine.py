@@ -4,8 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged import BlockPool, Engine, RequestFailed, SamplingParams
-from hf_paged.layer_groups import LayerGroupsUnsupported
+from hf_paged import BlockPool, Engine, LayerGroupsUnsupported, RequestFailed, SamplingParams
 from tests.models import tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
