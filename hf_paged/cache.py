@@ -166,13 +166,15 @@ class PagedCache(Cache):
         if blocks.has_groups():
             blocks.verify_row_groups(key_states, value_states)
         # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
-        # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty.
+        # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
+        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step).
         writers = tuple(sorted(set(blocks.leaders)))
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
         except PoolExhausted:
             if starting:
                 blocks.release()
+            self._undo_step(layer_idx, num_past)
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
@@ -187,6 +189,33 @@ class PagedCache(Cache):
         if q_len == 1 and self._runs_paged_attention():
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
+
+    def _undo_step(self, layer_idx: int, num_past: int) -> None:
+        """Layer `layer_idx` could not get blocks: put the layers of OTHER layer groups that stored this step back at
+        `num_past` tokens and give back the blocks their groups took for it.
+
+        A group takes its blocks for the whole step at its first layer, so when that is where it runs out (the usual
+        case: no block for the next tokens), the step is undone in every layer and the cache can run it again once
+        blocks are free, as a one-group cache can after a failed first layer. The failing group itself follows the
+        per-call rule (as it was before this call); when it runs out at a later layer of its own (rows that turn
+        out to differ need copies), its earlier layers keep the step and the cache is only good for `release()`.
+        What the undone groups keep: their copies-on-write (a row's private copy of a shared block, same contents)
+        and the sliding groups' release of blocks that left the window at the start of the step.
+        """
+        failing = self._tables.of_layer(layer_idx)
+        advanced = [
+            layer
+            for layer in self.layers[:layer_idx]
+            if layer.cumulative_length > num_past and self._tables.of_layer(layer.layer_idx) is not failing
+        ]
+        touched: list = []  # the BlockTables of the advanced layers' groups, each once
+        for layer in advanced:
+            layer.cumulative_length = num_past
+            tables = self._tables.of_layer(layer.layer_idx)
+            if all(tables is not other for other in touched):
+                touched.append(tables)
+        for tables in touched:
+            tables.release() if num_past == 0 else tables.truncate(num_past)
 
     def _release_out_of_window(self) -> None:
         """Before a step: in each sliding group, give back the blocks before the first key any of the group's layers

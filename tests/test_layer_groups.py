@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM
 
-from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache
-from hf_paged.layer_groups import LayerGroupsUnsupported, derive_layer_groups
+from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, LayerGroupsUnsupported, PagedCache, PoolExhausted
+from hf_paged.layer_groups import derive_layer_groups
 from bench.cache_report import dynamic_cache_bytes
 from tests.models import SLIDING_WINDOW, gemma3_config, left_padded_batch, random_prompt, tiny_model
 
@@ -276,6 +276,45 @@ def test_reorder_repeat_select_and_crop_after_the_window_track_dynamic_cache():
     caches[1].release()
     assert caches[1].num_held_blocks == 0
     assert_pool_clean(pool)
+
+
+def test_a_step_that_runs_out_in_a_later_group_is_undone_in_the_earlier_ones():
+    """Sliding group first, full group second: the sliding group stores the step at layer 0, the full group finds too
+    few blocks at layer 1. Nothing of the step stays: lengths, blocks held, free blocks; with room, it then runs."""
+    config = gemma3_with_pattern([S, F]).config
+    generator = torch.Generator().manual_seed(5)
+    pool = BlockPool.for_model(config, num_blocks=12, block_size=BLOCK_SIZE)
+    dynamic, paged = caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    _step(caches, 2, 2, 6, generator)  # 2 rows of 6 tokens: 2 blocks per row in each group
+    assert paged.held_blocks_per_group == (4, 4) and pool.num_free_blocks == 4
+    hog = pool.allocator.allocate(1)  # 3 free: 10 tokens need 2 more blocks in each group
+    tables = [paged.layer_block_tables(layer_idx) for layer_idx in range(2)]
+    with pytest.raises(PoolExhausted, match="need 2 blocks, 1 free of 12"):
+        for layer_idx in range(2):
+            paged.update(_kv(2, 4, generator), _kv(2, 4, generator), layer_idx)
+    assert [layer.cumulative_length for layer in paged.layers] == [6, 6]
+    assert [paged.layer_block_tables(layer_idx) for layer_idx in range(2)] == tables
+    assert pool.num_free_blocks == 3
+    pool.allocator.free(hog)
+    _step(caches, 2, 2, 4, generator)  # DynamicCache never saw the failed step: the retried one matches it
+    assert paged.held_blocks_per_group == (6, 6)
+    paged.release()
+    assert_pool_clean(pool)
+
+
+def test_a_first_step_that_runs_out_in_a_later_group_leaves_the_cache_empty():
+    config = gemma3_with_pattern([S, F]).config
+    generator = torch.Generator().manual_seed(6)
+    pool = BlockPool.for_model(config, num_blocks=5, block_size=BLOCK_SIZE)
+    paged = PagedCache(config=config, pool=pool)
+    with pytest.raises(PoolExhausted, match="need 4 blocks, 1 free of 5"):
+        for layer_idx in range(2):
+            paged.update(_kv(2, 6, generator), _kv(2, 6, generator), layer_idx)
+    assert paged.get_seq_length() == 0 and paged.held_blocks_per_group == (0, 0)
+    assert_pool_clean(pool)
+    dynamic = DynamicCache(config=config)
+    _step((dynamic, paged), 2, 1, 6, generator)  # a smaller first step fits: 2 blocks per group
+    assert paged.held_blocks_per_group == (2, 2)
 
 
 def test_dropped_multi_group_cache_returns_every_groups_blocks():
