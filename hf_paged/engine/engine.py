@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -137,15 +137,26 @@ class Engine:
         if rows:
             with torch.inference_mode():
                 logits = self._forward(rows)
-            for (request, num_tokens), row_logits in zip(rows, logits):
+                # One device read per step, not one per row: every row's argmax, and the logits on the host only
+                # when a row samples (its generator lives on the CPU).
+                greedy_ids = logits.argmax(-1).tolist()
+                host_logits = None
+            for row, (request, num_tokens) in enumerate(rows):
                 if request.output_ids and request.num_pending == 1:  # feeding back its last output
                     self.stats.decode_tokens += 1
                 else:  # prompt tokens, or a preempted request's recomputation: prefill work
                     self.stats.prefill_tokens += num_tokens
                 request.num_computed += num_tokens
                 self.scheduler.cache_full_blocks(request)
-                if request.num_pending == 0:  # the row reached the end of its input: sample
-                    events.append(self._append(request, row_logits))
+                if request.num_pending:
+                    continue  # a prefill chunk short of the end of its input: nothing to sample
+                if request.params.temperature == 0.0:
+                    token = greedy_ids[row]
+                else:
+                    if host_logits is None:
+                        host_logits = logits.float().cpu()
+                    token = sample(host_logits[row], request.params, request.generator)
+                events.append(self._append(request, token))
         for request in [r for r in self.scheduler.running if self._is_done(r)]:
             self.scheduler.retire(request)
         stats = self.stats
@@ -216,8 +227,7 @@ class Engine:
         )
         return out.logits[0]
 
-    def _append(self, request: Request, logits: torch.Tensor) -> tuple[int, int]:
-        token = sample(logits, request.params, request.generator)
+    def _append(self, request: Request, token: int) -> tuple[int, int]:
         request.output_ids.append(token)
         if request.first_token_time is None:
             request.first_token_time = time.perf_counter()

@@ -130,6 +130,7 @@ class _GroupStep:
     first_positions: list[int]  # per row: position of its table's first key
     slots: torch.Tensor  # [num_tokens] long: pool slot of each new token
     seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
+    host_seq_lens: list[int]  # the same on the host (no device sync to read one)
     decode_tables: torch.Tensor  # [num_decode, width] int32
     length_masks: dict  # shared by the decode plans of the group's layers this step
 
@@ -207,13 +208,15 @@ class StepCache(Cache):
         tables_t = torch.tensor(padded, dtype=torch.long, device=device)
         relative = self._positions - torch.tensor(first_positions, device=device)[self._rows]
         slots = tables_t[self._rows, relative // block_size] * block_size + relative % block_size
-        seq_lens = torch.tensor([end - first for end, first in zip(ends, first_positions)], dtype=torch.int32)
+        host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
+        seq_lens = torch.tensor(host_seq_lens, dtype=torch.int32)
         return _GroupStep(
             tables=tables_t,
             num_table_blocks=num_table_blocks,
             first_positions=first_positions,
             slots=slots,
             seq_lens=seq_lens.to(device),
+            host_seq_lens=host_seq_lens,
             decode_tables=tables_t[: self.num_decode].to(torch.int32),
             length_masks={},
         )
@@ -276,7 +279,7 @@ class StepCache(Cache):
         if index is None:
             tables = group.tables[first_row:end_row, :num_blocks]
             index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
-        length = int(group.seq_lens[first_row:end_row].max())
+        length = max(group.host_seq_lens[first_row:end_row])
         num_rows = end_row - first_row
         gathered = []
         for name, cache in (("keys", key_cache), ("values", value_cache)):
