@@ -1,4 +1,5 @@
-"""pytest-benchmark microbenchmarks of the hot paths: allocator operations and PagedCache.update.
+"""pytest-benchmark microbenchmarks of the hot paths: allocator operations, PagedCache.update, and the engine's
+per-step work outside the model (admission's lookahead, a packed step's bookkeeping and K/V stores).
 
 CI runs these once each with --benchmark-disable (a smoke test); `make microbench` times them for real.
 Each still asserts its result, so a broken hot path fails here too.
@@ -8,6 +9,8 @@ import pytest
 import torch
 
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache
+from hf_paged.engine import Request, SamplingParams, Scheduler, StepCache
+from tests.models import gemma3_config
 
 
 def test_allocate_free_cycle(benchmark):
@@ -62,3 +65,50 @@ def test_cache_update_decode_step(benchmark, batch_size, context):
     assert keys.shape == (batch_size, 4, context + 1, 64)
     assert torch.equal(keys[:, :, -1], step[:, :, 0])
     cache.release()
+
+
+ONE_GROUP = ["full_attention"] * 6
+SIX_GROUPS = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma3's pattern: 6 layer groups of one layer
+
+
+@pytest.mark.parametrize("layer_types", [ONE_GROUP, SIX_GROUPS], ids=["1-group", "6-groups"])
+def test_engine_step_cache(benchmark, layer_types):
+    """A packed engine step outside the model: build the `StepCache` (per layer group: block tables, slots, decode
+    plan) for 16 decode rows and one 64-token prefill chunk, then every layer's `update` (store + plan)."""
+    pool = BlockPool.for_model(gemma3_config(layer_types), num_blocks=2560, block_size=16, dtype=torch.float32)
+    seq_lens, q_lens = [300 + 7 * row for row in range(16)] + [128], [1] * 16 + [64]
+    blocks_per_row = [-(-(n + q) // 16) for n, q in zip(seq_lens, q_lens)]
+    block_ids = iter(range(pool.num_blocks))
+    tables = [[[next(block_ids) for _ in range(count)] for count in blocks_per_row] for _ in range(pool.num_groups)]
+    num_tokens = sum(q_lens)
+    states = torch.randn(1, 2, num_tokens, 16)
+    workspace = {}
+
+    def step():
+        cache = StepCache(pool, tables, seq_lens, q_lens, workspace=workspace)
+        for layer_idx in range(len(layer_types)):
+            keys, _ = cache.update(states, states, layer_idx)
+        return keys
+
+    assert benchmark(step).step_plan.decode.shape[0] == 16
+    # the last layer stored decode row 15's token at its position 300 + 7 * 15 of its own table
+    layer, table = len(layer_types) - 1, tables[pool.group_of_layer[len(layer_types) - 1]][15]
+    position = 300 + 7 * 15
+    stored = pool.key_cache[layer][:, table[position // 16], position % 16]
+    assert torch.equal(stored, states[0, :, 15])
+
+
+def test_scheduler_admission_lookahead(benchmark):
+    """Admission's lookahead with 64 running requests (O(n^2) in running requests; only while requests wait)."""
+    pool = BlockPool(KVLayout((4,) * 2, (64,) * 2), num_blocks=2048, block_size=16)
+    scheduler = Scheduler(pool, max_num_seqs=128, max_num_batched_tokens=512)
+    for index in range(64):
+        scheduler.add(Request(index, [1] * (100 + index), SamplingParams(max_new_tokens=200 + index)))
+    scheduler.schedule()
+    assert len(scheduler.running) == 64
+    newcomer = Request(64, [1] * 100, SamplingParams(max_new_tokens=100))
+    assert benchmark(scheduler.fits, newcomer)
+    # an upper bound on what the running requests hold at any step: each at its peak (prompt 100 + i, 200 + i new)
+    assert sum(-(-(299 + 2 * index) // 16) for index in range(64)) == 1480
+    assert scheduler.fits(Request(65, [1] * 16 * (2048 - 1480 - 1), SamplingParams(max_new_tokens=1)))
+    assert not scheduler.fits(Request(66, [1] * 16 * 2048, SamplingParams(max_new_tokens=1)))
