@@ -28,6 +28,7 @@ from .plot import plot_serving
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_MATPLOTLIB = "matplotlib is not installed: no plot was drawn (`pip install -e '.[plot]'`)"
 
 
@@ -38,6 +39,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--full", action="store_true", help="full sizes: serving workloads about 3x larger, 4 budgets; cache report prompt 1024, contexts 512 and 4096")
     parser.add_argument("--model", default=None, help="a checkpoint path for from_pretrained (default: embedded model)")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                        help="model and KV dtype (default: the checkpoint's; the embedded model: float32 on cpu, "
+                        "bfloat16 on cuda). Greedy agreement is exact only in float32: packing rows differently "
+                        "rounds differently in bfloat16")
     parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
     parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
@@ -76,7 +81,7 @@ def _names(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype] if args.dtype else None)
     started = time.time()
     device = str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else "")
     print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
@@ -150,7 +155,8 @@ def run_cache_report(model, args) -> dict:
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
     sliding = [
         row
-        for window_model in (sliding_window_model(256, device=args.device), mixed_window_model(256, device=args.device))
+        for window_model in (sliding_window_model(256, device=args.device, dtype=model.dtype),
+                             mixed_window_model(256, device=args.device, dtype=model.dtype))
         for row in cache_report.sliding_window_bytes(
             window_model, prompt_len=sizes["sliding_prompt_len"], max_new_tokens=sizes["sliding_new_tokens"]
         )

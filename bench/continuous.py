@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import torch
 from transformers import ContinuousBatchingConfig
 
 from hf_paged import BlockPool, Engine
@@ -66,6 +67,8 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
                 continue
             ran_before, step_start = engine.stats.running_sum, time.perf_counter()
             engine.step()
+            if pool.device.type == "cuda":  # a step that samples nothing reads nothing back: wait for its kernels
+                torch.cuda.synchronize(pool.device)
             busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before))
             live_peak = max(live_peak, _engine_live_bytes(engine.scheduler.running, pool))
             held_peak = max(held_peak, pool.num_used_blocks * pool.bytes_per_block)

@@ -48,16 +48,20 @@ def load_model(path: str | None = None, *, dtype: torch.dtype | None = None, dev
     return model.to(device=device, dtype=dtype).eval()
 
 
-def sliding_window_model(sliding_window: int = 256, *, device: str | None = None, seed: int = 0):
+def sliding_window_model(
+    sliding_window: int = 256, *, device: str | None = None, dtype: torch.dtype | None = None, seed: int = 0
+):
     """The default model's sizes as a Mistral-style model whose every layer has a sliding window."""
     device = torch.device(device) if device is not None else default_device()
     torch.manual_seed(seed)
     model = MistralForCausalLM(MistralConfig(**DEFAULT_CONFIG, sliding_window=sliding_window))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return model.to(device=device, dtype=dtype).eval()
 
 
-def mixed_window_model(sliding_window: int = 256, *, device: str | None = None, seed: int = 0):
+def mixed_window_model(
+    sliding_window: int = 256, *, device: str | None = None, dtype: torch.dtype | None = None, seed: int = 0
+):
     """The default model's sizes as a Gemma3-style model: 5 sliding-window layers, then 1 full-attention layer."""
     device = torch.device(device) if device is not None else default_device()
     torch.manual_seed(seed)
@@ -72,5 +76,5 @@ def mixed_window_model(sliding_window: int = 256, *, device: str | None = None, 
         bos_token_id=1,
     )
     model = Gemma3ForCausalLM(config)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return model.to(device=device, dtype=dtype).eval()

@@ -85,13 +85,15 @@ def generation_config(model, workload: Workload | None = None) -> GenerationConf
     workload plain temperature sampling (no top-k/top-p, as the engine samples) with `num_samples` sequences."""
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id = None, PAD_TOKEN_ID
+    # NOTE: generate() compiles the model by itself for a StaticCache on CUDA; compile time inside a timed run (and
+    # again for each new batch shape) would measure the compiler, not the storage. No backend is compiled.
+    config.disable_compile = True
     if workload is not None and workload.sampled:
         config.do_sample, config.temperature, config.top_k, config.top_p = True, workload.temperature, 0, 1.0
         config.num_return_sequences = workload.num_samples
     else:
         config.do_sample, config.temperature, config.top_p, config.top_k = False, None, None, None
     return config
-
 
 
 def sleep_until(deadline: float) -> None:

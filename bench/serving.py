@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -51,7 +51,7 @@ from .static_batches import (  # noqa: F401
     run_static,
     run_static_batches,
 )
-from .workloads import Workload
+from .workloads import RequestSpec, Workload
 
 BUILTIN_BACKENDS = ("dynamic", "static", "paged-generate", "engine", PEER)
 # Registry backends that the built-in runners above already cover.
@@ -127,6 +127,26 @@ def timed_run(runner, model, workload: Workload, budget: Budget) -> RunResult:
     return result
 
 
+def warm_up(model, workload: Workload, runners: dict[str, Callable[..., RunResult]]) -> None:
+    """One untimed run of every backend on two short requests (16 prompt tokens, 4 new ones), so the first timed
+    run does not pay for first-use work: Triton compiling its kernels on CUDA, allocator and thread-pool start-up.
+
+    NOTE: a Triton kernel compiles again for each new value of a compile-time constant (the decode kernel's split
+    count depends on the batch), so a timed CUDA run may still compile a few variants; `--repeats 2` keeps the
+    faster of two runs.
+    """
+    requests = tuple(RequestSpec(spec.prompt_ids[:16], min(spec.max_new_tokens, 4)) for spec in workload.requests[:2])
+    tiny = replace(workload, requests=requests)
+    budget = Budget.for_workload(model, tiny, 2)
+    for name, runner in runners.items():
+        try:
+            runner(model, tiny, budget)
+        except Exception:
+            if name in RUNNERS and name not in EXTERNAL:
+                raise
+            # an external backend's failure is reported by its timed run
+
+
 # A run during which other processes kept more than this many cores busy is run again once.
 NOISY_LOAD = 0.25
 
@@ -165,6 +185,7 @@ def run_serving(
             raise ValueError(f"unknown serving backend {name!r}; choose from {', '.join(valid)}")
     budgets = [Budget.for_workload(model, workload, m) for m in multiples]
     reference = reference_outputs(model, workload, progress=progress)
+    warm_up(model, workload, runners)
     run = ServingRun(workload, budgets, reference, [], repeats=repeats)
     best: dict[tuple[str, float], RunResult] = {}
     jobs = [(budget, name) for _ in range(repeats) for budget in budgets for name in backends]

@@ -71,7 +71,7 @@ def test_plot_link_is_relative_to_the_log(tmp_path):
 def tiny_harness(tmp_path, monkeypatch):
     """`python -m bench` on a tiny model and a 6-request burst, serving only, writing into tmp_path."""
     model = tiny_model("llama", "sdpa", seed=6)  # a private instance: the engine switches its attention
-    monkeypatch.setattr(harness, "load_model", lambda path, device=None: model)
+    monkeypatch.setattr(harness, "load_model", lambda path, device=None, dtype=None: model)
     workload = burst(vocab_size=VOCAB_SIZE, num_requests=6, prompt_lens=(4, 12), output_lens=(3, 8), seed=1)
     monkeypatch.setattr(harness, "make_workload", lambda *args, **kwargs: workload)
 
