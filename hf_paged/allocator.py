@@ -179,6 +179,14 @@ class BlockAllocator:
             self.num_prefix_hits += len(block_ids)
             return block_ids
 
+    def cached_prefix_length(self, block_hashes: Sequence[bytes]) -> int:
+        """How many leading `block_hashes` are cached: what `lookup_prefix` would take now, taking nothing."""
+        with self.lock:
+            for count, block_hash in enumerate(block_hashes):
+                if block_hash not in self._block_of_hash:
+                    return count
+            return len(block_hashes)
+
     def uncache(self, block_id: int) -> None:
         """Forget `block_id`'s hash (its contents are about to change)."""
         with self.lock:

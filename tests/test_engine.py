@@ -108,6 +108,20 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     assert engine.generate(prompts, max_new_tokens=10, ignore_eos=True, temperature=1.0, top_k=1, seed=0) == greedy
 
 
+def test_greedy_and_sampled_rows_share_steps_with_an_unfinished_prefill_chunk():
+    """Greedy and seeded-sampled decode rows in the same steps as a 30-token prompt prefilled 8 tokens at a time (a
+    chunk short of its prompt's end samples nothing): each request gets what it gets alone."""
+    prompts = _prompts((6, 9, 30))
+    settings = [{}, dict(temperature=0.9, top_k=20, seed=3), {}]
+    engine, _ = _engine("llama", 64, max_num_seqs=4, max_num_batched_tokens=8)
+    ids = [engine.add_request(p, max_new_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, settings)]
+    while engine.has_unfinished():
+        engine.step()
+    alone = [engine.generate([p], max_new_tokens=10, ignore_eos=True, **kw)[0] for p, kw in zip(prompts, settings)]
+    assert [engine.request(i).output_ids for i in ids] == alone
+    assert alone[0] == _reference("llama", prompts[:1], [10])[0]
+
+
 def test_stop_tokens_end_a_request_and_are_kept():
     prompts = _prompts((6,))
     engine, _ = _engine("llama", 64)
@@ -192,6 +206,32 @@ def test_shared_system_prompt_is_computed_once_with_identical_output():
     assert warm.prefix_hit_tokens == 40 * (len(prompts) - 1)
     assert warm.prefill_tokens == cold.prefill_tokens - warm.prefix_hit_tokens
     assert warm.decode_tokens == cold.decode_tokens == sum(new_tokens) - len(prompts)
+
+
+def test_parallel_samples_of_one_prompt_compute_it_once():
+    """Four requests with one prompt, admitted together: the first computes the prompt; the others wait until its
+    blocks are cached and take them, instead of all four computing a copy in the same step."""
+    prompt = _prompts(lengths=(30,))[0]
+    engine, pool = _engine("llama", 64, max_num_seqs=8, enable_prefix_caching=True)
+    assert engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == _reference("llama", [prompt], [6]) * 4
+    hit = (len(prompt) - 1) // 4 * 4  # 28 tokens: 7 full blocks (one token is always left to compute)
+    assert engine.stats.prefix_hit_tokens == 3 * hit
+    assert engine.stats.prefill_tokens == len(prompt) + 3 * (len(prompt) - hit)
+    assert pool.num_used_blocks == 0
+
+
+def test_admission_counts_blocks_that_running_requests_share_once():
+    """Requests sharing a 32-token system prompt (8 blocks of 4) in a 30-block pool peak at 10-12 blocks each: counted
+    one by one, 2 fit. Counting the 8 shared blocks once, more run side by side, and still none is preempted."""
+    prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
+    new_tokens = [8] * len(prompts)
+    engine, pool = _engine("llama", 30, max_num_seqs=8, enable_prefix_caching=True)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _reference(
+        "llama", prompts, new_tokens
+    )
+    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 4  # 2 before
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
 
 
 def test_lookahead_admission_never_preempts_and_a_short_reserve_does():

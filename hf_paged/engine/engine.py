@@ -64,9 +64,11 @@ class Engine:
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
             goes to prefill chunks, so one long prompt cannot stall decoding).
-        enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes at admission. Default: on when the
-            pool has one layer group (prefix caching needs that; see `BlockPool`). Turns the pool's prefix cache on
-            (a pool with prefix caching belongs to one model).
+        enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes when a request's prefill starts.
+            Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them once:
+            a request waits while another computes blocks it would reuse, and admission counts a block that several
+            running requests hold once. Default: on when the pool has one layer group (prefix caching needs that;
+            see `BlockPool`). Turns the pool's prefix cache on (a pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
@@ -137,10 +139,14 @@ class Engine:
         if rows:
             with torch.inference_mode():
                 logits = self._forward(rows)
-                # One device read per step, not one per row: every row's argmax, and the logits on the host only
-                # when a row samples (its generator lives on the CPU).
+                # One device read per step, not one per row: every row's argmax, and the logits of the rows that
+                # sample (their generators live on the CPU), copied to the host together.
                 greedy_ids = logits.argmax(-1).tolist()
-                host_logits = None
+                sampled = [
+                    row for row, (request, num_tokens) in enumerate(rows)
+                    if request.params.temperature > 0.0 and request.num_pending == num_tokens
+                ]
+                host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
             for row, (request, num_tokens) in enumerate(rows):
                 if request.output_ids and request.num_pending == 1:  # feeding back its last output
                     self.stats.decode_tokens += 1
@@ -153,8 +159,6 @@ class Engine:
                 if request.params.temperature == 0.0:
                     token = greedy_ids[row]
                 else:
-                    if host_logits is None:
-                        host_logits = logits.float().cpu()
                     token = sample(host_logits[row], request.params, request.generator)
                 events.append(self._append(request, token))
         for request in [r for r in self.scheduler.running if self._is_done(r)]:

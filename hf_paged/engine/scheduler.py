@@ -13,7 +13,10 @@ counts the blocks released before the table's first entry.
 
 With prefix caching on (one-group pools only), a request's first prefill takes the longest cached prefix of its tokens (full blocks,
 always leaving one token to compute), and every block that fills up is remembered by its hash chain, so requests
-sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again.
+sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again. A request whose
+prompt continues with blocks another request is computing right now waits for them instead of computing a copy
+(parallel samples of one prompt start one after the other), and admission counts a block that several running
+requests hold once.
 """
 
 from __future__ import annotations
@@ -185,6 +188,20 @@ class Scheduler:
         request.num_computed = request.num_cached_tokens = len(hit) * block_size
         self.num_prefix_hit_tokens += request.num_computed
 
+    def _waits_for_prefix(self, request: Request, computing: set[bytes]) -> bool:
+        """Whether `request`'s prefill should wait: the first of its blocks that is not cached is one that another
+        request is computing (parallel samples of one prompt, requests sharing a system prompt admitted together).
+        Started together, both would compute the shared blocks and hold two copies; once the other has computed
+        them, the prefix cache hands them over. The one computing started earlier, so it gets its prefill budget
+        first every step and the wait ends."""
+        allocator = self.pool.allocator
+        if not allocator.enable_prefix_caching:
+            return False
+        self._extend_hashes(request, (len(request.token_ids) - 1) // self.pool.block_size)
+        hashes = request.block_hashes[: (len(request.token_ids) - 1) // self.pool.block_size]
+        num_cached = allocator.cached_prefix_length(hashes)
+        return num_cached < len(hashes) and hashes[num_cached] in computing
+
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         block_size, tokens = self.pool.block_size, request.token_ids
         for index in range(len(request.block_hashes), num_blocks):
@@ -227,8 +244,13 @@ class Scheduler:
         Every running request grows by one token per step until its `max_new_tokens` (or for
         `decode_reserve_tokens` steps, when set) and its blocks come back when it finishes, so the demand at step
         t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0 or just
-        before one of them finishes. Blocks shared through the prefix cache are counted once per holder, so the
-        check errs on the side of admitting too few.
+        before one of them finishes.
+
+        With prefix caching (one group, no window), blocks that several running requests hold (a shared system
+        prompt, parallel samples of one prompt) count once: the demand at t is every block held now by a request
+        still running at t, plus the blocks each of those will add by t. Only sharing that exists counts: a
+        request that has not looked up its prefix yet (the newcomer, or one admitted but not yet prefilling) is
+        counted as computing its whole prompt, so the check never admits more than the pool holds.
 
         NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
         preempted: requests can only finish earlier than planned (eos, stop tokens), which frees blocks sooner.
@@ -239,6 +261,8 @@ class Scheduler:
         growths.append((*self._growth(newcomer), True))
         held = {block_id for request in self.running for block_id in request.block_ids}
         available = self.pool.num_free_blocks + len(held)
+        if self.pool.allocator.enable_prefix_caching and self.group_windows == [None]:
+            return self._fits_shared(growths, [*self.running, newcomer], available)
         # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait: a few ms at n=256.
         for t in {0, *(steps for _, steps, _ in growths)}:
             demand = sum(
@@ -247,6 +271,29 @@ class Scheduler:
                 if steps >= t
             )
             if demand > available:
+                return False
+        return True
+
+    def _fits_shared(self, growths: list[tuple[int, int, bool]], requests: list[Request], available: int) -> bool:
+        """`fits` for one full-attention group, counting each held block once (see `fits`). `growths[i]` is
+        (tokens, steps, prefilling) of `requests[i]`. The steps that matter are visited from the last down, so
+        the requests still running grow by one set each time and the union of their blocks is kept, not rebuilt."""
+        order = sorted(range(len(requests)), key=lambda i: growths[i][1], reverse=True)
+        union: set[int] = set()
+        alive: list[int] = []  # requests running at the current t
+        position = 0
+        for t in sorted({0, *(steps for _, steps, _ in growths)}, reverse=True):
+            while position < len(order) and growths[order[position]][1] >= t:
+                index = order[position]
+                alive.append(index)
+                if requests[index].block_tables:
+                    union.update(requests[index].block_tables[0])
+                position += 1
+            fresh = sum(
+                max(self._blocks_for(growths[i][0] + t) - len(requests[i].block_tables[0] if requests[i].block_tables else ()), 0)
+                for i in alive
+            )
+            if len(union) + fresh > available:
                 return False
         return True
 
@@ -276,15 +323,25 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         decode: list[Request] = []
         prefill: list[tuple[Request, int]] = []
+        # Hashes of the prompt blocks being computed, not cached yet (prefix caching): a request whose next uncached
+        # block is one of them waits until it is cached, then takes it instead of computing a copy.
+        computing = set()
+        for running in self.running:
+            if running.block_tables and running.num_pending > 1:
+                computing.update(running.block_hashes[running.num_registered_blocks :])
         for request in list(self.running):
             if request not in self.running:  # preempted while making room for an earlier one
                 continue
             if request.num_pending > 1 and budget <= 0:
                 continue  # no prefill budget left this step
             if request.num_computed == 0 and not request.block_tables:
+                if self._waits_for_prefix(request, computing):
+                    continue
                 # NOTE: looked up when its prefill starts, not at admission: requests admitted together wait for
                 # the budget, and by then the first one has computed (and cached) the prefix they share.
                 self._reuse_prefix(request)
+                if request.num_pending > 1:
+                    computing.update(request.block_hashes[request.num_registered_blocks :])
             if request.block_tables:
                 self._release_out_of_window(request)
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
