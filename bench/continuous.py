@@ -67,7 +67,7 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
                 continue
             ran_before, step_start = engine.stats.running_sum, time.perf_counter()
             engine.step()
-            if pool.device.type == "cuda":  # a step that samples nothing reads nothing back: wait for its kernels
+            if pool.device.type == "cuda":  # the step's time is its kernels' time, not their launch
                 torch.cuda.synchronize(pool.device)
             busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before))
             live_peak = max(live_peak, _engine_live_bytes(engine.scheduler.running, pool))

@@ -103,12 +103,15 @@ def test_scheduler_admission_lookahead(benchmark):
     pool = BlockPool(KVLayout((4,) * 2, (64,) * 2), num_blocks=2048, block_size=16)
     scheduler = Scheduler(pool, max_num_seqs=128, max_num_batched_tokens=512)
     for index in range(64):
-        scheduler.add(Request(index, [1] * (100 + index), SamplingParams(max_new_tokens=200 + index)))
+        scheduler.add(Request(index, [1] * 100, SamplingParams(max_new_tokens=200)))
     scheduler.schedule()
     assert len(scheduler.running) == 64
-    newcomer = Request(64, [1] * 100, SamplingParams(max_new_tokens=100))
-    assert benchmark(scheduler.fits, newcomer)
-    # an upper bound on what the running requests hold at any step: each at its peak (prompt 100 + i, 200 + i new)
-    assert sum(-(-(299 + 2 * index) // 16) for index in range(64)) == 1480
-    assert scheduler.fits(Request(65, [1] * 16 * (2048 - 1480 - 1), SamplingParams(max_new_tokens=1)))
-    assert not scheduler.fits(Request(66, [1] * 16 * 2048, SamplingParams(max_new_tokens=1)))
+
+    def newcomer(prompt_len: int) -> Request:
+        return Request(64, [1] * prompt_len, SamplingParams(max_new_tokens=200))
+
+    assert benchmark(scheduler.fits, newcomer(100))
+    # The peak is 199 steps on, when the 64 running requests hold 299 tokens (19 blocks) each: 1,216 blocks, so a
+    # newcomer that is 832 blocks (13,312 tokens) by then fits, and one token more does not. At step 0 both would.
+    assert scheduler.fits(newcomer(13312 - 199))
+    assert not scheduler.fits(newcomer(13312 - 199 + 1))

@@ -302,6 +302,37 @@ def test_a_step_that_runs_out_in_a_later_group_is_undone_in_the_earlier_ones():
     assert_pool_clean(pool)
 
 
+def test_an_undone_step_after_the_window_released_blocks_with_forked_rows():
+    """The same with a sliding group that already gave back blocks (its tables start past position 0) and two rows
+    forked from one (shared blocks, then a copy-on-write as they diverge): the undo frees exactly the step's fresh
+    blocks, keeps what was shared and released, and the step then runs as DynamicCache's."""
+    config = gemma3_with_pattern([S, F]).config
+    generator = torch.Generator().manual_seed(7)
+    pool = BlockPool.for_model(config, num_blocks=40, block_size=BLOCK_SIZE)
+    dynamic, paged = caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    _step(caches, 2, 1, 14, generator)
+    for cache in caches:
+        cache.batch_repeat_interleave(2)
+    _step(caches, 2, 2, 1, generator)  # 15 tokens; the rows diverge (one copies the shared last block)
+    sliding, full = paged.layer_block_tables(0), paged.layer_block_tables(1)
+    assert sliding[0][0] == sliding[1][0] and sliding[0][-1] != sliding[1][-1]  # shared start, diverged end
+    assert len(sliding[0]) < len(full[0])  # the sliding group gave back its first block
+    # The next 4 tokens need a fresh block per row in each group; the step's release frees one more sliding block.
+    hog = pool.allocator.allocate(pool.num_free_blocks - 2)
+    with pytest.raises(PoolExhausted, match="need 2 blocks, 1 free of 40"):
+        for layer_idx in range(2):
+            paged.update(_kv(2, 4, generator), _kv(2, 4, generator), layer_idx)
+    assert [layer.cumulative_length for layer in paged.layers] == [15, 15]
+    assert paged.layer_block_tables(1) == full  # the failing group: as before the call
+    assert paged.layer_block_tables(0) == [table[1:] for table in sliding]  # the step's release stays, no more
+    assert pool.num_free_blocks == 3  # 2 left + the released block, both rows' fresh sliding blocks back
+    pool.allocator.check_invariants()
+    pool.allocator.free(hog)
+    _step(caches, 2, 2, 4, generator)
+    paged.release()
+    assert_pool_clean(pool)
+
+
 def test_a_first_step_that_runs_out_in_a_later_group_leaves_the_cache_empty():
     config = gemma3_with_pattern([S, F]).config
     generator = torch.Generator().manual_seed(6)
