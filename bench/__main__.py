@@ -81,7 +81,7 @@ def _names(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = load_model(args.model, device=args.device, dtype=DTYPES[args.dtype] if args.dtype else None)
+    model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
     started = time.time()
     device = str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else "")
     print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
@@ -154,7 +154,7 @@ def run_cache_report(model, args) -> dict:
     print(f"demo: identical={demo['identical']}", flush=True)
     memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
-    dtype = DTYPES[args.dtype] if args.dtype else None  # the window models' own default unless asked
+    dtype = DTYPES.get(args.dtype)  # None: the window models' own default
     sliding = [
         row
         for window_model in (sliding_window_model(256, device=args.device, dtype=dtype),

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from transformers import DynamicCache, MistralConfig
 
 from hf_paged import BlockPool, PagedCache, PoolExhausted
+from tests.prefix_kv import read_blocks
 from tests.test_cache_properties import (
     HEAD_DIM,
     MAX_ROWS,
@@ -49,13 +50,6 @@ def sliding_config(window: int) -> MistralConfig:
         head_dim=HEAD_DIM,
         sliding_window=window,
     )
-
-
-def read_blocks(pool: BlockPool, layer_idx: int, block_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """`[H, len(block_ids) * block_size, D]` K and V that the pool holds in `block_ids`, in order (read straight
-    from the storage, not through the cache's gather)."""
-    index = torch.tensor(block_ids, dtype=torch.long)
-    return pool.key_cache[layer_idx][:, index].flatten(1, 2), pool.value_cache[layer_idx][:, index].flatten(1, 2)
 
 
 class SlidingTracked(Tracked):

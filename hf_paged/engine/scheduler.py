@@ -180,9 +180,7 @@ class Scheduler:
         allocator, block_size = self.pool.allocator, self.pool.block_size
         if not allocator.enable_prefix_caching:
             return
-        num_blocks = (len(request.token_ids) - 1) // block_size  # one token is always left to compute
-        self._extend_hashes(request, num_blocks)
-        hit = allocator.lookup_prefix(request.block_hashes[:num_blocks])
+        hit = allocator.lookup_prefix(self._lookup_hashes(request))
         request.block_tables, request.first_blocks = [hit], [0]  # prefix caching implies one layer group
         request.num_registered_blocks = len(hit)
         request.num_computed = request.num_cached_tokens = len(hit) * block_size
@@ -197,10 +195,16 @@ class Scheduler:
         allocator = self.pool.allocator
         if not allocator.enable_prefix_caching:
             return False
-        self._extend_hashes(request, (len(request.token_ids) - 1) // self.pool.block_size)
-        hashes = request.block_hashes[: (len(request.token_ids) - 1) // self.pool.block_size]
+        hashes = self._lookup_hashes(request)
         num_cached = allocator.cached_prefix_length(hashes)
         return num_cached < len(hashes) and hashes[num_cached] in computing
+
+    def _lookup_hashes(self, request: Request) -> list[bytes]:
+        """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
+        compute (so a hit never covers the whole input)."""
+        num_blocks = (len(request.token_ids) - 1) // self.pool.block_size
+        self._extend_hashes(request, num_blocks)
+        return request.block_hashes[:num_blocks]
 
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         block_size, tokens = self.pool.block_size, request.token_ids
@@ -278,21 +282,17 @@ class Scheduler:
         """`fits` for one full-attention group, counting each held block once (see `fits`). `growths[i]` is
         (tokens, steps, prefilling) of `requests[i]`. The steps that matter are visited from the last down, so
         the requests still running grow by one set each time and the union of their blocks is kept, not rebuilt."""
+        tables = [request.block_tables[0] if request.block_tables else [] for request in requests]
         order = sorted(range(len(requests)), key=lambda i: growths[i][1], reverse=True)
         union: set[int] = set()
         alive: list[int] = []  # requests running at the current t
         position = 0
         for t in sorted({0, *(steps for _, steps, _ in growths)}, reverse=True):
             while position < len(order) and growths[order[position]][1] >= t:
-                index = order[position]
-                alive.append(index)
-                if requests[index].block_tables:
-                    union.update(requests[index].block_tables[0])
+                alive.append(order[position])
+                union.update(tables[order[position]])
                 position += 1
-            fresh = sum(
-                max(self._blocks_for(growths[i][0] + t) - len(requests[i].block_tables[0] if requests[i].block_tables else ()), 0)
-                for i in alive
-            )
+            fresh = sum(max(self._blocks_for(growths[i][0] + t) - len(tables[i]), 0) for i in alive)
             if len(union) + fresh > available:
                 return False
         return True
