@@ -1,5 +1,6 @@
 """pytest-benchmark microbenchmarks of the hot paths: allocator operations, PagedCache.update, and the engine's
-per-step work outside the model (admission's lookahead, a packed step's bookkeeping and K/V stores).
+per-step work outside the model (admission's lookahead, a packed step's bookkeeping and K/V stores), and the
+benchmark model's linear layers on a decode step (stock against weight-major, bench/linear.py).
 
 CI runs these once each with --benchmark-disable (a smoke test); `make microbench` times them for real.
 Each still asserts its result, so a broken hot path fails here too.
@@ -115,3 +116,28 @@ def test_scheduler_admission_lookahead(benchmark):
     # newcomer that is 832 blocks (13,312 tokens) by then fits, and one token more does not. At step 0 both would.
     assert scheduler.fits(newcomer(13312 - 199))
     assert not scheduler.fits(newcomer(13312 - 199 + 1))
+
+
+@pytest.fixture(scope="module")
+def default_model_linears():
+    from bench.models import load_model
+
+    return [m for m in load_model(device="cpu").modules() if isinstance(m, torch.nn.Linear)]
+
+
+@pytest.mark.parametrize("linear", ["torch", "weight-major"])
+def test_default_model_linears_three_rows(benchmark, default_model_linears, linear):
+    """Every linear layer of the benchmark's default model on a 3-row decode step, stock F.linear against
+    bench/linear.py's weight-major form (the harness's CPU default)."""
+    from bench.linear import weight_major_linear
+
+    inputs = {size: torch.randn(1, 3, size) for size in (512, 1536)}
+    forward = (lambda layer, x: layer(x)) if linear == "torch" else weight_major_linear
+
+    @torch.inference_mode()
+    def all_layers():
+        return [forward(layer, inputs[layer.in_features]) for layer in default_model_linears]
+
+    outputs = benchmark(all_layers)
+    last = default_model_linears[-1]  # the LM head
+    torch.testing.assert_close(outputs[-1], inputs[512] @ last.weight.T, rtol=1e-4, atol=1e-4)

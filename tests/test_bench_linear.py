@@ -1,0 +1,64 @@
+"""bench/linear.py: weight-major linear layers compute what F.linear computes, switch on and off per model, and
+leave the benchmark's greedy outputs unchanged."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from bench.linear import MAX_WEIGHT_MAJOR_ROWS, use_linear, weight_major_linear
+from hf_paged import BlockPool, Engine
+
+
+def _model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 64), (1, 1, 64), (3, 64), (2, 4, 64), (1, 16, 64), (1, 17, 64), (0, 64)])
+def test_weight_major_matches_linear(shape, bias):
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96, bias=bias)
+    x = torch.randn(shape)
+    out = weight_major_linear(layer, x)
+    assert out.shape == (*shape[:-1], 96)
+    assert out.is_contiguous()
+    torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+def test_use_linear_switches_cpu_float32_layers_and_back():
+    model = _model()
+    num_linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    assert use_linear(model, "weight-major") == num_linears == 2 * 7 + 1  # q k v o gate up down per layer + LM head
+    assert all("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    assert use_linear(model, "torch") == 0
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    assert use_linear(model.to(torch.bfloat16), "weight-major") == 0  # only CPU float32 weights change
+
+
+def test_use_linear_rejects_unknown_kind():
+    with pytest.raises(ValueError, match=r"weight-major, torch, got 'fast'"):
+        use_linear(_model(), "fast")
+
+
+def test_weight_major_model_generates_the_same_tokens():
+    """Greedy outputs through generate() (batched, so decode rows > 1) and through the Engine (packed rows, one
+    prefill chunk over MAX_WEIGHT_MAJOR_ROWS tokens) match the stock model's."""
+    model = _model()
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, 256, (3, MAX_WEIGHT_MAJOR_ROWS + 4), generator=generator)
+    prompts = [row[: 5 + 6 * i].tolist() for i, row in enumerate(input_ids)]
+    expected_batch = model.generate(input_ids, max_new_tokens=12, do_sample=False)
+    expected_engine = Engine(model, BlockPool.for_model(model, num_blocks=32, block_size=4)).generate(
+        prompts, max_new_tokens=12, ignore_eos=True
+    )
+    use_linear(model, "weight-major")
+    assert torch.equal(model.generate(input_ids, max_new_tokens=12, do_sample=False), expected_batch)
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=32, block_size=4))
+    assert engine.generate(prompts, max_new_tokens=12, ignore_eos=True) == expected_engine
