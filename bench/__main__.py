@@ -64,7 +64,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
                         "and any third-party cache backend)")
     parser.add_argument("--repeats", type=int, default=None,
-                        help="serving runs per backend and budget, interleaved; the fastest is kept (quick 2, full 1)")
+                        help="serving runs per backend and budget, interleaved; the fastest is kept (default 2)")
     parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
     budgets = args.budgets or ([2, 4, 8, 16] if args.full else [2, 8])
-    repeats = args.repeats or (1 if args.full else 2)
+    repeats = args.repeats or 2
     run = serving.run_serving(model, workload, budgets, args.backends, repeats=repeats, progress=not args.no_progress)
     rows = serving_report.summarize_all(run)
     print(_serving_table(rows), flush=True)

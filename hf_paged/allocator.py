@@ -165,12 +165,7 @@ class BlockAllocator:
     def lookup_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
         """Take a hold on the cached blocks of the longest cached prefix of `block_hashes`; return their ids."""
         with self.lock:
-            block_ids = []
-            for block_hash in block_hashes:
-                block_id = self._block_of_hash.get(block_hash)
-                if block_id is None:
-                    break
-                block_ids.append(block_id)
+            block_ids = self.peek_prefix(block_hashes)
             for block_id in block_ids:
                 if self._ref_counts[block_id] == 0:
                     del self._free[block_id]  # a hit on a freed block takes it back out of the queue
@@ -179,13 +174,16 @@ class BlockAllocator:
             self.num_prefix_hits += len(block_ids)
             return block_ids
 
-    def cached_prefix_length(self, block_hashes: Sequence[bytes]) -> int:
-        """How many leading `block_hashes` are cached: what `lookup_prefix` would take now, taking nothing."""
+    def peek_prefix(self, block_hashes: Sequence[bytes]) -> list[int]:
+        """The ids of the cached blocks `lookup_prefix(block_hashes)` would take now, taking nothing."""
         with self.lock:
-            for count, block_hash in enumerate(block_hashes):
-                if block_hash not in self._block_of_hash:
-                    return count
-            return len(block_hashes)
+            block_ids = []
+            for block_hash in block_hashes:
+                block_id = self._block_of_hash.get(block_hash)
+                if block_id is None:
+                    break
+                block_ids.append(block_id)
+            return block_ids
 
     def uncache(self, block_id: int) -> None:
         """Forget `block_id`'s hash (its contents are about to change)."""

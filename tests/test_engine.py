@@ -4,7 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged import BlockPool, Engine, LayerGroupsUnsupported, RequestFailed, SamplingParams
+from hf_paged import BlockPool, Engine, KVLayout, LayerGroupsUnsupported, RequestFailed, SamplingParams
+from hf_paged.engine import Request, Scheduler
 from tests.models import tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
@@ -222,15 +223,39 @@ def test_parallel_samples_of_one_prompt_compute_it_once():
 
 def test_admission_counts_blocks_that_running_requests_share_once():
     """Requests sharing a 32-token system prompt (8 blocks of 4) in a 30-block pool peak at 10-12 blocks each: counted
-    one by one, 2 fit. Counting the 8 shared blocks once, more run side by side, and still none is preempted."""
+    one by one, 2 fit. Counting the 8 shared blocks once, held by the running ones or about to be taken from the
+    cache by a newcomer, 6 run side by side, and still none is preempted."""
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
     new_tokens = [8] * len(prompts)
     engine, pool = _engine("llama", 30, max_num_seqs=8, enable_prefix_caching=True)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _reference(
         "llama", prompts, new_tokens
     )
-    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 4  # 2 before
+    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 6  # 4 counting held blocks only, 2 before
     assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
+def test_admission_counts_a_newcomers_cached_prefix_as_held():
+    """A request holds a 32-token system prompt (8 blocks of 4) in a 15-block pool. A newcomer with the same system
+    prompt takes those 8 blocks from the cache when its prefill starts: counted as held, both peak at 9 + 2 fresh =
+    11 blocks and it fits; counted as fresh (10 blocks) it would not, and a newcomer with another prompt does not."""
+    pool = BlockPool(KVLayout((2,), (4,)), num_blocks=15, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    system = list(range(1, 33))
+    running = Request(0, system, SamplingParams(max_new_tokens=5))  # peaks at 32 + 4 tokens: 9 blocks
+    scheduler.add(running)
+    assert scheduler.schedule().prefill == [(running, 32)]
+    running.num_computed = 32  # what the engine does after the forward
+    scheduler.cache_full_blocks(running)
+    assert pool.allocator.num_cached_blocks == 8
+
+    def newcomer(prompt: list[int]) -> Request:
+        return Request(1, prompt, SamplingParams(max_new_tokens=5))  # 36 + 4 tokens at peak: 10 blocks
+
+    assert scheduler.fits(newcomer(system + [40, 41, 42, 43]))
+    assert not scheduler.fits(newcomer(list(range(40, 76))))
+    assert pool.num_free_blocks == 7 and pool.allocator.ref_count(0) == 1  # fits() took nothing
     pool.allocator.check_invariants()
 
 

@@ -39,18 +39,18 @@ def test_lookup_stops_at_the_first_miss():
     allocator = BlockAllocator(3, enable_prefix_caching=True)
     allocator.allocate(2)
     allocator.cache_block(1, H[1])
-    assert allocator.cached_prefix_length([H[0], H[1]]) == 0
+    assert allocator.peek_prefix([H[0], H[1]]) == []
     assert allocator.lookup_prefix([H[0], H[1]]) == []  # block 1 is cached, but its parent is not
 
 
-def test_cached_prefix_length_counts_what_a_lookup_would_take_and_takes_nothing():
+def test_peek_prefix_names_what_a_lookup_would_take_and_takes_nothing():
     allocator = BlockAllocator(4, enable_prefix_caching=True)
     allocator.allocate(3)
     for block_id in range(3):
         allocator.cache_block(block_id, H[block_id])
     allocator.free([1, 2])
-    assert allocator.cached_prefix_length([H[0], H[1], H[3], H[2]]) == 2
-    assert allocator.cached_prefix_length([H[0], H[1], H[2]]) == 3
+    assert allocator.peek_prefix([H[0], H[1], H[3], H[2]]) == [0, 1]
+    assert allocator.peek_prefix([H[0], H[1], H[2]]) == [0, 1, 2]
     assert allocator.num_free_blocks == 3 and allocator.ref_count(1) == 0  # nothing taken
     assert (allocator.num_prefix_queries, allocator.num_prefix_hits) == (0, 0)  # not a query
     allocator.check_invariants()

@@ -67,7 +67,7 @@ class Engine:
         enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes when a request's prefill starts.
             Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them once:
             a request waits while another computes blocks it would reuse, and admission counts a block that several
-            running requests hold once. Default: on when the pool has one layer group (prefix caching needs that;
+            requests hold or would take from the cache once. Default: on when the pool has one layer group (prefix caching needs that;
             see `BlockPool`). Turns the pool's prefix cache on (a pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for

@@ -16,7 +16,7 @@ always leaving one token to compute), and every block that fills up is remembere
 sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again. A request whose
 prompt continues with blocks another request is computing right now waits for them instead of computing a copy
 (parallel samples of one prompt start one after the other), and admission counts a block that several running
-requests hold once.
+requests hold once, a waiting request's cached prefix included.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ class Scheduler:
         if not allocator.enable_prefix_caching:
             return False
         hashes = self._lookup_hashes(request)
-        num_cached = allocator.cached_prefix_length(hashes)
+        num_cached = len(allocator.peek_prefix(hashes))
         return num_cached < len(hashes) and hashes[num_cached] in computing
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
@@ -252,9 +252,11 @@ class Scheduler:
 
         With prefix caching (one group, no window), blocks that several running requests hold (a shared system
         prompt, parallel samples of one prompt) count once: the demand at t is every block held now by a request
-        still running at t, plus the blocks each of those will add by t. Only sharing that exists counts: a
-        request that has not looked up its prefix yet (the newcomer, or one admitted but not yet prefilling) is
-        counted as computing its whole prompt, so the check never admits more than the pool holds.
+        still running at t, plus the blocks each of those will add by t. A request that has not looked up its
+        prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup
+        would take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper
+        bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to
+        a request whose new blocks are counted already, one block for the one it must then compute.
 
         NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
         preempted: requests can only finish earlier than planned (eos, stop tokens), which frees blocks sooner.
@@ -282,7 +284,11 @@ class Scheduler:
         """`fits` for one full-attention group, counting each held block once (see `fits`). `growths[i]` is
         (tokens, steps, prefilling) of `requests[i]`. The steps that matter are visited from the last down, so
         the requests still running grow by one set each time and the union of their blocks is kept, not rebuilt."""
-        tables = [request.block_tables[0] if request.block_tables else [] for request in requests]
+        allocator = self.pool.allocator
+        tables = [
+            request.block_tables[0] if request.block_tables else allocator.peek_prefix(self._lookup_hashes(request))
+            for request in requests
+        ]
         order = sorted(range(len(requests)), key=lambda i: growths[i][1], reverse=True)
         union: set[int] = set()
         alive: list[int] = []  # requests running at the current t
