@@ -47,14 +47,19 @@ def weight_major_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def use_linear(model: nn.Module, kind: str) -> int:
     """Make every `nn.Linear` of `model` whose weight is CPU float32 compute as `kind` ("weight-major" or "torch",
-    the stock forward). Returns how many layers compute weight-major."""
+    the stock forward). Returns how many layers compute weight-major. A layer whose forward someone else replaced
+    (accelerate's offloading hooks) is left alone."""
     if kind not in LINEARS:
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
     count = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear):
             continue
-        module.__dict__.pop("forward", None)  # back to the class's forward
+        forward = module.__dict__.get("forward")
+        if forward is not None:
+            if getattr(forward, "func", None) is not weight_major_linear:
+                continue
+            del module.forward  # back to the class's forward
         if kind == "weight-major" and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
             module.forward = functools.partial(weight_major_linear, module)
             count += 1

@@ -42,6 +42,15 @@ def test_use_linear_switches_cpu_float32_layers_and_back():
     assert use_linear(model.to(torch.bfloat16), "weight-major") == 0  # only CPU float32 weights change
 
 
+def test_use_linear_leaves_a_forward_someone_else_replaced():
+    model = _model()
+    hooked = model.lm_head
+    hooked.forward = lambda x: F.linear(x, hooked.weight) * 2  # like an offloading hook's wrapper
+    assert use_linear(model, "weight-major") == 2 * 7
+    assert use_linear(model, "torch") == 0
+    assert torch.equal(hooked(torch.ones(1, 64)), F.linear(torch.ones(1, 64), hooked.weight) * 2)
+
+
 def test_use_linear_rejects_unknown_kind():
     with pytest.raises(ValueError, match=r"weight-major, torch, got 'fast'"):
         use_linear(_model(), "fast")
