@@ -38,33 +38,25 @@ def default_device() -> torch.device:
 
 def load_model(path: str | None = None, *, dtype: torch.dtype | None = None, device: str | None = None, seed: int = 0):
     """The embedded default model (random weights, seeded), or `from_pretrained(path)` placed by accelerate."""
-    device = torch.device(device) if device is not None else default_device()
     if path is not None:
+        device = torch.device(device) if device is not None else default_device()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or "auto", device_map=str(device))
         return model.eval()
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**DEFAULT_CONFIG))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return model.to(device=device, dtype=dtype).eval()
+    return _random_model(LlamaForCausalLM, LlamaConfig(**DEFAULT_CONFIG), device=device, dtype=dtype, seed=seed)
 
 
 def sliding_window_model(
     sliding_window: int = 256, *, device: str | None = None, dtype: torch.dtype | None = None, seed: int = 0
 ):
     """The default model's sizes as a Mistral-style model whose every layer has a sliding window."""
-    device = torch.device(device) if device is not None else default_device()
-    torch.manual_seed(seed)
-    model = MistralForCausalLM(MistralConfig(**DEFAULT_CONFIG, sliding_window=sliding_window))
-    dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    return model.to(device=device, dtype=dtype).eval()
+    config = MistralConfig(**DEFAULT_CONFIG, sliding_window=sliding_window)
+    return _random_model(MistralForCausalLM, config, device=device, dtype=dtype, seed=seed)
 
 
 def mixed_window_model(
     sliding_window: int = 256, *, device: str | None = None, dtype: torch.dtype | None = None, seed: int = 0
 ):
     """The default model's sizes as a Gemma3-style model: 5 sliding-window layers, then 1 full-attention layer."""
-    device = torch.device(device) if device is not None else default_device()
-    torch.manual_seed(seed)
     sizes = {key: value for key, value in DEFAULT_CONFIG.items() if key not in ("bos_token_id", "pad_token_id")}
     config = Gemma3TextConfig(
         **sizes,
@@ -75,6 +67,14 @@ def mixed_window_model(
         pad_token_id=0,
         bos_token_id=1,
     )
-    model = Gemma3ForCausalLM(config)
+    return _random_model(Gemma3ForCausalLM, config, device=device, dtype=dtype, seed=seed)
+
+
+def _random_model(model_class, config, *, device: str | None, dtype: torch.dtype | None, seed: int):
+    """`model_class(config)` with weights drawn from `seed`, in eval mode on `device` (default: cuda if available)
+    in `dtype` (default: bfloat16 on cuda, float32 elsewhere)."""
+    device = torch.device(device) if device is not None else default_device()
+    torch.manual_seed(seed)
+    model = model_class(config)
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     return model.to(device=device, dtype=dtype).eval()

@@ -9,6 +9,8 @@ Each still asserts its result, so a broken hot path fails here too.
 import pytest
 import torch
 
+from bench.linear import weight_major_linear
+from bench.models import load_model
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache
 from hf_paged.engine import Request, SamplingParams, Scheduler, StepCache
 from tests.models import gemma3_config
@@ -120,8 +122,6 @@ def test_scheduler_admission_lookahead(benchmark):
 
 @pytest.fixture(scope="module")
 def default_model_linears():
-    from bench.models import load_model
-
     return [m for m in load_model(device="cpu").modules() if isinstance(m, torch.nn.Linear)]
 
 
@@ -129,8 +129,6 @@ def default_model_linears():
 def test_default_model_linears_three_rows(benchmark, default_model_linears, linear):
     """Every linear layer of the benchmark's default model on a 3-row decode step, stock F.linear against
     bench/linear.py's weight-major form (the harness's CPU default)."""
-    from bench.linear import weight_major_linear
-
     inputs = {size: torch.randn(1, 3, size) for size in (512, 1536)}
     forward = (lambda layer, x: layer(x)) if linear == "torch" else weight_major_linear
 
