@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)")
     parser.add_argument("--backends", type=_names, default=None,
                         help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
-                        "and any third-party cache backend)")
+                        "and any third-party cache backend; opt-in: engine-optimistic, the Engine with vLLM's admission)")
     parser.add_argument("--repeats", type=int, default=None,
                         help="serving runs per backend and budget, interleaved; the fastest is kept (default 2)")
     parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")

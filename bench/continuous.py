@@ -13,6 +13,7 @@ from .runs import (
     BLOCK_SIZE,
     ENGINE_MAX_NUM_SEQS,
     MAX_NUM_BATCHED_TOKENS,
+    OPTIMISTIC,
     PEER,
     Budget,
     RunResult,
@@ -39,9 +40,13 @@ def _engine_live_bytes(requests, pool: BlockPool) -> int:
     return sum(tokens for tokens in held.values() if tokens > 0) * pool.bytes_per_block // block_size
 
 
-def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
+def run_engine(
+    model, workload: Workload, budget: Budget, *, decode_reserve_tokens: int | None = None, backend: str = "engine"
+) -> RunResult:
     """hf_paged's Engine; each request is added once its arrival time has passed, as `num_samples` engine requests
-    (seeded) for a sampled workload."""
+    (seeded) for a sampled workload. `decode_reserve_tokens` goes to the Engine (None: admission looks ahead to
+    every request's `max_new_tokens` and never preempts; 0: admit what fits now and preempt when a row needs a
+    block, as vLLM does)."""
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
     n = workload.num_requests
     sampling = dict(temperature=workload.temperature) if workload.sampled else {}
@@ -50,7 +55,8 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
     busy = []  # (seconds, requests that ran) per step
     live_peak = held_peak = 0
     with attention(model, None):  # the Engine switches to "hf_paged"; give the model back as it was
-        engine = Engine(model, pool, max_num_seqs=ENGINE_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS)
+        engine = Engine(model, pool, max_num_seqs=ENGINE_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                        decode_reserve_tokens=decode_reserve_tokens)
         start = time.perf_counter()
         while added < n or engine.has_unfinished():
             now = time.perf_counter() - start
@@ -76,10 +82,10 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
     requests = [engine.request(r) for r in request_ids]
     failed = {i: r.error for i, r in enumerate(requests) if r.error}
     if failed:
-        raise RuntimeError(f"engine: {len(failed)} requests failed: {failed}")
+        raise RuntimeError(f"{backend}: {len(failed)} requests failed: {failed}")
     stats = engine.stats
     return RunResult(
-        backend="engine",
+        backend=backend,
         multiple=budget.multiple,
         outputs=[list(r.output_ids) for r in requests],
         first_token=[r.first_token_time - start for r in requests],
@@ -100,6 +106,12 @@ def run_engine(model, workload: Workload, budget: Budget) -> RunResult:
             "prefix_hit_tokens": getattr(stats, "prefix_hit_tokens", 0),
         },
     )
+
+
+def run_engine_optimistic(model, workload: Workload, budget: Budget) -> RunResult:
+    """The Engine with vLLM's admission: a request is admitted when its prompt fits now (no room kept for growth),
+    and the most recent request is preempted (recomputed later) when a decode row needs a block and none is free."""
+    return run_engine(model, workload, budget, decode_reserve_tokens=0, backend=OPTIMISTIC)
 
 
 def run_peer(model, workload: Workload, budget: Budget) -> RunResult:

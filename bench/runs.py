@@ -19,6 +19,7 @@ STATIC_SLOT_TOKENS = 1024
 ENGINE_MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 512
 PEER = "hf-generate-batch"
+OPTIMISTIC = "engine-optimistic"  # opt-in: the Engine with vLLM's admission (see bench/continuous.py)
 
 
 @dataclass(frozen=True)

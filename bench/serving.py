@@ -8,6 +8,8 @@ bytes of one token. Backends:
     static             the same with StaticCache slots of max(1024, reservation) tokens: fewer rows fit
     paged-generate     the same batches as dynamic, PagedCache on a BlockPool of the budget
     engine             hf_paged's continuous-batching Engine on a BlockPool of the budget
+    engine-optimistic  (opt-in, not in the default list) the Engine with vLLM's admission: admit what fits now,
+                       preempt and recompute when a decode row finds no free block
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`), the budget
                        given as its `num_blocks` of `page_size` 16
     <plugin name>      any third-party cache backend: the dynamic batches on `create_cache(name, model)`
@@ -30,11 +32,12 @@ from transformers import DynamicCache
 
 from hf_paged import registry as hf_registry
 
-from .continuous import run_engine, run_peer
+from .continuous import run_engine, run_engine_optimistic, run_peer
 from .runs import (  # noqa: F401  (re-exported: the harness's public names live here)
     BLOCK_SIZE,
     ENGINE_MAX_NUM_SEQS,
     MAX_NUM_BATCHED_TOKENS,
+    OPTIMISTIC,
     PAD_TOKEN_ID,
     PEER,
     STATIC_SLOT_TOKENS,
@@ -86,6 +89,7 @@ RUNNERS: dict[str, Callable[..., RunResult]] = {
     "paged-generate": run_paged_generate,
     "engine": run_engine,
     PEER: run_peer,
+    OPTIMISTIC: run_engine_optimistic,  # opt-in: not in BUILTIN_BACKENDS, so `--backends` must name it
 }
 # Runners that call code outside this project: a failure there is reported in the log, not raised.
 EXTERNAL = {PEER}

@@ -12,9 +12,11 @@ from .serving import (
     NOISY_LOAD,
     PEER,
     STATIC_SLOT_TOKENS,
+    Budget,
     RunResult,
     ServingRun,
 )
+from .workloads import Workload
 
 MIB = 2**20
 BASELINE = "dynamic"
@@ -37,6 +39,24 @@ def first_difference(output: list[int], reference: list[int]) -> int | None:
         if a != b:
             return position
     return None if len(output) == len(reference) else min(len(output), len(reference))
+
+
+def concurrency_bound(workload: Workload, budget: Budget) -> float:
+    """About the highest mean concurrency any backend can reach within `budget` when sequences share no blocks: the
+    budget's tokens over the tokens a sequence holds on average while it runs, in whole blocks (in its j-th
+    forward, j = 0 .. outputs - 1, a sequence holds its prompt plus j tokens).
+
+    It is Little's law for memory: concurrency x mean tokens held <= tokens in the budget at every moment. It
+    assumes every forward of a sequence takes as long as the others; a long prefill step, while the sequence holds
+    only its prompt, lets the time-weighted mean come out a little above it. Shared blocks (a common prefix,
+    parallel samples) let a paged backend exceed it.
+    """
+    held = forwards = 0
+    for spec in workload.sequences:
+        prompt = len(spec.prompt_ids)
+        held += sum(-(-(prompt + j) // BLOCK_SIZE) * BLOCK_SIZE for j in range(spec.max_new_tokens))
+        forwards += spec.max_new_tokens
+    return (budget.bytes / budget.bytes_per_token) / (held / forwards)
 
 
 def summarize(result: RunResult, run: ServingRun) -> dict:
@@ -71,6 +91,7 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
         "tpot_p99_ms": 1000 * percentile(tpot, 99) if tpot else None,
         "peak_concurrency": result.peak_concurrency,
         "mean_concurrency": result.mean_concurrency,
+        "concurrency_of_bound": result.mean_concurrency / concurrency_bound(workload, budget),
         "reserved_mib": result.reserved_bytes / MIB,
         "live_at_peak_mib": None if result.live_bytes_peak is None else result.live_bytes_peak / MIB,
         "utilization": None if result.live_bytes_peak is None else result.live_bytes_peak / result.reserved_bytes,
@@ -114,9 +135,16 @@ def describe(run: ServingRun) -> dict:
         "bytes_per_token": unit.bytes_per_token,
         "reservation_bytes": unit.reservation_bytes,
         "budget_multiples": [b.multiple for b in run.budgets],
+        "concurrency_bounds": [concurrency_bound(workload, b) for b in run.budgets],
         "repeats": run.repeats,
         "failures": run.failures,
     }
+
+
+def _baseline_batch(rows: list[dict], multiple: float) -> float | None:
+    """Mean concurrency of the baseline at budget `multiple`; None when it did not run."""
+    budget = f"{multiple:g}x"
+    return next((row["mean_concurrency"] for row in rows if row["backend"] == BASELINE and row["budget"] == budget), None)
 
 
 def _fmt(value, spec: str) -> str:
@@ -141,7 +169,8 @@ def render(serving: dict) -> list[str]:
         [
             row["budget"], row["backend"], _fmt(row["kv_budget_mib"], ".2f"), row["peak_concurrency"],
             _fmt(row["mean_concurrency"], ".1f"),
-            _fmt(row["concurrency_vs_dynamic"], ".2f"), _fmt(row["reserved_mib"], ".2f"),
+            _fmt(row["concurrency_vs_dynamic"], ".2f"), _fmt(row["concurrency_of_bound"], ".2f"),
+            _fmt(row["reserved_mib"], ".2f"),
             _fmt(row["live_at_peak_mib"], ".2f"), _fmt(row["utilization"], ".2f"),
             _fmt(row["held_at_peak_mib"], ".2f"), row["preemptions"], row["wasted_tokens"],
         ]
@@ -166,6 +195,9 @@ def render(serving: dict) -> list[str]:
         f"- `engine`: `hf_paged.Engine` on a `BlockPool` of exactly the budget (max_num_seqs {ENGINE_MAX_NUM_SEQS}, "
         f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}),",
         "  prefix caching on (its default), requests added when they arrive, stepped until done;",
+        "- `engine-optimistic` (when asked for): the same Engine admitting a request when its prompt fits now, with",
+        "  no room kept for growth (`decode_reserve_tokens=0`, vLLM's policy); a decode row that finds no free block",
+        "  preempts the most recent request, which is recomputed later (its cached blocks found again if not evicted);",
         f"- `{PEER}`: transformers' own continuous batching (the manager behind `model.generate_batch`, used",
         "  directly to give each request its own `max_new_tokens`) with `num_blocks` = budget / block bytes,",
         f"  `page_size` {BLOCK_SIZE}, `max_batch_tokens` {MAX_NUM_BATCHED_TOKENS}, block sharing on (its default),",
@@ -208,9 +240,18 @@ def render(serving: dict) -> list[str]:
         "moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends, padding",
         f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
         "",
+        "`of bound`: mean seqs over the memory bound on mean concurrency, budget tokens / mean tokens a sequence",
+        "holds while it runs (whole blocks; `concurrency_bound` in bench/serving_report.py). No backend can pass it",
+        "without sharing blocks; it assumes forwards of equal length. Bound per budget: "
+        + "; ".join(
+            f"{multiple:g}x {bound:.2f} seqs ({bound / _baseline_batch(rows, multiple):.2f}x dynamic's mean)"
+            if _baseline_batch(rows, multiple) else f"{multiple:g}x {bound:.2f} seqs"
+            for multiple, bound in zip(facts["budget_multiples"], facts["concurrency_bounds"])
+        ) + ".",
+        "",
         tabulate(
             memory,
-            headers=["budget", "backend", "budget MiB", "peak seqs", "mean seqs", "vs dynamic", "reserved MiB",
+            headers=["budget", "backend", "budget MiB", "peak seqs", "mean seqs", "vs dynamic", "of bound", "reserved MiB",
                      "live at peak MiB", "utilization", "held at peak MiB", "preemptions", "wasted tokens"],
             tablefmt="github",
             disable_numparse=True,
