@@ -110,7 +110,8 @@ def run_engine(
 
 def run_engine_optimistic(model, workload: Workload, budget: Budget) -> RunResult:
     """The Engine with vLLM's admission: a request is admitted when its prompt fits now (no room kept for growth),
-    and the most recent request is preempted (recomputed later) when a decode row needs a block and none is free."""
+    and the most recently admitted request is preempted (recomputed later) when a row (decode or prefill chunk)
+    needs a block and none is free."""
     return run_engine(model, workload, budget, decode_reserve_tokens=0, backend=OPTIMISTIC)
 
 

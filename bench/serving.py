@@ -9,7 +9,8 @@ bytes of one token. Backends:
     paged-generate     the same batches as dynamic, PagedCache on a BlockPool of the budget
     engine             hf_paged's continuous-batching Engine on a BlockPool of the budget
     engine-optimistic  (opt-in, not in the default list) the Engine with vLLM's admission: admit what fits now,
-                       preempt and recompute when a decode row finds no free block
+                       preempt and recompute the most recently admitted request when a row
+                       finds no free block
     hf-generate-batch  transformers' own continuous batching (the manager behind `generate_batch`), the budget
                        given as its `num_blocks` of `page_size` 16
     <plugin name>      any third-party cache backend: the dynamic batches on `create_cache(name, model)`

@@ -42,17 +42,18 @@ def first_difference(output: list[int], reference: list[int]) -> int | None:
 
 
 def concurrency_bound(workload: Workload, budget: Budget) -> float:
-    """About the highest mean concurrency any backend can reach within `budget` when sequences share no blocks: the
-    budget's tokens over the tokens a sequence holds on average while it runs, in whole blocks (in its j-th
-    forward, j = 0 .. outputs - 1, a sequence holds its prompt plus j tokens).
+    """The memory bound on mean concurrency at `budget`: the budget's tokens over the tokens a sequence holds on
+    average while it runs, in whole blocks (in its j-th forward, j = 0 .. outputs - 1, a sequence holds its prompt
+    plus j tokens). Concurrency x tokens held per sequence cannot pass the budget's tokens at any moment.
 
-    It is Little's law for memory: concurrency x mean tokens held <= tokens in the budget at every moment. It
-    assumes every forward of a sequence takes as long as the others; a long prefill step, while the sequence holds
-    only its prompt, lets the time-weighted mean come out a little above it. Shared blocks (a common prefix,
-    parallel samples) let a paged backend exceed it.
+    It bounds the mean over steps exactly when every sequence runs one forward per output token and holds what it
+    counts: no shared blocks (a common prefix, parallel samples), no prompt prefilled in several chunks (an extra
+    forward holding less than the prompt), no sliding window giving blocks back. The time-weighted mean the log
+    reports can also pass it a little when the long steps are those whose rows hold few tokens (a prefill step,
+    while its sequences hold only their prompts).
     """
     held = forwards = 0
-    for spec in workload.sequences:
+    for spec in workload.requests:  # parallel samples hold what their request does: the same mean
         prompt = len(spec.prompt_ids)
         held += sum(-(-(prompt + j) // BLOCK_SIZE) * BLOCK_SIZE for j in range(spec.max_new_tokens))
         forwards += spec.max_new_tokens
@@ -91,7 +92,7 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
         "tpot_p99_ms": 1000 * percentile(tpot, 99) if tpot else None,
         "peak_concurrency": result.peak_concurrency,
         "mean_concurrency": result.mean_concurrency,
-        "concurrency_of_bound": result.mean_concurrency / concurrency_bound(workload, budget),
+        "concurrency_bound": concurrency_bound(workload, budget),
         "reserved_mib": result.reserved_bytes / MIB,
         "live_at_peak_mib": None if result.live_bytes_peak is None else result.live_bytes_peak / MIB,
         "utilization": None if result.live_bytes_peak is None else result.live_bytes_peak / result.reserved_bytes,
@@ -115,6 +116,8 @@ def summarize_all(run: ServingRun) -> list[dict]:
         base = baselines.get(row["budget"])
         row["tok_s_vs_dynamic"] = row["output_tok_s"] / base["output_tok_s"] if base else None
         row["concurrency_vs_dynamic"] = row["mean_concurrency"] / base["mean_concurrency"] if base else None
+        row["concurrency_of_bound"] = row["mean_concurrency"] / row["concurrency_bound"]
+        row["bound_vs_dynamic"] = row["concurrency_bound"] / base["mean_concurrency"] if base else None
     return rows
 
 
@@ -135,16 +138,21 @@ def describe(run: ServingRun) -> dict:
         "bytes_per_token": unit.bytes_per_token,
         "reservation_bytes": unit.reservation_bytes,
         "budget_multiples": [b.multiple for b in run.budgets],
-        "concurrency_bounds": [concurrency_bound(workload, b) for b in run.budgets],
         "repeats": run.repeats,
         "failures": run.failures,
     }
 
 
-def _baseline_batch(rows: list[dict], multiple: float) -> float | None:
-    """Mean concurrency of the baseline at budget `multiple`; None when it did not run."""
-    budget = f"{multiple:g}x"
-    return next((row["mean_concurrency"] for row in rows if row["backend"] == BASELINE and row["budget"] == budget), None)
+def _bounds(rows: list[dict]) -> str:
+    """The concurrency bound of each budget, and its ratio to dynamic's mean when dynamic ran."""
+    first_rows = {}
+    for row in rows:
+        first_rows.setdefault(row["budget"], row)
+    return "; ".join(
+        f"{budget} {row['concurrency_bound']:.2f} seqs"
+        + (f" ({row['bound_vs_dynamic']:.2f}x dynamic's mean)" if row["bound_vs_dynamic"] else "")
+        for budget, row in first_rows.items()
+    )
 
 
 def _fmt(value, spec: str) -> str:
@@ -196,8 +204,9 @@ def render(serving: dict) -> list[str]:
         f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}),",
         "  prefix caching on (its default), requests added when they arrive, stepped until done;",
         "- `engine-optimistic` (when asked for): the same Engine admitting a request when its prompt fits now, with",
-        "  no room kept for growth (`decode_reserve_tokens=0`, vLLM's policy); a decode row that finds no free block",
-        "  preempts the most recent request, which is recomputed later (its cached blocks found again if not evicted);",
+        "  no room kept for growth (`decode_reserve_tokens=0`, vLLM's policy); a row (decode or prefill chunk) that",
+        "  finds no free block preempts the most recently admitted request, which is recomputed later (its cached",
+        "  blocks found again if not evicted);",
         f"- `{PEER}`: transformers' own continuous batching (the manager behind `model.generate_batch`, used",
         "  directly to give each request its own `max_new_tokens`) with `num_blocks` = budget / block bytes,",
         f"  `page_size` {BLOCK_SIZE}, `max_batch_tokens` {MAX_NUM_BATCHED_TOKENS}, block sharing on (its default),",
@@ -241,13 +250,9 @@ def render(serving: dict) -> list[str]:
         f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
         "",
         "`of bound`: mean seqs over the memory bound on mean concurrency, budget tokens / mean tokens a sequence",
-        "holds while it runs (whole blocks; `concurrency_bound` in bench/serving_report.py). No backend can pass it",
-        "without sharing blocks; it assumes forwards of equal length. Bound per budget: "
-        + "; ".join(
-            f"{multiple:g}x {bound:.2f} seqs ({bound / _baseline_batch(rows, multiple):.2f}x dynamic's mean)"
-            if _baseline_batch(rows, multiple) else f"{multiple:g}x {bound:.2f} seqs"
-            for multiple, bound in zip(facts["budget_multiples"], facts["concurrency_bounds"])
-        ) + ".",
+        "holds while it runs (whole blocks; `concurrency_bound` in bench/serving_report.py). Without shared blocks,",
+        "chunked prefills or sliding windows no backend passes it on the mean over steps; the time-weighted mean",
+        f"can pass it a little (long prefill steps hold only prompts). Bound per budget: {_bounds(rows)}.",
         "",
         tabulate(
             memory,
