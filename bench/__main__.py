@@ -137,7 +137,7 @@ def draw_plot(rows: list[dict], args: argparse.Namespace, device: str) -> str | 
 
 
 def _serving_table(rows: list[dict]) -> str:
-    keys = ["budget", "backend", "output_tok_s", "tok_s_vs_dynamic", "mean_concurrency", "utilization",
+    keys = ["budget", "backend", "output_tok_s", "tok_s_vs_dynamic", "mean_concurrency", "mean_live", "utilization",
             "preemptions", "num_agree"]
     return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
 

@@ -84,6 +84,9 @@ def run_engine(
     if failed:
         raise RuntimeError(f"{backend}: {len(failed)} requests failed: {failed}")
     stats = engine.stats
+    # NOTE: every engine row is a request that still owes tokens (it retires at its last one), so the rows per
+    # forward are the live sequences: no padding rows.
+    mean_rows = sum(seconds * rows for seconds, rows in busy) / wall
     return RunResult(
         backend=backend,
         multiple=budget.multiple,
@@ -92,7 +95,8 @@ def run_engine(
         finish=[r.finish_time - start for r in requests],
         wall_s=wall,
         peak_concurrency=stats.peak_running,
-        mean_concurrency=sum(seconds * rows for seconds, rows in busy) / wall,
+        mean_concurrency=mean_rows,
+        mean_live=mean_rows,
         reserved_bytes=pool.num_blocks * pool.bytes_per_block,
         live_bytes_peak=live_peak,
         held_bytes_peak=held_peak,
@@ -173,6 +177,7 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
         wall_s=wall,
         peak_concurrency=max(sum(s <= t < e for s, e in spans) for t, _ in spans),
         mean_concurrency=sum(e - s for s, e in spans) / wall,
+        mean_live=sum(e - s for s, e in spans) / wall,  # a lifespan ends at the last token: no padding to leave out
         reserved_bytes=reserved or num_blocks * budget.bytes_per_token * BLOCK_SIZE,
         live_bytes_peak=None,
         extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE},

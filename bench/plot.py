@@ -1,4 +1,4 @@
-"""The serving plot: output tok/s and mean concurrency against KV budget, one line per backend, as a PNG.
+"""The serving plot: output tok/s and mean live sequences against KV budget, one line per backend, as a PNG.
 
 matplotlib is an optional extra (`pip install -e '.[plot]'`); without it `plot_serving` returns None and the caller
 writes a note in the log instead.
@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-PANELS = (("output_tok_s", "output tok/s"), ("mean_concurrency", "mean concurrent sequences"))
+# Concurrency as live sequences (bench/serving_report.py): static batches' padding rows do not count.
+PANELS = (("output_tok_s", "output tok/s"), ("mean_live", "mean live sequences"))
 
 
 def budget_multiple(row: dict) -> float:
@@ -17,7 +18,7 @@ def budget_multiple(row: dict) -> float:
 
 
 def plot_serving(rows: list[dict], path: str | Path, *, title: str) -> Path | None:
-    """Two panels side by side, output tok/s and mean concurrent sequences against the budget multiple (log2 axis),
+    """Two panels side by side, output tok/s and mean live sequences against the budget multiple (log2 axis),
     one line per backend in the rows' order. `rows`: `serving_report.summarize_all(run)`. Returns the PNG's path, or
     None when matplotlib is not installed."""
     try:

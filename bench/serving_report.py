@@ -92,6 +92,7 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
         "tpot_p99_ms": 1000 * percentile(tpot, 99) if tpot else None,
         "peak_concurrency": result.peak_concurrency,
         "mean_concurrency": result.mean_concurrency,
+        "mean_live": result.mean_live,
         "concurrency_bound": concurrency_bound(workload, budget),
         "reserved_mib": result.reserved_bytes / MIB,
         "live_at_peak_mib": None if result.live_bytes_peak is None else result.live_bytes_peak / MIB,
@@ -116,8 +117,10 @@ def summarize_all(run: ServingRun) -> list[dict]:
         base = baselines.get(row["budget"])
         row["tok_s_vs_dynamic"] = row["output_tok_s"] / base["output_tok_s"] if base else None
         row["concurrency_vs_dynamic"] = row["mean_concurrency"] / base["mean_concurrency"] if base else None
-        row["concurrency_of_bound"] = row["mean_concurrency"] / row["concurrency_bound"]
+        row["live_vs_dynamic"] = row["mean_live"] / base["mean_live"] if base else None
+        row["concurrency_of_bound"] = row["mean_live"] / row["concurrency_bound"]
         row["bound_vs_dynamic"] = row["concurrency_bound"] / base["mean_concurrency"] if base else None
+        row["bound_vs_dynamic_live"] = row["concurrency_bound"] / base["mean_live"] if base else None
     return rows
 
 
@@ -150,9 +153,39 @@ def _bounds(rows: list[dict]) -> str:
         first_rows.setdefault(row["budget"], row)
     return "; ".join(
         f"{budget} {row['concurrency_bound']:.2f} seqs"
-        + (f" ({row['bound_vs_dynamic']:.2f}x dynamic's mean)" if row["bound_vs_dynamic"] else "")
+        + (
+            f" ({row['bound_vs_dynamic']:.2f}x dynamic's mean rows, {row['bound_vs_dynamic_live']:.2f}x its mean live)"
+            if row["bound_vs_dynamic"]
+            else ""
+        )
         for budget, row in first_rows.items()
     )
+
+
+def engine_ratios(rows: list[dict], engine: str = "engine") -> list[dict]:
+    """Per budget where `engine` ran: its tok/s over dynamic's and the peer's, its mean live over dynamic's and
+    static's, its mean rows over dynamic's, its utilization and greedy agreement (None where a baseline did not run)."""
+    by_key = {(row["budget"], row["backend"]): row for row in rows}
+
+    def ratio(row, key, backend):
+        base = by_key.get((row["budget"], backend))
+        return row[key] / base[key] if base else None
+
+    return [
+        {
+            "budget": row["budget"],
+            "tok_s_vs_dynamic": row["tok_s_vs_dynamic"],
+            "tok_s_vs_peer": ratio(row, "output_tok_s", PEER),
+            "live_vs_dynamic": row["live_vs_dynamic"],
+            "live_vs_static": ratio(row, "mean_live", "static"),
+            "rows_vs_dynamic": row["concurrency_vs_dynamic"],
+            "utilization": row["utilization"],
+            "preemptions": row["preemptions"],
+            "agree": None if row["num_agree"] is None else f"{row['num_agree']}/{row['num_sequences']}",
+        }
+        for row in rows
+        if row["backend"] == engine
+    ]
 
 
 def _fmt(value, spec: str) -> str:
@@ -176,13 +209,21 @@ def render(serving: dict) -> list[str]:
     memory = [
         [
             row["budget"], row["backend"], _fmt(row["kv_budget_mib"], ".2f"), row["peak_concurrency"],
-            _fmt(row["mean_concurrency"], ".1f"),
-            _fmt(row["concurrency_vs_dynamic"], ".2f"), _fmt(row["concurrency_of_bound"], ".2f"),
+            _fmt(row["mean_concurrency"], ".1f"), _fmt(row["concurrency_vs_dynamic"], ".2f"),
+            _fmt(row["mean_live"], ".1f"), _fmt(row["live_vs_dynamic"], ".2f"), _fmt(row["concurrency_of_bound"], ".2f"),
             _fmt(row["reserved_mib"], ".2f"),
             _fmt(row["live_at_peak_mib"], ".2f"), _fmt(row["utilization"], ".2f"),
             _fmt(row["held_at_peak_mib"], ".2f"), row["preemptions"], row["wasted_tokens"],
         ]
         for row in rows
+    ]
+    ratios = [
+        [
+            r["budget"], _fmt(r["tok_s_vs_dynamic"], ".2f"), _fmt(r["tok_s_vs_peer"], ".2f"),
+            _fmt(r["live_vs_dynamic"], ".2f"), _fmt(r["live_vs_static"], ".2f"), _fmt(r["rows_vs_dynamic"], ".2f"),
+            _fmt(r["utilization"], ".2f"), r["preemptions"], r["agree"] or "n/a (sampled)",
+        ]
+        for r in engine_ratios(rows)
     ]
     lines = [
         f"## Serving: `{facts['workload']}` workload at matched KV budgets",
@@ -242,21 +283,26 @@ def render(serving: dict) -> list[str]:
         "",
         "### KV memory and concurrency",
         "",
-        "Concurrency: sequences in flight (static batches: the batch size; engine: requests run per step), mean",
-        "weighted by time over the wall time. `reserved`: K/V memory set aside (dynamic: batch x reservation;",
-        "static: batch x slot; paged/engine/peer: the pool). `live at peak`: K/V of real tokens (prompt + the",
+        "Concurrency, two ways, each a mean weighted by time over the wall time. `mean rows`: sequences each",
+        "forward computes (static batches: the batch size, padding rows included; engine: requests run per step).",
+        "`mean live`: sequences that still owe tokens, each counted from its first forward to its own last token",
+        "(the clock the latency columns use). A static batch's row that has its last token computes padding until",
+        "the batch's longest request ends and is not live; an engine row is always live (a request retires at its",
+        f"last token), and `{PEER}` counts each request's lifespan. `reserved`: K/V memory set aside (dynamic:",
+        "batch x reservation; static: batch x slot; paged/engine/peer: the pool). `live at peak`: K/V of real tokens (prompt + the",
         "request's own outputs; no padding, no wasted tokens; a shared prefix block counted once) at the busiest",
         "moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends, padding",
         f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
         "",
-        "`of bound`: mean seqs over the memory bound on mean concurrency, budget tokens / mean tokens a sequence",
+        "`of bound`: mean live over the memory bound on mean concurrency, budget tokens / mean tokens a sequence",
         "holds while it runs (whole blocks; `concurrency_bound` in bench/serving_report.py). Without shared blocks,",
         "chunked prefills or sliding windows no backend passes it on the mean over steps; the time-weighted mean",
         f"can pass it a little (long prefill steps hold only prompts). Bound per budget: {_bounds(rows)}.",
         "",
         tabulate(
             memory,
-            headers=["budget", "backend", "budget MiB", "peak seqs", "mean seqs", "vs dynamic", "of bound", "reserved MiB",
+            headers=["budget", "backend", "budget MiB", "peak seqs", "mean rows", "vs dynamic", "mean live",
+                     "vs dynamic", "of bound", "reserved MiB",
                      "live at peak MiB", "utilization", "held at peak MiB", "preemptions", "wasted tokens"],
             tablefmt="github",
             disable_numparse=True,
@@ -264,12 +310,30 @@ def render(serving: dict) -> list[str]:
         "",
         *(
             [
+                "### The engine against the baselines",
+                "",
+                "Ratios of the `engine` rows above, budget by budget (`-`: that baseline did not run).",
+                "",
+                tabulate(
+                    ratios,
+                    headers=["budget", "tok/s vs dynamic", f"tok/s vs {PEER}", "live vs dynamic", "live vs static",
+                             "rows vs dynamic", "utilization", "preemptions", "greedy agree"],
+                    tablefmt="github",
+                    disable_numparse=True,
+                ),
+                "",
+            ]
+            if ratios
+            else []
+        ),
+        *(
+            [
                 "### Throughput and concurrency against budget",
                 "",
-                "The two tables above as a plot: output tok/s (left) and mean concurrent sequences (right) of each "
+                "The first two tables as a plot: output tok/s (left) and mean live sequences (right) of each "
                 "backend at each budget.",
                 "",
-                f"![{facts['workload']}: output tok/s and mean concurrency against KV budget]({serving['plot']})",
+                f"![{facts['workload']}: output tok/s and mean live sequences against KV budget]({serving['plot']})",
                 "",
             ]
             if serving.get("plot")

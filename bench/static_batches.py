@@ -59,6 +59,7 @@ def run_static_batches(
     n = workload.num_requests * num_samples  # sequences, request-major
     outputs, first_token, finish = [None] * n, [0.0] * n, [0.0] * n
     busy = []  # (seconds, rows) per batch
+    live_seconds = 0.0  # summed over sequences: from their batch's start to their own last token
     live_peak = held_peak = wasted = 0
     with attention(model, attn_implementation):
         start = time.perf_counter()
@@ -92,6 +93,7 @@ def run_static_batches(
                 outputs[index] = out[row, input_ids.shape[1] : input_ids.shape[1] + spec.max_new_tokens].tolist()
                 first_token[index] = clock.times[0] - start
                 finish[index] = clock.times[spec.max_new_tokens - 1] - start
+                live_seconds += clock.times[spec.max_new_tokens - 1] - batch_start
                 wasted += max_new_tokens - spec.max_new_tokens
             # Live: each prompt once (samples share it in content) plus every sequence's own outputs.
             live_tokens = sum(len(s.prompt_ids) + num_samples * s.max_new_tokens for s in specs)
@@ -106,6 +108,7 @@ def run_static_batches(
         wall_s=wall,
         peak_concurrency=max(rows for _, rows in busy),
         mean_concurrency=sum(seconds * rows for seconds, rows in busy) / wall,
+        mean_live=live_seconds / wall,
         reserved_bytes=reserved_bytes,
         live_bytes_peak=live_peak,
         held_bytes_peak=held_peak if held_bytes is not None else None,

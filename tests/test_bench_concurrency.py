@@ -77,9 +77,64 @@ def test_report_states_the_bound_and_the_opt_in_backend(tight_run):
     bound = serving_report.concurrency_bound(run.workload, run.budgets[0])
     assert all(row["concurrency_bound"] == pytest.approx(bound) for row in rows)
     text = "\n".join(serving_report.render({"facts": facts, "rows": rows}))
-    # Dynamic runs batches of 2 at 2x; its time-weighted mean is a little under 2 (the gaps between batches).
-    assert f"2x {bound:.2f} seqs ({bound / by_backend['dynamic']['mean_concurrency']:.2f}x dynamic's mean)" in text
+    # Dynamic runs batches of 2 at 2x; its time-weighted mean rows are a little under 2 (the gaps between batches).
+    dynamic = by_backend["dynamic"]
+    assert (
+        f"2x {bound:.2f} seqs ({bound / dynamic['mean_concurrency']:.2f}x dynamic's mean rows, "
+        f"{bound / dynamic['mean_live']:.2f}x its mean live)"
+    ) in text
     # The memory table (the second with a row per backend) has the `of bound` column.
     optimistic_row = [line for line in text.splitlines() if line.startswith(f"| 2x       | {OPTIMISTIC}")][1]
     assert f"| {next(r for r in rows if r['backend'] == OPTIMISTIC)['concurrency_of_bound']:.2f} " in optimistic_row
     assert OPTIMISTIC not in serving.default_backends()  # opt-in
+
+
+def test_live_sequences_leave_out_padding_rows(model):
+    # One static batch of two: outputs of 3 and 30 tokens. The short request's row computes padding for 27 steps,
+    # so dynamic computes 2 rows per forward while fewer than 2 sequences still owe tokens.
+    prompts = ((5, 6, 7, 8, 9, 10, 11, 12), (13, 14, 15, 16, 17, 18, 19, 20))
+    uneven = Workload("w", (RequestSpec(prompts[0], 3), RequestSpec(prompts[1], 30)))
+    even = Workload("w", (RequestSpec(prompts[0], 30), RequestSpec(prompts[1], 30)))
+    for workload, live_share in ((uneven, (0.4, 0.8)), (even, (0.85, 1.0))):
+        run = serving.run_serving(model, workload, [2], ["dynamic", "engine"], progress=False)
+        dynamic, engine = run.results
+        assert dynamic.extra["num_batches"] == 1 and dynamic.peak_concurrency == 2
+        low, high = live_share
+        assert low * dynamic.mean_concurrency < dynamic.mean_live <= high * dynamic.mean_concurrency
+        assert engine.mean_live == engine.mean_concurrency  # an engine row is a request that owes a token
+        assert engine.outputs == dynamic.outputs == run.reference
+
+
+def _row(budget, backend, tok_s, live, **extra):
+    return {"budget": budget, "backend": backend, "output_tok_s": tok_s, "mean_live": live, **extra}
+
+
+def test_engine_ratios_divide_by_each_baseline_of_the_same_budget():
+    engine = dict(tok_s_vs_dynamic=1.5, live_vs_dynamic=1.8, concurrency_vs_dynamic=1.4, utilization=0.99,
+                  preemptions=0, num_agree=10, num_sequences=10)
+    rows = [
+        _row("2x", "dynamic", 100.0, 1.5),
+        _row("2x", "static", 50.0, 0.9),
+        _row("2x", serving.PEER, 60.0, 2.0),
+        _row("2x", "engine", 150.0, 2.7, **engine),
+        _row("4x", "dynamic", 200.0, 3.0),
+        _row("4x", "engine", 240.0, 5.4, **engine),
+    ]
+    two, four = serving_report.engine_ratios(rows)
+    assert two["budget"] == "2x" and four["budget"] == "4x"
+    assert two["tok_s_vs_peer"] == pytest.approx(2.5) and two["live_vs_static"] == pytest.approx(3.0)
+    assert four["tok_s_vs_peer"] is None and four["live_vs_static"] is None  # not run at 4x
+    assert two["live_vs_dynamic"] == 1.8 and two["rows_vs_dynamic"] == 1.4 and two["agree"] == "10/10"
+
+
+def test_report_has_the_engine_summary(tight_run):
+    run, by_backend = tight_run
+    text = "\n".join(serving_report.render({"facts": serving_report.describe(run),
+                                            "rows": serving_report.summarize_all(run)}))
+    summary = text.split("### The engine against the baselines", 1)[1]
+    engine_line = next(line for line in summary.splitlines() if line.startswith("| 2x"))
+    cells = [cell.strip() for cell in engine_line.strip("|").split("|")]
+    engine = by_backend["engine"]
+    assert cells[1] == f"{engine['tok_s_vs_dynamic']:.2f}" and cells[3] == f"{engine['live_vs_dynamic']:.2f}"
+    assert cells[2] == cells[4] == "-"  # the peer and static did not run
+    assert cells[-1] == f"{run.workload.num_requests}/{run.workload.num_requests}"

@@ -20,9 +20,9 @@ BACKENDS = ("dynamic", "static", "engine")
 
 
 def _fake_rows() -> list[dict]:
-    """What the plot reads of `serving_report.summarize_all`: budget, backend, output tok/s, mean concurrency."""
+    """What the plot reads of `serving_report.summarize_all`: budget, backend, output tok/s, mean live sequences."""
     return [
-        {"budget": f"{m:g}x", "backend": backend, "output_tok_s": 10.0 * m * (i + 1), "mean_concurrency": m * (i + 1.5)}
+        {"budget": f"{m:g}x", "backend": backend, "output_tok_s": 10.0 * m * (i + 1), "mean_live": m * (i + 1.5)}
         for m in (2, 4, 8, 16)
         for i, backend in enumerate(BACKENDS)
     ]

@@ -263,7 +263,9 @@ def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
     prompts = _prompts()
     runs = {}
     for reserve in (0, 4, None):
-        engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve)
+        # Strict arrival order: with backfill, reserve 0 admits the three short prompts before the 30-token one
+        # and this pool happens to hold them without preempting.
+        engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_window=1)
         assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == _reference(
             "llama", prompts, NEW_TOKENS
         )

@@ -74,6 +74,10 @@ class Engine:
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
             the blocks of requests that finish first. The default never preempts; a finite value admits more when
             requests usually stop early (eos) and preempts when they do not.
+        backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in arrival order.
+            When the first does not fit, the first of the others that does is admitted instead (backfill); a
+            request passed over `Scheduler.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
+            1: strict arrival order.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Engine:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool | None = None,
         decode_reserve_tokens: int | None = None,
+        backfill_window: int = 8,
     ):
         pool.check_compatible(KVLayout.from_config(model.config))
         if enable_prefix_caching is None:  # on where the pool allows it (one layer group)
@@ -99,6 +104,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
+            backfill_window=backfill_window,
             sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)),
         )
         self.stats = EngineStats()

@@ -1,0 +1,158 @@
+"""Backfill admission: when the first waiting request does not fit, a later one of the next `backfill_window` that
+does goes first, and a request passed over `Scheduler.MAX_SKIPS` times blocks backfill behind it."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from hf_paged import BlockPool, Engine, KVLayout, SamplingParams
+from hf_paged.engine import Request, Scheduler
+from tests.models import tiny_model
+
+BLOCK_SIZE = 4
+
+
+def _scheduler(num_blocks: int, **kwargs) -> Scheduler:
+    pool = BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE)
+    return Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, **kwargs)
+
+
+def _request(request_id: int, prompt_len: int, max_new_tokens: int) -> Request:
+    prompt = list(range(100 * request_id + 1, 100 * request_id + 1 + prompt_len))
+    return Request(request_id, prompt, SamplingParams(max_new_tokens=max_new_tokens))
+
+
+def _fill(scheduler: Scheduler, big_first: bool = True) -> tuple[Request, Request, Request]:
+    """A 10-block pool: one running request peaking at 5 blocks (16 + 4 tokens), then a waiting one peaking at 6
+    (20 + 4) that cannot join it, then one peaking at 3 (8 + 4) that can."""
+    running, big, small = _request(0, 16, 5), _request(1, 20, 5), _request(2, 8, 5)
+    scheduler.add(running)
+    assert scheduler.schedule().prefill == [(running, 16)]
+    running.num_computed = 16  # what the engine does after the forward: the prompt is cached, one token sampled
+    running.output_ids.append(7)
+    for request in (big, small) if big_first else (small, big):
+        scheduler.add(request)
+    return running, big, small
+
+
+def test_a_later_request_that_fits_goes_first_and_the_head_counts_a_skip():
+    scheduler = _scheduler(10)
+    running, big, small = _fill(scheduler)
+    assert not scheduler.fits(big) and scheduler.fits(small)
+    step = scheduler.schedule()
+    assert scheduler.running == [running, small] and list(scheduler.waiting) == [big]
+    assert step.prefill == [(small, 8)] and [r.request_id for r in step.decode] == [0]
+    assert big.num_skips == 1 and small.num_skips == 0
+
+
+def test_strict_arrival_order_with_a_window_of_one():
+    scheduler = _scheduler(10, backfill_window=1)
+    running, big, small = _fill(scheduler)
+    scheduler.schedule()
+    assert scheduler.running == [running] and list(scheduler.waiting) == [big, small]
+    assert big.num_skips == 0
+
+
+def test_the_window_bounds_how_far_admission_looks():
+    scheduler = _scheduler(10, backfill_window=2)
+    running, big, small = _fill(scheduler)
+    scheduler.waiting.insert(1, _request(3, 24, 5))  # another that does not fit, between the two
+    scheduler.schedule()
+    assert scheduler.running == [running]  # the small one is third: outside a window of 2
+
+
+def test_a_request_skipped_max_skips_times_blocks_backfill_behind_it():
+    scheduler = _scheduler(10)
+    running, big, small = _fill(scheduler)
+    big.num_skips = Scheduler.MAX_SKIPS
+    scheduler.schedule()
+    assert scheduler.running == [running] and list(scheduler.waiting) == [big, small]
+    # Once blocks come back, it goes first.
+    scheduler.retire(running)
+    scheduler.schedule()
+    assert scheduler.running[0] is big
+
+
+def test_backfill_window_must_be_a_positive_int():
+    for bad in (0, -1, 2.5):
+        with pytest.raises(ValueError, match=rf"backfill_window must be an int >= 1 \(1: strict arrival order\), got {bad}"):
+            _scheduler(10, backfill_window=bad)
+
+
+def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
+    """A long prompt second in line waits for blocks while the short prompts behind it run beside the first: more
+    requests at once than in arrival order, every output still equal to generate() alone, no preemption."""
+    model = tiny_model("llama", "sdpa")
+    generator = torch.Generator().manual_seed(3)
+    lengths, new_tokens = (12, 40, 6, 5, 7), [8, 8, 6, 6, 6]
+    prompts = [torch.randint(2, 128, (n,), generator=generator).tolist() for n in lengths]
+    reference = [
+        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]
+    stats = {}
+    for window in (1, 8):
+        engine_model = tiny_model("llama", "hf_paged")
+        pool = BlockPool.for_model(engine_model, num_blocks=16, block_size=BLOCK_SIZE)
+        engine = Engine(engine_model, pool, max_num_seqs=8, backfill_window=window)
+        assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
+        assert pool.num_used_blocks == 0
+        stats[window] = engine.stats
+    assert stats[8].num_preemptions == stats[1].num_preemptions == 0
+    assert stats[8].mean_running > stats[1].mean_running
+    assert stats[8].num_steps < stats[1].num_steps
+
+
+def _drive(scheduler: Scheduler, requests: list[Request]) -> int:
+    """Run `requests` to the end as the engine would, without a model (every computed prompt samples token 7);
+    returns the steps taken."""
+    for request in requests:
+        scheduler.add(request)
+    num_steps = 0
+    while scheduler.has_unfinished():
+        step = scheduler.schedule()
+        for request, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
+            request.num_computed += num_tokens
+            scheduler.cache_full_blocks(request)
+            if request.num_pending == 0:
+                request.output_ids.append(7)
+        for request in [r for r in scheduler.running if r.num_pending == 1 and len(r.output_ids) >= r.params.max_new_tokens]:
+            scheduler.retire(request)
+        num_steps += 1
+    assert scheduler.pool.num_used_blocks == 0
+    return num_steps
+
+
+class _NoPrefillDelay(Scheduler):
+    """The lookahead as it was: every admitted request starts growing at once, whatever the prefill budget."""
+
+    def _growths(self, requests):
+        return [growth._replace(end=growth.steps) for growth in super()._growths(requests)]
+
+
+def _burst(seed: int) -> list[Request]:
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(8, 25, (24,), generator=generator).tolist()
+    outputs = torch.randint(8, 17, (24,), generator=generator).tolist()
+    return [_request(i, n, k) for i, (n, k) in enumerate(zip(lengths, outputs))]
+
+
+@pytest.mark.parametrize("backfill_window", [1, 8])
+def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_window):
+    """A burst admitted at once prefills a few prompts a step (16 or 32 tokens of budget), so the last ones start
+    and end steps late. The lookahead counts that wait and never preempts; a lookahead that does not count it
+    admits on plans that run out of blocks at the burst's end."""
+    late_plans = 0
+    for seed, num_blocks, budget in itertools.product(range(6), (16, 24, 32, 40, 64, 96), (16, 32)):
+        kwargs = dict(max_num_seqs=24, max_num_batched_tokens=budget, backfill_window=backfill_window)
+        scheduler = Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE), **kwargs)
+        _drive(scheduler, _burst(seed))
+        assert scheduler.num_preemptions == 0, (seed, num_blocks, budget)
+        unaware = _NoPrefillDelay(BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE), **kwargs)
+        _drive(unaware, _burst(seed))
+        late_plans += unaware.num_preemptions
+    assert late_plans > 0
