@@ -2,10 +2,10 @@
 
 Every step: admit waiting requests while blocks allow, looking ahead at how the running requests will grow (see
 `Scheduler.fits`); when the first waiting request does not fit, a later one of the next few that does goes first
-(backfill, see `Scheduler.admit`); then give every running request with one pending token a decode row, and spend the rest of the token
-budget on prefill chunks. When a row needs a block and none is free, the most recently admitted request is
-preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated), so no request fails
-for lack of memory unless it could never fit the whole pool.
+(backfill, see `Scheduler.admit`). Then give every running request with one pending token a decode row, and spend
+the rest of the token budget on prefill chunks. When a row needs a block and none is free, the most recently
+admitted request is preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated),
+so no request fails for lack of memory unless it could never fit the whole pool.
 
 Layer groups: a request holds one block table per layer group of the pool (one for a uniform model; Gemma-style
 models have sliding and full groups). A group whose layers all slide gives back, at the start of every step, the
