@@ -120,6 +120,20 @@ def test_scheduler_admission_lookahead(benchmark):
     assert not scheduler.fits(newcomer(13312 - 199 + 1))
 
 
+def test_scheduler_backfill_scan_while_blocked(benchmark):
+    """Admission while the pool is full: the backfill window (8) is scanned every step, one lookahead per waiting
+    request, 64 running; nothing fits, so nothing changes between rounds."""
+    pool = BlockPool(KVLayout((4,) * 2, (64,) * 2), num_blocks=1216 + 18, block_size=16)
+    scheduler = Scheduler(pool, max_num_seqs=128, max_num_batched_tokens=512)
+    for index in range(64 + 8):
+        scheduler.add(Request(index, [1] * 100, SamplingParams(max_new_tokens=200)))
+    scheduler.schedule()
+    assert len(scheduler.running) == 64 and len(scheduler.waiting) == 8  # 64 x 19 blocks at the peak: 1,216 + 19 > 1,234
+
+    benchmark(scheduler.admit)
+    assert len(scheduler.running) == 64 and [r.num_skips for r in scheduler.waiting] == [0] * 8
+
+
 @pytest.fixture(scope="module")
 def default_model_linears():
     return [m for m in load_model(device="cpu").modules() if isinstance(m, torch.nn.Linear)]
