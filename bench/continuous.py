@@ -84,8 +84,9 @@ def run_engine(
     if failed:
         raise RuntimeError(f"{backend}: {len(failed)} requests failed: {failed}")
     stats = engine.stats
-    # NOTE: every engine row is a request that still owes tokens (it retires at its last one), so the rows per
-    # forward are the live sequences: no padding rows.
+    # NOTE: every engine row is a request that still owes tokens (it retires at its last one): no padding rows. The
+    # rows per forward are a lower bound on its live sequences: a request admitted but waiting for prefill budget
+    # or a shared prefix, or preempted and waiting to be recomputed, owes tokens but runs no row.
     mean_rows = sum(seconds * rows for seconds, rows in busy) / wall
     return RunResult(
         backend=backend,

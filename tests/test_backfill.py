@@ -2,6 +2,7 @@
 does goes first, and a request passed over `Scheduler.MAX_SKIPS` times blocks backfill behind it."""
 
 import itertools
+import random
 
 import pytest
 import torch
@@ -76,8 +77,9 @@ def test_a_request_skipped_max_skips_times_blocks_backfill_behind_it():
 
 
 def test_backfill_window_must_be_a_positive_int():
-    for bad in (0, -1, 2.5):
-        with pytest.raises(ValueError, match=rf"backfill_window must be an int >= 1 \(1: strict arrival order\), got {bad}"):
+    for bad in (0, -1, 2.5, True):
+        message = rf"backfill_window must be an int >= 1 \(1: strict arrival order\), got {bad}"
+        with pytest.raises(ValueError, match=message):
             _scheduler(10, backfill_window=bad)
 
 
@@ -107,6 +109,12 @@ def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
     assert stats[8].num_steps < stats[1].num_steps
 
 
+def test_max_num_batched_tokens_must_cover_a_decode_row_per_request():
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
+        Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=8, block_size=BLOCK_SIZE), max_num_seqs=16,
+                  max_num_batched_tokens=8)
+
+
 def _drive(scheduler: Scheduler, requests: list[Request]) -> int:
     """Run `requests` to the end as the engine would, without a model (every computed prompt samples token 7);
     returns the steps taken."""
@@ -120,7 +128,8 @@ def _drive(scheduler: Scheduler, requests: list[Request]) -> int:
             scheduler.cache_full_blocks(request)
             if request.num_pending == 0:
                 request.output_ids.append(7)
-        for request in [r for r in scheduler.running if r.num_pending == 1 and len(r.output_ids) >= r.params.max_new_tokens]:
+        done = [r for r in scheduler.running if r.num_pending == 1 and len(r.output_ids) >= r.params.max_new_tokens]
+        for request in done:
             scheduler.retire(request)
         num_steps += 1
     assert scheduler.pool.num_used_blocks == 0
@@ -148,11 +157,76 @@ def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_window):
     admits on plans that run out of blocks at the burst's end."""
     late_plans = 0
     for seed, num_blocks, budget in itertools.product(range(6), (16, 24, 32, 40, 64, 96), (16, 32)):
-        kwargs = dict(max_num_seqs=24, max_num_batched_tokens=budget, backfill_window=backfill_window)
+        kwargs = dict(max_num_seqs=16, max_num_batched_tokens=budget, backfill_window=backfill_window)
         scheduler = Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE), **kwargs)
         _drive(scheduler, _burst(seed))
         assert scheduler.num_preemptions == 0, (seed, num_blocks, budget)
-        unaware = _NoPrefillDelay(BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE), **kwargs)
+        pool = BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE)
+        unaware = _NoPrefillDelay(pool, **kwargs)
         _drive(unaware, _burst(seed))
         late_plans += unaware.num_preemptions
     assert late_plans > 0
+
+
+class _NoPrefixWaits(Scheduler):
+    """The lookahead without the wait of a request for prompt blocks another one is computing."""
+
+    def _add_prefix_waits(self, requests, prefilling, delays, per_step):
+        pass
+
+
+def _shared_prompt_workload(rng: random.Random) -> tuple[int, int, list[tuple[list[int], int]]]:
+    """(num_blocks, block_size, [(prompt, max_new_tokens)]): 2-4 small requests, most of them prefixes of one
+    8-token prompt (so one computes blocks the others wait for), in pools of 2-16 blocks."""
+    block_size = rng.choice([1, 2, 4])
+    shared = [rng.randrange(1, 99) for _ in range(8)]
+    specs = []
+    for _ in range(rng.randint(2, 4)):
+        if rng.random() < 0.6:
+            prompt = shared[: rng.randint(2, 8)]
+        else:
+            prompt = [rng.randrange(100, 999) for _ in range(rng.randint(1, 8))]
+        specs.append((prompt, rng.randint(1, 6)))
+    return rng.randint(2, 16), block_size, specs
+
+
+def test_lookahead_counts_waits_for_a_shared_prefix_and_never_preempts():
+    """With prefix caching, a request whose prompt continues with blocks another request is computing waits for them
+    (then takes them from the cache), so it starts and ends later than its own prefill alone says. Counting that
+    wait, no admitted request is preempted in 3,000 small shared-prompt workloads; without it, some are."""
+    rng = random.Random(0)
+    unaware_preemptions = 0
+    for _ in range(3000):
+        num_blocks, block_size, specs = _shared_prompt_workload(rng)
+        for cls in (Scheduler, _NoPrefixWaits):
+            pool = BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=block_size,
+                             enable_prefix_caching=True)
+            scheduler = cls(pool, max_num_seqs=8, max_num_batched_tokens=64)
+            requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(specs)]
+            _drive(scheduler, requests)
+            pool.allocator.check_invariants()
+            if cls is Scheduler:
+                assert scheduler.num_preemptions == 0, (num_blocks, block_size, specs)
+            else:
+                unaware_preemptions += scheduler.num_preemptions
+    assert unaware_preemptions > 0
+
+
+def test_engine_with_a_shared_prefix_wait_matches_generate_without_preempting():
+    """Three prompts sharing a 2-token start in 8 blocks of 2 (found by a randomized search): the third waits for
+    the second's blocks. Planned as if it started at once, it was preempted; counted, nothing is."""
+    prompts = [[50, 51], [50, 51, 16, 33, 47, 21, 25, 18], [50, 51, 16]]
+    new_tokens = [1, 6, 3]
+    model = tiny_model("llama", "sdpa")
+    reference = [
+        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]
+    engine_model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(engine_model, num_blocks=8, block_size=2)
+    engine = Engine(engine_model, pool, max_num_seqs=8, max_num_batched_tokens=64)
+    assert pool.allocator.enable_prefix_caching  # the Engine's default on a one-group pool
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
+    assert engine.stats.num_preemptions == 0 and pool.num_used_blocks == 0

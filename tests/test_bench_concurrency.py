@@ -101,7 +101,6 @@ def test_live_sequences_leave_out_padding_rows(model):
         assert dynamic.extra["num_batches"] == 1 and dynamic.peak_concurrency == 2
         low, high = live_share
         assert low * dynamic.mean_concurrency < dynamic.mean_live <= high * dynamic.mean_concurrency
-        assert engine.mean_live == engine.mean_concurrency  # an engine row is a request that owes a token
         assert engine.outputs == dynamic.outputs == run.reference
 
 

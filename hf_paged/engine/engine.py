@@ -63,7 +63,7 @@ class Engine:
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
-            goes to prefill chunks, so one long prompt cannot stall decoding).
+            goes to prefill chunks, so one long prompt cannot stall decoding). At least `max_num_seqs`.
         enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes when a request's prefill starts.
             Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them once:
             a request waits while another computes blocks it would reuse, and admission counts a block that several
@@ -72,9 +72,11 @@ class Engine:
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
-            the blocks of requests that finish first. The default never preempts; a finite value admits more when
+            the blocks of requests that finish first. The default never preempts on full-attention models (a
+            sliding group can overshoot by a block; preemption covers it); a finite value admits more when
             requests usually stop early (eos) and preempts when they do not.
-        backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in arrival order.
+        backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in queue order
+            (arrival order; a preempted request goes back to the front).
             When the first does not fit, the first of the others that does is admitted instead (backfill); a
             request passed over `Scheduler.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
             1: strict arrival order.

@@ -22,16 +22,15 @@ requests hold once, a waiting request's cached prefix included.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
 from ..allocator import hash_block_tokens
 from ..pool import BlockPool
+from .admission import Admission
 from .sampling import SamplingParams
 
 
@@ -76,21 +75,7 @@ class ScheduledStep:
     prefill: list[tuple[Request, int]]  # (request, chunk length); the engine packs all of it in one forward
 
 
-class _Growth(NamedTuple):
-    """How a request's K/V grow in the lookahead: from `tokens` by one a step for `steps` steps, held until step
-    `end` (`end - steps`: the steps its prefill may still wait for budget)."""
-
-    tokens: int
-    steps: int
-    end: int
-    prefilling: bool
-
-
-class Scheduler:
-    # NOTE: a request passed over this many times stops backfill behind it until it is admitted, so a large request
-    # is delayed by at most this many smaller ones (arrivals that keep coming cannot starve it).
-    MAX_SKIPS = 16
-
+class Scheduler(Admission):
     def __init__(
         self,
         pool: BlockPool,
@@ -105,7 +90,14 @@ class Scheduler:
             raise ValueError(
                 f"max_num_seqs and max_num_batched_tokens must be >= 1, got {max_num_seqs}, {max_num_batched_tokens}"
             )
-        if not isinstance(backfill_window, int) or backfill_window < 1:
+        if max_num_batched_tokens < max_num_seqs:
+            # NOTE: as vLLM requires: every running request's decode row takes one token of a step's budget, so a
+            # smaller budget can leave a prompt no prefill token for as long as the others decode.
+            raise ValueError(
+                f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}): each "
+                "running request's decode row takes one token of a step's budget"
+            )
+        if isinstance(backfill_window, bool) or not isinstance(backfill_window, int) or backfill_window < 1:
             raise ValueError(f"backfill_window must be an int >= 1 (1: strict arrival order), got {backfill_window!r}")
         if decode_reserve_tokens is not None and decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be None or >= 0, got {decode_reserve_tokens}")
@@ -193,6 +185,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._free_blocks(request)
         request.num_computed, request.num_registered_blocks = 0, 0
+        request.num_skips = 0  # back at the head of the queue: its count starts again
         self.running.remove(request)
         self.waiting.appendleft(request)
         self.num_preemptions += 1
@@ -253,151 +246,6 @@ class Scheduler:
         request.finished = True
         request.finish_time = time.perf_counter()
         self.running.remove(request)
-
-    def _growth(self, request: Request) -> tuple[int, int]:
-        """(tokens `request` holds once its input is computed, decode steps until its K/V stop growing)."""
-        num_tokens = len(request.prompt_ids) + len(request.output_ids)
-        # NOTE: the last sampled token is never fed back, so K/V peak at prompt + max_new_tokens - 1 tokens.
-        final = len(request.prompt_ids) + request.params.max_new_tokens - 1
-        steps = max(final - num_tokens, 0)
-        if self.decode_reserve_tokens is not None:
-            steps = min(steps, self.decode_reserve_tokens)
-        return num_tokens, steps
-
-    def fits(self, newcomer: Request) -> bool:
-        """Whether the pool can hold `newcomer` next to the running requests at every step of the lookahead.
-
-        Every running request grows by one token per step until its `max_new_tokens` (or for
-        `decode_reserve_tokens` steps, when set) and its blocks come back when it finishes, so the demand at step
-        t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0 or just
-        before one of them finishes.
-
-        With prefix caching (one group, no window), blocks that several running requests hold (a shared system
-        prompt, parallel samples of one prompt) count once: the demand at t is every block held now by a request
-        still running at t, plus the blocks each of those will add by t. A request that has not looked up its
-        prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup
-        would take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper
-        bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to
-        a request whose new blocks are counted already, one block for the one it must then compute.
-
-        A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
-        requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
-        steps late (`_growths`). It is counted at its full size for those extra steps, an upper bound on what it
-        holds then.
-
-        NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
-        preempted: requests can only finish earlier than planned (eos, stop tokens), which frees blocks sooner.
-        A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
-        when they do not.
-        """
-        growths = self._growths([*self.running, newcomer])
-        held = {block_id for request in self.running for block_id in request.block_ids}
-        available = self.pool.num_free_blocks + len(held)
-        if self.pool.allocator.enable_prefix_caching and self.group_windows == [None]:
-            return self._fits_shared(growths, [*self.running, newcomer], available)
-        # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait: a few ms at n=256.
-        for t in {0, *(growth.end for growth in growths)}:
-            demand = sum(
-                self._demand(growth.tokens + min(t, growth.steps), prefilling=growth.prefilling and t == 0)
-                for growth in growths
-                if growth.end >= t
-            )
-            if demand > available:
-                return False
-        return True
-
-    def _growths(self, requests: list[Request]) -> list[_Growth]:
-        """The lookahead's plan for `requests` in scheduling order (the newcomer last).
-
-        NOTE: decode rows run every step, but prefill chunks share what is left of `max_num_batched_tokens` in
-        scheduling order, so a prompt waits for the prompts before it: admitting many requests at once (a burst)
-        starts the last of them several steps late, and they end as late. Without counting that delay, a burst
-        admitted on a plan that fitted ran out of blocks at its end and preempted.
-        """
-        # Prefill tokens a step surely has: the budget less one token for each request's decode row.
-        per_step = max(self.max_num_batched_tokens - len(requests), 1)
-        queued = 0  # prompt tokens still to compute, this request's and those before it
-        growths = []
-        for request in requests:
-            tokens, steps = self._growth(request)
-            prefilling = request.num_pending > 1 or not request.block_tables
-            delay = 0
-            if prefilling:
-                queued += request.num_pending
-                delay = -(-queued // per_step) - 1  # steps before the one that computes its last prompt token
-            growths.append(_Growth(tokens, steps, steps + delay, prefilling))
-        return growths
-
-    def _fits_shared(self, growths: list[_Growth], requests: list[Request], available: int) -> bool:
-        """`fits` for one full-attention group, counting each held block once (see `fits`). `growths[i]` is the
-        plan of `requests[i]`. The steps that matter are visited from the last down, so the requests still running
-        grow by one set each time and the union of their blocks is kept, not rebuilt."""
-        allocator = self.pool.allocator
-        tables = [
-            request.block_tables[0] if request.block_tables else allocator.peek_prefix(self._lookup_hashes(request))
-            for request in requests
-        ]
-        order = sorted(range(len(requests)), key=lambda i: growths[i].end, reverse=True)
-        union: set[int] = set()
-        alive: list[int] = []  # requests running at the current t
-        position = 0
-        for t in sorted({0, *(growth.end for growth in growths)}, reverse=True):
-            while position < len(order) and growths[order[position]].end >= t:
-                alive.append(order[position])
-                union.update(tables[order[position]])
-                position += 1
-            fresh = sum(
-                max(self._blocks_for(growths[i].tokens + min(t, growths[i].steps)) - len(tables[i]), 0) for i in alive
-            )
-            if len(union) + fresh > available:
-                return False
-        return True
-
-    def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
-        """Blocks a request of `num_tokens` tokens holds over all groups: everything in a full group; in a sliding
-        group, from the first block its last token's query sees (all of them while its prompt is computed).
-
-        NOTE: a prompt prefilled in several chunks holds a little more in a sliding group than this counts after
-        step 0 (the chunk's own blocks); preemption covers that rare overshoot.
-        """
-        end_block = self._blocks_for(num_tokens)
-        if prefilling:
-            return end_block * len(self.group_windows)
-        groups = range(len(self.group_windows))
-        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
-
-    def admit(self) -> None:
-        """Move waiting requests to running while they fit (`fits`), in arrival order with backfill: when the first
-        waiting request does not fit, the first of the next `backfill_window - 1` that does is admitted instead, and
-        every request it passes counts a skip. A request skipped `MAX_SKIPS` times blocks backfill behind it.
-
-        Why: a burst's head may need blocks that only a finishing request gives back, while a smaller request
-        behind it fits now; without backfill the pool idles at that size gap (the full burst at 2 reservations ran
-        2.8 requests at a time in arrival order, about 2.9 with backfill in a simulation of the same scheduler).
-        """
-        # NOTE: admission looks ahead instead of keeping a fixed reserve: reserving one block per running request
-        # made admission and preemption chase each other (a preempted request was re-admitted as soon as blocks
-        # freed, re-prefilled, and preempted again: 639 preemptions for 48 requests in the full burst run), and a
-        # 64-token reserve still preempted and held concurrency below what the pool allows.
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            chosen = 0 if not self.running else self._first_fitting()
-            if chosen is None:
-                return
-            for passed in itertools.islice(self.waiting, chosen):
-                passed.num_skips += 1
-            request = self.waiting[chosen]
-            del self.waiting[chosen]
-            self.running.append(request)
-
-    def _first_fitting(self) -> int | None:
-        """Position in `waiting` of the first request that fits, within the backfill window and not behind a
-        request that was skipped `MAX_SKIPS` times; None when none does."""
-        for position, request in enumerate(itertools.islice(self.waiting, self.backfill_window)):
-            if self.fits(request):
-                return position
-            if request.num_skips >= self.MAX_SKIPS:
-                return None
-        return None
 
     def schedule(self) -> ScheduledStep:
         self.admit()
