@@ -230,3 +230,28 @@ def test_engine_with_a_shared_prefix_wait_matches_generate_without_preempting():
     assert pool.allocator.enable_prefix_caching  # the Engine's default on a one-group pool
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
     assert engine.stats.num_preemptions == 0 and pool.num_used_blocks == 0
+
+
+def test_a_request_that_cannot_grow_even_alone_fails_instead_of_looping():
+    """Sliding + full groups, window 2, blocks of 2, a 3-block pool (found by a randomized search): a sliding
+    group's count is not exact, so the request is admitted, outgrows the pool alone, and its recomputation (its
+    whole sequence at once) can never fit. It used to be preempted and re-admitted forever; it now fails alone,
+    with its numbers, and gives its blocks back."""
+    sliding, full = "sliding_attention", "full_attention"
+    pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=3, block_size=2)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None])
+    request = _request(0, 1, 4)
+    scheduler.add(request)
+    for _ in range(20):  # bounded: the bug was an endless loop
+        if not scheduler.has_unfinished():
+            break
+        step = scheduler.schedule()
+        for running, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
+            running.num_computed += num_tokens
+            if running.num_pending == 0:
+                running.output_ids.append(7)
+        for running in [r for r in scheduler.running if len(r.output_ids) >= r.params.max_new_tokens]:
+            scheduler.retire(running)
+    assert not scheduler.has_unfinished() and request.finished
+    assert request.error is not None and "even alone in a pool of 3 blocks" in request.error
+    assert pool.num_used_blocks == 0

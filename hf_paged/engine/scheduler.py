@@ -241,6 +241,25 @@ class Scheduler(Admission):
             allocator.cache_block(table[index - first], request.block_hashes[index])
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
+    def _fail_alone(self, request: Request, chunk: int) -> None:
+        """`request` runs alone and the pool still cannot hold its next `chunk` tokens, so it can never run: it
+        fails (the engine raises `RequestFailed` for it once the others finish) instead of being preempted and
+        re-admitted forever.
+
+        NOTE: `add` turns away a request that cannot fit the pool; this catches one that `_demand` underestimated
+        there (a sliding group's count is not exact) or whose recomputation, after a preemption, needs its whole
+        sequence at once.
+        """
+        self._free_blocks(request)
+        request.error = (
+            f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
+            f"({len(request.prompt_ids)} prompt + {len(request.output_ids)} generated) even alone in a pool of "
+            f"{self.pool.num_blocks} blocks"
+        )
+        request.finished = True
+        request.finish_time = time.perf_counter()
+        self.running.remove(request)
+
     def retire(self, request: Request) -> None:
         self._free_blocks(request)
         request.finished = True
@@ -277,6 +296,9 @@ class Scheduler(Admission):
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
             while not self._grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
+                if victim is request and len(self.running) == 1:
+                    self._fail_alone(request, chunk)
+                    break
                 self._preempt(victim)
                 if victim is request:
                     break
