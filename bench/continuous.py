@@ -169,6 +169,7 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
     # Concurrency from each request's lifespan (left the queue, finished). Its live K/V is not observable from
     # outside: chunked prefill, prefix sharing and evictions happen inside its cache, so none is reported.
     spans = [(r.lifespan[0] - start, r.lifespan[1] - start) for r in ordered]
+    mean_span = sum(e - s for s, e in spans) / wall  # a lifespan ends at the last token: no padding to leave out
     return RunResult(
         backend=PEER,
         multiple=budget.multiple,
@@ -177,8 +178,8 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
         finish=[r.timestamps[-1] - start for r in ordered],
         wall_s=wall,
         peak_concurrency=max(sum(s <= t < e for s, e in spans) for t, _ in spans),
-        mean_concurrency=sum(e - s for s, e in spans) / wall,
-        mean_live=sum(e - s for s, e in spans) / wall,  # a lifespan ends at the last token: no padding to leave out
+        mean_concurrency=mean_span,
+        mean_live=mean_span,
         reserved_bytes=reserved or num_blocks * budget.bytes_per_token * BLOCK_SIZE,
         live_bytes_peak=None,
         extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE},

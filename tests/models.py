@@ -14,6 +14,7 @@ import functools
 
 import torch
 from transformers import (
+    DynamicCache,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GPT2Config,
@@ -130,3 +131,14 @@ def random_prompt(length: int = 12, vocab: int = VOCAB_SIZE, seed: int = 0) -> t
     """`[1, length]` int64 token ids in `[1, vocab)`."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(1, vocab, (1, length), generator=generator)
+
+
+def greedy_reference(name: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
+    """Each prompt alone through `generate()` with `DynamicCache` on the sdpa `name` model: its greedy new tokens."""
+    model = tiny_model(name, "sdpa")
+    return [
+        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]

@@ -6,11 +6,10 @@ import random
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hf_paged import BlockPool, Engine, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
-from tests.models import tiny_model
+from tests.models import greedy_reference, tiny_model
 
 BLOCK_SIZE = 4
 
@@ -86,16 +85,10 @@ def test_backfill_window_must_be_a_positive_int():
 def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
     """A long prompt second in line waits for blocks while the short prompts behind it run beside the first: more
     requests at once than in arrival order, every output still equal to generate() alone, no preemption."""
-    model = tiny_model("llama", "sdpa")
     generator = torch.Generator().manual_seed(3)
     lengths, new_tokens = (12, 40, 6, 5, 7), [8, 8, 6, 6, 6]
     prompts = [torch.randint(2, 128, (n,), generator=generator).tolist() for n in lengths]
-    reference = [
-        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
-            0, len(p) :
-        ].tolist()
-        for p, n in zip(prompts, new_tokens)
-    ]
+    reference = greedy_reference("llama", prompts, new_tokens)
     stats = {}
     for window in (1, 8):
         engine_model = tiny_model("llama", "hf_paged")
@@ -115,13 +108,14 @@ def test_max_num_batched_tokens_must_cover_a_decode_row_per_request():
                   max_num_batched_tokens=8)
 
 
-def _drive(scheduler: Scheduler, requests: list[Request]) -> int:
+def _drive(scheduler: Scheduler, requests: list[Request], max_steps: int | None = None) -> int:
     """Run `requests` to the end as the engine would, without a model (every computed prompt samples token 7);
-    returns the steps taken."""
+    returns the steps taken, asserting they stay under `max_steps` when given (a loop that never ends fails)."""
     for request in requests:
         scheduler.add(request)
     num_steps = 0
     while scheduler.has_unfinished():
+        assert max_steps is None or num_steps < max_steps, f"still running after {num_steps} steps"
         step = scheduler.schedule()
         for request, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
             request.num_computed += num_tokens
@@ -217,13 +211,7 @@ def test_engine_with_a_shared_prefix_wait_matches_generate_without_preempting():
     the second's blocks. Planned as if it started at once, it was preempted; counted, nothing is."""
     prompts = [[50, 51], [50, 51, 16, 33, 47, 21, 25, 18], [50, 51, 16]]
     new_tokens = [1, 6, 3]
-    model = tiny_model("llama", "sdpa")
-    reference = [
-        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
-            0, len(p) :
-        ].tolist()
-        for p, n in zip(prompts, new_tokens)
-    ]
+    reference = greedy_reference("llama", prompts, new_tokens)
     engine_model = tiny_model("llama", "hf_paged")
     pool = BlockPool.for_model(engine_model, num_blocks=8, block_size=2)
     engine = Engine(engine_model, pool, max_num_seqs=8, max_num_batched_tokens=64)
@@ -241,17 +229,7 @@ def test_a_request_that_cannot_grow_even_alone_fails_instead_of_looping():
     pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=3, block_size=2)
     scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None])
     request = _request(0, 1, 4)
-    scheduler.add(request)
-    for _ in range(20):  # bounded: the bug was an endless loop
-        if not scheduler.has_unfinished():
-            break
-        step = scheduler.schedule()
-        for running, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
-            running.num_computed += num_tokens
-            if running.num_pending == 0:
-                running.output_ids.append(7)
-        for running in [r for r in scheduler.running if len(r.output_ids) >= r.params.max_new_tokens]:
-            scheduler.retire(running)
-    assert not scheduler.has_unfinished() and request.finished
+    _drive(scheduler, [request], max_steps=20)  # bounded: the bug was an endless loop
+    assert request.finished
     assert request.error is not None and "even alone in a pool of 3 blocks" in request.error
     assert pool.num_used_blocks == 0

@@ -2,11 +2,10 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from hf_paged import BlockPool, Engine, KVLayout, LayerGroupsUnsupported, RequestFailed, SamplingParams
 from hf_paged.engine import Request, Scheduler
-from tests.models import tiny_model
+from tests.models import greedy_reference, tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
 
@@ -14,16 +13,6 @@ NEW_TOKENS = [8, 12, 5, 10, 7]
 def _prompts(lengths=(5, 17, 9, 30, 3), seed=0):
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(1, 128, (n,), generator=generator).tolist() for n in lengths]
-
-
-def _reference(name, prompts, new_tokens):
-    model = tiny_model(name, "sdpa")
-    return [
-        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
-            0, len(p) :
-        ].tolist()
-        for p, n in zip(prompts, new_tokens)
-    ]
 
 
 def _engine(name, num_blocks, **kwargs):
@@ -49,7 +38,7 @@ def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_bat
         decode_reserve_tokens=decode_reserve_tokens,
     )
     outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert outputs == _reference(name, prompts, NEW_TOKENS)
+    assert outputs == greedy_reference(name, prompts, NEW_TOKENS)
     assert pool.num_used_blocks == 0
     pool.allocator.check_invariants()
     stats = engine.stats
@@ -81,7 +70,7 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
     prompts = _prompts((5, 11, 3))
     engine, pool = _engine(name, 32, max_num_seqs=3)
     new_tokens = [4, 12, 6]  # past the window of 8 for gemma3's sliding layers
-    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _reference(name, prompts, new_tokens)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(name, prompts, new_tokens)
     assert pool.num_used_blocks == 0
     assert batch_sizes and max(batch_sizes) == 3  # rows of lengths 6, 12 and 4 went through one kernel call
 
@@ -91,7 +80,7 @@ def test_a_request_larger_than_the_pool_fails_alone():
     engine, pool = _engine("llama", 9, max_num_seqs=4)  # request 3 needs 10 blocks, the pool has 9
     with pytest.raises(RequestFailed, match="input 3: request 3 needs 10 blocks .* the pool has 9") as info:
         engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    reference = _reference("llama", prompts, NEW_TOKENS)
+    reference = greedy_reference("llama", prompts, NEW_TOKENS)
     assert list(info.value.errors) == [3]
     assert [out for i, out in enumerate(info.value.outputs) if i != 3] == reference[:3] + reference[4:]
     assert pool.num_used_blocks == 0
@@ -120,7 +109,7 @@ def test_greedy_and_sampled_rows_share_steps_with_an_unfinished_prefill_chunk():
         engine.step()
     alone = [engine.generate([p], max_new_tokens=10, ignore_eos=True, **kw)[0] for p, kw in zip(prompts, settings)]
     assert [engine.request(i).output_ids for i in ids] == alone
-    assert alone[0] == _reference("llama", prompts[:1], [10])[0]
+    assert alone[0] == greedy_reference("llama", prompts[:1], [10])[0]
 
 
 def test_stop_tokens_end_a_request_and_are_kept():
@@ -152,7 +141,7 @@ def test_serving_loop_with_add_request_and_step():
     second = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
     while engine.has_unfinished():
         engine.step()
-    assert [engine.request(first).output_ids, engine.request(second).output_ids] == _reference("llama", prompts, [4, 4])
+    assert [engine.request(first).output_ids, engine.request(second).output_ids] == greedy_reference("llama", prompts, [4, 4])
     assert pool.num_used_blocks == 0
 
 
@@ -191,7 +180,7 @@ def _shared_prefix_prompts(num_requests=6, prefix_len=40, seed=3):
 def test_shared_system_prompt_is_computed_once_with_identical_output():
     prompts = _shared_prefix_prompts()
     new_tokens = [6] * len(prompts)
-    reference = _reference("llama", prompts, new_tokens)
+    reference = greedy_reference("llama", prompts, new_tokens)
     results = {}
     for caching in (False, True):
         model = tiny_model("llama", "hf_paged")
@@ -214,7 +203,7 @@ def test_parallel_samples_of_one_prompt_compute_it_once():
     blocks are cached and take them, instead of all four computing a copy in the same step."""
     prompt = _prompts(lengths=(30,))[0]
     engine, pool = _engine("llama", 64, max_num_seqs=8, enable_prefix_caching=True)
-    assert engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == _reference("llama", [prompt], [6]) * 4
+    assert engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", [prompt], [6]) * 4
     hit = (len(prompt) - 1) // 4 * 4  # 28 tokens: 7 full blocks (one token is always left to compute)
     assert engine.stats.prefix_hit_tokens == 3 * hit
     assert engine.stats.prefill_tokens == len(prompt) + 3 * (len(prompt) - hit)
@@ -228,7 +217,7 @@ def test_admission_counts_blocks_that_running_requests_share_once():
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
     new_tokens = [8] * len(prompts)
     engine, pool = _engine("llama", 30, max_num_seqs=8, enable_prefix_caching=True)
-    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _reference(
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         "llama", prompts, new_tokens
     )
     assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 6  # 4 counting held blocks only, 2 before
@@ -266,7 +255,7 @@ def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
         # Strict arrival order: with backfill, reserve 0 admits the three short prompts before the 30-token one
         # and this pool happens to hold them without preempting.
         engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_window=1)
-        assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == _reference(
+        assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
             "llama", prompts, NEW_TOKENS
         )
         runs[reserve] = engine.stats
@@ -310,7 +299,7 @@ def test_every_step_is_one_forward_with_decode_rows_and_prefill_chunks_packed(na
 
     engine._forward = spy
     outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
-    assert outputs == _reference(name, prompts, NEW_TOKENS)
+    assert outputs == greedy_reference(name, prompts, NEW_TOKENS)
     assert len(forwards) == engine.stats.num_steps  # exactly one forward per step
     assert sum(mixed) >= 3  # and some of them carried decode rows and prefill chunks together
     assert pool.num_used_blocks == 0
@@ -386,7 +375,7 @@ def test_sliding_groups_give_back_blocks_out_of_the_window(name, group_layers):
     request_ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
     while engine.has_unfinished():
         engine.step()
-    assert [engine.request(r).output_ids for r in request_ids] == _reference(name, prompts, new_tokens)
+    assert [engine.request(r).output_ids for r in request_ids] == greedy_reference(name, prompts, new_tokens)
     assert pool.num_used_blocks == 0
     pool.allocator.check_invariants()
     if sliding:

@@ -132,11 +132,10 @@ class Admission:
         for index, request in enumerate(requests):
             if not prefilling[index] or request.block_tables:
                 continue
-            hashes = self._lookup_hashes(request)
-            num_cached = len(self.pool.allocator.peek_prefix(hashes))
-            if num_cached < len(hashes) and hashes[num_cached] in computing:
+            waits_for = self._first_uncached_hash(request)
+            if waits_for in computing:
                 own_steps = -(-request.num_pending // per_step)
-                delays[index] = max(delays[index], computing[hashes[num_cached]] + own_steps)
+                delays[index] = max(delays[index], computing[waits_for] + own_steps)
             record(index)
 
     def _fits_shared(self, growths: list[_Growth], requests: list[Request], available: int) -> bool:

@@ -207,12 +207,16 @@ class Scheduler(Admission):
         Started together, both would compute the shared blocks and hold two copies; once the other has computed
         them, the prefix cache hands them over. The one computing started earlier, so it gets its prefill budget
         first every step and the wait ends."""
-        allocator = self.pool.allocator
-        if not allocator.enable_prefix_caching:
+        if not self.pool.allocator.enable_prefix_caching:
             return False
+        return self._first_uncached_hash(request) in computing
+
+    def _first_uncached_hash(self, request: Request) -> bytes | None:
+        """The hash of the first block of `request`'s lookup that the prefix cache does not hold (None: all of
+        them are cached)."""
         hashes = self._lookup_hashes(request)
-        num_cached = len(allocator.peek_prefix(hashes))
-        return num_cached < len(hashes) and hashes[num_cached] in computing
+        num_cached = len(self.pool.allocator.peek_prefix(hashes))
+        return hashes[num_cached] if num_cached < len(hashes) else None
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
@@ -250,15 +254,12 @@ class Scheduler(Admission):
         there (a sliding group's count is not exact) or whose recomputation, after a preemption, needs its whole
         sequence at once.
         """
-        self._free_blocks(request)
         request.error = (
             f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
             f"({len(request.prompt_ids)} prompt + {len(request.output_ids)} generated) even alone in a pool of "
             f"{self.pool.num_blocks} blocks"
         )
-        request.finished = True
-        request.finish_time = time.perf_counter()
-        self.running.remove(request)
+        self.retire(request)
 
     def retire(self, request: Request) -> None:
         self._free_blocks(request)
