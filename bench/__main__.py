@@ -23,7 +23,7 @@ import transformers
 from tabulate import tabulate
 
 from . import cache_report, serving, serving_report
-from .linear import LINEARS, use_linear
+from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
 from .workloads import WORKLOADS, make_workload
@@ -44,10 +44,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="model and KV dtype (default: the checkpoint's; the embedded model: float32 on cpu, "
                         "bfloat16 on cuda). Compare greedy agreement in float32: in bfloat16, rows packed differently "
                         "round differently")
-    parser.add_argument("--linear", default="weight-major", choices=LINEARS,
-                        help="how CPU float32 linear layers compute, for every backend alike (default: weight-major, "
-                        "W @ x.T for up to 16 rows, 2-3x faster decode matmuls on MKL; torch: stock F.linear; see "
-                        "bench/linear.py)")
+    parser.add_argument("--linear", default="auto", choices=LINEARS,
+                        help="how CPU float32 linear layers compute, for every backend alike (default: auto, for each "
+                        "row count up to 16 the faster of stock F.linear and weight-major W @ x.T, timed on this host "
+                        "at startup; see bench/linear.py)")
     parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
     parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
@@ -87,7 +87,7 @@ def _names(text: str) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
-    num_weight_major = use_linear(model, args.linear)
+    weight_major_rows, calibration = pick_linear(model, args.linear)
     started = time.time()
     device = str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else "")
     print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
@@ -103,17 +103,17 @@ def main(argv=None) -> int:
     served = {"facts": serving_report.describe(run), "rows": rows, "notes": notes, "plot": plot}
     results = {"serving": served}
     if not args.serving_only:
-        results.update(run_cache_report(model, args))
+        results.update(run_cache_report(model, args, weight_major_rows))
 
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     header = {
         "command": command.strip(),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
+        "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
         "device": device,
         "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
         "model": args.model or "embedded Llama-style (bench/models.py), random weights",
         "dtype": str(model.dtype).removeprefix("torch."),
-        "linear": f"{args.linear} ({num_weight_major} layers weight-major; bench/linear.py)",
+        "linear": describe_linear(args.linear, weight_major_rows, calibration),
         "wall_seconds": round(time.time() - started, 1),
     }
     results = {"header": header, **results}
@@ -142,13 +142,24 @@ def _serving_table(rows: list[dict]) -> str:
     return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
 
 
+def _cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo on Linux; the machine type elsewhere): BLAS speed differs by host."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _cache_part(results: dict) -> dict | None:
     if "demo" not in results:
         return None
     return {key: value for key, value in results.items() if key != "serving"}
 
 
-def run_cache_report(model, args) -> dict:
+def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
     """The cache report (PagedCache under plain generate()): demo, KV bytes held, sliding window, decode speed."""
     sizes = (
         dict(prompt_len=1024, max_new_tokens=64, contexts=[512, 4096], num_steps=32, repeats=3,
@@ -165,7 +176,7 @@ def run_cache_report(model, args) -> dict:
     window_models = [sliding_window_model(256, device=args.device, dtype=dtype),
                      mixed_window_model(256, device=args.device, dtype=dtype)]
     for window_model in window_models:
-        use_linear(window_model, args.linear)
+        use_linear(window_model, "weight-major" if weight_major_rows else "torch", weight_major_rows=weight_major_rows)
     sliding = [
         row
         for window_model in window_models

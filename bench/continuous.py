@@ -40,6 +40,15 @@ def _engine_live_bytes(requests, pool: BlockPool) -> int:
     return sum(tokens for tokens in held.values() if tokens > 0) * pool.bytes_per_block // block_size
 
 
+def _num_live(engine: Engine, events: list[tuple[int, int]]) -> int:
+    """Requests live in the step that produced `events`: those holding K/V after it (started and not finished, a
+    prompt waiting between prefill chunks included) and those whose last token it produced. One admitted but not
+    started (no block yet), or preempted, is not live; so a sequence counts from its first forward to its last
+    token, as in the static batches, less a preempted request's wait to be recomputed."""
+    finished = sum(1 for request_id, _ in events if engine.request(request_id).finished)
+    return finished + sum(1 for request in engine.scheduler.running if request.block_tables)
+
+
 def run_engine(
     model, workload: Workload, budget: Budget, *, decode_reserve_tokens: int | None = None, backend: str = "engine"
 ) -> RunResult:
@@ -52,7 +61,7 @@ def run_engine(
     sampling = dict(temperature=workload.temperature) if workload.sampled else {}
     added = 0  # workload requests added so far
     request_ids = []  # engine request ids, one per sequence, request-major
-    busy = []  # (seconds, requests that ran) per step
+    busy = []  # (seconds, requests that ran, requests live) per step
     live_peak = held_peak = 0
     with attention(model, None):  # the Engine switches to "hf_paged"; give the model back as it was
         engine = Engine(model, pool, max_num_seqs=ENGINE_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
@@ -72,22 +81,24 @@ def run_engine(
                 sleep_until(start + workload.requests[added].arrival)
                 continue
             ran_before, step_start = engine.stats.running_sum, time.perf_counter()
-            engine.step()
+            events = engine.step()
             if pool.device.type == "cuda":  # the step's time is its kernels' time, not their launch
                 torch.cuda.synchronize(pool.device)
-            busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before))
-            live_peak = max(live_peak, _engine_live_bytes(engine.scheduler.running, pool))
-            held_peak = max(held_peak, pool.num_used_blocks * pool.bytes_per_block)
+            busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before,
+                         _num_live(engine, events)))
+            held = pool.num_used_blocks * pool.bytes_per_block
+            held_peak = max(held_peak, held)
+            if held > live_peak:  # live <= held: a step holding no more than the live peak cannot raise it
+                live_peak = max(live_peak, _engine_live_bytes(engine.scheduler.running, pool))
         wall = time.perf_counter() - start
     requests = [engine.request(r) for r in request_ids]
     failed = {i: r.error for i, r in enumerate(requests) if r.error}
     if failed:
         raise RuntimeError(f"{backend}: {len(failed)} requests failed: {failed}")
     stats = engine.stats
-    # NOTE: every engine row is a request that still owes tokens (it retires at its last one): no padding rows. The
-    # rows per forward are a lower bound on its live sequences: a request admitted but waiting for prefill budget
-    # or a shared prefix, or preempted and waiting to be recomputed, owes tokens but runs no row.
-    mean_rows = sum(seconds * rows for seconds, rows in busy) / wall
+    # NOTE: every engine row is a request that still owes tokens (it retires at its last one): no padding rows.
+    mean_rows = sum(seconds * rows for seconds, rows, _ in busy) / wall
+    mean_live = sum(seconds * live for seconds, _, live in busy) / wall
     return RunResult(
         backend=backend,
         multiple=budget.multiple,
@@ -97,7 +108,7 @@ def run_engine(
         wall_s=wall,
         peak_concurrency=stats.peak_running,
         mean_concurrency=mean_rows,
-        mean_live=mean_rows,
+        mean_live=mean_live,
         reserved_bytes=pool.num_blocks * pool.bytes_per_block,
         live_bytes_peak=live_peak,
         held_bytes_peak=held_peak,

@@ -1,20 +1,27 @@
-"""How the benchmark's model computes its linear layers on the CPU: `F.linear` as stock, or weight-major.
+"""How the benchmark's model computes its linear layers on the CPU: `F.linear` as stock, or weight-major, or
+whichever of the two is faster on this host for each row count (`auto`, the default).
 
-Decode multiplies a few rows (one per sequence in the step) by each weight. On the host SERVING_LOG.md comes from
-(AMD EPYC, torch 2.13 with MKL), `F.linear(x, W)` = `x @ W.T` on 2-16 rows takes 2-3x as long as the same product
-computed weight-major, `(W @ x.T).T`; at 1 row both take the matrix-vector path, which is as slow, and two columns
-(the row twice) take the fast one. Over the default model's 43 weights (6 layers + LM head), one input of each
-row count, best of 5 (an ad-hoc script; `make microbench` times the 3-row case, `test_default_model_linears_three_rows`:
-median 11.4 ms stock, 4.0 ms weight-major):
+Decode multiplies a few rows (one per sequence in the step) by each weight, and which BLAS path is faster for that
+depends on the host. On the AMD EPYC host of the first sessions (torch 2.13 with MKL), `F.linear(x, W)` = `x @ W.T`
+on 2-16 rows took 2-3x as long as the same product computed weight-major, `(W @ x.T).T`; at 1 row both took the
+matrix-vector path, which is as slow, and two columns (the row twice) take the fast one. Over the default model's
+43 weights (6 layers + LM head), one input of each row count, best of 5:
 
     rows                  1     2     3     4     8    12    16    24    32
     F.linear      ms     6.3   8.9  11.0  10.0  10.9  12.8  13.0  14.9  17.6
     weight-major  ms     2.8   2.7   3.8   3.6   6.4  11.4   9.4  15.2  17.7
 
-With F.linear every extra decode row costs 2-3 ms of a ~9 ms step, so the CPU harness mostly measured that BLAS
-dispatch, not memory. Weight-major keeps a decode step's matmuls about flat in rows up to 4, as decode is on a GPU
-(bandwidth-bound), which is the regime in which holding more sequences in the same memory pays. `--linear` picks it
-for the whole run, so every backend (and the per-request references) runs the same model code.
+On the Intel Xeon (AVX-512, AMX) host of a later session, the same measurement went the other way:
+
+    rows                  1     2     3     4     6     8    12    16    24    32
+    F.linear      ms     2.1   2.3   2.7   3.4   3.8   4.5   5.7   7.2   8.2   9.4
+    weight-major  ms     5.6   6.0   6.2   5.9   6.1   6.3   6.7   7.1   9.1   9.8
+
+A fixed choice therefore slows every backend down on one host or the other, and the slower path mostly measures a
+BLAS dispatch, not memory. `auto` times both on this model (`calibrate`, about a second) and computes each row count
+the faster way, for every backend and the per-request references alike; the log's header records the choice.
+`--linear weight-major` / `--linear torch` force one; `make microbench` times the 3-row case
+(`test_default_model_linears_three_rows`).
 
 Only CPU float32 weights change; from 17 rows on (prefill chunks) both ways cost about the same and `F.linear` runs.
 """
@@ -22,20 +29,23 @@ Only CPU float32 weights change; from 17 rows on (prefill chunks) both ways cost
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-LINEARS = ("weight-major", "torch")
+LINEARS = ("auto", "weight-major", "torch")
 MAX_WEIGHT_MAJOR_ROWS = 16
+ALL_ROWS = frozenset(range(1, MAX_WEIGHT_MAJOR_ROWS + 1))
 
 
-def weight_major_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """`module(x)` for `x` `[..., in_features]`, computed as `W @ x.T` when `x` has at most MAX_WEIGHT_MAJOR_ROWS
-    rows; returns `[..., out_features]` (contiguous)."""
+def weight_major_linear(module: nn.Linear, x: torch.Tensor, rows_set: frozenset[int] = ALL_ROWS) -> torch.Tensor:
+    """`module(x)` for `x` `[..., in_features]`, computed as `W @ x.T` when `x` has a row count in `rows_set` (at most
+    MAX_WEIGHT_MAJOR_ROWS; default: all of 1..MAX_WEIGHT_MAJOR_ROWS), else `F.linear`; returns
+    `[..., out_features]` (contiguous)."""
     rows = x.numel() // x.shape[-1]
-    if rows > MAX_WEIGHT_MAJOR_ROWS or rows == 0:
+    if rows not in rows_set:
         return F.linear(x, module.weight, module.bias)
     flat = x.reshape(rows, x.shape[-1])
     columns = flat.t() if rows > 1 else torch.cat([flat, flat]).t()  # 1 row: 2 columns take the matrix path
@@ -45,12 +55,53 @@ def weight_major_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return out.contiguous().reshape(*x.shape[:-1], module.out_features)
 
 
-def use_linear(model: nn.Module, kind: str) -> int:
-    """Make every `nn.Linear` of `model` whose weight is CPU float32 compute as `kind` ("weight-major" or "torch",
-    the stock forward). Returns how many layers compute weight-major. A layer whose forward someone else replaced
-    (accelerate's offloading hooks) is left alone."""
-    if kind not in LINEARS:
+def _stock_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, module.weight, module.bias)
+
+
+def _cpu_float32_linears(model: nn.Module) -> list[nn.Linear]:
+    return [
+        module for module in model.modules()
+        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+    ]
+
+
+def calibrate(model: nn.Module, *, repeats: int = 5) -> dict[int, tuple[float, float]]:
+    """Per row count r in 1..MAX_WEIGHT_MAJOR_ROWS: (ms stock, ms weight-major) to pass one [r, in_features] input
+    through every CPU float32 linear layer of `model`, the fastest of `repeats` (the two ways interleaved, so a
+    slow moment on the host hits both). Empty when the model has no such layer."""
+    layers = _cpu_float32_linears(model)
+    if not layers:
+        return {}
+    generator = torch.Generator().manual_seed(0)
+    timings = {}
+    with torch.inference_mode():
+        for rows in sorted(ALL_ROWS):
+            inputs = {
+                features: torch.randn(rows, features, generator=generator)
+                for features in {layer.in_features for layer in layers}
+            }
+            best = [float("inf"), float("inf")]
+            for _ in range(repeats):
+                for way, forward in enumerate((_stock_linear, weight_major_linear)):
+                    start = time.perf_counter()
+                    for layer in layers:
+                        forward(layer, inputs[layer.in_features])
+                    best[way] = min(best[way], time.perf_counter() - start)
+            timings[rows] = (best[0] * 1e3, best[1] * 1e3)
+    return timings
+
+
+def use_linear(model: nn.Module, kind: str, *, weight_major_rows: frozenset[int] | None = None) -> int:
+    """Make every `nn.Linear` of `model` whose weight is CPU float32 compute as `kind`: "weight-major" (for the row
+    counts in `weight_major_rows`, default all of 1..MAX_WEIGHT_MAJOR_ROWS; `F.linear` for the others) or "torch"
+    (the stock forward). Returns how many layers compute weight-major for some row count. A layer whose forward
+    someone else replaced (accelerate's offloading hooks) is left alone. For "auto", see `pick_linear`."""
+    if kind not in ("weight-major", "torch"):
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
+    rows_set = ALL_ROWS if weight_major_rows is None else frozenset(weight_major_rows)
+    if not rows_set <= ALL_ROWS:
+        raise ValueError(f"weight_major_rows must be within 1..{MAX_WEIGHT_MAJOR_ROWS}, got {sorted(rows_set)}")
     count = 0
     for module in model.modules():
         if not isinstance(module, nn.Linear):
@@ -60,7 +111,38 @@ def use_linear(model: nn.Module, kind: str) -> int:
             if getattr(forward, "func", None) is not weight_major_linear:
                 continue
             del module.forward  # back to the class's forward
-        if kind == "weight-major" and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
-            module.forward = functools.partial(weight_major_linear, module)
+        cpu_float32 = module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
+        if kind == "weight-major" and rows_set and cpu_float32:
+            module.forward = functools.partial(weight_major_linear, module, rows_set=rows_set)
             count += 1
     return count
+
+
+def pick_linear(model: nn.Module, kind: str) -> tuple[frozenset[int], dict[int, tuple[float, float]]]:
+    """Apply `kind` ("auto", "weight-major" or "torch") to `model`; returns (row counts computed weight-major,
+    the calibration `auto` measured, else {}). `auto` computes weight-major the row counts where `calibrate`
+    found it faster than stock."""
+    if kind not in LINEARS:
+        raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
+    if kind != "auto":
+        rows = ALL_ROWS if kind == "weight-major" and use_linear(model, kind) else frozenset()
+        return rows, {}
+    use_linear(model, "torch")  # calibrate from the stock forward
+    timings = calibrate(model)
+    rows = frozenset(r for r, (stock, weight_major) in timings.items() if weight_major < stock)
+    use_linear(model, "weight-major" if rows else "torch", weight_major_rows=rows)
+    return rows, timings
+
+
+def describe_linear(kind: str, rows: frozenset[int], timings: dict[int, tuple[float, float]]) -> str:
+    """One line for the log's header: the choice, and for `auto` the calibration behind it."""
+    if not rows:
+        choice = "stock F.linear at every row count"
+    elif rows == ALL_ROWS:
+        choice = f"weight-major at 1-{MAX_WEIGHT_MAJOR_ROWS} rows"
+    else:
+        choice = f"weight-major at rows {','.join(map(str, sorted(rows)))}, stock F.linear otherwise"
+    if timings:
+        table = "; ".join(f"{r}: {stock:.1f}/{major:.1f}" for r, (stock, major) in sorted(timings.items()))
+        choice += f" (calibrated, ms stock/weight-major per row count: {table})"
+    return f"{kind}: {choice}; bench/linear.py"

@@ -62,7 +62,7 @@ class RunResult:
     mean_concurrency: float  # rows per forward (padding rows of static batches included), time-weighted over the wall
     # Sequences in flight that still owe tokens, time-weighted over the wall: a sequence counts from its first forward
     # to its own last token. A static batch's row that has its last token computes padding and no longer counts.
-    # The engine reports its rows per forward, a lower bound (bench/continuous.py).
+    # The engine counts, per step, the requests holding K/V plus those it finished (bench/continuous.py).
     mean_live: float
     reserved_bytes: int  # K/V memory the backend set aside
     live_bytes_peak: int | None  # K/V bytes of real tokens (prompt + own outputs) at the peak; None: not observable

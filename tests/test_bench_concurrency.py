@@ -137,3 +137,24 @@ def test_report_has_the_engine_summary(tight_run):
     assert cells[1] == f"{engine['tok_s_vs_dynamic']:.2f}" and cells[3] == f"{engine['live_vs_dynamic']:.2f}"
     assert cells[2] == cells[4] == "-"  # the peer and static did not run
     assert cells[-1] == f"{run.workload.num_requests}/{run.workload.num_requests}"
+
+
+def test_engine_live_counts_held_and_just_finished_requests(model, tight_run):
+    from bench.continuous import _num_live
+    from hf_paged import BlockPool, Engine
+
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4), max_num_seqs=4,
+                    max_num_batched_tokens=16)
+    short = engine.add_request([5, 6, 7], max_new_tokens=1)  # finishes in its first step: live in it
+    engine.add_request(list(range(10, 30)), max_new_tokens=4)  # 20 tokens: prefill chunked over two steps
+    events = engine.step()
+    assert engine.request(short).finished and engine.request(short).output_ids == [events[0][1]]
+    assert _num_live(engine, events) == 2  # the finished one, and the long prompt holding its first chunk
+    while engine.has_unfinished():
+        events = engine.step()
+    assert _num_live(engine, events) == 1  # its last token
+    # In the harness: with no preemption every live request runs a row each step here; the optimistic engine's
+    # preempted requests hold nothing while they wait, so live never exceeds what the rows count by much.
+    _, rows = tight_run
+    assert rows["engine"]["mean_live"] == pytest.approx(rows["engine"]["mean_concurrency"], rel=0.05)
+    assert rows[OPTIMISTIC]["mean_live"] >= rows[OPTIMISTIC]["mean_concurrency"] - 1e-9

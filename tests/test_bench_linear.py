@@ -1,5 +1,6 @@
-"""bench/linear.py: weight-major linear layers compute what F.linear computes, switch on and off per model, and
-leave the benchmark's greedy outputs unchanged."""
+"""bench/linear.py: weight-major linear layers compute what F.linear computes, switch on and off per model (all
+row counts or some), `auto` picks per row count from a calibration, and none of it changes the benchmark's greedy
+outputs."""
 
 import pytest
 import torch
@@ -7,7 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from bench.linear import MAX_WEIGHT_MAJOR_ROWS, use_linear, weight_major_linear
+from bench.linear import (
+    ALL_ROWS,
+    MAX_WEIGHT_MAJOR_ROWS,
+    calibrate,
+    describe_linear,
+    pick_linear,
+    use_linear,
+    weight_major_linear,
+)
 from hf_paged import BlockPool, Engine
 
 
@@ -51,9 +60,58 @@ def test_use_linear_leaves_a_forward_someone_else_replaced():
     assert torch.equal(hooked(torch.ones(1, 64)), F.linear(torch.ones(1, 64), hooked.weight) * 2)
 
 
-def test_use_linear_rejects_unknown_kind():
-    with pytest.raises(ValueError, match=r"weight-major, torch, got 'fast'"):
+def test_use_linear_rejects_unknown_kind_and_rows():
+    with pytest.raises(ValueError, match=r"auto, weight-major, torch, got 'fast'"):
         use_linear(_model(), "fast")
+    with pytest.raises(ValueError, match=r"auto, weight-major, torch, got 'fast'"):
+        pick_linear(_model(), "fast")
+    with pytest.raises(ValueError, match=rf"within 1..{MAX_WEIGHT_MAJOR_ROWS}, got \[0, 17\]"):
+        use_linear(_model(), "weight-major", weight_major_rows=frozenset({0, 17}))
+
+
+def test_weight_major_rows_choose_the_path_per_row_count(monkeypatch):
+    """With `weight_major_rows`, only those row counts take `W @ x.T`; the others call F.linear."""
+    layer = nn.Linear(64, 96)
+    calls = []
+    real_mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda *args: calls.append("mm") or real_mm(*args))
+    for rows in (1, 2, 3, 4):
+        x = torch.randn(rows, 64)
+        out = weight_major_linear(layer, x, rows_set=frozenset({2, 4}))
+        torch.testing.assert_close(out, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    assert calls == ["mm", "mm"]  # rows 2 and 4 only
+
+
+def test_calibrate_times_both_ways_for_every_row_count():
+    timings = calibrate(_model(), repeats=1)
+    assert sorted(timings) == sorted(ALL_ROWS)
+    assert all(stock > 0 and major > 0 for stock, major in timings.values())
+    assert calibrate(_model().to(torch.bfloat16), repeats=1) == {}  # no CPU float32 layer to time
+
+
+def test_pick_linear_auto_applies_what_the_calibration_found(monkeypatch):
+    """`auto` computes weight-major exactly the row counts the calibration found faster that way; the fixed kinds
+    ignore the calibration."""
+    import bench.linear as linear
+
+    fake = {rows: (1.0, 0.5 if rows % 2 else 2.0) for rows in ALL_ROWS}  # weight-major faster at odd row counts
+    monkeypatch.setattr(linear, "calibrate", lambda model: fake)
+    model = _model()
+    rows, timings = pick_linear(model, "auto")
+    assert rows == frozenset(r for r in ALL_ROWS if r % 2) and timings == fake
+    assert all(m.forward.keywords["rows_set"] == rows for m in model.modules() if isinstance(m, nn.Linear))
+    assert "weight-major at rows 1,3,5" in describe_linear("auto", rows, timings)
+    assert "2: 1.0/2.0" in describe_linear("auto", rows, timings)
+
+    monkeypatch.setattr(linear, "calibrate", lambda model: {r: (1.0, 2.0) for r in ALL_ROWS})
+    assert pick_linear(model, "auto")[0] == frozenset()
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))
+    assert pick_linear(model, "weight-major") == (ALL_ROWS, {})
+    assert describe_linear("weight-major", ALL_ROWS, {}) == (
+        f"weight-major: weight-major at 1-{MAX_WEIGHT_MAJOR_ROWS} rows; bench/linear.py"
+    )
+    assert pick_linear(model, "torch") == (frozenset(), {})
+    assert describe_linear("torch", frozenset(), {}).startswith("torch: stock F.linear at every row count")
 
 
 def test_weight_major_model_generates_the_same_tokens():
