@@ -221,15 +221,73 @@ def test_engine_with_a_shared_prefix_wait_matches_generate_without_preempting():
 
 
 def test_a_request_that_cannot_grow_even_alone_fails_instead_of_looping():
-    """Sliding + full groups, window 2, blocks of 2, a 3-block pool (found by a randomized search): a sliding
-    group's count is not exact, so the request is admitted, outgrows the pool alone, and its recomputation (its
-    whole sequence at once) can never fit. It used to be preempted and re-admitted forever; it now fails alone,
-    with its numbers, and gives its blocks back."""
+    """Sliding + full groups, window 2, blocks of 2, a 9-block pool, admission that keeps no room for growth (found by
+    a randomized search): the second request is preempted after 2 tokens, and its recomputation (6 prompt + 2
+    generated + 1 to feed, at once: 5 blocks in each group) can never fit the pool, even alone. It used to be
+    preempted and re-admitted forever; it now fails alone, with its numbers, the other finishes, and every block
+    goes back."""
+    sliding, full = "sliding_attention", "full_attention"
+    pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=9, block_size=2)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None],
+                          decode_reserve_tokens=0)
+    first, second = _request(0, 1, 7), _request(1, 6, 4)
+    _drive(scheduler, [first, second], max_steps=50)  # bounded: the bug was an endless loop
+    assert scheduler.num_preemptions == 1
+    assert first.error is None and len(first.output_ids) == 7
+    assert second.error == "request 1 cannot hold 9 tokens (6 prompt + 3 generated) even alone in a pool of 9 blocks"
+    assert pool.num_used_blocks == 0
+
+
+def test_a_request_over_the_sliding_count_is_turned_away_at_once():
+    """What the lookahead counts for a request (`_demand`, an upper bound) is what `add` checks against the whole
+    pool: 1 prompt + 4 new tokens, window 2, blocks of 2 count 2 full + 2 sliding blocks, so a 3-block pool turns it
+    away before it runs (it used to be admitted and to outgrow the pool alone)."""
     sliding, full = "sliding_attention", "full_attention"
     pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=3, block_size=2)
     scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None])
     request = _request(0, 1, 4)
-    _drive(scheduler, [request], max_steps=20)  # bounded: the bug was an endless loop
-    assert request.finished
-    assert request.error is not None and "even alone in a pool of 3 blocks" in request.error
-    assert pool.num_used_blocks == 0
+    scheduler.add(request)
+    assert request.finished and not scheduler.has_unfinished()
+    assert request.error == "request 0 needs 4 blocks (1 prompt + 4 new tokens, block_size 2); the pool has 3"
+
+
+class _WindowAlignedDemand(Scheduler):
+    """The sliding count as it was: from the first block the last token's query sees, one block short when the
+    window starts inside a block, and a prompt counted whole only at step 0."""
+
+    def _demand(self, num_tokens, *, prefilling):
+        end_block = self._blocks_for(num_tokens)
+        if prefilling:
+            return end_block * len(self.group_windows)
+        groups = range(len(self.group_windows))
+        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_lookahead_with_sliding_groups_never_preempts(mixed):
+    """Random bursts through pools with a sliding group (alone, or beside a full one), windows of 1-12 tokens,
+    blocks of 1-4, prefill budgets of 8-64: no admitted request is preempted, and none fails after admission.
+    The count as it was (`_WindowAlignedDemand`) preempts in the same workloads."""
+    rng = random.Random(1 if mixed else 2)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    as_before = 0
+    for _ in range(400):
+        block_size, window = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        specs = [(rng.randint(1, 16), rng.randint(1, 12)) for _ in range(rng.randint(2, 8))]
+        num_blocks, budget = rng.randint(4, 40), rng.choice([8, 16, 64])
+        for cls in (Scheduler, _WindowAlignedDemand):
+            layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+            pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
+            windows = [window, None][: len(layer_types)]
+            scheduler = cls(pool, max_num_seqs=8, max_num_batched_tokens=budget, sliding_windows=windows)
+            requests = [_request(i, n, k) for i, (n, k) in enumerate(specs)]
+            _drive(scheduler, requests, max_steps=2000)
+            if cls is Scheduler:
+                case = (block_size, window, num_blocks, budget, specs)
+                assert scheduler.num_preemptions == 0, case
+                # Turned away at `add` (with its numbers) or served in full; never failed once admitted.
+                assert all(r.error is None or " needs " in r.error for r in requests), case
+                assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
+            else:
+                as_before += scheduler.num_preemptions
+    assert as_before > 0

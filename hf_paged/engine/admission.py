@@ -64,10 +64,10 @@ class Admission:
         steps late (`_growths`). It is counted at its full size for those extra steps, an upper bound on what it
         holds then.
 
-        NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request of a
-        full-attention pool is never preempted: requests can only finish earlier than planned (eos, stop tokens),
-        which frees blocks sooner (tests/test_backfill.py drives random bursts and shared prompts through it).
-        Sliding groups can overshoot (see `_demand`).
+        NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
+        preempted: every count is an upper bound on what the request holds then, and requests can only finish
+        earlier than planned (eos, stop tokens), which frees blocks sooner (tests/test_backfill.py drives random
+        bursts, shared prompts and sliding + full pools through it).
         A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
         when they do not.
         """
@@ -78,12 +78,16 @@ class Admission:
             return self._fits_shared(growths, [*self.running, newcomer], available)
         # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait; admission runs it for
         # up to `backfill_window` waiting requests a step (tests/test_bench_hotpaths.py times both).
-        for t in {0, *(growth.end for growth in growths)}:
-            demand = sum(
-                self._demand(growth.tokens + min(t, growth.steps), prefilling=growth.prefilling and t == 0)
-                for growth in growths
-                if growth.end >= t
-            )
+        # Each request's count is non-decreasing in t except where its prefill ends (a sliding group then drops to
+        # its window), so the demand peaks at t = 0, at a prefill's last step or just before a request finishes.
+        checks = {0, *(growth.end for growth in growths)}
+        checks.update(growth.end - growth.steps for growth in growths if growth.prefilling)
+        for t in checks:
+            demand = 0
+            for growth in growths:
+                if growth.end >= t:
+                    still_prefilling = growth.prefilling and t <= growth.end - growth.steps
+                    demand += self._demand(growth.tokens + min(t, growth.steps), prefilling=still_prefilling)
             if demand > available:
                 return False
         return True
@@ -164,19 +168,22 @@ class Admission:
         return True
 
     def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
-        """Blocks a request of `num_tokens` tokens holds over all groups: everything in a full group; in a sliding
-        group, from the first block its last token's query sees (all of them while its prompt is computed).
+        """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: all of them while its
+        prompt is computed (a chunk keeps every block it writes until the next step's release); once it decodes,
+        everything in a full group, and in a sliding group the blocks its query's window spans.
 
-        NOTE: in a sliding group this is not exact, and preemption covers the difference: a prompt prefilled in
-        several chunks holds more than this counts after step 0 (the chunk's own blocks); the count moves up and
-        down by a block with `num_tokens % block_size`, so the lookahead's check points can miss a peak; and
-        out-of-window blocks go back inside the scheduling loop, after earlier requests in it have grown.
+        Non-decreasing in `num_tokens` (the lookahead's check points rely on it): a window of `w` positions spans
+        `ceil((w - 1) / block_size) + 1` blocks when it starts inside a block, one fewer when it starts at one, and
+        that maximum is what is counted. Out-of-window blocks go back at the start of each step, before admission
+        (`Scheduler.schedule`), so the count holds for every request in the step.
         """
         end_block = self._blocks_for(num_tokens)
         if prefilling:
             return end_block * len(self.group_windows)
-        groups = range(len(self.group_windows))
-        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
+        return sum(
+            end_block if window is None else min(end_block, self._blocks_for(window - 1) + 1)
+            for window in self.group_windows
+        )
 
     def admit(self) -> None:
         """Move waiting requests to running while they fit (`fits`), in arrival order with backfill: when the first

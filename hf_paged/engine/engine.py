@@ -72,8 +72,8 @@ class Engine:
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
-            the blocks of requests that finish first. The default never preempts on full-attention models (a
-            sliding group can overshoot by a block; preemption covers it); a finite value admits more when
+            the blocks of requests that finish first. The default never preempts an admitted request (sliding
+            groups included: each is counted at the blocks its window can span); a finite value admits more when
             requests usually stop early (eos) and preempts when they do not.
         backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in queue order
             (arrival order; a preempted request goes back to the front).

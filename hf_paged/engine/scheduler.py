@@ -268,6 +268,11 @@ class Scheduler(Admission):
         self.running.remove(request)
 
     def schedule(self) -> ScheduledStep:
+        # Out-of-window blocks go back first, so admission sees them free and every running request holds at most
+        # what the lookahead counts for it (`_demand`).
+        for request in self.running:
+            if request.block_tables:
+                self._release_out_of_window(request)
         self.admit()
 
         budget = self.max_num_batched_tokens
@@ -292,8 +297,6 @@ class Scheduler(Admission):
                 self._reuse_prefix(request)
                 if request.num_pending > 1:
                     computing.update(request.block_hashes[request.num_registered_blocks :])
-            if request.block_tables:
-                self._release_out_of_window(request)
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
             while not self._grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
