@@ -125,8 +125,8 @@ def pick_linear(model: nn.Module, kind: str) -> tuple[frozenset[int], dict[int, 
     if kind not in LINEARS:
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
     if kind != "auto":
-        rows = ALL_ROWS if kind == "weight-major" and use_linear(model, kind) else frozenset()
-        return rows, {}
+        num_weight_major = use_linear(model, kind)  # "torch" also undoes an earlier weight-major forward
+        return (ALL_ROWS if num_weight_major else frozenset()), {}
     use_linear(model, "torch")  # calibrate from the stock forward
     timings = calibrate(model)
     rows = frozenset(r for r, (stock, weight_major) in timings.items() if weight_major < stock)

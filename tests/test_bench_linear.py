@@ -111,6 +111,7 @@ def test_pick_linear_auto_applies_what_the_calibration_found(monkeypatch):
         f"weight-major: weight-major at 1-{MAX_WEIGHT_MAJOR_ROWS} rows; bench/linear.py"
     )
     assert pick_linear(model, "torch") == (frozenset(), {})
+    assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))  # undone
     assert describe_linear("torch", frozenset(), {}).startswith("torch: stock F.linear at every row count")
 
 

@@ -250,9 +250,9 @@ class Scheduler(Admission):
         fails (the engine raises `RequestFailed` for it once the others finish) instead of being preempted and
         re-admitted forever.
 
-        NOTE: `add` turns away a request that cannot fit the pool; this catches one that `_demand` underestimated
-        there (a sliding group's count is not exact) or whose recomputation, after a preemption, needs its whole
-        sequence at once.
+        NOTE: `add` turns away a request whose count (`_demand`, an upper bound) exceeds the pool; this catches a
+        preempted request whose recomputation needs its whole sequence at once, in every group (only a finite
+        `decode_reserve_tokens` preempts).
         """
         request.error = (
             f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
