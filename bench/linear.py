@@ -136,7 +136,9 @@ def pick_linear(model: nn.Module, kind: str) -> tuple[frozenset[int], dict[int, 
 
 def describe_linear(kind: str, rows: frozenset[int], timings: dict[int, tuple[float, float]]) -> str:
     """One line for the log's header: the choice, and for `auto` the calibration behind it."""
-    if not rows:
+    if not rows and (kind == "weight-major" or (kind == "auto" and not timings)):
+        choice = "no CPU float32 linear layer (stock F.linear)"  # a GPU or bf16 model: nothing to change
+    elif not rows:
         choice = "stock F.linear at every row count"
     elif rows == ALL_ROWS:
         choice = f"weight-major at 1-{MAX_WEIGHT_MAJOR_ROWS} rows"

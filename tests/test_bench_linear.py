@@ -115,6 +115,7 @@ def test_pick_linear_auto_applies_what_the_calibration_found(monkeypatch):
     assert describe_linear("torch", frozenset(), {}).startswith("torch: stock F.linear at every row count")
 
 
+
 def test_weight_major_model_generates_the_same_tokens():
     """Greedy outputs through generate() (batched, so decode rows > 1) and through the Engine (packed rows, one
     prefill chunk over MAX_WEIGHT_MAJOR_ROWS tokens) match the stock model's."""
@@ -130,3 +131,10 @@ def test_weight_major_model_generates_the_same_tokens():
     assert torch.equal(model.generate(input_ids, max_new_tokens=12, do_sample=False), expected_batch)
     engine = Engine(model, BlockPool.for_model(model, num_blocks=32, block_size=4))
     assert engine.generate(prompts, max_new_tokens=12, ignore_eos=True) == expected_engine
+
+
+def test_a_model_without_cpu_float32_linears_is_described_as_left_alone():
+    """A bf16 (or GPU) model has no layer to change, whatever was asked for, and the header says so."""
+    bf16 = _model().to(torch.bfloat16)
+    for kind in ("weight-major", "auto"):
+        assert describe_linear(kind, *pick_linear(bf16, kind)).startswith(f"{kind}: no CPU float32 linear layer")
