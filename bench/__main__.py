@@ -176,7 +176,7 @@ def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
     window_models = [sliding_window_model(256, device=args.device, dtype=dtype),
                      mixed_window_model(256, device=args.device, dtype=dtype)]
     for window_model in window_models:
-        use_linear(window_model, "weight-major" if weight_major_rows else "torch", weight_major_rows=weight_major_rows)
+        use_linear(window_model, "weight-major", weight_major_rows=weight_major_rows)
     sliding = [
         row
         for window_model in window_models

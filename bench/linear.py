@@ -59,18 +59,15 @@ def _stock_linear(module: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x, module.weight, module.bias)
 
 
-def _cpu_float32_linears(model: nn.Module) -> list[nn.Linear]:
-    return [
-        module for module in model.modules()
-        if isinstance(module, nn.Linear) and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-    ]
+def _is_cpu_float32(module: nn.Linear) -> bool:
+    return module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
 
 
 def calibrate(model: nn.Module, *, repeats: int = 5) -> dict[int, tuple[float, float]]:
     """Per row count r in 1..MAX_WEIGHT_MAJOR_ROWS: (ms stock, ms weight-major) to pass one [r, in_features] input
     through every CPU float32 linear layer of `model`, the fastest of `repeats` (the two ways interleaved, so a
     slow moment on the host hits both). Empty when the model has no such layer."""
-    layers = _cpu_float32_linears(model)
+    layers = [module for module in model.modules() if isinstance(module, nn.Linear) and _is_cpu_float32(module)]
     if not layers:
         return {}
     generator = torch.Generator().manual_seed(0)
@@ -94,8 +91,8 @@ def calibrate(model: nn.Module, *, repeats: int = 5) -> dict[int, tuple[float, f
 
 def use_linear(model: nn.Module, kind: str, *, weight_major_rows: frozenset[int] | None = None) -> int:
     """Make every `nn.Linear` of `model` whose weight is CPU float32 compute as `kind`: "weight-major" (for the row
-    counts in `weight_major_rows`, default all of 1..MAX_WEIGHT_MAJOR_ROWS; `F.linear` for the others) or "torch"
-    (the stock forward). Returns how many layers compute weight-major for some row count. A layer whose forward
+    counts in `weight_major_rows`, default all of 1..MAX_WEIGHT_MAJOR_ROWS; `F.linear` for the others, so an empty
+    set is stock) or "torch" (the stock forward). Returns how many layers compute weight-major for some row count. A layer whose forward
     someone else replaced (accelerate's offloading hooks) is left alone. For "auto", see `pick_linear`."""
     if kind not in ("weight-major", "torch"):
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
@@ -111,8 +108,7 @@ def use_linear(model: nn.Module, kind: str, *, weight_major_rows: frozenset[int]
             if getattr(forward, "func", None) is not weight_major_linear:
                 continue
             del module.forward  # back to the class's forward
-        cpu_float32 = module.weight.device.type == "cpu" and module.weight.dtype == torch.float32
-        if kind == "weight-major" and rows_set and cpu_float32:
+        if kind == "weight-major" and rows_set and _is_cpu_float32(module):
             module.forward = functools.partial(weight_major_linear, module, rows_set=rows_set)
             count += 1
     return count
@@ -130,7 +126,7 @@ def pick_linear(model: nn.Module, kind: str) -> tuple[frozenset[int], dict[int, 
     use_linear(model, "torch")  # calibrate from the stock forward
     timings = calibrate(model)
     rows = frozenset(r for r, (stock, weight_major) in timings.items() if weight_major < stock)
-    use_linear(model, "weight-major" if rows else "torch", weight_major_rows=rows)
+    use_linear(model, "weight-major", weight_major_rows=rows)
     return rows, timings
 
 

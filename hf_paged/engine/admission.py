@@ -48,8 +48,8 @@ class Admission:
 
         Every running request grows by one token per step until its `max_new_tokens` (or for
         `decode_reserve_tokens` steps, when set) and its blocks come back when it finishes, so the demand at step
-        t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0 or just
-        before one of them finishes.
+        t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0, at the last
+        step a prefill may take (a sliding group counts less after it), or just before one of them finishes.
 
         With prefix caching (one group, no window), blocks that several running requests hold (a shared system
         prompt, parallel samples of one prompt) count once: the demand at t is every block held now by a request
