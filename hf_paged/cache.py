@@ -29,7 +29,7 @@ from .kernels.dispatch import BACKEND_ENV_VAR, resolve_backend
 from .paged_layer import PagedLayer, sliding_windows
 from .pool import BlockPool, KVLayout
 
-__all__ = ["PAGED_ATTENTION", "DecodePlan", "PagedCache", "PagedLayer", "store_kv_rows"]
+__all__ = ["PAGED_ATTENTION", "DecodePlan", "PagedCache", "PagedLayer", "store_backend", "store_kv_rows"]
 
 
 class PagedCache(Cache):
@@ -402,22 +402,28 @@ def _token_rows(token_ids) -> list[list[int]]:
     return [list(rows)] if not rows or not isinstance(rows[0], (list, tuple)) else [list(row) for row in rows]
 
 
-def store_kv_rows(key_cache, value_cache, key_states, value_states, slots) -> None:
+def store_backend(device: torch.device) -> str:
+    """"triton" where `store_kv_rows` runs the Triton store kernel (CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under
+    TRITON_INTERPRET=1), else "torch". Callers storing every layer of a step may resolve it once and pass it on."""
+    if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
+        return resolve_backend(None, device)
+    return "torch"
+
+
+def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None) -> None:
     """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
 
     The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
     TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
+    `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now).
     """
     num_heads, _, _, head_dim = key_cache.shape
-    device = key_cache.device
-    if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
-        if resolve_backend(None, device) == "triton":
-            key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
-            value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
-            store_kv(key_rows, value_rows, BlockPool.nhd_view(key_cache), BlockPool.nhd_view(value_cache), slots,
-                     backend="triton")
-            return
+    if (backend or store_backend(key_cache.device)) == "triton":
+        key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
+        value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        store_kv(key_rows, value_rows, BlockPool.nhd_view(key_cache), BlockPool.nhd_view(value_cache), slots,
+                 backend="triton")
+        return
     for cache, states in ((key_cache, key_states), (value_cache, value_states)):
         new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]
         cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
-

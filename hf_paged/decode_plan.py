@@ -59,16 +59,22 @@ class DecodePlan:
         return kv_start
 
     def length_mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """[B, 1, 1, max_len] bool for a ragged `gather`: key j is visible to row b when j < seq_lens[b] (and,
-        with a sliding window, j > seq_lens[b] - 1 - sliding_window). Memoized per window in `length_masks`, which
-        plans of one step over the same rows may share."""
-        mask = self.length_masks.get(sliding_window)
-        if mask is not None:
-            return mask
-        positions = torch.arange(int(self.seq_lens.max()), device=self.seq_lens.device)[None, :]
-        lengths = self.seq_lens[:, None]
-        visible = positions < lengths
-        if sliding_window is not None:
-            visible &= positions > lengths - 1 - sliding_window
-        mask = self.length_masks[sliding_window] = visible[:, None, None, :]
+        """[B, 1, 1, max_len] bool for a ragged `gather` (see `length_mask`), memoized per window in `length_masks`,
+        which plans of one step over the same rows may share."""
+        return length_mask(self.seq_lens, sliding_window, self.length_masks)
+
+
+def length_mask(seq_lens: torch.Tensor, sliding_window: int | None, memo: dict) -> torch.Tensor:
+    """[B, 1, 1, max_len] bool for rows of `seq_lens` ([B] int) keys padded to the longest: key j is visible to row b
+    when j < seq_lens[b] (and, with a sliding window, j > seq_lens[b] - 1 - sliding_window). `memo`: window -> mask,
+    filled on first use."""
+    mask = memo.get(sliding_window)
+    if mask is not None:
         return mask
+    positions = torch.arange(int(seq_lens.max()), device=seq_lens.device)[None, :]
+    lengths = seq_lens[:, None]
+    visible = positions < lengths
+    if sliding_window is not None:
+        visible &= positions > lengths - 1 - sliding_window
+    mask = memo[sliding_window] = visible[:, None, None, :]
+    return mask

@@ -77,7 +77,7 @@ SIX_GROUPS = ["sliding_attention"] * 5 + ["full_attention"]  # Gemma3's pattern:
 @pytest.mark.parametrize("layer_types", [ONE_GROUP, SIX_GROUPS], ids=["1-group", "6-groups"])
 def test_engine_step_cache(benchmark, layer_types):
     """A packed engine step outside the model: build the `StepCache` (per layer group: block tables, slots, decode
-    plan) for 16 decode rows and one 64-token prefill chunk, then every layer's `update` (store + plan)."""
+    lengths) for 16 decode rows and one 64-token prefill chunk, then every layer's `update` (store + plan)."""
     pool = BlockPool.for_model(gemma3_config(layer_types), num_blocks=2560, block_size=16, dtype=torch.float32)
     seq_lens, q_lens = [300 + 7 * row for row in range(16)] + [128], [1] * 16 + [64]
     blocks_per_row = [-(-(n + q) // 16) for n, q in zip(seq_lens, q_lens)]
@@ -93,7 +93,8 @@ def test_engine_step_cache(benchmark, layer_types):
             keys, _ = cache.update(states, states, layer_idx)
         return keys
 
-    assert benchmark(step).step_plan.decode.shape[0] == 16
+    plan = benchmark(step).step_plan
+    assert plan.cache.num_decode == 16 and plan.layer_idx == len(layer_types) - 1
     # the last layer stored decode row 15's token at its position 300 + 7 * 15 of its own table
     layer, table = len(layer_types) - 1, tables[pool.group_of_layer[len(layer_types) - 1]][15]
     position = 300 + 7 * 15

@@ -305,14 +305,21 @@ def test_every_step_is_one_forward_with_decode_rows_and_prefill_chunks_packed(na
     assert pool.num_used_blocks == 0
 
 
-def test_step_cache_packed_attention_equals_each_row_alone():
-    # Three decode rows of different lengths and two prefill chunks (one with cached tokens), one forward.
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [(7, 1), (12, 1), (3, 1), (0, 6), (9, 5)],  # three decode rows and two prefill chunks, one with cached tokens
+        [(7, 1), (12, 1), (3, 1)],  # decode rows only: attention returns the decode path's output as is
+    ],
+    ids=["mixed", "decode-only"],
+)
+def test_step_cache_packed_attention_equals_each_row_alone(lengths):
+    # Rows of different lengths, (cached tokens, new tokens) each, in one forward.
     from hf_paged.engine import StepCache
 
     model = tiny_model("llama", "hf_paged", seed=3)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
     generator = torch.Generator().manual_seed(0)
-    lengths = [(7, 1), (12, 1), (3, 1), (0, 6), (9, 5)]  # (cached tokens, new tokens) per row
     tokens = [torch.randint(1, 128, (n + q,), generator=generator).tolist() for n, q in lengths]
     tables, next_block = [], 0
     with torch.inference_mode():

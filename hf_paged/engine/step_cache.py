@@ -24,15 +24,18 @@ The blocks must already be allocated (the scheduler does it); a `StepCache` neve
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention import paged_attention_forward
+from ..attention import BACKEND_ATTR, paged_attention_forward
 from ..block_tables import head_major_index
-from ..cache import DecodePlan, store_kv_rows
+from ..cache import DecodePlan, store_backend, store_kv_rows
+from ..decode_plan import length_mask
+from ..kernels.dispatch import resolve_backend
 from ..pool import BlockPool
 
 
@@ -70,7 +73,6 @@ class StepPlan:
 
     cache: StepCache
     layer_idx: int
-    decode: torch.Tensor | None  # placeholder [num_decode, kv_heads, 0, head_dim] carrying the rows' DecodePlan
 
     def attend(
         self,
@@ -82,14 +84,16 @@ class StepPlan:
     ) -> tuple[torch.Tensor, None]:
         """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None)."""
         cache = self.cache
+        num_decode = cache.num_decode
+        decoded = None
+        if num_decode:
+            decode_query = query[0, :, :num_decode].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D]
+            decoded = cache.attend_decode(module, self.layer_idx, decode_query, sliding_window=sliding_window, **kwargs)
+            if num_decode == len(cache.seq_lens):  # a decode-only step: the decode rows are the whole output
+                return decoded.transpose(0, 1), None
         _, num_heads, num_tokens, head_dim = query.shape
         out = query.new_empty(1, num_tokens, num_heads, head_dim)
-        num_decode = cache.num_decode
-        if num_decode:
-            decode_query = query[0, :, :num_decode].transpose(0, 1).unsqueeze(2).contiguous()  # [n, heads, 1, D]
-            decoded, _ = paged_attention_forward(
-                module, decode_query, self.decode, self.decode, None, sliding_window=sliding_window, **kwargs
-            )
+        if decoded is not None:
             out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
         for row in range(num_decode, len(cache.seq_lens)):
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
@@ -131,8 +135,8 @@ class _GroupStep:
     slots: torch.Tensor  # [num_tokens] long: pool slot of each new token
     seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
     host_seq_lens: list[int]  # the same on the host (no device sync to read one)
-    decode_tables: torch.Tensor  # [num_decode, width] int32
-    length_masks: dict  # shared by the decode plans of the group's layers this step
+    length_masks: dict  # window -> the decode rows' length mask, shared by the group's layers this step
+    decode_tables: torch.Tensor | None = None  # [num_decode, width] int32, made on first use (Triton path)
 
 
 class StepCache(Cache):
@@ -180,21 +184,18 @@ class StepCache(Cache):
             raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
         self.pool = pool
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
-        self.starts = [0]
-        for q in q_lens[:-1]:
-            self.starts.append(self.starts[-1] + q)
-        device = pool.device
-        rows = [b for b, q in enumerate(q_lens) for _ in range(q)]
+        self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
-        self._rows = torch.tensor(rows, device=device)
-        self._positions = torch.tensor(positions, device=device)
-        self.position_ids = self._positions[None, :]  # [1, T]: the model's position_ids
+        self.position_ids = torch.tensor([positions], device=pool.device)  # [1, T]: the model's position_ids
+        self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = {} if workspace is None else workspace
-        self._index: dict[tuple, torch.Tensor] = {}  # (group, rows, kv_heads, pool blocks) -> gather index
+        self._index: dict[tuple, tuple[torch.Tensor, int]] = {}  # (group, rows, kv_heads, pool blocks) -> index, keys
         super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> _GroupStep:
+        # Slots, lengths and padded tables are worked out on the host and sent once: a decode step adds one token
+        # per row, and a few Python ints cost less than a chain of tiny tensor ops.
         device, block_size = self.pool.device, self.pool.block_size
         first_positions = [first * block_size for first in first_blocks]
         ends = [n + q for n, q in zip(self.seq_lens, self.q_lens)]
@@ -205,19 +206,19 @@ class StepCache(Cache):
         width = max(num_table_blocks)
         # Rows padded to the longest table; padding entries are never read (each row stops at its length).
         padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        tables_t = torch.tensor(padded, dtype=torch.long, device=device)
-        relative = self._positions - torch.tensor(first_positions, device=device)[self._rows]
-        slots = tables_t[self._rows, relative // block_size] * block_size + relative % block_size
+        slots = [
+            table[(p - first) // block_size] * block_size + (p - first) % block_size
+            for table, first, n, q in zip(tables, first_positions, self.seq_lens, self.q_lens)
+            for p in range(n, n + q)
+        ]
         host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
-        seq_lens = torch.tensor(host_seq_lens, dtype=torch.int32)
         return _GroupStep(
-            tables=tables_t,
+            tables=torch.tensor(padded, dtype=torch.long, device=device),
             num_table_blocks=num_table_blocks,
             first_positions=first_positions,
-            slots=slots,
-            seq_lens=seq_lens.to(device),
+            slots=torch.tensor(slots, dtype=torch.long, device=device),
+            seq_lens=torch.tensor(host_seq_lens, dtype=torch.int32, device=device),
             host_seq_lens=host_seq_lens,
-            decode_tables=tables_t[: self.num_decode].to(torch.int32),
             length_masks={},
         )
 
@@ -239,26 +240,44 @@ class StepCache(Cache):
         pool = self.pool
         pool.check_states(layer_idx, key_states)
         group = self._groups[pool.group_of_layer[layer_idx]]
-        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        store_kv_rows(key_cache, value_cache, key_states, value_states, group.slots)
+        store_kv_rows(
+            pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, group.slots,
+            backend=self._store_backend,
+        )
         _, num_heads, _, head_dim = key_states.shape
-        decode = None
-        if self.num_decode:
-            decode = key_states.new_empty(self.num_decode, num_heads, 0, head_dim)
-            decode.decode_plan = DecodePlan(
-                key_cache=pool.nhd_view(key_cache),
-                value_cache=pool.nhd_view(value_cache),
-                block_tables=group.decode_tables,
-                seq_lens=group.seq_lens[: self.num_decode],
-                kv_offset=0,
-                position_offset=0,
-                gather=lambda: self._gather(layer_idx, 0, self.num_decode),
-                ragged=True,
-                length_masks=group.length_masks,
-            )
         placeholder = key_states.new_empty(1, num_heads, 0, head_dim)
-        placeholder.step_plan = StepPlan(self, layer_idx, decode)
+        placeholder.step_plan = StepPlan(self, layer_idx)
         return placeholder, placeholder
+
+    def attend_decode(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, **kwargs) -> torch.Tensor:
+        """The decode rows' attention in layer `layer_idx`: query [num_decode, heads, 1, head_dim] ->
+        [num_decode, 1, heads, head_dim]. `kwargs`: the attention function's (scaling, sliding_window, ...).
+
+        With the Triton backend the kernel reads the pool in place (a `DecodePlan`, made only here); with the torch
+        backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask.
+        The backend is the one `enable(model, backend=...)` set on `module`, resolved for the query's device.
+        """
+        group = self._groups[self.pool.group_of_layer[layer_idx]]
+        if resolve_backend(getattr(module, BACKEND_ATTR, None), query.device) == "torch":
+            key, value = self._gather(layer_idx, 0, self.num_decode)
+            mask = length_mask(group.seq_lens[: self.num_decode], kwargs.get("sliding_window"), group.length_masks)
+            return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+        pool = self.pool
+        if group.decode_tables is None:
+            group.decode_tables = group.tables[: self.num_decode].to(torch.int32)
+        placeholder = query.new_empty(self.num_decode, pool.layout.num_kv_heads[layer_idx], 0, query.shape[-1])
+        placeholder.decode_plan = DecodePlan(
+            key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
+            value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
+            block_tables=group.decode_tables,
+            seq_lens=group.seq_lens[: self.num_decode],
+            kv_offset=0,
+            position_offset=0,
+            gather=lambda: self._gather(layer_idx, 0, self.num_decode),
+            ragged=True,
+            length_masks=group.length_masks,
+        )
+        return paged_attention_forward(module, query, placeholder, placeholder, None, **kwargs)[0]
 
     def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s held keys and values, cached and new: two [1, kv_heads, keys, head_dim] tensors, from
@@ -269,22 +288,21 @@ class StepCache(Cache):
         """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values from each row's first held
         block, views into the workspace (valid until the next gather); positions past a row's length are not keys."""
         group_idx = self.pool.group_of_layer[layer_idx]
-        group = self._groups[group_idx]
         key_cache, value_cache = self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx]
         num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        num_blocks = max(group.num_table_blocks[first_row:end_row])
         # Layers may differ in kv heads, so the index is keyed by shape (one entry per row range for most models).
         key = (group_idx, first_row, end_row, num_heads, num_pool_blocks)
-        index = self._index.get(key)
-        if index is None:
-            tables = group.tables[first_row:end_row, :num_blocks]
-            index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
-        length = max(group.host_seq_lens[first_row:end_row])
-        num_rows = end_row - first_row
+        memo = self._index.get(key)
+        if memo is None:
+            group = self._groups[group_idx]
+            tables = group.tables[first_row:end_row, : max(group.num_table_blocks[first_row:end_row])]
+            index = head_major_index(tables, num_heads, num_pool_blocks)
+            memo = self._index[key] = (index, max(group.host_seq_lens[first_row:end_row]))
+        index, length = memo
+        num_rows, numel = end_row - first_row, index.numel() * block_size * head_dim
         gathered = []
         for name, cache in (("keys", key_cache), ("values", value_cache)):
-            out = self._buffer(name, index.numel() * block_size * head_dim, cache)
-            out = out.view(index.numel(), block_size, head_dim)
+            out = self._buffer(name, numel, cache).view(index.numel(), block_size, head_dim)
             torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, :length])
         return gathered[0], gathered[1]
