@@ -403,7 +403,7 @@ def _token_rows(token_ids) -> list[list[int]]:
 
 
 def store_backend(device: torch.device) -> str:
-    """"triton" where `store_kv_rows` runs the Triton store kernel (CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under
+    """Where `store_kv_rows` runs the Triton store kernel ("triton": CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under
     TRITON_INTERPRET=1), else "torch". Callers storing every layer of a step may resolve it once and pass it on."""
     if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
         return resolve_backend(None, device)
@@ -417,6 +417,8 @@ def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, ba
     TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
     `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now).
     """
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
     num_heads, _, _, head_dim = key_cache.shape
     if (backend or store_backend(key_cache.device)) == "triton":
         key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]

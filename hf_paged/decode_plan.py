@@ -1,8 +1,9 @@
 """DecodePlan: what one decode step's attention needs to read a layer's K/V straight from the pool.
 
-`PagedCache.update` (and the engine's `StepCache`) return it attached to an empty placeholder tensor when the model
-runs the `hf_paged` attention implementation (attention.py); block tables and lengths are built once per step (per
-layer group) and shared by the step's layers.
+`PagedCache.update` returns it attached to an empty placeholder tensor when the model runs the `hf_paged` attention
+implementation (attention.py); the engine's `StepCache` builds one for its decode rows on the Triton path only
+(`StepCache.attend_decode`). Block tables and lengths are built once per step (per layer group) and shared by the
+step's layers.
 """
 
 from __future__ import annotations
@@ -59,19 +60,22 @@ class DecodePlan:
         return kv_start
 
     def length_mask(self, sliding_window: int | None = None) -> torch.Tensor:
-        """[B, 1, 1, max_len] bool for a ragged `gather` (see `length_mask`), memoized per window in `length_masks`,
-        which plans of one step over the same rows may share."""
+        """[B, 1, 1, max_len] bool for a ragged `gather` (the module-level `length_mask`), memoized per window in
+        `length_masks`, which plans of one step over the same rows may share."""
         return length_mask(self.seq_lens, sliding_window, self.length_masks)
 
 
-def length_mask(seq_lens: torch.Tensor, sliding_window: int | None, memo: dict) -> torch.Tensor:
+def length_mask(
+    seq_lens: torch.Tensor, sliding_window: int | None, memo: dict, *, max_len: int | None = None
+) -> torch.Tensor:
     """[B, 1, 1, max_len] bool for rows of `seq_lens` ([B] int) keys padded to the longest: key j is visible to row b
     when j < seq_lens[b] (and, with a sliding window, j > seq_lens[b] - 1 - sliding_window). `memo`: window -> mask,
-    filled on first use."""
+    filled on first use. `max_len`: the longest row, when the caller knows it on the host (no device read)."""
     mask = memo.get(sliding_window)
     if mask is not None:
         return mask
-    positions = torch.arange(int(seq_lens.max()), device=seq_lens.device)[None, :]
+    max_len = int(seq_lens.max()) if max_len is None else max_len
+    positions = torch.arange(max_len, device=seq_lens.device)[None, :]
     lengths = seq_lens[:, None]
     visible = positions < lengths
     if sliding_window is not None:

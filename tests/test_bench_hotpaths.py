@@ -94,7 +94,7 @@ def test_engine_step_cache(benchmark, layer_types):
         return keys
 
     plan = benchmark(step).step_plan
-    assert plan.cache.num_decode == 16 and plan.layer_idx == len(layer_types) - 1
+    assert plan.cache.num_decode == 16 and plan.layer_idx == len(layer_types) - 1  # the step's last layer
     # the last layer stored decode row 15's token at its position 300 + 7 * 15 of its own table
     layer, table = len(layer_types) - 1, tables[pool.group_of_layer[len(layer_types) - 1]][15]
     position = 300 + 7 * 15

@@ -342,6 +342,43 @@ def test_step_cache_packed_attention_equals_each_row_alone(lengths):
             torch.testing.assert_close(logits[start : start + new], expected, rtol=1e-4, atol=1e-4)
 
 
+def test_step_cache_decode_rows_use_the_attention_scaling_and_keep_row_order():
+    # Decode rows of different lengths through the step's attention with a scale that is not the default:
+    # each row's output is SDPA over its own keys with that scale, in row order, shaped [1, rows, heads, head_dim].
+    from hf_paged.attention import paged_attention_forward
+    from hf_paged.engine import StepCache
+
+    model = tiny_model("llama", "hf_paged", seed=3)
+    module = model.model.layers[0].self_attn
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
+    kv_heads, head_dim = pool.layout.num_kv_heads[0], pool.layout.head_dims[0]
+    heads = model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    lengths = [9, 2, 14]  # keys per row, the new one included
+    tables, next_block = [], 0
+    for length in lengths:
+        tables.append(list(range(next_block, next_block + -(-length // 4))))
+        next_block += len(tables[-1])
+    keys = [torch.randn(1, kv_heads, n, head_dim, generator=generator) for n in lengths]
+    values = [torch.randn(1, kv_heads, n, head_dim, generator=generator) for n in lengths]
+    with torch.inference_mode():
+        for b, n in enumerate(lengths):  # the cached part, through a one-row prefill step
+            if n > 1:
+                StepCache(pool, [[tables[b]]], [0], [n - 1]).update(keys[b][:, :, :-1], values[b][:, :, :-1], 0)
+        cache = StepCache(pool, [tables], [n - 1 for n in lengths], [1] * len(lengths))
+        new_keys = torch.cat([k[:, :, -1:] for k in keys], dim=2)  # [1, kv_heads, rows, head_dim]
+        new_values = torch.cat([v[:, :, -1:] for v in values], dim=2)
+        placeholder, _ = cache.update(new_keys, new_values, 0)
+        query = torch.randn(1, heads, len(lengths), head_dim, generator=generator)
+        out, _ = paged_attention_forward(module, query, placeholder, placeholder, None, scaling=0.3)
+    assert out.shape == (1, len(lengths), heads, head_dim)
+    for b in range(len(lengths)):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, b : b + 1], keys[b], values[b], scale=0.3, enable_gqa=True
+        )  # [1, heads, 1, head_dim]
+        torch.testing.assert_close(out[0, b], expected[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
 def test_step_cache_rejects_bad_rows():
     from hf_paged.engine import StepCache
 

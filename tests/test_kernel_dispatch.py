@@ -31,6 +31,22 @@ def test_backend_argument_and_env_var(monkeypatch):
         assert resolve_backend(None, cpu) == "triton"
 
 
+def test_store_backend_is_resolved_like_the_kernels(monkeypatch):
+    from hf_paged.cache import store_backend, store_kv_rows
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    assert store_backend(cpu) == "torch"
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "torch")
+    assert store_backend(torch.device("cuda")) == "torch"
+    cache = torch.zeros(2, 4, 2, 8)  # [kv_heads, blocks, block_size, head_dim]
+    states = torch.randn(1, 2, 3, 8)
+    store_kv_rows(cache, cache.clone(), states, states, torch.tensor([0, 5, 7]), backend="torch")
+    assert torch.equal(cache[:, 2, 1], states[0, :, 1])  # slot 5 = block 2, offset 1
+    with pytest.raises(ValueError, match=r"backend must be None, 'triton' or 'torch' .*got 'auto'"):
+        store_kv_rows(cache, cache.clone(), states, states, torch.tensor([0, 5, 7]), backend="auto")
+
+
 def test_backend_bad_values(monkeypatch):
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'torch', got 'cuda'"):
         resolve_backend("cuda", torch.device("cpu"))

@@ -16,8 +16,8 @@ which the "hf_paged" attention hands the whole step to (`StepPlan.attend`):
 
 Layer groups: each row has one block table per layer group of the pool, and layer l reads and writes through the
 table of its group (`pool.group_of_layer[l]`). A sliding group's table may start after blocks that were released:
-`first_blocks[g][b]` of them, so its keys start at position `first_blocks[g][b] * block_size`; `seq_lens` in the
-decode plan count from there, which is all the ragged decode path needs (a window is measured from the end).
+`first_blocks[g][b]` of them, so its keys start at position `first_blocks[g][b] * block_size`; the group's
+`seq_lens` count from there, which is all the ragged decode path needs (a window is measured from the end).
 
 The blocks must already be allocated (the scheduler does it); a `StepCache` never allocates or frees.
 """
@@ -255,12 +255,16 @@ class StepCache(Cache):
 
         With the Triton backend the kernel reads the pool in place (a `DecodePlan`, made only here); with the torch
         backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask.
-        The backend is the one `enable(model, backend=...)` set on `module`, resolved for the query's device.
+        The backend is the one `enable(model, backend=...)` set on `module`, else `HF_PAGED_ATTENTION_BACKEND`, else
+        "auto", resolved for the query's device.
         """
         group = self._groups[self.pool.group_of_layer[layer_idx]]
         if resolve_backend(getattr(module, BACKEND_ATTR, None), query.device) == "torch":
             key, value = self._gather(layer_idx, 0, self.num_decode)
-            mask = length_mask(group.seq_lens[: self.num_decode], kwargs.get("sliding_window"), group.length_masks)
+            mask = length_mask(
+                group.seq_lens[: self.num_decode], kwargs.get("sliding_window"), group.length_masks,
+                max_len=max(group.host_seq_lens[: self.num_decode]),
+            )
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         pool = self.pool
         if group.decode_tables is None:
