@@ -9,6 +9,7 @@ import torch
 
 from hf_paged import BlockPool, Engine, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
+from hf_paged.engine.lookahead import Lookahead
 from tests.models import greedy_reference, tiny_model
 
 BLOCK_SIZE = 4
@@ -116,25 +117,29 @@ def _drive(scheduler: Scheduler, requests: list[Request], max_steps: int | None 
     num_steps = 0
     while scheduler.has_unfinished():
         assert max_steps is None or num_steps < max_steps, f"still running after {num_steps} steps"
-        step = scheduler.schedule()
-        for request, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
-            request.num_computed += num_tokens
-            scheduler.cache_full_blocks(request)
-            if request.num_pending == 0:
-                request.output_ids.append(7)
-        done = [r for r in scheduler.running if r.num_pending == 1 and len(r.output_ids) >= r.params.max_new_tokens]
-        for request in done:
-            scheduler.retire(request)
+        _step(scheduler)
         num_steps += 1
     assert scheduler.pool.num_used_blocks == 0
     return num_steps
 
 
+def _step(scheduler: Scheduler) -> None:
+    step = scheduler.schedule()
+    for request, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
+        request.num_computed += num_tokens
+        scheduler.cache_full_blocks(request)
+        if request.num_pending == 0:
+            request.output_ids.append(7)
+    done = [r for r in scheduler.running if r.num_pending == 1 and len(r.output_ids) >= r.params.max_new_tokens]
+    for request in done:
+        scheduler.retire(request)
+
+
 class _NoPrefillDelay(Scheduler):
     """The lookahead as it was: every admitted request starts growing at once, whatever the prefill budget."""
 
-    def _growths(self, requests):
-        return [growth._replace(end=growth.steps) for growth in super()._growths(requests)]
+    def _growth_plan(self, request, delay, prefilling):
+        return super()._growth_plan(request, 0, prefilling)
 
 
 def _burst(seed: int) -> list[Request]:
@@ -166,7 +171,7 @@ class _NoPrefixWaits(Scheduler):
     """The lookahead without the wait of a request for prompt blocks another one is computing."""
 
     def _add_prefix_waits(self, requests, prefilling, delays, per_step):
-        pass
+        return {}
 
 
 def _shared_prompt_workload(rng: random.Random) -> tuple[int, int, list[tuple[list[int], int]]]:
@@ -291,3 +296,33 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
             else:
                 as_before += scheduler.num_preemptions
     assert as_before > 0
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_one_lookahead_answers_every_newcomer_as_a_fresh_one(prefix_caching):
+    """Admission tries every waiting request in its window against one plan of the running requests (`Lookahead`);
+    what that plan memoizes while it answers for one newcomer must not change its answer for the next, in any
+    order. Random pools, running sets caught mid-prefill or mid-decode, prompts that share a prefix."""
+    rng = random.Random(1)
+    num_checked = num_mixed = 0
+    for _ in range(300):
+        shared = [rng.randrange(1, 99) for _ in range(12)]
+        pool = BlockPool(KVLayout((2,), (4,)), num_blocks=rng.randint(6, 24), block_size=rng.choice([1, 2, 4]),
+                         enable_prefix_caching=prefix_caching)
+        scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=rng.choice([8, 16, 64]))
+        for index in range(16):
+            prompt = shared[: rng.randint(2, 12)] + [rng.randrange(100, 999) for _ in range(rng.randint(0, 6))]
+            scheduler.add(Request(index, prompt, SamplingParams(max_new_tokens=rng.randint(1, 8))))
+        for _ in range(rng.randint(1, 4)):
+            _step(scheduler)
+        waiting = list(scheduler.waiting)
+        if not scheduler.running or not waiting or len(scheduler.running) == scheduler.max_num_seqs:
+            continue  # admission tries no newcomer then
+        fresh = [scheduler.fits(request) for request in waiting]
+        for order in (waiting, waiting[::-1]):
+            lookahead = Lookahead(scheduler)
+            answers = {request.request_id: lookahead.fits(request) for request in order}
+            assert [answers[request.request_id] for request in waiting] == fresh
+        num_checked += 1
+        num_mixed += len(set(fresh)) > 1
+    assert num_checked > 50 and num_mixed > 10, (num_checked, num_mixed)

@@ -2,27 +2,20 @@
 
 `Scheduler` mixes this in; it uses the scheduler's pool, queues and limits (`pool`, `running`, `waiting`,
 `max_num_seqs`, `max_num_batched_tokens`, `decode_reserve_tokens`, `backfill_window`, `group_windows`) and its
-block helpers. Split from scheduler.py only to keep one concept per file: the plan (`fits` and what it counts) and
-the queue discipline (`admit`, backfill) live here; running a step (growth, preemption, prefix reuse) lives there.
+block helpers. Split from scheduler.py only to keep one concept per file: what `fits` counts and the queue
+discipline (`admit`, backfill) live here, the running requests' plan that `fits` checks a newcomer against in
+lookahead.py; running a step (growth, preemption, prefix reuse) lives in scheduler.py.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING
+
+from .lookahead import Growth, Lookahead
 
 if TYPE_CHECKING:
     from .scheduler import Request
-
-
-class _Growth(NamedTuple):
-    """How a request's K/V grow in the lookahead: from `tokens` by one a step for `steps` steps, held until step
-    `end` (`end - steps`: the steps its prefill may still wait for budget)."""
-
-    tokens: int
-    steps: int
-    end: int
-    prefilling: bool
 
 
 class Admission:
@@ -61,7 +54,7 @@ class Admission:
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
-        steps late (`_growths`). It is counted at its full size for those extra steps, an upper bound on what it
+        steps late (`Lookahead`). It is counted at its full size for those extra steps, an upper bound on what it
         holds then.
 
         NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
@@ -71,56 +64,22 @@ class Admission:
         A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
         when they do not.
         """
-        growths = self._growths([*self.running, newcomer])
-        held = {block_id for request in self.running for block_id in request.block_ids}
-        available = self.pool.num_free_blocks + len(held)
-        if self.pool.allocator.enable_prefix_caching and self.group_windows == [None]:
-            return self._fits_shared(growths, [*self.running, newcomer], available)
-        # NOTE: O(n^2) in running requests (n <= max_num_seqs), and only while requests wait; admission runs it for
-        # up to `backfill_window` waiting requests a step (tests/test_bench_hotpaths.py times both).
-        # Each request's count is non-decreasing in t except where its prefill ends (a sliding group then drops to
-        # its window), so the demand peaks at t = 0, at a prefill's last step or just before a request finishes.
-        checks = {0, *(growth.end for growth in growths)}
-        checks.update(growth.end - growth.steps for growth in growths if growth.prefilling)
-        for t in checks:
-            demand = 0
-            for growth in growths:
-                if growth.end >= t:
-                    still_prefilling = growth.prefilling and t <= growth.end - growth.steps
-                    demand += self._demand(growth.tokens + min(t, growth.steps), prefilling=still_prefilling)
-            if demand > available:
-                return False
-        return True
+        return Lookahead(self).fits(newcomer)
 
-    def _growths(self, requests: list[Request]) -> list[_Growth]:
-        """The lookahead's plan for `requests` in scheduling order (the newcomer last).
+    def _growth_plan(self, request: Request, delay: int, prefilling: bool) -> Growth:
+        """`request`'s plan in the lookahead when its prefill may wait `delay` steps for budget (see `Lookahead`)."""
+        tokens, steps = self._growth(request)
+        return Growth(tokens, steps, steps + delay, prefilling)
 
-        NOTE: decode rows run every step, but prefill chunks share what is left of `max_num_batched_tokens` in
-        scheduling order, so a prompt waits for the prompts before it: admitting many requests at once (a burst)
-        starts the last of them several steps late, and they end as late. Without counting that delay, a burst
-        admitted on a plan that fitted ran out of blocks at its end and preempted.
-        """
-        # Prefill tokens a step surely has: the budget less a decode row for every other request (one that is
-        # prefilling has none); at least 1, as max_num_batched_tokens >= max_num_seqs >= len(requests).
-        per_step = self.max_num_batched_tokens - (len(requests) - 1)
-        assert per_step >= 1, (self.max_num_batched_tokens, len(requests))
-        prefilling = [request.num_pending > 1 or not request.block_tables for request in requests]
-        delays, queued = [], 0  # queued: prompt tokens still to compute, this request's and those before it
-        for request, waits in zip(requests, prefilling):
-            queued += request.num_pending if waits else 0
-            delays.append(-(-queued // per_step) - 1 if waits else 0)  # steps before its last prompt token's
-        if self.pool.allocator.enable_prefix_caching:
-            self._add_prefix_waits(requests, prefilling, delays, per_step)
-        return [
-            _Growth(tokens, steps, steps + delay, waits)
-            for (tokens, steps), delay, waits in zip(map(self._growth, requests), delays, prefilling)
-        ]
-
-    def _add_prefix_waits(self, requests: list[Request], prefilling: list[bool], delays: list[int], per_step: int):
+    def _add_prefix_waits(
+        self, requests: list[Request], prefilling: list[bool], delays: list[int], per_step: int
+    ) -> dict[bytes, int]:
         """Raise `delays[i]` of a request whose prefill will wait for prompt blocks another request is computing
         (`_waits_for_prefix`): it starts the step after the forward that computes them, then needs its own prefill
         steps. Requests that started prefilling go first (whatever their order: one admitted later may have started
-        while an earlier one waited), then the others in order, each recording the blocks it will compute."""
+        while an earlier one waited), then the others in order, each recording the blocks it will compute.
+        Returns what they compute: the hash of each prompt block not cached yet -> the step that computes it (a
+        newcomer after them waits the same way, `Lookahead.newcomer_growth`)."""
         computing: dict[bytes, int] = {}  # hash of a prompt block not cached yet -> the step that computes it
 
         def record(index: int) -> None:
@@ -141,31 +100,7 @@ class Admission:
                 own_steps = -(-request.num_pending // per_step)
                 delays[index] = max(delays[index], computing[waits_for] + own_steps)
             record(index)
-
-    def _fits_shared(self, growths: list[_Growth], requests: list[Request], available: int) -> bool:
-        """`fits` for one full-attention group, counting each held block once (see `fits`). `growths[i]` is the
-        plan of `requests[i]`. The steps that matter are visited from the last down, so the requests still running
-        grow by one set each time and the union of their blocks is kept, not rebuilt."""
-        allocator = self.pool.allocator
-        tables = [
-            request.block_tables[0] if request.block_tables else allocator.peek_prefix(self._lookup_hashes(request))
-            for request in requests
-        ]
-        order = sorted(range(len(requests)), key=lambda i: growths[i].end, reverse=True)
-        union: set[int] = set()
-        alive: list[int] = []  # requests running at the current t
-        position = 0
-        for t in sorted({0, *(growth.end for growth in growths)}, reverse=True):
-            while position < len(order) and growths[order[position]].end >= t:
-                alive.append(order[position])
-                union.update(tables[order[position]])
-                position += 1
-            fresh = sum(
-                max(self._blocks_for(growths[i].tokens + min(t, growths[i].steps)) - len(tables[i]), 0) for i in alive
-            )
-            if len(union) + fresh > available:
-                return False
-        return True
+        return computing
 
     def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
         """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: all of them while its
@@ -199,7 +134,9 @@ class Admission:
         # freed, re-prefilled, and preempted again: 639 preemptions for 48 requests in the full burst run), and a
         # 64-token reserve still preempted and held concurrency below what the pool allows.
         while self.waiting and len(self.running) < self.max_num_seqs:
-            chosen = 0 if not self.running else self._first_fitting()
+            # One plan of the running requests for every waiting request tried against them (a new one after each
+            # admission): nothing else changes between tries.
+            chosen = 0 if not self.running else self._first_fitting(Lookahead(self))
             if chosen is None:
                 return
             for passed in itertools.islice(self.waiting, chosen):
@@ -208,11 +145,11 @@ class Admission:
             del self.waiting[chosen]
             self.running.append(request)
 
-    def _first_fitting(self) -> int | None:
-        """Position in `waiting` of the first request that fits, within the backfill window and not behind a
-        request that was skipped `MAX_SKIPS` times; None when none does."""
+    def _first_fitting(self, lookahead: Lookahead) -> int | None:
+        """Position in `waiting` of the first request that fits `lookahead`, within the backfill window and not
+        behind a request that was skipped `MAX_SKIPS` times; None when none does."""
         for position, request in enumerate(itertools.islice(self.waiting, self.backfill_window)):
-            if self.fits(request):
+            if lookahead.fits(request):
                 return position
             if request.num_skips >= self.MAX_SKIPS:
                 return None

@@ -1,0 +1,148 @@
+"""Lookahead: the running requests' plan of growth, worked out once and shared by every newcomer tried against it.
+
+Admission asks, for up to `backfill_window` waiting requests a step, whether each fits next to the running requests
+at every step ahead (`Admission.fits`). The running requests' side of that question (how each grows, when it
+finishes, which blocks they hold together) does not depend on the newcomer, so `Lookahead` works it out once per
+admission round and each try adds only the newcomer's share. Driving the full burst at 2 reservations through the
+engine with a stand-in model (22k tries in 3,227 steps, 6.8 a step while the queue is blocked), this took the
+scheduler from 0.57 s to 0.25 s, and everything the engine does outside the model from 0.87-0.91 s to 0.56 s
+(the run takes about 24 s with the real model).
+"""
+
+from __future__ import annotations
+
+import bisect
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from .admission import Admission
+    from .scheduler import Request
+
+
+class Growth(NamedTuple):
+    """How a request's K/V grow in the lookahead: from `tokens` by one a step for `steps` steps, held until step
+    `end` (`end - steps`: the steps its prefill may still wait for budget)."""
+
+    tokens: int
+    steps: int
+    end: int
+    prefilling: bool
+
+
+class Lookahead:
+    """The plan of `scheduler.running` with one newcomer after them (see `Admission.fits` for what it counts).
+
+    Valid while the running requests, their blocks and the pool stay as they were: admission makes a new one after
+    each request it admits, and every step.
+    """
+
+    def __init__(self, scheduler: Admission):
+        self.scheduler = scheduler
+        running = scheduler.running
+        # NOTE: decode rows run every step, but prefill chunks share what is left of `max_num_batched_tokens` in
+        # scheduling order, so a prompt waits for the prompts before it: admitting many requests at once (a burst)
+        # starts the last of them several steps late, and they end as late. Without counting that delay, a burst
+        # admitted on a plan that fitted ran out of blocks at its end and preempted.
+        # Prefill tokens a step surely has once the newcomer runs: the budget less a decode row for every other
+        # request (one that is prefilling has none); at least 1, as max_num_batched_tokens >= max_num_seqs.
+        self.per_step = scheduler.max_num_batched_tokens - len(running)
+        assert self.per_step >= 1, (scheduler.max_num_batched_tokens, len(running))
+        prefilling = [request.num_pending > 1 or not request.block_tables for request in running]
+        delays, self.queued = [], 0  # queued: prompt tokens still to compute, this request's and those before it
+        for request, waits in zip(running, prefilling):
+            self.queued += request.num_pending if waits else 0
+            delays.append(-(-self.queued // self.per_step) - 1 if waits else 0)  # steps before its last prompt token's
+        allocator = scheduler.pool.allocator
+        self.prefix_caching = allocator.enable_prefix_caching
+        self.computing: dict[bytes, int] = {}
+        if self.prefix_caching:
+            self.computing = scheduler._add_prefix_waits(running, prefilling, delays, self.per_step)
+        self.growths = [
+            scheduler._growth_plan(request, delay, waits) for request, delay, waits in zip(running, delays, prefilling)
+        ]
+        held = {block_id for request in running for block_id in request.block_ids}
+        self.available = scheduler.pool.num_free_blocks + len(held)
+        self.shared = self.prefix_caching and scheduler.group_windows == [None]
+        self._memo: dict = {}  # step -> what the running requests hold then (`_running_demand`, `_running_shared`)
+        if self.shared:
+            tables = [
+                request.block_tables[0]
+                if request.block_tables
+                else allocator.peek_prefix(scheduler._lookup_hashes(request))
+                for request in running
+            ]
+            self.tables = tables
+            # A held block counts at step t while a request holding it still runs: until the last of their ends.
+            self.last_end: dict[int, int] = {}
+            for table, growth in zip(tables, self.growths):
+                for block_id in table:
+                    self.last_end[block_id] = max(self.last_end.get(block_id, -1), growth.end)
+            self._sorted_ends = sorted(self.last_end.values())
+            self.check_points = {0, *(growth.end for growth in self.growths)}
+        else:
+            self.check_points = {0, *(growth.end for growth in self.growths)}
+            self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
+
+    def newcomer_growth(self, newcomer: Request) -> Growth:
+        """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
+        caching, for prompt blocks one of them is computing, `Admission._add_prefix_waits`)."""
+        scheduler = self.scheduler
+        delay = -(-(self.queued + newcomer.num_pending) // self.per_step) - 1
+        if self.prefix_caching:
+            waits_for = scheduler._first_uncached_hash(newcomer)
+            if waits_for in self.computing:
+                own_steps = -(-newcomer.num_pending // self.per_step)
+                delay = max(delay, self.computing[waits_for] + own_steps)
+        return scheduler._growth_plan(newcomer, delay, True)
+
+    def fits(self, newcomer: Request) -> bool:
+        """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
+        new = self.newcomer_growth(newcomer)
+        if self.shared:
+            return self._fits_shared(newcomer, new)
+        checks = {*self.check_points, new.end, new.end - new.steps}
+        for t in checks:
+            demand = self._running_demand(t)
+            if new.end >= t:
+                demand += self._demand_at(new, t)
+            if demand > self.available:
+                return False
+        return True
+
+    def _demand_at(self, growth: Growth, t: int) -> int:
+        still_prefilling = growth.prefilling and t <= growth.end - growth.steps
+        return self.scheduler._demand(growth.tokens + min(t, growth.steps), prefilling=still_prefilling)
+
+    def _running_demand(self, t: int) -> int:
+        demand = self._memo.get(t)
+        if demand is None:
+            demand = self._memo[t] = sum(self._demand_at(growth, t) for growth in self.growths if growth.end >= t)
+        return demand
+
+    def _fits_shared(self, newcomer: Request, new: Growth) -> bool:
+        """`fits` for one full-attention group, counting each held block once: at step t, the blocks held now by a
+        request still running then (their union), plus the blocks each of those will have added by t."""
+        scheduler = self.scheduler
+        table = scheduler.pool.allocator.peek_prefix(scheduler._lookup_hashes(newcomer))
+        for t in {*self.check_points, new.end}:
+            held, fresh = self._running_shared(t)
+            if new.end >= t:
+                held += sum(1 for block_id in table if self.last_end.get(block_id, -1) < t)  # not held by them then
+                fresh += max(scheduler._blocks_for(new.tokens + min(t, new.steps)) - len(table), 0)
+            if held + fresh > self.available:
+                return False
+        return True
+
+    def _running_shared(self, t: int) -> tuple[int, int]:
+        """(blocks the running requests still running at step t hold now, counted once; blocks they will have
+        added by t)."""
+        memo = self._memo.get(t)
+        if memo is None:
+            held = len(self._sorted_ends) - bisect.bisect_left(self._sorted_ends, t)
+            fresh = sum(
+                max(self.scheduler._blocks_for(growth.tokens + min(t, growth.steps)) - len(table), 0)
+                for growth, table in zip(self.growths, self.tables)
+                if growth.end >= t
+            )
+            memo = self._memo[t] = (held, fresh)
+        return memo

@@ -1,0 +1,91 @@
+"""StepCache: one engine step's rows (decode rows, then prefill chunks) packed into one forward over the pool."""
+
+import pytest
+import torch
+
+from hf_paged import BlockPool
+from hf_paged.attention import paged_attention_forward
+from hf_paged.engine import StepCache
+from tests.models import tiny_model
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [
+        [(7, 1), (12, 1), (3, 1), (0, 6), (9, 5)],  # three decode rows and two prefill chunks, one with cached tokens
+        [(7, 1), (12, 1), (3, 1)],  # decode rows only: attention returns the decode path's output as is
+    ],
+    ids=["mixed", "decode-only"],
+)
+def test_step_cache_packed_attention_equals_each_row_alone(lengths):
+    # Rows of different lengths, (cached tokens, new tokens) each, in one forward.
+    model = tiny_model("llama", "hf_paged", seed=3)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    generator = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(1, 128, (n + q,), generator=generator).tolist() for n, q in lengths]
+    tables, next_block = [], 0
+    with torch.inference_mode():
+        for (cached, new), row_tokens in zip(lengths, tokens):
+            num_blocks = -(-(cached + new) // 4)
+            tables.append(list(range(next_block, next_block + num_blocks)))
+            next_block += num_blocks
+            if cached:  # fill the cached part through a one-row step, as the engine's first chunk would
+                cache = StepCache(pool, [[tables[-1]]], [0], [cached])
+                model(torch.tensor([row_tokens[:cached]]), position_ids=cache.position_ids, past_key_values=cache)
+        cache = StepCache(pool, [tables], [n for n, _ in lengths], [q for _, q in lengths])
+        packed = [t for (n, q), row_tokens in zip(lengths, tokens) for t in row_tokens[n : n + q]]
+        logits = model(
+            torch.tensor([packed]), position_ids=cache.position_ids, past_key_values=cache, use_cache=True
+        ).logits[0]
+        reference = tiny_model("llama", "sdpa", seed=3)
+        for b, ((cached, new), row_tokens) in enumerate(zip(lengths, tokens)):
+            expected = reference(torch.tensor([row_tokens])).logits[0, cached:]
+            start = cache.starts[b]
+            torch.testing.assert_close(logits[start : start + new], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_step_cache_decode_rows_use_the_attention_scaling_and_keep_row_order():
+    # Decode rows of different lengths through the step's attention with a scale that is not the default:
+    # each row's output is SDPA over its own keys with that scale, in row order, shaped [1, rows, heads, head_dim].
+    model = tiny_model("llama", "hf_paged", seed=3)
+    module = model.model.layers[0].self_attn
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
+    kv_heads, head_dim = pool.layout.num_kv_heads[0], pool.layout.head_dims[0]
+    heads = model.config.num_attention_heads
+    generator = torch.Generator().manual_seed(0)
+    lengths = [9, 2, 14]  # keys per row, the new one included
+    tables, next_block = [], 0
+    for length in lengths:
+        tables.append(list(range(next_block, next_block + -(-length // 4))))
+        next_block += len(tables[-1])
+    keys = [torch.randn(1, kv_heads, n, head_dim, generator=generator) for n in lengths]
+    values = [torch.randn(1, kv_heads, n, head_dim, generator=generator) for n in lengths]
+    with torch.inference_mode():
+        for b, n in enumerate(lengths):  # the cached part, through a one-row prefill step
+            if n > 1:
+                StepCache(pool, [[tables[b]]], [0], [n - 1]).update(keys[b][:, :, :-1], values[b][:, :, :-1], 0)
+        cache = StepCache(pool, [tables], [n - 1 for n in lengths], [1] * len(lengths))
+        new_keys = torch.cat([k[:, :, -1:] for k in keys], dim=2)  # [1, kv_heads, rows, head_dim]
+        new_values = torch.cat([v[:, :, -1:] for v in values], dim=2)
+        placeholder, _ = cache.update(new_keys, new_values, 0)
+        query = torch.randn(1, heads, len(lengths), head_dim, generator=generator)
+        out, _ = paged_attention_forward(module, query, placeholder, placeholder, None, scaling=0.3)
+    assert out.shape == (1, len(lengths), heads, head_dim)
+    for b in range(len(lengths)):
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, b : b + 1], keys[b], values[b], scale=0.3, enable_gqa=True
+        )  # [1, heads, 1, head_dim]
+        torch.testing.assert_close(out[0, b], expected[0, :, 0], rtol=1e-5, atol=1e-5)
+
+
+def test_step_cache_rejects_bad_rows():
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=8, block_size=4)
+    with pytest.raises(ValueError, match=r"decode rows \(q_len 1\) must come before prefill chunks, got q_lens \[3, 1\]"):
+        StepCache(pool, [[[0], [1]]], [0, 0], [3, 1])
+    with pytest.raises(ValueError, match="a block table of 1 blocks cannot hold 5 tokens"):
+        StepCache(pool, [[[0]]], [2], [3])
+    with pytest.raises(ValueError, match=r"one entry per row, got \[2\], \[1\], 1, 1"):
+        StepCache(pool, [[[0], [1]]], [0], [1])
+    with pytest.raises(ValueError, match=r"one list per layer group \(1\), got 2"):
+        StepCache(pool, [[[0]], [[1]]], [0], [1])
