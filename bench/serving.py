@@ -174,7 +174,8 @@ def run_serving(
     model, workload: Workload, multiples, backends=None, *, repeats: int = 1, registry=None, progress: bool = True
 ) -> ServingRun:
     """Serve `workload` with every backend under every budget multiple (budgets outer, backends inner), `repeats`
-    times interleaved so every backend sees the same machine noise; keeps the fastest run of each."""
+    times interleaved so every backend sees the same machine noise; keeps the fastest run of each, with every
+    repeat's wall time in its `extra["repeat_walls_s"]` (the report's run-to-run spread)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     registry = registry if registry is not None else hf_registry.registry
@@ -193,6 +194,7 @@ def run_serving(
     warm_up(model, workload, runners)
     run = ServingRun(workload, budgets, reference, [], repeats=repeats)
     best: dict[tuple[str, float], RunResult] = {}
+    walls: dict[tuple[str, float], list[float]] = {}  # every repeat's wall time, in run order
     jobs = [(budget, name) for _ in range(repeats) for budget in budgets for name in backends]
     for budget, name in tqdm(jobs, desc="serving runs", disable=not progress):
         key = (name, budget.multiple)
@@ -210,10 +212,13 @@ def run_serving(
             run.failures[label] = f"{type(error).__name__}: {error}"
             best.pop(key, None)
             continue
+        walls.setdefault(key, []).append(result.wall_s)
         kept = best.get(key)
         if kept is not None and not workload.sampled and result.outputs != kept.outputs:
             run.notes.append(f"`{label}`: outputs differ between repeats")
         if kept is None or result.wall_s < kept.wall_s:
             best[key] = result
     run.results = [best[(name, b.multiple)] for b in budgets for name in backends if (name, b.multiple) in best]
+    for result in run.results:
+        result.extra["repeat_walls_s"] = walls[(result.backend, result.multiple)]
     return run

@@ -116,10 +116,12 @@ def test_engine_ratios_divide_by_each_baseline_of_the_same_budget():
         _row("2x", "static", 50.0, 0.9),
         _row("2x", serving.PEER, 60.0, 2.0),
         _row("2x", "engine", 150.0, 2.7, **engine),
-        _row("4x", "dynamic", 200.0, 3.0),
-        _row("4x", "engine", 240.0, 5.4, **engine),
+        _row("4x", "dynamic", 200.0, 3.0, extra={"repeat_walls_s": [10.0, 12.0]}),
+        _row("4x", "engine", 240.0, 5.4, **engine, extra={"repeat_walls_s": [8.0, 6.0]}),
     ]
     two, four = serving_report.engine_ratios(rows)
+    assert two["tok_s_vs_dynamic_each"] is None  # one repeat: no spread to show
+    assert four["tok_s_vs_dynamic_each"] == [pytest.approx(1.25), pytest.approx(2.0)]  # dynamic's wall over its own
     assert two["budget"] == "2x" and four["budget"] == "4x"
     assert two["tok_s_vs_peer"] == pytest.approx(2.5) and two["live_vs_static"] == pytest.approx(3.0)
     assert four["tok_s_vs_peer"] is None and four["live_vs_static"] is None  # not run at 4x
@@ -134,8 +136,9 @@ def test_report_has_the_engine_summary(tight_run):
     engine_line = next(line for line in summary.splitlines() if line.startswith("| 2x"))
     cells = [cell.strip() for cell in engine_line.strip("|").split("|")]
     engine = by_backend["engine"]
-    assert cells[1] == f"{engine['tok_s_vs_dynamic']:.2f}" and cells[3] == f"{engine['live_vs_dynamic']:.2f}"
-    assert cells[2] == cells[4] == "-"  # the peer and static did not run
+    assert cells[1] == f"{engine['tok_s_vs_dynamic']:.2f}" and cells[4] == f"{engine['live_vs_dynamic']:.2f}"
+    assert cells[2] == "-"  # one repeat
+    assert cells[3] == cells[5] == "-"  # the peer and static did not run
     assert cells[-1] == f"{run.workload.num_requests}/{run.workload.num_requests}"
 
 

@@ -254,6 +254,9 @@ def test_repeats_keep_the_fastest_run_of_each(model, workload):
     assert [(r.backend, r.multiple) for r in run.results] == [("engine", 2), ("dynamic", 2), ("engine", 3),
                                                               ("dynamic", 3)]
     assert run.repeats == 2 and run.notes == [] and all(r.outputs == run.reference for r in run.results)
+    for result in run.results:  # every repeat's wall time, the fastest kept
+        walls = result.extra["repeat_walls_s"]
+        assert len(walls) == 2 and result.wall_s == min(walls)
     with pytest.raises(ValueError, match="repeats"):
         serving.run_serving(model, workload, [2], ["dynamic"], repeats=0, progress=False)
 
