@@ -64,23 +64,21 @@ class Lookahead:
         self.available = scheduler.pool.num_free_blocks + len(held)
         self.shared = self.prefix_caching and scheduler.group_windows == [None]
         self._memo: dict = {}  # step -> what the running requests hold then (`_running_demand`, `_running_shared`)
+        self.check_points = {0, *(growth.end for growth in self.growths)}
         if self.shared:
-            tables = [
+            self.tables = [
                 request.block_tables[0]
                 if request.block_tables
                 else allocator.peek_prefix(scheduler._lookup_hashes(request))
                 for request in running
             ]
-            self.tables = tables
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
             self.last_end: dict[int, int] = {}
-            for table, growth in zip(tables, self.growths):
+            for table, growth in zip(self.tables, self.growths):
                 for block_id in table:
                     self.last_end[block_id] = max(self.last_end.get(block_id, -1), growth.end)
             self._sorted_ends = sorted(self.last_end.values())
-            self.check_points = {0, *(growth.end for growth in self.growths)}
-        else:
-            self.check_points = {0, *(growth.end for growth in self.growths)}
+        else:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
 
     def newcomer_growth(self, newcomer: Request) -> Growth:
