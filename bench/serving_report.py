@@ -333,8 +333,8 @@ def render(serving: dict) -> list[str]:
                 "",
                 tabulate(
                     ratios,
-                    headers=["budget", "tok/s vs dynamic", "each repeat", f"tok/s vs {PEER}", "live vs dynamic", "live vs static",
-                             "rows vs dynamic", "utilization", "preemptions", "greedy agree"],
+                    headers=["budget", "tok/s vs dynamic", "each repeat", f"tok/s vs {PEER}", "live vs dynamic",
+                             "live vs static", "rows vs dynamic", "utilization", "preemptions", "greedy agree"],
                     tablefmt="github",
                     disable_numparse=True,
                 ),
