@@ -95,12 +95,21 @@ class Admission:
         for index, request in enumerate(requests):
             if not prefilling[index] or request.block_tables:
                 continue
-            waits_for = self._first_uncached_hash(request)
-            if waits_for in computing:
-                own_steps = -(-request.num_pending // per_step)
-                delays[index] = max(delays[index], computing[waits_for] + own_steps)
+            waits_for = self._cached_prefix(request)[1]
+            delays[index] = self._prefix_wait(request, waits_for, computing, per_step, delays[index])
             record(index)
         return computing
+
+    @staticmethod
+    def _prefix_wait(
+        request: Request, waits_for: bytes | None, computing: dict[bytes, int], per_step: int, delay: int
+    ) -> int:
+        """`delay` raised for a request whose first uncached prompt block (`waits_for`) another request is computing
+        (`computing`: hash -> the step that computes it): it starts the step after, then needs its own prefill
+        steps."""
+        if waits_for not in computing:
+            return delay
+        return max(delay, computing[waits_for] + -(-request.num_pending // per_step))
 
     def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
         """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: all of them while its

@@ -69,7 +69,7 @@ class Lookahead:
             self.tables = [
                 request.block_tables[0]
                 if request.block_tables
-                else allocator.peek_prefix(scheduler._lookup_hashes(request))
+                else scheduler._cached_prefix(request)[0]
                 for request in running
             ]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
@@ -81,23 +81,20 @@ class Lookahead:
         else:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
 
-    def newcomer_growth(self, newcomer: Request) -> Growth:
+    def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
-        caching, for prompt blocks one of them is computing, `Admission._add_prefix_waits`)."""
-        scheduler = self.scheduler
+        caching, for `waits_for`, its first uncached prompt block, when one of them is computing it)."""
         delay = -(-(self.queued + newcomer.num_pending) // self.per_step) - 1
-        if self.prefix_caching:
-            waits_for = scheduler._first_uncached_hash(newcomer)
-            if waits_for in self.computing:
-                own_steps = -(-newcomer.num_pending // self.per_step)
-                delay = max(delay, self.computing[waits_for] + own_steps)
-        return scheduler._growth_plan(newcomer, delay, True)
+        delay = self.scheduler._prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
+        return self.scheduler._growth_plan(newcomer, delay, True)
 
     def fits(self, newcomer: Request) -> bool:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
-        new = self.newcomer_growth(newcomer)
+        # NOTE: one prefix lookup per try, for both its wait and (shared blocks) what it would take from the cache.
+        cached, waits_for = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else ([], None)
+        new = self.newcomer_growth(newcomer, waits_for)
         if self.shared:
-            return self._fits_shared(newcomer, new)
+            return self._fits_shared(cached, new)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
             demand = self._running_demand(t)
@@ -117,11 +114,11 @@ class Lookahead:
             demand = self._memo[t] = sum(self._demand_at(growth, t) for growth in self.growths if growth.end >= t)
         return demand
 
-    def _fits_shared(self, newcomer: Request, new: Growth) -> bool:
+    def _fits_shared(self, table: list[int], new: Growth) -> bool:
         """`fits` for one full-attention group, counting each held block once: at step t, the blocks held now by a
-        request still running then (their union), plus the blocks each of those will have added by t."""
+        request still running then (their union), plus the blocks each of those will have added by t. `table`: the
+        cached blocks the newcomer's lookup would take."""
         scheduler = self.scheduler
-        table = scheduler.pool.allocator.peek_prefix(scheduler._lookup_hashes(newcomer))
         for t in {*self.check_points, new.end}:
             held, fresh = self._running_shared(t)
             if new.end >= t:

@@ -209,14 +209,14 @@ class Scheduler(Admission):
         first every step and the wait ends."""
         if not self.pool.allocator.enable_prefix_caching:
             return False
-        return self._first_uncached_hash(request) in computing
+        return self._cached_prefix(request)[1] in computing
 
-    def _first_uncached_hash(self, request: Request) -> bytes | None:
-        """The hash of the first block of `request`'s lookup that the prefix cache does not hold (None: all of
-        them are cached)."""
+    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
+        """What a prefix lookup for `request` would take now, without taking it: (the cached blocks, the hash of
+        the first block of its lookup that the prefix cache does not hold, None when all of them are cached)."""
         hashes = self._lookup_hashes(request)
-        num_cached = len(self.pool.allocator.peek_prefix(hashes))
-        return hashes[num_cached] if num_cached < len(hashes) else None
+        cached = self.pool.allocator.peek_prefix(hashes)
+        return cached, hashes[len(cached)] if len(cached) < len(hashes) else None
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
