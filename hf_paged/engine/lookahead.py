@@ -51,7 +51,7 @@ class Lookahead:
         delays, self.queued = [], 0  # queued: prompt tokens still to compute, this request's and those before it
         for request, waits in zip(running, prefilling):
             self.queued += request.num_pending if waits else 0
-            delays.append(-(-self.queued // self.per_step) - 1 if waits else 0)  # steps before its last prompt token's
+            delays.append(self._prefill_delay(self.queued) if waits else 0)
         allocator = scheduler.pool.allocator
         self.prefix_caching = allocator.enable_prefix_caching
         self.computing: dict[bytes, int] = {}
@@ -63,7 +63,8 @@ class Lookahead:
         held = {block_id for request in running for block_id in request.block_ids}
         self.available = scheduler.pool.num_free_blocks + len(held)
         self.shared = self.prefix_caching and scheduler.group_windows == [None]
-        self._memo: dict = {}  # step -> what the running requests hold then (`_running_demand`, `_running_shared`)
+        self._demand_memo: dict[int, int] = {}  # step -> `_running_demand(step)`
+        self._shared_memo: dict[int, tuple[int, int]] = {}  # step -> `_running_shared(step)`
         self.check_points = {0, *(growth.end for growth in self.growths)}
         if self.shared:
             self.tables = [
@@ -84,9 +85,14 @@ class Lookahead:
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
         caching, for `waits_for`, its first uncached prompt block, when one of them is computing it)."""
-        delay = -(-(self.queued + newcomer.num_pending) // self.per_step) - 1
+        delay = self._prefill_delay(self.queued + newcomer.num_pending)
         delay = self.scheduler._prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
         return self.scheduler._growth_plan(newcomer, delay, True)
+
+    def _prefill_delay(self, queued: int) -> int:
+        """Steps a prompt waits for budget before its last token is computed, when `queued` prompt tokens (its own
+        and those scheduled before it) share `per_step` prefill tokens a step."""
+        return -(-queued // self.per_step) - 1
 
     def fits(self, newcomer: Request) -> bool:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
@@ -109,9 +115,9 @@ class Lookahead:
         return self.scheduler._demand(growth.tokens + min(t, growth.steps), prefilling=still_prefilling)
 
     def _running_demand(self, t: int) -> int:
-        demand = self._memo.get(t)
+        demand = self._demand_memo.get(t)
         if demand is None:
-            demand = self._memo[t] = sum(self._demand_at(growth, t) for growth in self.growths if growth.end >= t)
+            demand = self._demand_memo[t] = sum(self._demand_at(growth, t) for growth in self.growths if growth.end >= t)
         return demand
 
     def _fits_shared(self, table: list[int], new: Growth) -> bool:
@@ -131,7 +137,7 @@ class Lookahead:
     def _running_shared(self, t: int) -> tuple[int, int]:
         """(blocks the running requests still running at step t hold now, counted once; blocks they will have
         added by t)."""
-        memo = self._memo.get(t)
+        memo = self._shared_memo.get(t)
         if memo is None:
             held = len(self._sorted_ends) - bisect.bisect_left(self._sorted_ends, t)
             fresh = sum(
@@ -139,5 +145,5 @@ class Lookahead:
                 for growth, table in zip(self.growths, self.tables)
                 if growth.end >= t
             )
-            memo = self._memo[t] = (held, fresh)
+            memo = self._shared_memo[t] = (held, fresh)
         return memo

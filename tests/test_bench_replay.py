@@ -1,0 +1,64 @@
+"""bench/replay.py: the Engine's scheduling without the model takes exactly the decisions the real Engine takes."""
+
+import pytest
+
+from bench.replay import main, replay
+from bench.runs import BLOCK_SIZE, Budget
+from bench.workloads import RequestSpec, Workload, make_workload, random_requests
+from hf_paged import BlockPool, Engine
+from tests.models import tiny_model
+
+
+def _workload():
+    return Workload("burst", random_requests(10, (20, 60), (10, 40), vocab_size=128, seed=3))
+
+
+@pytest.mark.parametrize("decode_reserve_tokens", [None, 0], ids=["lookahead", "preempting"])
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: two layer groups, a sliding one gives blocks back
+def test_replay_takes_the_real_engines_decisions(name, decode_reserve_tokens):
+    model = tiny_model(name, "hf_paged")
+    workload, multiple = _workload(), 2.5
+    budget = Budget.for_workload(model, workload, multiple)
+    pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
+    engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=64, decode_reserve_tokens=decode_reserve_tokens)
+    for spec in workload.requests:
+        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+
+    result = replay(workload, multiple, config=model.config, max_num_seqs=8, max_num_batched_tokens=64,
+                    decode_reserve_tokens=decode_reserve_tokens)
+    stats = engine.stats
+    assert result.num_blocks == pool.num_blocks
+    assert result.num_steps == stats.num_steps
+    assert result.mean_rows == stats.mean_running and result.peak_rows == stats.peak_running
+    assert result.mean_occupancy == sum(stats.used_blocks) / len(stats.used_blocks) / pool.num_blocks
+    assert (result.num_preemptions, result.prefill_tokens) == (stats.num_preemptions, stats.prefill_tokens)
+    if decode_reserve_tokens == 0 and name == "llama":  # the preempting case really preempts and recomputes
+        assert result.num_preemptions > 0 and result.prefill_tokens > result.prompt_tokens
+    if decode_reserve_tokens is None:
+        assert result.num_preemptions == 0 and result.prefill_tokens == result.prompt_tokens
+    assert model.config._attn_implementation == "hf_paged"  # the stand-in copied the config it was given
+
+
+def test_replay_counts_rows_against_the_static_batch_and_the_memory_bound():
+    result = replay(make_workload("burst", vocab_size=8192, full=False), 2)
+    assert result.static_batch == 2  # two worst-case reservations: dynamic's batch of 2
+    assert 1 < result.mean_rows / result.static_batch and result.mean_rows < result.bound
+    assert 0 < result.mean_occupancy <= 1
+
+
+def test_replay_refuses_arrivals_after_t0():
+    late = Workload("poisson", (RequestSpec((5, 6, 7), 4), RequestSpec((8, 9), 4, arrival=1.5)))
+    with pytest.raises(ValueError, match=r"every request at t=0.*1 of 2 arriving later, the last at 1.5 s"):
+        replay(late, 2)
+
+
+def test_cli_prints_one_row_per_budget(capsys):
+    assert main(["--budgets", "2,4", "--workload", "shared-prefix"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("shared-prefix: ")
+    lines = [line for line in out.splitlines() if line.startswith("| 2x") or line.startswith("| 4x")]
+    assert len(lines) == 2
+    # shared-prefix: the prefix cache gives every request after the first its system prompt
+    assert all(int(line.rstrip(" |").rsplit("|", 1)[1]) > 0 for line in lines)
