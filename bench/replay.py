@@ -143,6 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--workload", default="burst", choices=[w for w in WORKLOADS if w != "poisson"])
     parser.add_argument("--budgets", default="2,4,8,16",
                         help="KV budgets in worst-case reservations, comma-separated (default 2,4,8,16)")
+    parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0, as python -m bench)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
     parser.add_argument("--decode-reserve-tokens", type=int, default=None,
@@ -153,7 +154,7 @@ def main(argv=None) -> int:
         budgets = [float(part) for part in args.budgets.split(",") if part.strip()]
     except ValueError:
         parser.error(f"--budgets must be numbers separated by commas, e.g. 2,8; got {args.budgets!r}")
-    workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full)
+    workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full, seed=args.seed)
     replays = [
         replay(workload, multiple, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                decode_reserve_tokens=args.decode_reserve_tokens, backfill_window=args.backfill_window)

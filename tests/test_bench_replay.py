@@ -62,3 +62,9 @@ def test_cli_prints_one_row_per_budget(capsys):
     assert len(lines) == 2
     # shared-prefix: the prefix cache gives every request after the first its system prompt
     assert all(int(line.rstrip(" |").rsplit("|", 1)[1]) > 0 for line in lines)
+
+
+def test_cli_replays_the_workload_of_the_seed_asked_for(capsys):
+    assert main(["--budgets", "2", "--seed", "3"]) == 0
+    first_line = capsys.readouterr().out.splitlines()[0]
+    assert first_line.startswith("burst: ") and first_line.endswith("(uniform, seed 3)")
