@@ -1,9 +1,11 @@
 """`python -m bench.replay`: the Engine's scheduling on a workload, without the model.
 
 The real `Engine` and `Scheduler` run every step (admission, backfill, chunked prefill, preemption, prefix
-caching, the `StepCache` each step would get), but the forward is a stand-in that returns the same token for
-every row. What the scheduler decides does not depend on token values: every request runs to its
-`max_new_tokens`, and a request only ever finds its own blocks in the prefix cache (or a shared prompt's). So the
+caching, the `StepCache` each step would get), but the forward is a stand-in that returns uniform logits:
+greedy rows take token 0, sampled rows draw from their own seeded generators, so parallel samples of one prompt
+diverge as they do with a model. What the scheduler decides does not depend on token values: every request runs
+to its `max_new_tokens`, and a request only ever finds its own blocks in the prefix cache (or a shared prompt's,
+or a sibling sample's prompt). So the
 steps, the rows per step, the blocks held and the preemptions are exactly those of `python -m bench` at the same
 budget and knobs, in seconds instead of minutes; only the time each step takes is missing.
 
@@ -37,8 +39,8 @@ from .workloads import WORKLOADS, Workload, make_workload
 
 
 class StandInModel:
-    """What `Engine` needs of a model, with a forward that returns zero logits (token 0 for every row, greedy or
-    sampled). `config`: a transformers config; the pool's layout and the sliding windows come from it."""
+    """What `Engine` needs of a model, with a forward that returns zero logits over the vocabulary (greedy: token
+    0; sampled: uniform). `config`: a transformers config; the pool's layout and the sliding windows come from it."""
 
     def __init__(self, config, dtype: torch.dtype = torch.float32):
         self.config = copy.deepcopy(config)
@@ -46,10 +48,11 @@ class StandInModel:
         self.dtype = dtype
         self.device = torch.device("cpu")
         self.generation_config = None
+        self.vocab_size = self.config.get_text_config(decoder=True).vocab_size
 
     def __call__(self, *, input_ids: torch.Tensor, logits_to_keep: torch.Tensor, **kwargs) -> SimpleNamespace:
-        """input_ids [1, num_tokens], logits_to_keep [rows] -> logits [1, rows, 1]."""
-        return SimpleNamespace(logits=torch.zeros(1, len(logits_to_keep), 1))
+        """input_ids [1, num_tokens], logits_to_keep [rows] -> logits [1, rows, vocab_size]."""
+        return SimpleNamespace(logits=torch.zeros(1, len(logits_to_keep), self.vocab_size))
 
 
 @dataclass

@@ -9,20 +9,29 @@ from hf_paged import BlockPool, Engine
 from tests.models import tiny_model
 
 
-def _workload():
-    return Workload("burst", random_requests(10, (20, 60), (10, 40), vocab_size=128, seed=3))
+def _workload(num_samples=1):
+    requests = random_requests(10 // num_samples, (20, 60), (10, 40), vocab_size=128, seed=3)
+    return Workload("burst", requests, num_samples=num_samples, temperature=1.0 if num_samples > 1 else 0.0)
 
 
 @pytest.mark.parametrize("decode_reserve_tokens", [None, 0], ids=["lookahead", "preempting"])
-@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: two layer groups, a sliding one gives blocks back
-def test_replay_takes_the_real_engines_decisions(name, decode_reserve_tokens):
+@pytest.mark.parametrize(
+    "name, num_samples",
+    # gemma3: two layer groups, a sliding one gives blocks back; 2 samples: siblings share prompt blocks and
+    # sample their own outputs (a preempted one must not find its sibling's output blocks in the prefix cache)
+    [("llama", 1), ("gemma3", 1), ("llama", 2)],
+)
+def test_replay_takes_the_real_engines_decisions(name, num_samples, decode_reserve_tokens):
     model = tiny_model(name, "hf_paged")
-    workload, multiple = _workload(), 2.5
+    workload, multiple = _workload(num_samples), 2.5
     budget = Budget.for_workload(model, workload, multiple)
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
     engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=64, decode_reserve_tokens=decode_reserve_tokens)
-    for spec in workload.requests:
-        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
+    sampling = dict(temperature=1.0) if num_samples > 1 else {}
+    for index, spec in enumerate(workload.sequences):
+        if num_samples > 1:
+            sampling["seed"] = index
+        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True, **sampling)
     while engine.has_unfinished():
         engine.step()
 
@@ -33,11 +42,17 @@ def test_replay_takes_the_real_engines_decisions(name, decode_reserve_tokens):
     assert result.num_steps == stats.num_steps
     assert result.mean_rows == stats.mean_running and result.peak_rows == stats.peak_running
     assert result.mean_occupancy == sum(stats.used_blocks) / len(stats.used_blocks) / pool.num_blocks
-    assert (result.num_preemptions, result.prefill_tokens) == (stats.num_preemptions, stats.prefill_tokens)
-    if decode_reserve_tokens == 0 and name == "llama":  # the preempting case really preempts and recomputes
-        assert result.num_preemptions > 0 and result.prefill_tokens > result.prompt_tokens
+    assert (result.num_preemptions, result.prefill_tokens, result.prefix_hit_tokens) == (
+        stats.num_preemptions, stats.prefill_tokens, stats.prefix_hit_tokens
+    )
+    if decode_reserve_tokens == 0 and name == "llama":  # the preempting cases really preempt and recompute
+        assert result.num_preemptions > 0
+        assert result.prefill_tokens + result.prefix_hit_tokens > result.prompt_tokens  # recomputed or found again
     if decode_reserve_tokens is None:
-        assert result.num_preemptions == 0 and result.prefill_tokens == result.prompt_tokens
+        assert result.num_preemptions == 0
+        assert result.prefill_tokens + result.prefix_hit_tokens == result.prompt_tokens  # each prompt block once
+    if num_samples > 1:  # the second sample takes its prompt's full blocks from the first
+        assert result.prefix_hit_tokens > 0
     assert model.config._attn_implementation == "hf_paged"  # the stand-in copied the config it was given
 
 
