@@ -26,6 +26,7 @@ from . import cache_report, serving, serving_report
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
+from .runs import budgets_arg
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +59,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="serving workload (default: burst; see bench/workloads.py)")
     parser.add_argument("--rate", type=float, default=None,
                         help="poisson arrival rate in requests/s (default: quick 4, full 1)")
-    parser.add_argument("--budgets", type=_floats, default=None,
+    parser.add_argument("--budgets", type=budgets_arg, default=None,
                         help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)")
     parser.add_argument("--backends", type=_names, default=None,
                         help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
@@ -71,13 +72,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.rate is not None and args.workload != "poisson":
         parser.error(f"--rate applies to --workload poisson, not {args.workload}")
     return args
-
-
-def _floats(text: str) -> list[float]:
-    values = [float(part) for part in text.split(",") if part.strip()]
-    if not values or any(value <= 0 for value in values):
-        raise argparse.ArgumentTypeError(f"budgets must be positive numbers, e.g. 2,8; got {text!r}")
-    return values
 
 
 def _names(text: str) -> list[str]:

@@ -49,6 +49,21 @@ def _num_live(engine: Engine, events: list[tuple[int, int]]) -> int:
     return finished + sum(1 for request in engine.scheduler.running if request.block_tables)
 
 
+def add_workload_request(engine: Engine, workload: Workload, index: int) -> list[int]:
+    """Queue workload request `index` on `engine` as its `num_samples` sequences (sampled ones seeded by their
+    sequence index, request-major), every one running to its `max_new_tokens`; returns their engine request ids."""
+    spec = workload.requests[index]
+    sampling = dict(temperature=workload.temperature) if workload.sampled else {}
+    request_ids = []
+    for sample in range(workload.num_samples):
+        if workload.sampled:
+            sampling["seed"] = index * workload.num_samples + sample
+        request_ids.append(
+            engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True, **sampling)
+        )
+    return request_ids
+
+
 def run_engine(
     model, workload: Workload, budget: Budget, *, decode_reserve_tokens: int | None = None, backend: str = "engine"
 ) -> RunResult:
@@ -58,7 +73,6 @@ def run_engine(
     block, as vLLM does)."""
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
     n = workload.num_requests
-    sampling = dict(temperature=workload.temperature) if workload.sampled else {}
     added = 0  # workload requests added so far
     request_ids = []  # engine request ids, one per sequence, request-major
     busy = []  # (seconds, requests that ran, requests live) per step
@@ -70,12 +84,7 @@ def run_engine(
         while added < n or engine.has_unfinished():
             now = time.perf_counter() - start
             while added < n and workload.requests[added].arrival <= now:
-                spec = workload.requests[added]
-                for sample in range(workload.num_samples):
-                    if workload.sampled:
-                        sampling["seed"] = added * workload.num_samples + sample
-                    request_ids.append(engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens,
-                                                          ignore_eos=True, **sampling))
+                request_ids += add_workload_request(engine, workload, added)
                 added += 1
             if not engine.has_unfinished():
                 sleep_until(start + workload.requests[added].arrival)

@@ -31,8 +31,9 @@ from transformers import LlamaConfig
 
 from hf_paged import BlockPool, Engine
 
+from .continuous import add_workload_request
 from .models import DEFAULT_CONFIG
-from .runs import BLOCK_SIZE, ENGINE_MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, Budget
+from .runs import BLOCK_SIZE, ENGINE_MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, Budget, budgets_arg
 from .serving_report import concurrency_bound
 from .static_batches import dynamic_batch_size
 from .workloads import WORKLOADS, Workload, make_workload
@@ -101,11 +102,8 @@ def replay(
         model, pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
         decode_reserve_tokens=decode_reserve_tokens, backfill_window=backfill_window,
     )
-    sampling = dict(temperature=workload.temperature) if workload.sampled else {}
-    for index, spec in enumerate(workload.sequences):
-        if workload.sampled:
-            sampling["seed"] = index
-        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True, **sampling)
+    for index in range(workload.num_requests):
+        add_workload_request(engine, workload, index)
     while engine.has_unfinished():
         engine.step()
     stats = engine.stats
@@ -144,7 +142,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="full workload sizes (default: quick, as python -m bench)")
     parser.add_argument("--workload", default="burst", choices=[w for w in WORKLOADS if w != "poisson"])
-    parser.add_argument("--budgets", default="2,4,8,16",
+    parser.add_argument("--budgets", type=budgets_arg, default=[2.0, 4.0, 8.0, 16.0],
                         help="KV budgets in worst-case reservations, comma-separated (default 2,4,8,16)")
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0, as python -m bench)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
@@ -153,15 +151,11 @@ def main(argv=None) -> int:
                         help="the Engine's admission lookahead (default: to every request's end, never preempting)")
     parser.add_argument("--backfill-window", type=int, default=8)
     args = parser.parse_args(argv)
-    try:
-        budgets = [float(part) for part in args.budgets.split(",") if part.strip()]
-    except ValueError:
-        parser.error(f"--budgets must be numbers separated by commas, e.g. 2,8; got {args.budgets!r}")
     workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full, seed=args.seed)
     replays = [
         replay(workload, multiple, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
                decode_reserve_tokens=args.decode_reserve_tokens, backfill_window=args.backfill_window)
-        for multiple in budgets
+        for multiple in args.budgets
     ]
     print(f"{workload.name}: {workload.description}")
     print(table(replays))

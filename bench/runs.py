@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import time
 from contextlib import contextmanager
@@ -20,6 +21,15 @@ ENGINE_MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 512
 PEER = "hf-generate-batch"
 OPTIMISTIC = "engine-optimistic"  # opt-in: the Engine with vLLM's admission (see bench/continuous.py)
+
+
+def budgets_arg(text: str) -> list[float]:
+    """The `--budgets` argument of `python -m bench` and `python -m bench.replay`: multiples of one worst-case
+    reservation, comma-separated ("2,8" -> [2.0, 8.0]), each > 0."""
+    values = [float(part) for part in text.split(",") if part.strip()]
+    if not values or any(value <= 0 for value in values):
+        raise argparse.ArgumentTypeError(f"budgets must be positive numbers, e.g. 2,8; got {text!r}")
+    return values
 
 
 @dataclass(frozen=True)

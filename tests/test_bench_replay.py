@@ -2,6 +2,7 @@
 
 import pytest
 
+from bench.continuous import add_workload_request
 from bench.replay import main, replay
 from bench.runs import BLOCK_SIZE, Budget
 from bench.workloads import RequestSpec, Workload, make_workload, random_requests
@@ -27,11 +28,8 @@ def test_replay_takes_the_real_engines_decisions(name, num_samples, decode_reser
     budget = Budget.for_workload(model, workload, multiple)
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=BLOCK_SIZE)
     engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=64, decode_reserve_tokens=decode_reserve_tokens)
-    sampling = dict(temperature=1.0) if num_samples > 1 else {}
-    for index, spec in enumerate(workload.sequences):
-        if num_samples > 1:
-            sampling["seed"] = index
-        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True, **sampling)
+    for index in range(workload.num_requests):  # as bench/continuous.py's run_engine adds them
+        add_workload_request(engine, workload, index)
     while engine.has_unfinished():
         engine.step()
 

@@ -117,7 +117,9 @@ class Lookahead:
     def _running_demand(self, t: int) -> int:
         demand = self._demand_memo.get(t)
         if demand is None:
-            demand = self._demand_memo[t] = sum(self._demand_at(growth, t) for growth in self.growths if growth.end >= t)
+            demand = self._demand_memo[t] = sum(
+                self._demand_at(growth, t) for growth in self.growths if growth.end >= t
+            )
         return demand
 
     def _fits_shared(self, table: list[int], new: Growth) -> bool:
