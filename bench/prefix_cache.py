@@ -1,7 +1,9 @@
 """Shared-system-prompt workload on the Engine, prefix caching on vs off: prompt tokens computed and TTFT.
 
 All requests arrive at t=0 and share one system prompt; each adds a few unique tokens. Run with
-`python -m bench.prefix_cache` (the serving harness has the same workload: `python -m bench --workload shared-prefix`).
+`python -m bench.prefix_cache` (the serving harness has the same workload: `python -m bench --workload shared-prefix`);
+`--layers sliding` / `--layers mixed` run the default model's sizes with every layer sliding (Mistral-style, one
+sliding layer group) or 5 sliding layers to 1 full one (Gemma3-style, two layer groups), window 256.
 """
 
 from __future__ import annotations
@@ -77,14 +79,19 @@ def main() -> None:
 
     from tabulate import tabulate
 
-    from .models import load_model
+    from .models import load_model, mixed_window_model, sliding_window_model
 
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=512)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--model", default=None, help="a checkpoint path (default: the embedded model)")
+    parser.add_argument("--layers", default="full", choices=["full", "sliding", "mixed"],
+                        help="the embedded model's attention layers: all full (default), all sliding, or 5:1 mixed")
     args = parser.parse_args()
-    rows = shared_prefix(load_model(args.model), num_requests=args.requests, prefix_len=args.prefix_len)
+    if args.model is not None and args.layers != "full":
+        parser.error("--layers applies to the embedded model, not to --model")
+    models = {"full": lambda: load_model(args.model), "sliding": sliding_window_model, "mixed": mixed_window_model}
+    rows = shared_prefix(models[args.layers](), num_requests=args.requests, prefix_len=args.prefix_len)
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
 
 

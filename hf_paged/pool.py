@@ -113,8 +113,9 @@ class BlockPool:
         growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
         enable_prefix_caching (`bool`, defaults to `False`): remember full blocks by a hash chain over their token
             ids (`PagedCache.release(token_ids=...)`) so `PagedCache.from_prefix` can reuse them. A pool with prefix
-            caching belongs to one model: two models with the same shapes would read each other's K/V. Needs one
-            layer group (`group_layers=False` for a model that mixes attention types).
+            caching belongs to one model: two models with the same shapes would read each other's K/V.
+            `PagedCache.from_prefix` and `release(token_ids=...)` need one layer group (`group_layers=False` for a
+            model that mixes attention types); the `Engine` caches every group's blocks.
         group_layers (`bool`, defaults to `True`): split layers of different attention types into layer groups
             (`layout.layer_groups()`), so sliding-window layers can give back blocks that left their window. False
             forces one group of every layer (then nothing is released unless every layer slides).
@@ -151,11 +152,6 @@ class BlockPool:
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensors do, so device checks match
         self.growable = growable
         self.layer_groups: LayerGroups = layout.layer_groups() if group_layers else (tuple(range(layout.num_layers)),)
-        if enable_prefix_caching:
-            # NOTE: a sliding group gives back its oldest blocks as a generation moves on, so a prefix hit would need
-            # the last window's blocks rather than a hash chain from the first (vLLM's sliding-window manager);
-            # until then, prefix caching and layer groups exclude each other, loudly.
-            self.check_one_group("prefix caching (enable_prefix_caching=True)")
         self.group_of_layer = group_of_layer(self.layer_groups)
         self.slot_of_layer = slot_of_layer(self.layer_groups)
         self.num_slots = max(len(group) for group in self.layer_groups)
@@ -254,7 +250,8 @@ class BlockPool:
         return self.allocator.num_used_blocks
 
     def stats(self) -> dict[str, int]:
-        """Used/free blocks and bytes, for logs and leak checks; prefix-cache counts in blocks."""
+        """Used/free blocks and bytes, for logs and leak checks; prefix-cache counts in blocks (over all layer
+        groups)."""
         used, free = self.num_used_blocks, self.num_free_blocks
         allocator = self.allocator
         return {

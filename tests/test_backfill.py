@@ -298,6 +298,37 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
     assert as_before > 0
 
 
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_prefix_caching_with_sliding_groups_never_preempts_and_hits(mixed):
+    """Random bursts of prompts that share a start (a system prompt, repeats), through pools with a sliding group
+    (alone, or beside a full one) and prefix caching: no admitted request is preempted (admission counts every
+    request's blocks as its own, cached or shared ones included), every block goes back, the cache's maps stay
+    consistent, and later requests find what earlier ones computed."""
+    rng = random.Random(3 if mixed else 4)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    num_hit_tokens = 0
+    for _ in range(300):
+        block_size, window = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        shared = [rng.randrange(1, 99) for _ in range(16)]
+        prompts = [
+            shared[: rng.randint(1, 16)] + [rng.randrange(100, 999) for _ in range(rng.randint(0, 4))]
+            for _ in range(rng.randint(2, 8))
+        ]
+        specs = [(prompt, rng.randint(1, 8)) for prompt in prompts]
+        layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+        pool = BlockPool(layout, num_blocks=rng.randint(8, 40), block_size=block_size, enable_prefix_caching=True)
+        scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=rng.choice([8, 16, 64]),
+                              sliding_windows=[window, None][: len(layer_types)])
+        requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(specs)]
+        _drive(scheduler, requests, max_steps=2000)
+        case = (block_size, window, pool.num_blocks, specs)
+        assert scheduler.num_preemptions == 0, case
+        assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
+        pool.allocator.check_invariants()
+        num_hit_tokens += scheduler.num_prefix_hit_tokens
+    assert num_hit_tokens > 1000
+
+
 @pytest.mark.parametrize("prefix_caching", [False, True])
 def test_one_lookahead_answers_every_newcomer_as_a_fresh_one(prefix_caching):
     """Admission tries every waiting request in its window against one plan of the running requests (`Lookahead`);

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from hf_paged import BlockPool, Engine, KVLayout, LayerGroupsUnsupported, RequestFailed, SamplingParams
+from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
+from hf_paged.allocator import block_hashes
 from hf_paged.engine import Request, Scheduler
 from tests.models import greedy_reference, tiny_model
 
@@ -338,10 +339,77 @@ def test_sliding_groups_give_back_blocks_out_of_the_window(name, group_layers):
     assert engine.stats.num_preemptions == 0
 
 
-def test_prefix_caching_on_a_pool_with_several_layer_groups_is_refused():
+@pytest.mark.parametrize("name", ["gemma3", "mistral"])  # sliding + full layer groups; every layer sliding
+def test_shared_system_prompt_with_sliding_layers_is_computed_once(name):
+    """Each layer group caches its own blocks; a sliding group (window 8, blocks of 4) takes only the 2 blocks its
+    window sees from position 40, a full group all 10, and the output is what generate() gives each prompt."""
+    prompts = _shared_prefix_prompts()
+    new_tokens = [6] * len(prompts)
+    reference = greedy_reference(name, prompts, new_tokens)
+    model = tiny_model(name, "hf_paged")
+    results = {}
+    for caching in (False, True):
+        pool = BlockPool.for_model(model, num_blocks=96, block_size=4)
+        engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=44, enable_prefix_caching=caching)
+        hits = []
+        reuse = engine.scheduler._reuse_prefix
+
+        def spy(request):  # the tables each prefill starts from
+            reuse(request)
+            hits.append((request.num_computed, list(request.first_blocks), [len(t) for t in request.block_tables]))
+
+        engine.scheduler._reuse_prefix = spy
+        assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
+        results[caching] = engine.stats
+        assert pool.num_used_blocks == 0
+        pool.allocator.check_invariants()
+    cold, warm = results[False], results[True]
+    assert cold.prefix_hit_tokens == 0 and warm.prefix_hit_tokens == 40 * (len(prompts) - 1)
+    assert warm.prefill_tokens == cold.prefill_tokens - warm.prefix_hit_tokens
+    windows = engine.scheduler.group_windows
+    expected = [(0, [0] * len(windows), [0] * len(windows))] + [
+        (40, [0 if w is None else 8 for w in windows], [10 if w is None else 2 for w in windows])
+    ] * (len(prompts) - 1)
+    assert hits == expected
+
+
+def test_a_sliding_groups_blocks_out_of_the_window_may_be_evicted_without_losing_the_hit():
+    """A 30-token prompt's second run finds 7 blocks (28 tokens) although the sliding group's blocks 0-4, which
+    the window of 8 from position 28 does not see, were evicted. With the full group's block 6 evicted too, a hit
+    of 6 blocks or fewer would need a window from position 24 or earlier, which starts in block 4: no hit."""
     model = tiny_model("gemma3", "hf_paged")
-    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
-    assert pool.num_groups == 2
-    assert not Engine(model, pool).pool.allocator.enable_prefix_caching  # default: off for such a pool
-    with pytest.raises(LayerGroupsUnsupported, match=r"prefix caching .*group_layers=False"):
-        Engine(model, pool, enable_prefix_caching=True)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    engine = Engine(model, pool, max_num_seqs=4)
+    prompt = _prompts(lengths=(30,))[0]
+    reference = greedy_reference("gemma3", [prompt], [6])
+    assert engine.generate([prompt], max_new_tokens=6, ignore_eos=True) == reference
+    windows = engine.scheduler.group_windows
+    sliding, full = windows.index(8), windows.index(None)
+    allocator, hashes = pool.allocator, block_hashes(prompt, 4)[:7]
+    for block_id in allocator.peek_blocks(hashes[:5], sliding):
+        allocator.uncache(block_id)
+    assert engine.generate([prompt], max_new_tokens=6, ignore_eos=True) == reference
+    assert engine.stats.prefix_hit_tokens == 28
+    (block_id,) = allocator.peek_blocks(hashes[6:7], full)
+    allocator.uncache(block_id)  # a hit of at most 6 blocks, whose window needs evicted sliding blocks: none
+    assert engine.generate([prompt], max_new_tokens=6, ignore_eos=True) == reference
+    assert engine.stats.prefix_hit_tokens == 28
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
+def test_preemption_and_prefix_caching_on_a_pool_with_layer_groups():
+    """Sliding + full groups, admission that keeps no room for growth: requests are preempted and recomputed, every
+    output is what generate() gives, and no block leaks. What each group cached on the way serves the longest
+    prompt again: 7 blocks (28 of its 30 tokens)."""
+    prompts = _prompts()
+    engine, pool = _engine("gemma3", 24, max_num_seqs=4, decode_reserve_tokens=0)
+    assert pool.num_groups == 2 and pool.allocator.enable_prefix_caching
+    reference = greedy_reference("gemma3", prompts, NEW_TOKENS)
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == reference
+    assert engine.stats.num_preemptions > 0
+    assert pool.num_used_blocks == 0
+    assert engine.generate([prompts[3]], max_new_tokens=NEW_TOKENS[3], ignore_eos=True) == [reference[3]]
+    assert engine.stats.prefix_hit_tokens == 28
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()

@@ -375,23 +375,20 @@ def test_private_pool_gets_groups_and_grows_with_them():
 
 
 # ------------------------------------------------------------------------------------------------ prefix caching
-def test_prefix_caching_needs_one_group_and_says_so():
+def test_paged_cache_prefix_reuse_needs_one_group_and_says_so():
+    """The Engine caches each layer group's blocks (tests/test_engine.py); `PagedCache.from_prefix` and
+    `release(token_ids=...)` work on one block table per row, so they refuse a pool with groups."""
     model = tiny_model("gemma3")
-    with pytest.raises(LayerGroupsUnsupported, match=r"prefix caching.*one layer group.*group_layers=False"):
-        BlockPool.for_model(model, num_blocks=8, enable_prefix_caching=True)
-    grouped = BlockPool.for_model(model, num_blocks=8)
+    grouped = BlockPool.for_model(model, num_blocks=8, enable_prefix_caching=True)
+    assert grouped.num_groups == 2
     with pytest.raises(LayerGroupsUnsupported, match="from_prefix needs a pool with one layer group"):
         PagedCache.from_prefix(grouped, random_prompt(9), model.config)
     assert_pool_clean(grouped)
-    # An allocator switched on behind the pool's back (as the Engine does): release(token_ids) refuses too.
-    grouped.allocator.enable_prefix_caching = True
     with PagedCache(config=model.config, pool=grouped) as cache:
         out = _generate(model, cache, random_prompt(5), max_new_tokens=3)
         with pytest.raises(LayerGroupsUnsupported, match=r"release\(token_ids=...\)"):
             cache.release(token_ids=out)
     assert_pool_clean(grouped)
-    with pytest.raises(LayerGroupsUnsupported, match="Engine needs a pool with one layer group"):
-        grouped.check_one_group("Engine")
 
 
 def test_prefix_caching_on_a_one_group_gemma3_pool_equals_a_cold_run():

@@ -4,8 +4,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged import BlockAllocator, BlockPool, PagedCache, PoolExhausted
+from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache, PoolExhausted, SamplingParams
 from hf_paged.allocator import block_hashes, hash_block_tokens
+from hf_paged.engine import Request, Scheduler
 from tests.models import left_padded_batch, tiny_model
 from tests.prefix_kv import LAYOUT, update_rows
 
@@ -54,6 +55,85 @@ def test_peek_prefix_names_what_a_lookup_would_take_and_takes_nothing():
     assert allocator.num_free_blocks == 3 and allocator.ref_count(1) == 0  # nothing taken
     assert (allocator.num_prefix_queries, allocator.num_prefix_hits) == (0, 0)  # not a query
     allocator.check_invariants()
+
+
+def test_each_layer_group_caches_its_own_blocks():
+    """Two groups' blocks for the same tokens hold different layers: a hash cached in one group is not found in
+    another, and evicting one group's block leaves the other's."""
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    assert allocator.allocate(2) == [0, 1]
+    allocator.cache_block(0, H[0])  # group 0
+    allocator.cache_block(1, H[0], group=1)
+    assert allocator.peek_prefix([H[0]]) == [0] and allocator.peek_prefix([H[0]], group=1) == [1]
+    assert allocator.peek_prefix([H[0]], group=2) == []
+    allocator.free([0, 1])  # free queue: 2, 3, 0, 1
+    assert allocator.allocate(3) == [2, 3, 0]  # evicts group 0's copy
+    assert allocator.peek_prefix([H[0]]) == [] and allocator.lookup_prefix([H[0]], group=1) == [1]
+    assert allocator.peek_blocks([H[1], H[0], H[2]], group=1) == [None, 1, None]  # every hash, not a leading run
+    assert allocator.num_cached_blocks == 1
+    allocator.check_invariants()
+
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
+def _hybrid_scheduler(window: int = 8) -> tuple[Scheduler, int, int]:
+    """A scheduler on a pool with a sliding group (window `window`) and a full one, blocks of 4, prefix caching on;
+    with the indices of its sliding and full groups."""
+    pool = BlockPool(KVLayout((2, 2), (4, 4), (SLIDING, FULL)), num_blocks=64, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[window, None])
+    sliding = scheduler.group_windows.index(window)
+    return scheduler, sliding, 1 - sliding
+
+
+def _cache(allocator: BlockAllocator, hashes: list[bytes], indices, group: int) -> dict[int, int]:
+    """Cache blocks for `hashes[i]`, i in `indices`, in `group`, then free them (cached, evictable): index -> id."""
+    blocks = {}
+    for index in indices:
+        (blocks[index],) = allocator.allocate(1)
+        allocator.cache_block(blocks[index], hashes[index], group)
+    allocator.free(blocks.values())
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "full_cached, sliding_cached, num_hit",
+    [
+        (range(10), range(8, 10), 10),  # the window from position 40 spans blocks 8-9: the rest may be gone
+        (range(10), [*range(2, 8), 9], 8),  # block 8 missing: a hit of 9 or 10 blocks needs it; 8 needs 6-7
+        (range(6), range(10), 6),  # a full group needs every block from the first
+        (range(10), [], 0),
+    ],
+    ids=["window-only", "hole-in-window", "full-shorter", "sliding-empty"],
+)
+def test_a_hit_needs_every_block_of_a_full_group_and_the_window_of_a_sliding_one(full_cached, sliding_cached, num_hit):
+    scheduler, sliding, full = _hybrid_scheduler(window=8)
+    allocator = scheduler.pool.allocator
+    tokens = list(range(1, 42))  # 41 tokens: 10 full blocks looked up (one token is always left to compute)
+    hashes = block_hashes(tokens, 4)
+    full_blocks = _cache(allocator, hashes, full_cached, full)
+    sliding_blocks = _cache(allocator, hashes, sliding_cached, sliding)
+    request = Request(0, tokens, SamplingParams(max_new_tokens=4))
+    hit = scheduler._cached_prefix(request)
+    assert hit.num_blocks == num_hit
+    assert hit.waits_for == (hashes[num_hit] if num_hit < 10 else None)
+    first_sliding = max(num_hit * 4 - 8 + 1, 0) // 4  # the first block a query at position 4 * num_hit sees
+    assert hit.first_blocks[full] == 0 and hit.first_blocks[sliding] == first_sliding
+    assert hit.tables[full] == [full_blocks[i] for i in range(num_hit)]
+    assert hit.tables[sliding] == [sliding_blocks[i] for i in range(first_sliding, num_hit)]
+    num_free = allocator.num_free_blocks
+    scheduler._reuse_prefix(request)  # takes exactly what the peek named
+    assert request.block_tables == hit.tables and request.first_blocks == hit.first_blocks
+    assert request.num_computed == 4 * num_hit == scheduler.num_prefix_hit_tokens
+    assert allocator.num_free_blocks == num_free - len(hit.tables[full]) - len(hit.tables[sliding])
+    allocator.check_invariants()
+
+
+def test_a_hash_cached_in_another_group_is_not_a_hit():
+    scheduler, sliding, full = _hybrid_scheduler()
+    tokens = list(range(1, 42))
+    _cache(scheduler.pool.allocator, block_hashes(tokens, 4), range(10), full)  # the sliding group holds none
+    assert scheduler._cached_prefix(Request(0, tokens, SamplingParams())).num_blocks == 0
 
 
 def test_eviction_takes_the_least_recently_freed_cached_block():

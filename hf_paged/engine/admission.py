@@ -44,13 +44,15 @@ class Admission:
         t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0, at the last
         step a prefill may take (a sliding group counts less after it), or just before one of them finishes.
 
-        With prefix caching (one group, no window), blocks that several running requests hold (a shared system
-        prompt, parallel samples of one prompt) count once: the demand at t is every block held now by a request
-        still running at t, plus the blocks each of those will add by t. A request that has not looked up its
+        With prefix caching on a pool of one full-attention group, blocks that several running requests hold (a
+        shared system prompt, parallel samples of one prompt) count once: the demand at t is every block held now by
+        a request still running at t, plus the blocks each of those will add by t. A request that has not looked up its
         prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup
         would take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper
         bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to
-        a request whose new blocks are counted already, one block for the one it must then compute.
+        a request whose new blocks are counted already, one block for the one it must then compute. With layer
+        groups or a window, every request counts its blocks as its own, cached or shared ones included: more than
+        it can take.
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
@@ -95,7 +97,7 @@ class Admission:
         for index, request in enumerate(requests):
             if not prefilling[index] or request.block_tables:
                 continue
-            waits_for = self._cached_prefix(request)[1]
+            waits_for = self._cached_prefix(request).waits_for
             delays[index] = self._prefix_wait(request, waits_for, computing, per_step, delays[index])
             record(index)
         return computing

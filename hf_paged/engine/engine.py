@@ -64,11 +64,13 @@ class Engine:
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
             goes to prefill chunks, so one long prompt cannot stall decoding). At least `max_num_seqs`.
-        enable_prefix_caching (`bool`, *optional*): reuse cached prompt prefixes when a request's prefill starts.
-            Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them once:
-            a request waits while another computes blocks it would reuse, and admission counts a block that several
-            requests hold or would take from the cache once. Default: on when the pool has one layer group (prefix caching needs that;
-            see `BlockPool`). Turns the pool's prefix cache on (a pool with prefix caching belongs to one model).
+        enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes when a request's prefill
+            starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
+            once: a request waits while another computes blocks it would reuse, and on a one-group pool without a
+            window admission counts a block that several requests hold or would take from the cache once. With
+            layer groups, each group caches its own blocks, and a sliding group needs only the blocks its window
+            still sees for a hit. Turns the pool's prefix cache on (a pool with prefix caching belongs to one
+            model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
@@ -89,15 +91,12 @@ class Engine:
         *,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 512,
-        enable_prefix_caching: bool | None = None,
+        enable_prefix_caching: bool = True,
         decode_reserve_tokens: int | None = None,
         backfill_window: int = 8,
     ):
         pool.check_compatible(KVLayout.from_config(model.config))
-        if enable_prefix_caching is None:  # on where the pool allows it (one layer group)
-            enable_prefix_caching = pool.num_groups == 1
         if enable_prefix_caching:
-            pool.check_one_group("prefix caching (enable_prefix_caching=True)")
             pool.allocator.enable_prefix_caching = True
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool

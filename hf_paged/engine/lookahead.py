@@ -70,7 +70,7 @@ class Lookahead:
             self.tables = [
                 request.block_tables[0]
                 if request.block_tables
-                else scheduler._cached_prefix(request)[0]
+                else scheduler._cached_prefix(request).tables[0]
                 for request in running
             ]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
@@ -97,10 +97,10 @@ class Lookahead:
     def fits(self, newcomer: Request) -> bool:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
         # NOTE: one prefix lookup per try, for both its wait and (shared blocks) what it would take from the cache.
-        cached, waits_for = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else ([], None)
-        new = self.newcomer_growth(newcomer, waits_for)
+        hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
+        new = self.newcomer_growth(newcomer, hit.waits_for if hit else None)
         if self.shared:
-            return self._fits_shared(cached, new)
+            return self._fits_shared(hit.tables[0], new)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
             demand = self._running_demand(t)

@@ -12,19 +12,23 @@ models have sliding and full groups). A group whose layers all slide gives back,
 blocks that no query from then on can see, so its table keeps only about a window of blocks; `first_blocks[g]`
 counts the blocks released before the table's first entry.
 
-With prefix caching on (one-group pools only), a request's first prefill takes the longest cached prefix of its tokens (full blocks,
-always leaving one token to compute), and every block that fills up is remembered by its hash chain, so requests
-sharing a system prompt compute it once, and a preempted request mostly finds its own blocks again. A request whose
-prompt continues with blocks another request is computing right now waits for them instead of computing a copy
-(parallel samples of one prompt start one after the other), and admission counts a block that several running
-requests hold once, a waiting request's cached prefix included.
+With prefix caching on, a request's first prefill takes the longest cached prefix of its tokens (full blocks, always
+leaving one token to compute; a sliding group only the blocks its window still sees), and every block that fills up
+is remembered by its hash chain, in each layer group, so requests sharing a system prompt compute it once, and a
+preempted request mostly finds its own blocks again. A request whose prompt continues with blocks another request is
+computing right now waits for them instead of computing a copy (parallel samples of one prompt start one after the
+other). On a pool of one full-attention group, admission counts a block that several running requests hold once, a
+waiting request's cached prefix included; with layer groups or a window it counts every request's blocks as its own
+(an upper bound: a shared block is never needed twice).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -69,6 +73,19 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
 
 
+def _run_length(run: int, block_id: int | None) -> int:
+    return run + 1 if block_id is not None else 0
+
+
+class PrefixHit(NamedTuple):
+    """What a prefix lookup would take: the first `num_blocks` blocks of a request's tokens are cached."""
+
+    num_blocks: int
+    first_blocks: list[int]  # per layer group: the first block it needs (0 in a full group; a sliding group's window)
+    tables: list[list[int]]  # per layer group: the cached blocks `first_blocks[g] .. num_blocks - 1`
+    waits_for: bytes | None  # the hash of the first block not found (None: every block a lookup tries was)
+
+
 @dataclass
 class ScheduledStep:
     decode: list[Request]  # one token each, batched in one forward
@@ -110,8 +127,6 @@ class Scheduler(Admission):
             None if any(windows[layer] is None for layer in group) else max(windows[layer] for layer in group)
             for group in pool.layer_groups
         ]
-        if pool.allocator.enable_prefix_caching:
-            pool.check_one_group("prefix caching")
         self.decode_reserve_tokens = decode_reserve_tokens
         self.backfill_window = backfill_window
         self.max_num_seqs = max_num_seqs
@@ -191,14 +206,20 @@ class Scheduler(Admission):
         self.num_preemptions += 1
 
     def _reuse_prefix(self, request: Request) -> None:
-        """Start a request's prefill from the longest cached prefix of its tokens."""
-        allocator, block_size = self.pool.allocator, self.pool.block_size
+        """Start a request's prefill from the longest cached prefix of its tokens (`_cached_prefix`)."""
+        allocator = self.pool.allocator
         if not allocator.enable_prefix_caching:
             return
-        hit = allocator.lookup_prefix(self._lookup_hashes(request))
-        request.block_tables, request.first_blocks = [hit], [0]  # prefix caching implies one layer group
-        request.num_registered_blocks = len(hit)
-        request.num_computed = request.num_cached_tokens = len(hit) * block_size
+        hit = self._cached_prefix(request)
+        hashes = request.block_hashes
+        request.block_tables = [
+            allocator.lookup_prefix(hashes[first : hit.num_blocks], group)
+            for group, first in enumerate(hit.first_blocks)
+        ]
+        assert request.block_tables == hit.tables, "the prefix cache changed between peek and lookup"
+        request.first_blocks = list(hit.first_blocks)
+        request.num_registered_blocks = hit.num_blocks
+        request.num_computed = request.num_cached_tokens = hit.num_blocks * self.pool.block_size
         self.num_prefix_hit_tokens += request.num_computed
 
     def _waits_for_prefix(self, request: Request, computing: set[bytes]) -> bool:
@@ -209,14 +230,40 @@ class Scheduler(Admission):
         first every step and the wait ends."""
         if not self.pool.allocator.enable_prefix_caching:
             return False
-        return self._cached_prefix(request)[1] in computing
+        return self._cached_prefix(request).waits_for in computing
 
-    def _cached_prefix(self, request: Request) -> tuple[list[int], bytes | None]:
-        """What a prefix lookup for `request` would take now, without taking it: (the cached blocks, the hash of
-        the first block of its lookup that the prefix cache does not hold, None when all of them are cached)."""
+    def _cached_prefix(self, request: Request) -> PrefixHit:
+        """What a prefix lookup for `request` would take now, without taking it (see `PrefixHit`).
+
+        The hit is the longest run of `n` leading blocks of its tokens that every layer group can start from: a
+        full group needs its blocks 0..n-1 cached, a sliding group only those its window still sees from position
+        `n * block_size` on (vLLM's hybrid manager does the same), so a sliding group's blocks that were released
+        and evicted do not shorten the hit. Layer groups cache their own blocks (`BlockAllocator`, `group`)."""
         hashes = self._lookup_hashes(request)
-        cached = self.pool.allocator.peek_prefix(hashes)
-        return cached, hashes[len(cached)] if len(cached) < len(hashes) else None
+        allocator, block_size = self.pool.allocator, self.pool.block_size
+        found: dict[int, list] = {}  # group -> its cached blocks: a full group's leading run, a sliding group's all
+        num_blocks = len(hashes)
+        for group, window in enumerate(self.group_windows):
+            if window is None:
+                found[group] = allocator.peek_prefix(hashes[:num_blocks], group)
+                num_blocks = len(found[group])
+        sliding = [group for group, window in enumerate(self.group_windows) if window is not None]
+        runs = []  # per sliding group: runs[i], the cached blocks in a row that end at block i - 1
+        for group in sliding:
+            found[group] = allocator.peek_blocks(hashes[:num_blocks], group)
+            runs.append((group, list(itertools.accumulate(found[group], _run_length, initial=0))))
+        while num_blocks and any(
+            run[num_blocks] < num_blocks - self._first_needed_block(group, num_blocks * block_size)
+            for group, run in runs
+        ):
+            num_blocks -= 1
+        first_blocks = [self._first_needed_block(group, num_blocks * block_size) for group in range(len(found))]
+        return PrefixHit(
+            num_blocks=num_blocks,
+            first_blocks=first_blocks,
+            tables=[found[group][first:num_blocks] for group, first in enumerate(first_blocks)],
+            waits_for=hashes[num_blocks] if num_blocks < len(hashes) else None,
+        )
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
@@ -234,15 +281,16 @@ class Scheduler(Admission):
             )
 
     def cache_full_blocks(self, request: Request) -> None:
-        """After a forward: remember every block of `request` that is now full of computed tokens."""
+        """After a forward: remember every block of `request` that is now full of computed tokens, in every layer
+        group (a sliding group's blocks before its table's first entry went back already and are not its own)."""
         allocator = self.pool.allocator
         if not allocator.enable_prefix_caching:
             return
         num_full = request.num_computed // self.pool.block_size
         self._extend_hashes(request, num_full)
-        table, first = request.block_tables[0], request.first_blocks[0]
-        for index in range(max(request.num_registered_blocks, first), num_full):
-            allocator.cache_block(table[index - first], request.block_hashes[index])
+        for group, (table, first) in enumerate(zip(request.block_tables, request.first_blocks)):
+            for index in range(max(request.num_registered_blocks, first), num_full):
+                allocator.cache_block(table[index - first], request.block_hashes[index], group)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
     def _fail_alone(self, request: Request, chunk: int) -> None:
