@@ -3,7 +3,8 @@
 All requests arrive at t=0 and share one system prompt; each adds a few unique tokens. Run with
 `python -m bench.prefix_cache` (the serving harness has the same workload: `python -m bench --workload shared-prefix`);
 `--layers sliding` / `--layers mixed` run the default model's sizes with every layer sliding (Mistral-style, one
-sliding layer group) or 5 sliding layers to 1 full one (Gemma3-style, two layer groups), window 256.
+sliding layer group) or 5 sliding layers to 1 full one (Gemma3-style; `BlockPool` makes each layer its own group),
+window 256.
 """
 
 from __future__ import annotations

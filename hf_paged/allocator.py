@@ -6,8 +6,8 @@ The storage that the ids index lives in `pool.py`.
 Invariants (checked by `check_invariants`, relied on everywhere):
 - a block is either free (`ref_count == 0`, in the free queue exactly once) or held (`ref_count >= 1`, not queued);
 - `num_free_blocks + num_used_blocks == num_blocks`;
-- with prefix caching, `block id -> key` and `key -> block id` are inverse maps, and only full blocks whose
-  contents are exactly the hashed tokens carry a key.
+- with prefix caching, `block id -> (group, hash)` and each group's `hash -> block id` are inverse maps, and only
+  full blocks whose contents are exactly the hashed tokens carry a hash.
 
 Prefix caching (vLLM's design, smaller): a full block can be remembered by a hash chain over token ids. A freed
 cached block stays in the free queue with its contents, in least-recently-freed order, and is evicted (its hash
@@ -16,7 +16,6 @@ forgotten) only when `allocate` pops it for new data; a lookup that hits it take
 Layer groups: a pool whose layers form several groups (sliding and full attention) gives each sequence one block
 per group for the same tokens, holding different layers' K/V. So a hash is cached per group: every method that
 takes a hash takes the `group` it is for (default 0), and a lookup in one group never finds another group's block.
-Group 0's key is the hash itself; another group's is the hash behind a two-byte group prefix.
 """
 
 from __future__ import annotations
@@ -49,8 +48,10 @@ class BlockAllocator:
         # Re-entrant, and public so a caller can make a read-then-act sequence atomic (block_tables.py).
         self.lock = threading.RLock()
         self.enable_prefix_caching = enable_prefix_caching
-        self._block_of_hash: dict[bytes, int] = {}  # key (the hash in its group, `_key`) -> block id
-        self._hash_of_block: dict[int, bytes] = {}  # block id -> key
+        self._block_of_hash: dict[bytes, int] = {}  # group 0's hash -> block id
+        self._blocks_by_group: dict[int, dict[bytes, int]] = {0: self._block_of_hash}  # group -> hash -> block id
+        self._hash_of_block: dict[int, bytes] = {}  # block id -> hash
+        self._group_of_block: dict[int, int] = {}  # block id -> the group its hash is cached for
         self.num_prefix_queries = 0  # blocks looked up
         self.num_prefix_hits = 0  # blocks found
 
@@ -160,14 +161,15 @@ class BlockAllocator:
         """
         if not self.enable_prefix_caching:
             return
-        key = _key(block_hash, group)
         with self.lock:
             if self._ref_counts[block_id] <= 0:
                 raise RuntimeError(f"cache_block of free block {block_id}: only held blocks can be cached")
-            if key in self._block_of_hash or block_id in self._hash_of_block:
+            blocks = self._blocks_by_group.setdefault(group, {})
+            if block_hash in blocks or block_id in self._hash_of_block:
                 return
-            self._block_of_hash[key] = block_id
-            self._hash_of_block[block_id] = key
+            blocks[block_hash] = block_id
+            self._hash_of_block[block_id] = block_hash
+            self._group_of_block[block_id] = group
 
     def lookup_prefix(self, block_hashes: Sequence[bytes], group: int = 0) -> list[int]:
         """Take a hold on the cached blocks of the longest cached prefix of `block_hashes` (in layer group `group`);
@@ -185,9 +187,9 @@ class BlockAllocator:
     def peek_prefix(self, block_hashes: Sequence[bytes], group: int = 0) -> list[int]:
         """The ids of the cached blocks `lookup_prefix(block_hashes, group)` would take now, taking nothing."""
         with self.lock:
-            block_ids = []
+            block_ids, blocks = [], self._blocks_by_group.get(group, {})
             for block_hash in block_hashes:
-                block_id = self._block_of_hash.get(_key(block_hash, group))
+                block_id = blocks.get(block_hash)
                 if block_id is None:
                     break
                 block_ids.append(block_id)
@@ -197,7 +199,8 @@ class BlockAllocator:
         """The cached block of each hash in layer group `group`, None where there is none (every hash, not only the
         leading run: a sliding group needs only the blocks its window sees). Takes nothing."""
         with self.lock:
-            return [self._block_of_hash.get(_key(block_hash, group)) for block_hash in block_hashes]
+            blocks = self._blocks_by_group.get(group, {})
+            return [blocks.get(block_hash) for block_hash in block_hashes]
 
     def uncache(self, block_id: int) -> None:
         """Forget `block_id`'s hash (its contents are about to change)."""
@@ -207,7 +210,7 @@ class BlockAllocator:
     def _forget(self, block_id: int) -> None:
         block_hash = self._hash_of_block.pop(block_id, None)
         if block_hash is not None:
-            del self._block_of_hash[block_hash]
+            del self._blocks_by_group[self._group_of_block.pop(block_id)][block_hash]
 
     # --------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
@@ -220,17 +223,15 @@ class BlockAllocator:
             num_held = sum(1 for count in self._ref_counts if count > 0)
             assert all(count >= 0 for count in self._ref_counts), "negative ref_count"
             assert num_held + len(free) == self.num_blocks, f"{num_held} held + {len(free)} free != {self.num_blocks}"
-            assert len(self._block_of_hash) == len(self._hash_of_block), "hash maps out of step"
-            for key, block_id in self._block_of_hash.items():
-                assert self._hash_of_block[block_id] == key, f"block {block_id} hash maps disagree"
+            num_cached = sum(len(blocks) for blocks in self._blocks_by_group.values())
+            assert num_cached == len(self._hash_of_block) == len(self._group_of_block), "hash maps out of step"
+            for group, blocks in self._blocks_by_group.items():
+                for block_hash, block_id in blocks.items():
+                    assert self._hash_of_block[block_id] == block_hash, f"block {block_id} hash maps disagree"
+                    assert self._group_of_block[block_id] == group, f"block {block_id} cached for two groups"
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, num_free_blocks={self.num_free_blocks})"
-
-
-def _key(block_hash: bytes, group: int) -> bytes:
-    """Where `block_hash` is cached for layer group `group`: the hash itself in group 0, else behind the group."""
-    return block_hash if group == 0 else group.to_bytes(2, "little") + block_hash
 
 
 def hash_block_tokens(parent_hash: bytes | None, block_index: int, token_ids: Sequence[int]) -> bytes:

@@ -262,7 +262,8 @@ class BlockTables:
     # ----------------------------------------------------------- prefix cache
     def adopt_prefix(self, token_ids: list[int]) -> int:
         """Begin with one row holding the longest cached prefix of `token_ids` (at least one token is left to
-        compute); returns how many tokens it holds. Needs a pool with one layer group (prefix caching does)."""
+        compute); returns how many tokens it holds. Needs a pool with one layer group (`PagedCache.from_prefix`
+        checks)."""
         block_size = self.pool.block_size
         num_blocks = (len(token_ids) - 1) // block_size
         block_ids = self.pool.allocator.lookup_prefix(block_hashes(token_ids[: num_blocks * block_size], block_size))

@@ -14,5 +14,6 @@ class PoolMismatch(ValueError):
 
 
 class LayerGroupsUnsupported(NotImplementedError):
-    """An operation that needs one block table per sequence (prefix caching) met a pool whose layers are split into
-    several layer groups; the message names the fix (`BlockPool.for_model(..., group_layers=False)`)."""
+    """An operation that needs one block table per sequence (`PagedCache.from_prefix`, `release(token_ids=...)`) met
+    a pool whose layers are split into several layer groups; the message names the fix
+    (`BlockPool.for_model(..., group_layers=False)`)."""

@@ -227,8 +227,8 @@ class BlockPool:
 
     def check_one_group(self, user: str) -> None:
         """Raise `LayerGroupsUnsupported` naming `user` unless this pool has one layer group, i.e. unless one block
-        table per sequence addresses every layer (prefix caching, and code that indexes `key_cache[l]` with one
-        table for all layers)."""
+        table per sequence addresses every layer (`PagedCache`'s prefix reuse, and code that indexes `key_cache[l]`
+        with one table for all layers)."""
         if self.num_groups > 1:
             raise LayerGroupsUnsupported(
                 f"{user} needs a pool with one layer group; this pool has {self.num_groups} ({self.layer_groups}), "

@@ -102,9 +102,10 @@ def _cache(allocator: BlockAllocator, hashes: list[bytes], indices, group: int) 
         (range(10), range(8, 10), 10),  # the window from position 40 spans blocks 8-9: the rest may be gone
         (range(10), [*range(2, 8), 9], 8),  # block 8 missing: a hit of 9 or 10 blocks needs it; 8 needs 6-7
         (range(6), range(10), 6),  # a full group needs every block from the first
+        (range(10), [3, 4], 5),  # only a window in the middle: n = 5 (it needs blocks 3-4) and nothing above
         (range(10), [], 0),
     ],
-    ids=["window-only", "hole-in-window", "full-shorter", "sliding-empty"],
+    ids=["window-only", "hole-in-window", "full-shorter", "window-in-the-middle", "sliding-empty"],
 )
 def test_a_hit_needs_every_block_of_a_full_group_and_the_window_of_a_sliding_one(full_cached, sliding_cached, num_hit):
     scheduler, sliding, full = _hybrid_scheduler(window=8)

@@ -49,7 +49,7 @@ class Request:
     num_computed: int = 0  # tokens whose K/V are in the pool
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
-    num_registered_blocks: int = 0  # leading blocks (of group 0) the prefix cache knows
+    num_registered_blocks: int = 0  # leading blocks the prefix cache knows (in every group)
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     num_skips: int = 0  # admissions of later requests (backfill) while it waited first in line or near it
     error: str | None = None
@@ -71,10 +71,6 @@ class Request:
     def num_pending(self) -> int:
         """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
-
-
-def _run_length(run: int, block_id: int | None) -> int:
-    return run + 1 if block_id is not None else 0
 
 
 class PrefixHit(NamedTuple):
@@ -248,15 +244,13 @@ class Scheduler(Admission):
                 found[group] = allocator.peek_prefix(hashes[:num_blocks], group)
                 num_blocks = len(found[group])
         sliding = [group for group, window in enumerate(self.group_windows) if window is not None]
-        runs = []  # per sliding group: runs[i], the cached blocks in a row that end at block i - 1
         for group in sliding:
             found[group] = allocator.peek_blocks(hashes[:num_blocks], group)
-            runs.append((group, list(itertools.accumulate(found[group], _run_length, initial=0))))
-        while num_blocks and any(
-            run[num_blocks] < num_blocks - self._first_needed_block(group, num_blocks * block_size)
-            for group, run in runs
-        ):
-            num_blocks -= 1
+        settled = not sliding
+        while not settled:  # until every sliding group's window at num_blocks is whole
+            hits = [self._window_hit(found[group], num_blocks, self.group_windows[group]) for group in sliding]
+            settled = min(hits) == num_blocks
+            num_blocks = min(hits)
         first_blocks = [self._first_needed_block(group, num_blocks * block_size) for group in range(len(found))]
         return PrefixHit(
             num_blocks=num_blocks,
@@ -264,6 +258,23 @@ class Scheduler(Admission):
             tables=[found[group][first:num_blocks] for group, first in enumerate(first_blocks)],
             waits_for=hashes[num_blocks] if num_blocks < len(hashes) else None,
         )
+
+    def _window_hit(self, blocks: list[int | None], num_blocks: int, window: int) -> int:
+        """The largest n <= `num_blocks` whose window, blocks `first(n) .. n - 1` (`_first_needed_block`), are all
+        cached in `blocks` (a sliding group's cached block of each leading block, None where it has none).
+
+        One pass from the top: a missing block k rules out every n above it (windows only move right as n grows),
+        so the next candidate is n = k, checked from block k - 1 on."""
+        block_size = self.pool.block_size
+        top, k = num_blocks, num_blocks - 1
+        while top > 0:
+            first = max(top * block_size - window + 1, 0) // block_size
+            while k >= first and blocks[k] is not None:
+                k -= 1
+            if k < first:
+                return top
+            top, k = k, k - 1
+        return 0
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
