@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
     weight_major_rows, calibration = pick_linear(model, args.linear)
     started = time.time()
-    device = str(model.device) + (f" ({torch.cuda.get_device_name()})" if model.device.type == "cuda" else "")
+    device = str(model.device) + (f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else "")
     print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)

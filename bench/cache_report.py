@@ -110,7 +110,7 @@ class _StepClock(LogitsProcessor):
 
     def __call__(self, input_ids, scores):
         if scores.is_cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(scores.device)
         self.times.append(time.perf_counter())
         return scores
 

@@ -144,7 +144,9 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
     """transformers' continuous batching (the manager `generate_batch` uses), with per-request max_new_tokens.
 
     The budget is its `num_blocks` (whole-model blocks of `page_size` tokens, the same bytes as our blocks);
-    `max_batch_tokens` and `max_requests_per_batch` match the engine's.
+    `max_batch_tokens` and `max_requests_per_batch` match the engine's. It stays on sdpa (by default it switches to
+    flash attention where that is installed) and without async double-buffering, which on CUDA would double its
+    K/V memory past the budget; CUDA graphs are its own call.
     """
     num_blocks = budget.bytes // (budget.bytes_per_token * BLOCK_SIZE)
     cb_config = ContinuousBatchingConfig(
@@ -153,6 +155,8 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
         num_blocks=num_blocks,
         max_batch_tokens=MAX_NUM_BATCHED_TOKENS,
         max_requests_per_batch=ENGINE_MAX_NUM_SEQS,
+        auto_switch_to_flash=False,
+        use_async_batching=False,
     )
     config = generation_config(model, workload)
     config.eos_token_id = -1  # its way of saying "no eos"

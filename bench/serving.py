@@ -136,9 +136,10 @@ def warm_up(model, workload: Workload, runners: dict[str, Callable[..., RunResul
     """One untimed run of every backend on two short requests (16 prompt tokens, 4 new ones), so the first timed
     run does not pay for first-use work: Triton compiling its kernels on CUDA, allocator and thread-pool start-up.
 
-    NOTE: a Triton kernel compiles again for each new value of a compile-time constant (the decode kernel's split
-    count depends on the batch), so a timed CUDA run may still compile a few variants; `--repeats 2` keeps the
-    faster of two runs.
+    NOTE: a Triton kernel compiles again for each new value of a compile-time constant. The decode kernel's split
+    count (from the batch and the context) is a power of two, so at most 7 variants exist, and the block-table
+    stride is not specialized; a timed CUDA run with long contexts may still compile a split variant the warm-up
+    did not meet, once. `--repeats 2` keeps the faster of two runs.
     """
     requests = tuple(RequestSpec(spec.prompt_ids[:16], min(spec.max_new_tokens, 4)) for spec in workload.requests[:2])
     tiny = replace(workload, requests=requests)

@@ -263,7 +263,7 @@ def render(serving: dict) -> list[str]:
         f"- `{PEER}`: transformers' own continuous batching (the manager behind `model.generate_batch`, used",
         "  directly to give each request its own `max_new_tokens`) with `num_blocks` = budget / block bytes,",
         f"  `page_size` {BLOCK_SIZE}, `max_batch_tokens` {MAX_NUM_BATCHED_TOKENS}, block sharing on (its default),",
-        "  on sdpa;",
+        "  on sdpa (no switch to flash attention) and without async double-buffering (it would double K/V memory);",
         "- any other name: a third-party cache backend from `hf_paged.available_backends()`, run like `dynamic`.",
         "",
         *(

@@ -11,7 +11,9 @@ unless `initializer_range` is raised and embeddings are untied; `eos_token_id=No
 from __future__ import annotations
 
 import functools
+import os
 
+import pytest
 import torch
 from transformers import (
     DynamicCache,
@@ -94,17 +96,27 @@ def _config(name: str, num_layers: int):
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_model(name: str, attn_implementation: str = "sdpa", *, num_layers: int = 2, seed: int = 0):
-    """A tiny random-weight `*ForCausalLM` in eval mode. Cached: do not mutate the returned model.
+def tiny_model(
+    name: str, attn_implementation: str = "sdpa", *, num_layers: int = 2, seed: int = 0, device: str = "cpu"
+):
+    """A tiny random-weight `*ForCausalLM` in eval mode, on `device` (the same weights on every device). Cached: do
+    not mutate the returned model.
 
     `num_layers`/`seed` make a different model of the same family and vocab (an assistant for assisted decoding).
     """
     model_class, config = _config(name, num_layers)
     config._attn_implementation = attn_implementation
     torch.manual_seed(seed)
-    model = model_class(config).eval()
+    model = model_class(config).eval().to(device)
     assert model.config._attn_implementation == attn_implementation, model.config._attn_implementation
     return model
+
+
+def require_triton_on_cpu() -> None:
+    """Skip a test that runs the Triton backend on these CPU models unless Triton's interpreter is on (conftest.py
+    turns it on when CUDA is absent). With CUDA, the Triton path is tested on CUDA models (tests/test_gpu.py)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the Triton backend on CPU models needs TRITON_INTERPRET=1; on CUDA see tests/test_gpu.py")
 
 
 def tiny_assistant(name: str, attn_implementation: str = "sdpa"):

@@ -11,7 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_paged
 from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
-from tests.models import left_padded_batch, random_prompt, tiny_model
+from tests.models import left_padded_batch, random_prompt, require_triton_on_cpu, tiny_model
 
 MAX_NEW_TOKENS = 6  # mistral's window is 8: prompts of 12 already slide, and its blocks get released
 
@@ -38,6 +38,8 @@ def test_registered_with_transformers():
 @pytest.mark.parametrize("mode", ["batch1", "padded3", "beams"])
 @pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3", "gpt2", "mistral"])
 def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monkeypatch):
+    if backend == "triton":
+        require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
     kernel_calls = []
     kernel = hf_paged.attention.paged_decode_attention

@@ -6,7 +6,7 @@ import torch
 from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
 from hf_paged.allocator import block_hashes
 from hf_paged.engine import Request, Scheduler
-from tests.models import greedy_reference, tiny_model
+from tests.models import greedy_reference, require_triton_on_cpu, tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
 
@@ -60,6 +60,7 @@ def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_bat
 def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
     import hf_paged.attention
 
+    require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
     batch_sizes = []
     kernel = hf_paged.attention.paged_decode_attention

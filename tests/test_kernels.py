@@ -206,7 +206,39 @@ def test_decode_no_visible_key_gives_zeros():
         assert torch.equal(result[0].cpu(), torch.zeros(4, 64))
 
 
+def test_decode_with_an_empty_block_table_gives_zeros():
+    """No sequence holds a key yet (block tables of width 0, lengths 0): zeros from both implementations (the
+    Triton launcher used to divide by the zero context length)."""
+    query = torch.randn(2, 4, 64, device=DEVICE)
+    cache = torch.randn(3, 16, 2, 64, device=DEVICE)
+    tables = torch.zeros(2, 0, dtype=torch.int32, device=DEVICE)
+    lengths = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    for impl in ("torch", "triton"):
+        result = decode_impl(impl)(query, cache, cache, tables, lengths, scale=0.125)
+        assert torch.equal(result.cpu(), torch.zeros(2, 4, 64))
+
+
 # ------------------------------------------------------------------ Triton split-K
+def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
+    """The split count is a compile-time constant of both kernels: whatever the batch and context, it is one of
+    SPLIT_COUNTS (at most 7 variants), 1 once the grid fills the GPU, and every chunk keeps >= 512 tokens."""
+    if not HAS_TRITON:
+        pytest.skip("triton not installed")
+    from hf_paged.kernels import triton_decode
+
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # an H100/H200
+    seen = set()
+    for batch in (1, 2, 3, 5, 8, 33, 64):
+        for max_context in (16, 511, 512, 1000, 1500, 3000, 8192, 40_000, 200_000):
+            num_splits = triton_decode.choose_num_splits(batch, 4, max_context, torch.device("cuda"))
+            assert num_splits in triton_decode.SPLIT_COUNTS
+            assert num_splits == 1 or max_context // num_splits >= 512
+            if batch * 4 >= 132:
+                assert num_splits == 1
+            seen.add(num_splits)
+    assert seen == set(triton_decode.SPLIT_COUNTS)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 7])
 @pytest.mark.parametrize(
     "options",

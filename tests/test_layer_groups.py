@@ -14,7 +14,14 @@ from transformers import DynamicCache, Gemma3ForCausalLM
 from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, LayerGroupsUnsupported, PagedCache, PoolExhausted
 from hf_paged.layer_groups import derive_layer_groups
 from bench.cache_report import dynamic_cache_bytes
-from tests.models import SLIDING_WINDOW, gemma3_config, left_padded_batch, random_prompt, tiny_model
+from tests.models import (
+    SLIDING_WINDOW,
+    gemma3_config,
+    left_padded_batch,
+    random_prompt,
+    require_triton_on_cpu,
+    tiny_model,
+)
 
 S, F = "sliding_attention", "full_attention"
 BLOCK_SIZE = 4
@@ -191,6 +198,8 @@ def test_gemma3_release_path_matches_dynamic_cache(mode):
 def test_paged_attention_reads_each_groups_tables(backend, monkeypatch):
     """The registered attention's decode plan carries the layer's group tables (the sliding group's start at its
     first unreleased block); both backends give sdpa's tokens on a 4-layer Gemma3 (groups (0, 2) and (1, 3))."""
+    if backend == "triton":
+        require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
     layer_types = [S, F, S, F]
     prompt, num_new = random_prompt(10), 24 if backend == "triton" else 60  # Triton runs interpreted on CPU

@@ -20,6 +20,7 @@ kernels below are defined.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -40,7 +41,10 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
-@triton.jit
+# NOTE: Triton compiles a variant per value class of each int argument (1, divisible by 16, other) unless told not
+# to: a block table's row stride is its width in blocks, which grows with the context, so it would recompile as
+# sequences grow (on the GPU, inside timed runs).
+@triton.jit(do_not_specialize=["stride_bt"])
 def _paged_decode_kernel(
     q_ptr,  # [B, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -210,17 +214,23 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # what choose_num_splits returns
+
+
 def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
-    """How many chunks to cut each sequence into so that the grid fills the GPU.
+    """How many chunks to cut each sequence into so that the grid fills the GPU: a power of two up to 64.
 
     Splitting costs one partial write and a merge, so split only when batch * num_kv_heads programs leave SMs idle,
-    and keep every chunk at >= 512 tokens so each program still streams a long run of K/V.
+    and keep every chunk at >= 512 tokens so each program still streams a long run of K/V. A power of two because
+    the count is a compile-time constant: at most 7 variants of each kernel ever compile (`SPLIT_COUNTS`).
     """
     num_programs = batch * num_kv_heads
     num_sms = _num_sms(device)
     if num_programs >= num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, num_programs), max_context // 512, 64))
+    wanted = max(1, min(triton.cdiv(2 * num_sms, num_programs), max_context // 512, SPLIT_COUNTS[-1]))
+    return 1 << (wanted.bit_length() - 1)
+
 
 
 def paged_decode_attention_triton(
@@ -250,57 +260,66 @@ def paged_decode_attention_triton(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if batch == 0:
         return out
+    if block_tables.shape[1] == 0:  # no sequence holds a key: zeros, as the reference gives
+        return out.zero_()
 
     head_dim_pad = triton.next_power_of_2(head_dim)
     block_n = 64 if head_dim_pad <= 128 else 32
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device)
+    # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores): the
+    # split count stays the one asked for, so no new variant compiles.
     tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
-    num_splits = max(1, triton.cdiv(max_context, tokens_per_split))  # drop trailing chunks that would be empty
 
     if num_splits > 1:
         partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     else:
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
-    _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-        query, key_cache, value_cache, block_tables, seq_lens,
-        kv_start if kv_start is not None else seq_lens,  # unused when HAS_KV_START is False
-        out, partial_out, partial_lse,
-        *query.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        block_tables.stride(0),
-        *out.stride(),
-        float(scale),
-        float(softcap) if softcap is not None else 1.0,
-        int(sliding_window) if sliding_window is not None else 0,
-        tokens_per_split,
-        GROUP=group,
-        GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=head_dim_pad,
-        BLOCK_SIZE=block_size,
-        BLOCK_N=block_n,
-        NUM_SPLITS=num_splits,
-        HAS_KV_START=kv_start is not None,
-        USE_SLIDING_WINDOW=sliding_window is not None,
-        USE_SOFTCAP=softcap is not None,
-        # fp32 caches: full-precision dot products (the default would round inputs to tf32 on the GPU).
-        DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-        DOT_UPCAST=key_cache.dtype == torch.bfloat16 and key_cache.device.type != "cuda",
-        num_warps=4,
-        num_stages=2,
-    )
-    if num_splits > 1:
-        _merge_splits_kernel[(batch, num_q_heads)](
-            partial_out, partial_lse, out,
+    with on_device(query):
+        _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+            query, key_cache, value_cache, block_tables, seq_lens,
+            kv_start if kv_start is not None else seq_lens,  # unused when HAS_KV_START is False
+            out, partial_out, partial_lse,
+            *query.stride(),
+            *key_cache.stride(),
+            *value_cache.stride(),
+            block_tables.stride(0),
             *out.stride(),
+            float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            int(sliding_window) if sliding_window is not None else 0,
+            tokens_per_split,
+            GROUP=group,
+            GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
             HEAD_DIM=head_dim,
             HEAD_DIM_PAD=head_dim_pad,
+            BLOCK_SIZE=block_size,
+            BLOCK_N=block_n,
             NUM_SPLITS=num_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_splits),
+            HAS_KV_START=kv_start is not None,
+            USE_SLIDING_WINDOW=sliding_window is not None,
+            USE_SOFTCAP=softcap is not None,
+            # fp32 caches: full-precision dot products (the default would round inputs to tf32 on the GPU).
+            DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
+            DOT_UPCAST=key_cache.dtype == torch.bfloat16 and key_cache.device.type != "cuda",
             num_warps=4,
+            num_stages=2,
         )
+        if num_splits > 1:
+            _merge_splits_kernel[(batch, num_q_heads)](
+                partial_out, partial_lse, out,
+                *out.stride(),
+                HEAD_DIM=head_dim,
+                HEAD_DIM_PAD=head_dim_pad,
+                NUM_SPLITS=num_splits,
+                SPLITS_PAD=triton.next_power_of_2(num_splits),
+                num_warps=4,
+            )
     return out
+
+
+def on_device(tensor: torch.Tensor):
+    """Triton launches on the current CUDA device: make it the tensor's (`cuda:1` from a process on `cuda:0`)."""
+    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()

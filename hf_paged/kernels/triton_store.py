@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .triton_decode import on_device
+
 
 @triton.jit
 def _store_kv_kernel(
@@ -65,14 +67,15 @@ def store_kv_triton(
         raise ValueError(f"slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if num_tokens == 0:
         return
-    _store_kv_kernel[(num_tokens, num_kv_heads)](
-        key, value, key_cache, value_cache, slot_mapping,
-        *key.stride(),
-        *value.stride(),
-        *key_cache.stride(),
-        *value_cache.stride(),
-        BLOCK_SIZE=key_cache.shape[1],
-        HEAD_DIM=head_dim,
-        HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-        num_warps=1 if head_dim <= 128 else 2,
-    )
+    with on_device(key_cache):
+        _store_kv_kernel[(num_tokens, num_kv_heads)](
+            key, value, key_cache, value_cache, slot_mapping,
+            *key.stride(),
+            *value.stride(),
+            *key_cache.stride(),
+            *value_cache.stride(),
+            BLOCK_SIZE=key_cache.shape[1],
+            HEAD_DIM=head_dim,
+            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
+            num_warps=1 if head_dim <= 128 else 2,
+        )

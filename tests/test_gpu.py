@@ -1,0 +1,97 @@
+"""CUDA only (skipped without it): the paged path end to end on CUDA models, the part CPU CI cannot run.
+
+Tiny fp32 models on CUDA with the "hf_paged" attention on its default backend ("auto": the Triton kernels on CUDA),
+through `generate()` with a `PagedCache` and through the `Engine`, against `generate()` with `DynamicCache` and sdpa
+on the same device. Elsewhere the Triton kernels are tested against their reference on CUDA tensors
+(tests/test_kernels.py) and, without CUDA, in Triton's interpreter.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_paged.attention
+import hf_paged.cache
+from hf_paged import PAGED_ATTENTION, BlockPool, Engine, PagedCache
+from tests.models import random_prompt, tiny_model
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton"),
+]
+
+NEW_TOKENS = 16
+
+
+def _count_calls(monkeypatch, module, name: str) -> list:
+    calls = []
+    function = getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a, **k: calls.append(1) or function(*a, **k))
+    return calls
+
+
+def _sdpa_reference(name: str, prompts: list[list[int]], new_tokens: list[int], device: str) -> list[list[int]]:
+    model = tiny_model(name, "sdpa", device=device)
+    return [
+        model.generate(
+            torch.tensor([prompt], device=device), past_key_values=DynamicCache(config=model.config),
+            max_new_tokens=n, do_sample=False,
+        )[0, len(prompt):].tolist()
+        for prompt, n in zip(prompts, new_tokens)
+    ]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "mistral"])
+def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(name, monkeypatch):
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)  # "auto": Triton on CUDA
+    decode_calls = _count_calls(monkeypatch, hf_paged.attention, "paged_decode_attention")
+    prompt = random_prompt(12)[0].tolist()
+    (reference,) = _sdpa_reference(name, [prompt], [NEW_TOKENS], "cuda")
+    model = tiny_model(name, PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=16)
+    assert pool.device.type == "cuda"
+    with PagedCache(config=model.config, pool=pool) as cache:
+        out = model.generate(
+            torch.tensor([prompt], device="cuda"), past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False
+        )
+    assert out[0, len(prompt):].tolist() == reference
+    assert len(decode_calls) == model.config.num_hidden_layers * (NEW_TOKENS - 1)
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    decode_calls = _count_calls(monkeypatch, hf_paged.attention, "paged_decode_attention")
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 40, 17, 3)]
+    new_tokens = [12, 6, 20, 9]
+    model = tiny_model(name, PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
+    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=32)  # chunked prefill beside decode rows
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
+        name, prompts, new_tokens, "cuda"
+    )
+    assert decode_calls and pool.num_used_blocks == 0
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
+    """A model on cuda:1 from a process whose current device is cuda:0: Triton launches on the current device
+    unless told otherwise, which would hand it another GPU's pointers."""
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    store_calls = _count_calls(monkeypatch, hf_paged.cache, "store_kv")
+    assert torch.cuda.current_device() == 0
+    prompts = [random_prompt(9)[0].tolist(), random_prompt(20, seed=1)[0].tolist()]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda:1")
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=32, block_size=16), max_num_seqs=2)
+    assert engine.generate(prompts, max_new_tokens=8, ignore_eos=True) == _sdpa_reference(
+        "llama", prompts, [8, 8], "cuda:1"
+    )
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=16)
+    with PagedCache(config=model.config, pool=pool) as cache:
+        model.generate(torch.tensor([prompts[0]], device="cuda:1"), past_key_values=cache, max_new_tokens=4)
+    assert store_calls
