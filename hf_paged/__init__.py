@@ -4,7 +4,7 @@ from .allocator import BlockAllocator
 from .attention import enable, paged_attention_forward, register
 from .cache import PAGED_ATTENTION, DecodePlan, PagedCache, PagedLayer
 from .engine import Engine, RequestFailed, SamplingParams
-from .errors import LayerGroupsUnsupported, PoolExhausted, PoolMismatch
+from .errors import PoolExhausted, PoolMismatch
 from .pool import BlockPool, KVLayout
 from .registry import (
     BackendOptionError,
@@ -30,7 +30,6 @@ __all__ = [
     "DuplicateBackend",
     "Engine",
     "KVLayout",
-    "LayerGroupsUnsupported",
     "PagedCache",
     "PagedLayer",
     "PluginLoadError",

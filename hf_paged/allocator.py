@@ -176,13 +176,17 @@ class BlockAllocator:
         return their ids."""
         with self.lock:
             block_ids = self.peek_prefix(block_hashes, group)
-            for block_id in block_ids:
-                if self._ref_counts[block_id] == 0:
-                    del self._free[block_id]  # a hit on a freed block takes it back out of the queue
-                self._ref_counts[block_id] += 1
+            self._take_cached(block_ids)
             self.num_prefix_queries += len(block_hashes)
             self.num_prefix_hits += len(block_ids)
             return block_ids
+
+    def _take_cached(self, block_ids: Iterable[int]) -> None:
+        """One more holder for each cached block; a freed one comes back out of the free queue."""
+        for block_id in block_ids:
+            if self._ref_counts[block_id] == 0:
+                del self._free[block_id]
+            self._ref_counts[block_id] += 1
 
     def peek_prefix(self, block_hashes: Sequence[bytes], group: int = 0) -> list[int]:
         """The ids of the cached blocks `lookup_prefix(block_hashes, group)` would take now, taking nothing."""
@@ -201,6 +205,51 @@ class BlockAllocator:
         with self.lock:
             blocks = self._blocks_by_group.get(group, {})
             return [blocks.get(block_hash) for block_hash in block_hashes]
+
+    def peek_longest_prefix(
+        self, block_hashes: Sequence[bytes], windows: Sequence[int | None], block_size: int
+    ) -> tuple[int, list[int], list[list[int]]]:
+        """The longest prefix of `block_hashes` that every layer group can start from, taking nothing:
+        `(num_blocks, first_blocks, tables)`.
+
+        `windows[g]`: layer group g's sliding window in tokens when it gives back blocks that left the window, None
+        when it keeps every block. A hit of `n` blocks needs a keeping group's blocks `0 .. n-1` cached, but a
+        sliding group's only from the first block its window sees at position `n * block_size`
+        (`first_window_block`), as vLLM's hybrid manager does, so released and evicted blocks before the window do
+        not shorten it. `first_blocks[g]` is that first block (0 for a keeping group) and `tables[g]` the cached
+        blocks from it to `n - 1`.
+        """
+        with self.lock:
+            found: dict[int, list] = {}  # group -> a keeping group's leading run, a sliding group's every block
+            num_blocks = len(block_hashes)
+            for group, window in enumerate(windows):
+                if window is None:
+                    found[group] = self.peek_prefix(block_hashes[:num_blocks], group)
+                    num_blocks = len(found[group])
+            sliding = [group for group, window in enumerate(windows) if window is not None]
+            for group in sliding:
+                found[group] = self.peek_blocks(block_hashes[:num_blocks], group)
+            settled = not sliding
+            while not settled:  # until every sliding group's window at num_blocks is whole
+                hits = [_window_hit(found[group], num_blocks, windows[group], block_size) for group in sliding]
+                settled = min(hits) == num_blocks
+                num_blocks = min(hits)
+        first_blocks = [first_window_block(num_blocks * block_size, window, block_size) for window in windows]
+        tables = [found[group][first:num_blocks] for group, first in enumerate(first_blocks)]
+        return num_blocks, first_blocks, tables
+
+    def take_longest_prefix(
+        self, block_hashes: Sequence[bytes], windows: Sequence[int | None], block_size: int
+    ) -> tuple[int, list[int], list[list[int]]]:
+        """`peek_longest_prefix`, and a hold on every block it names, in one atomic step. Counts `len(block_hashes)`
+        queries and `num_blocks` hits (blocks of the sequence, whatever the number of groups)."""
+        with self.lock:
+            num_blocks, first_blocks, tables = self.peek_longest_prefix(block_hashes, windows, block_size)
+            for table in tables:
+                self._take_cached(table)
+            self.num_prefix_queries += len(block_hashes)
+            self.num_prefix_hits += num_blocks
+            return num_blocks, first_blocks, tables
 
     def uncache(self, block_id: int) -> None:
         """Forget `block_id`'s hash (its contents are about to change)."""
@@ -232,6 +281,28 @@ class BlockAllocator:
 
     def __repr__(self) -> str:
         return f"BlockAllocator(num_blocks={self.num_blocks}, num_free_blocks={self.num_free_blocks})"
+
+
+def first_window_block(position: int, window: int | None, block_size: int) -> int:
+    """The first block a query at `position` (or later) can see with a sliding `window` (None: no window, 0)."""
+    return 0 if window is None else max(position - window + 1, 0) // block_size
+
+
+def _window_hit(blocks: list[int | None], num_blocks: int, window: int, block_size: int) -> int:
+    """The largest n <= `num_blocks` whose window, blocks `first_window_block(n * block_size) .. n - 1`, are all
+    cached in `blocks` (a sliding group's cached block of each leading block, None where it has none).
+
+    One pass from the top: a missing block k rules out every n above it (windows only move right as n grows), so
+    the next candidate is n = k, checked from block k - 1 on."""
+    top, k = num_blocks, num_blocks - 1
+    while top > 0:
+        first = first_window_block(top * block_size, window, block_size)
+        while k >= first and blocks[k] is not None:
+            k -= 1
+        if k < first:
+            return top
+        top, k = k, k - 1
+    return 0
 
 
 def hash_block_tokens(parent_hash: bytes | None, block_index: int, token_ids: Sequence[int]) -> bytes:

@@ -253,34 +253,25 @@ class BlockTables:
         self._changed()
 
     # ---------------------------------------------------------------- metadata
-    def adopt(self, block_ids: list[int]) -> None:
-        """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit)."""
-        self.start([0])  # base 0: a cached prefix starts at the first token
+    def adopt(self, block_ids: list[int], base: int = 0) -> None:
+        """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit), after `base`
+        blocks it does not hold (a sliding group's hit starts at its window)."""
+        self.start([0])
         self.tables[0] = list(block_ids)
+        self.base = base
         self._changed()
 
     # ----------------------------------------------------------- prefix cache
-    def adopt_prefix(self, token_ids: list[int]) -> int:
-        """Begin with one row holding the longest cached prefix of `token_ids` (at least one token is left to
-        compute); returns how many tokens it holds. Needs a pool with one layer group (`PagedCache.from_prefix`
-        checks)."""
-        block_size = self.pool.block_size
-        num_blocks = (len(token_ids) - 1) // block_size
-        block_ids = self.pool.allocator.lookup_prefix(block_hashes(token_ids[: num_blocks * block_size], block_size))
-        if block_ids:
-            self.adopt(block_ids)
-        return len(block_ids) * block_size
-
-    def cache_rows(self, rows: list[list[int]], padded: list[bool], num_tokens: int) -> None:
-        """Remember every full block of each unpadded row by the hash chain of its tokens: `rows[r]` are row r's token
-        ids, of which the first `num_tokens` have their K/V stored."""
+    def cache_rows(self, rows: list[list[int]], padded: list[bool], num_tokens: int, group: int = 0) -> None:
+        """Remember every full block of each unpadded row by the hash chain of its tokens, as layer group `group`'s:
+        `rows[r]` are row r's token ids, of which the first `num_tokens` have their K/V stored."""
         allocator, block_size = self.pool.allocator, self.pool.block_size
         for row, (row_ids, is_padded) in enumerate(zip(rows, padded)):
             if is_padded:
                 continue
             hashes = block_hashes(row_ids[:num_tokens], block_size)[self.base :]  # released blocks are gone
             for block_id, block_hash in zip(self.tables[row], hashes):
-                allocator.cache_block(block_id, block_hash)
+                allocator.cache_block(block_id, block_hash, group)
 
     # ---------------------------------------------------------------- metadata
     def tables_tensor(self) -> torch.Tensor:

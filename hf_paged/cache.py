@@ -20,6 +20,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
+from .allocator import block_hashes
 from .group_tables import GroupTables
 from .decode_plan import PAGED_ATTENTION, DecodePlan
 from .errors import PoolExhausted
@@ -275,20 +276,38 @@ class PagedCache(Cache):
 
         At least one token is always left to compute (generate() re-feeds the whole prompt when the cache holds all
         of it), so at most `(S - 1) // block_size` blocks are reused. Needs `BlockPool(...,
-        enable_prefix_caching=True)` (one layer group); blocks get cached by `release(token_ids=...)`.
+        enable_prefix_caching=True)`; blocks get cached by `release(token_ids=...)`. With layer groups, each group
+        caches its own blocks, and a sliding group that gave back blocks out of its window needs only those its
+        window sees (`BlockAllocator.peek_longest_prefix`): a generation's release caches that group's last window,
+        enough to continue the conversation it ended.
 
         `model.generate(input_ids, past_key_values=PagedCache.from_prefix(pool, input_ids, model.config))` then
         computes only the rest of the prompt.
         """
-        pool.check_one_group("PagedCache.from_prefix")
         token_ids = _token_rows(input_ids)
         if len(token_ids) != 1:
             raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
         cache = cls(config, pool=pool, **kwargs)
-        num_cached = cache._blocks.adopt_prefix(token_ids[0])
+        block_size = pool.block_size
+        num_blocks = (len(token_ids[0]) - 1) // block_size
+        hashes = block_hashes(token_ids[0][: num_blocks * block_size], block_size)
+        windows = cache._group_windows()
+        num_cached, first_blocks, tables = pool.allocator.take_longest_prefix(hashes, windows, block_size)
+        if num_cached:
+            for group_tables, first, table in zip(cache._tables.groups, first_blocks, tables):
+                group_tables.adopt(table, base=first)
         for layer in cache.layers:
-            layer.cumulative_length = num_cached
+            layer.cumulative_length = num_cached * block_size
         return cache
+
+    def _group_windows(self) -> list[int | None]:
+        """Per layer group: the window of a group that gives back out-of-window blocks (every layer slides), None
+        for a group that keeps every block."""
+        return [
+            max(self.layers[layer_idx].sliding_window for layer_idx in group) if group_idx in self._sliding_groups
+            else None
+            for group_idx, group in enumerate(self.layer_groups)
+        ]
 
     def release(self, token_ids=None, attention_mask=None) -> None:
         """Return every block to the pool. The cache is empty afterwards and can be filled again.
@@ -302,12 +321,13 @@ class PagedCache(Cache):
         """
         blocks, pool = self._blocks, self._blocks.pool
         if token_ids is not None and pool is not None and pool.allocator.enable_prefix_caching and blocks.num_rows:
-            pool.check_one_group("PagedCache.release(token_ids=...) with prefix caching")
             rows = _token_rows(token_ids)
             if len(rows) != blocks.num_rows:
                 raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
             padded = [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
-            blocks.cache_rows(rows, padded, min(layer.cumulative_length for layer in self.layers))
+            num_tokens = min(layer.cumulative_length for layer in self.layers)
+            for group, group_tables in enumerate(self._tables.groups):
+                group_tables.cache_rows(rows, padded, num_tokens, group)
         self._tables.release()
         self._workspace.clear()
         for layer in self.layers:

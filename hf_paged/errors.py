@@ -11,9 +11,3 @@ class PoolExhausted(RuntimeError):
 
 class PoolMismatch(ValueError):
     """A pool was built for another model shape, dtype or device than the one it is used with."""
-
-
-class LayerGroupsUnsupported(NotImplementedError):
-    """An operation that needs one block table per sequence (`PagedCache.from_prefix`, `release(token_ids=...)`) met
-    a pool whose layers are split into several layer groups; the message names the fix
-    (`BlockPool.for_model(..., group_layers=False)`)."""

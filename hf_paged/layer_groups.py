@@ -18,8 +18,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .errors import LayerGroupsUnsupported  # noqa: F401  (its home before errors.py)
-
 LayerGroups = tuple[tuple[int, ...], ...]  # groups[g] = the layer indices of group g, ascending
 
 

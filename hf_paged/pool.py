@@ -30,7 +30,7 @@ from accelerate.utils import convert_file_size_to_int
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .allocator import BlockAllocator
-from .errors import LayerGroupsUnsupported, PoolMismatch
+from .errors import PoolMismatch
 from .layer_groups import LayerGroups, derive_layer_groups, group_of_layer, slot_of_layer
 
 
@@ -224,17 +224,6 @@ class BlockPool:
     def num_groups(self) -> int:
         """Layer groups; each needs its own block table per sequence (1 for a uniform model)."""
         return len(self.layer_groups)
-
-    def check_one_group(self, user: str) -> None:
-        """Raise `LayerGroupsUnsupported` naming `user` unless this pool has one layer group, i.e. unless one block
-        table per sequence addresses every layer (`PagedCache`'s prefix reuse, and code that indexes `key_cache[l]`
-        with one table for all layers)."""
-        if self.num_groups > 1:
-            raise LayerGroupsUnsupported(
-                f"{user} needs a pool with one layer group; this pool has {self.num_groups} ({self.layer_groups}), "
-                "because the model mixes attention types. Build it with BlockPool.for_model(..., group_layers=False) "
-                "(sliding layers then keep every block)"
-            )
 
     # ------------------------------------------------------------------ sizes
     @property

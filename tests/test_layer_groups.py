@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM
 
-from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, LayerGroupsUnsupported, PagedCache, PoolExhausted
+from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache, PoolExhausted
 from hf_paged.layer_groups import derive_layer_groups
 from bench.cache_report import dynamic_cache_bytes
 from tests.models import (
@@ -384,20 +384,48 @@ def test_private_pool_gets_groups_and_grows_with_them():
 
 
 # ------------------------------------------------------------------------------------------------ prefix caching
-def test_paged_cache_prefix_reuse_needs_one_group_and_says_so():
-    """The Engine caches each layer group's blocks (tests/test_engine.py); `PagedCache.from_prefix` and
-    `release(token_ids=...)` work on one block table per row, so they refuse a pool with groups."""
+def test_from_prefix_with_layer_groups_continues_a_conversation():
+    """Two layer groups, window 8, blocks of 4. A 10 + 20 token generation stores K/V for 29 tokens; its release
+    caches the full group's 7 full blocks and the sliding group's last window (blocks 5-6: blocks 0-4 went back
+    while it generated). The next turn (those 30 tokens + 5) starts from 7 blocks in both groups, the sliding one
+    from block 5, and generates what a cold DynamicCache run does."""
     model = tiny_model("gemma3")
-    grouped = BlockPool.for_model(model, num_blocks=8, enable_prefix_caching=True)
-    assert grouped.num_groups == 2
-    with pytest.raises(LayerGroupsUnsupported, match="from_prefix needs a pool with one layer group"):
-        PagedCache.from_prefix(grouped, random_prompt(9), model.config)
-    assert_pool_clean(grouped)
-    with PagedCache(config=model.config, pool=grouped) as cache:
-        out = _generate(model, cache, random_prompt(5), max_new_tokens=3)
-        with pytest.raises(LayerGroupsUnsupported, match=r"release\(token_ids=...\)"):
-            cache.release(token_ids=out)
-    assert_pool_clean(grouped)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    assert pool.num_groups == 2
+    with PagedCache(config=model.config, pool=pool) as cache:
+        first = _generate(model, cache, random_prompt(10), max_new_tokens=20)
+        cache.release(token_ids=first)
+    second = torch.cat([first, random_prompt(5, seed=1)], dim=1)
+    expected = _generate(model, DynamicCache(), second, max_new_tokens=8)
+    with PagedCache.from_prefix(pool, second, model.config) as cache:
+        assert cache.get_seq_length() == 28
+        sliding = cache._sliding_groups[0]
+        assert [tables.base for tables in cache._tables.groups] == [5 if g == sliding else 0 for g in range(2)]
+        held = [len(tables.tables[0]) for tables in cache._tables.groups]
+        assert held == [2 if g == sliding else 7 for g in range(2)]
+        assert torch.equal(_generate(model, cache, second, max_new_tokens=8), expected)
+    stats = pool.stats()
+    assert (stats["prefix_cache_queries"], stats["prefix_cache_hits"]) == (8, 7)  # (35 - 1) // 4 blocks looked up
+    assert_pool_clean(pool)
+
+
+def test_from_prefix_with_layer_groups_misses_when_the_window_was_not_cached():
+    """A shorter prefix of the same conversation (3 blocks looked up): the full group has its blocks, but the
+    sliding group's windows there (blocks 1-2 for a 3-block hit, 0-1 for 2, 0 for 1) went back to the pool uncached
+    while it generated, so nothing is reused; the output is still a cold run's."""
+    model = tiny_model("gemma3")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    with PagedCache(config=model.config, pool=pool) as cache:
+        first = _generate(model, cache, random_prompt(10), max_new_tokens=20)
+        cache.release(token_ids=first)
+    shorter = torch.cat([first[:, :13], random_prompt(3, seed=2)], dim=1)
+    with PagedCache.from_prefix(pool, shorter, model.config) as cache:
+        assert cache.get_seq_length() == 0
+        assert torch.equal(
+            _generate(model, cache, shorter, max_new_tokens=6),
+            _generate(model, DynamicCache(), shorter, max_new_tokens=6),
+        )
+    assert_pool_clean(pool)
 
 
 def test_prefix_caching_on_a_one_group_gemma3_pool_equals_a_cold_run():

@@ -24,7 +24,6 @@ waiting request's cached prefix included; with layer groups or a window it count
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -32,7 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..allocator import hash_block_tokens
+from ..allocator import first_window_block, hash_block_tokens
 from ..pool import BlockPool
 from .admission import Admission
 from .sampling import SamplingParams
@@ -154,8 +153,7 @@ class Scheduler(Admission):
 
     def _first_needed_block(self, group: int, position: int) -> int:
         """The first block of `group` that a query at `position` (or later) can see."""
-        window = self.group_windows[group]
-        return 0 if window is None else max(position - window + 1, 0) // self.pool.block_size
+        return first_window_block(position, self.group_windows[group], self.pool.block_size)
 
     def _release_out_of_window(self, request: Request) -> None:
         """Give back each sliding group's blocks that no query from `num_computed` on can see."""
@@ -206,16 +204,11 @@ class Scheduler(Admission):
         allocator = self.pool.allocator
         if not allocator.enable_prefix_caching:
             return
-        hit = self._cached_prefix(request)
-        hashes = request.block_hashes
-        request.block_tables = [
-            allocator.lookup_prefix(hashes[first : hit.num_blocks], group)
-            for group, first in enumerate(hit.first_blocks)
-        ]
-        assert request.block_tables == hit.tables, "the prefix cache changed between peek and lookup"
-        request.first_blocks = list(hit.first_blocks)
-        request.num_registered_blocks = hit.num_blocks
-        request.num_computed = request.num_cached_tokens = hit.num_blocks * self.pool.block_size
+        num_blocks, request.first_blocks, request.block_tables = allocator.take_longest_prefix(
+            self._lookup_hashes(request), self.group_windows, self.pool.block_size
+        )
+        request.num_registered_blocks = num_blocks
+        request.num_computed = request.num_cached_tokens = num_blocks * self.pool.block_size
         self.num_prefix_hit_tokens += request.num_computed
 
     def _waits_for_prefix(self, request: Request, computing: set[bytes]) -> bool:
@@ -231,50 +224,20 @@ class Scheduler(Admission):
     def _cached_prefix(self, request: Request) -> PrefixHit:
         """What a prefix lookup for `request` would take now, without taking it (see `PrefixHit`).
 
-        The hit is the longest run of `n` leading blocks of its tokens that every layer group can start from: a
-        full group needs its blocks 0..n-1 cached, a sliding group only those its window still sees from position
-        `n * block_size` on (vLLM's hybrid manager does the same), so a sliding group's blocks that were released
-        and evicted do not shorten the hit. Layer groups cache their own blocks (`BlockAllocator`, `group`)."""
+        The hit is the longest run of `n` leading blocks of its tokens that every layer group can start from
+        (`BlockAllocator.peek_longest_prefix`): a full group needs its blocks 0..n-1 cached, a sliding group only
+        those its window still sees from position `n * block_size` on, so a sliding group's blocks that were
+        released and evicted do not shorten the hit. Layer groups cache their own blocks."""
         hashes = self._lookup_hashes(request)
-        allocator, block_size = self.pool.allocator, self.pool.block_size
-        found: dict[int, list] = {}  # group -> its cached blocks: a full group's leading run, a sliding group's all
-        num_blocks = len(hashes)
-        for group, window in enumerate(self.group_windows):
-            if window is None:
-                found[group] = allocator.peek_prefix(hashes[:num_blocks], group)
-                num_blocks = len(found[group])
-        sliding = [group for group, window in enumerate(self.group_windows) if window is not None]
-        for group in sliding:
-            found[group] = allocator.peek_blocks(hashes[:num_blocks], group)
-        settled = not sliding
-        while not settled:  # until every sliding group's window at num_blocks is whole
-            hits = [self._window_hit(found[group], num_blocks, self.group_windows[group]) for group in sliding]
-            settled = min(hits) == num_blocks
-            num_blocks = min(hits)
-        first_blocks = [self._first_needed_block(group, num_blocks * block_size) for group in range(len(found))]
+        num_blocks, first_blocks, tables = self.pool.allocator.peek_longest_prefix(
+            hashes, self.group_windows, self.pool.block_size
+        )
         return PrefixHit(
             num_blocks=num_blocks,
             first_blocks=first_blocks,
-            tables=[found[group][first:num_blocks] for group, first in enumerate(first_blocks)],
+            tables=tables,
             waits_for=hashes[num_blocks] if num_blocks < len(hashes) else None,
         )
-
-    def _window_hit(self, blocks: list[int | None], num_blocks: int, window: int) -> int:
-        """The largest n <= `num_blocks` whose window, blocks `first(n) .. n - 1` (`_first_needed_block`), are all
-        cached in `blocks` (a sliding group's cached block of each leading block, None where it has none).
-
-        One pass from the top: a missing block k rules out every n above it (windows only move right as n grows),
-        so the next candidate is n = k, checked from block k - 1 on."""
-        block_size = self.pool.block_size
-        top, k = num_blocks, num_blocks - 1
-        while top > 0:
-            first = max(top * block_size - window + 1, 0) // block_size
-            while k >= first and blocks[k] is not None:
-                k -= 1
-            if k < first:
-                return top
-            top, k = k, k - 1
-        return 0
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
