@@ -15,7 +15,8 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
-# The test suite, CPU only; Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py).
+# The test suite. Without CUDA, Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py); on a CUDA
+# machine tests/test_gpu.py runs the paged path on the GPU too.
 # Microbenchmarks run once each as smoke tests here (--benchmark-disable).
 test: setup
 	$(PY) -m pytest -q --benchmark-disable

@@ -279,7 +279,9 @@ class PagedCache(Cache):
         enable_prefix_caching=True)`; blocks get cached by `release(token_ids=...)`. With layer groups, each group
         caches its own blocks, and a sliding group that gave back blocks out of its window needs only those its
         window sees (`BlockAllocator.peek_longest_prefix`): a generation's release caches that group's last window,
-        enough to continue the conversation it ended.
+        enough to continue the conversation it ended when the window is a multiple of the block size. Otherwise
+        the window of the longest hit may start one block before what the group still held (given back uncached
+        during the generation): no hit, and the output is computed in full.
 
         `model.generate(input_ids, past_key_values=PagedCache.from_prefix(pool, input_ids, model.config))` then
         computes only the rest of the prompt.

@@ -113,9 +113,8 @@ class BlockPool:
         growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
         enable_prefix_caching (`bool`, defaults to `False`): remember full blocks by a hash chain over their token
             ids (`PagedCache.release(token_ids=...)`) so `PagedCache.from_prefix` can reuse them. A pool with prefix
-            caching belongs to one model: two models with the same shapes would read each other's K/V.
-            `PagedCache.from_prefix` and `release(token_ids=...)` need one layer group (`group_layers=False` for a
-            model that mixes attention types); the `Engine` caches every group's blocks.
+            caching belongs to one model: two models with the same shapes would read each other's K/V. Each layer
+            group caches its own blocks (see `BlockAllocator.peek_longest_prefix` for what a hit needs).
         group_layers (`bool`, defaults to `True`): split layers of different attention types into layer groups
             (`layout.layer_groups()`), so sliding-window layers can give back blocks that left their window. False
             forces one group of every layer (then nothing is released unless every layer slides).
