@@ -230,11 +230,21 @@ class PagedCache(Cache):
             self._release_before_windows()
 
     def _release_before_windows(self) -> None:
-        """In each sliding group, give back the blocks before the first key its layers' next updates return."""
+        """In each sliding group, give back the blocks before the first key its layers' next updates return.
+
+        With prefix caching, from the first key a query at the end of the last full block sees instead (at most one
+        block more): `release(token_ids=...)` caches what the group still holds, and `from_prefix` of every full
+        block of the conversation needs that window (`BlockAllocator.peek_longest_prefix`)."""
+        pool = self._tables.pool
+        block_size = pool.block_size if pool is not None else self.block_size
+        caching = pool is not None and pool.allocator.enable_prefix_caching
         first_needed = {}
         for group_idx in self._sliding_groups:
             layers = [self.layers[layer_idx] for layer_idx in self.layer_groups[group_idx]]
-            first_needed[group_idx] = min(layer.first_visible(layer.cumulative_length) for layer in layers)
+            lengths = [layer.cumulative_length for layer in layers]
+            if caching:
+                lengths = [length - length % block_size for length in lengths]
+            first_needed[group_idx] = min(layer.first_visible(length) for layer, length in zip(layers, lengths))
         self._tables.release_front(first_needed)
 
     def _runs_paged_attention(self) -> bool:
@@ -278,10 +288,10 @@ class PagedCache(Cache):
         of it), so at most `(S - 1) // block_size` blocks are reused. Needs `BlockPool(...,
         enable_prefix_caching=True)`; blocks get cached by `release(token_ids=...)`. With layer groups, each group
         caches its own blocks, and a sliding group that gave back blocks out of its window needs only those its
-        window sees (`BlockAllocator.peek_longest_prefix`): a generation's release caches that group's last window,
-        enough to continue the conversation it ended when the window is a multiple of the block size. Otherwise
-        the window of the longest hit may start one block before what the group still held (given back uncached
-        during the generation): no hit, and the output is computed in full.
+        window sees (`BlockAllocator.peek_longest_prefix`): a generation's release caches that group's last window
+        (kept from the end of its last full block), enough to continue the conversation it ended from every full
+        block. Blocks a sliding group gave back during the generation were not cached, so a shorter prefix of it
+        usually finds nothing (and is computed in full).
 
         `model.generate(input_ids, past_key_values=PagedCache.from_prefix(pool, input_ids, model.config))` then
         computes only the rest of the prompt.

@@ -409,6 +409,25 @@ def test_from_prefix_with_layer_groups_continues_a_conversation():
     assert_pool_clean(pool)
 
 
+@pytest.mark.parametrize("max_new_tokens", [8, 9, 10])
+def test_from_prefix_with_a_window_that_is_not_a_multiple_of_the_block_size(max_new_tokens):
+    """Window 8, blocks of 3: after T stored tokens (17-19) the next turn's longest hit is every full block, T // 3,
+    and its window may start a block before the one the next query needs. With prefix caching the sliding group
+    keeps that block while it generates, so the whole hit is reused (without it, T = 17 reused nothing)."""
+    model = tiny_model("gemma3")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=3, enable_prefix_caching=True)
+    with PagedCache(config=model.config, pool=pool) as cache:
+        first = _generate(model, cache, random_prompt(10), max_new_tokens=max_new_tokens)
+        cache.release(token_ids=first)
+    stored = first.shape[1] - 1  # the last generated token is never fed back
+    second = torch.cat([first, random_prompt(4, seed=1)], dim=1)
+    expected = _generate(model, DynamicCache(), second, max_new_tokens=6)
+    with PagedCache.from_prefix(pool, second, model.config) as cache:
+        assert cache.get_seq_length() == stored // 3 * 3
+        assert torch.equal(_generate(model, cache, second, max_new_tokens=6), expected)
+    assert_pool_clean(pool)
+
+
 def test_from_prefix_with_layer_groups_misses_when_the_window_was_not_cached():
     """A shorter prefix of the same conversation (3 blocks looked up): the full group has its blocks, but the
     sliding group's windows there (blocks 1-2 for a 3-block hit, 0-1 for 2, 0 for 1) went back to the pool uncached
