@@ -12,10 +12,11 @@ budget and knobs, in seconds instead of minutes; only the time each step takes i
     python -m bench.replay --full --budgets 2,4,8,16
     python -m bench.replay --full --decode-reserve-tokens 0      # vLLM's admission: admit what fits, preempt
     python -m bench.replay --full --backfill-window 1            # strict arrival order
+    python -m bench.replay --full --workload long --layers mixed # the default sizes, 5 sliding : 1 full layers
 
 What it is for: the knobs' effect on concurrency and preemption, and how close the mean rows come to the memory
-bound (`of bound`; `bench/serving_report.py`, not shown where requests share prompt blocks, which it does not
-count). Throughput needs the model: `python -m bench`.
+bound (`of bound`; `bench/serving_report.py`, not shown where requests share prompt blocks or a window gives blocks
+back, which it does not count). Throughput needs the model: `python -m bench`.
 """
 
 from __future__ import annotations
@@ -30,9 +31,10 @@ from tabulate import tabulate
 from transformers import LlamaConfig
 
 from hf_paged import BlockPool, Engine
+from hf_paged.paged_layer import sliding_windows
 
 from .continuous import add_workload_request
-from .models import DEFAULT_CONFIG
+from .models import DEFAULT_CONFIG, mixed_window_model, sliding_window_model
 from .runs import BLOCK_SIZE, ENGINE_MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, Budget, budgets_arg
 from .serving_report import concurrency_bound
 from .static_batches import dynamic_batch_size
@@ -64,7 +66,7 @@ class Replay:
     mean_rows: float  # requests per step, the mean over steps
     peak_rows: int
     static_batch: int  # the "dynamic" backend's batch at this budget (rows per forward)
-    bound: float  # the memory bound on mean concurrency (bench/serving_report.py)
+    bound: float | None  # the memory bound on mean concurrency (bench/serving_report.py); None with a window
     mean_occupancy: float  # blocks held after a step over the pool, the mean over steps
     num_preemptions: int
     prefill_tokens: int  # recomputation after preemption included
@@ -96,6 +98,7 @@ def replay(
             f"{workload.num_requests} arriving later, the last at {max(late):.1f} s"
         )
     model = StandInModel(config if config is not None else LlamaConfig(**DEFAULT_CONFIG))
+    windowed = any(window is not None for window in sliding_windows(model.config))  # the bound ignores windows
     budget = Budget.for_workload(model, workload, multiple)
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=block_size)
     engine = Engine(
@@ -114,7 +117,7 @@ def replay(
         mean_rows=stats.mean_running,
         peak_rows=stats.peak_running,
         static_batch=dynamic_batch_size(budget, workload.num_samples) * workload.num_samples,
-        bound=concurrency_bound(workload, budget),
+        bound=None if windowed else concurrency_bound(workload, budget),
         mean_occupancy=sum(stats.used_blocks) / len(stats.used_blocks) / pool.num_blocks,
         num_preemptions=stats.num_preemptions,
         prefill_tokens=stats.prefill_tokens,
@@ -130,7 +133,7 @@ def table(replays: list[Replay]) -> str:
         [f"{r.multiple:g}x", r.num_blocks, r.num_steps, f"{r.mean_rows:.2f}", r.peak_rows,
          f"{r.mean_rows / r.static_batch:.2f}",
          # the bound counts every sequence's blocks as its own: with shared prompt blocks it does not bound
-         f"{r.mean_rows / r.bound:.2f}" if not r.prefix_hit_tokens else "-",
+         f"{r.mean_rows / r.bound:.2f}" if r.bound is not None and not r.prefix_hit_tokens else "-",
          f"{r.mean_occupancy:.2f}", r.num_preemptions, f"{r.prefill_tokens} / {r.prompt_tokens}",
          r.prefix_hit_tokens]
         for r in replays
@@ -150,11 +153,18 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-reserve-tokens", type=int, default=None,
                         help="the Engine's admission lookahead (default: to every request's end, never preempting)")
     parser.add_argument("--backfill-window", type=int, default=8)
+    parser.add_argument("--layers", default="full", choices=["full", "sliding", "mixed"],
+                        help="the embedded model's attention layers: all full (default), all sliding (Mistral-style), "
+                             "or 5 sliding : 1 full (Gemma3-style); window 256")
     args = parser.parse_args(argv)
+    configs = {"full": lambda: None, "sliding": lambda: sliding_window_model(256).config,
+               "mixed": lambda: mixed_window_model(256).config}
+    config = configs[args.layers]()
     workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full, seed=args.seed)
     replays = [
-        replay(workload, multiple, block_size=args.block_size, max_num_batched_tokens=args.max_num_batched_tokens,
-               decode_reserve_tokens=args.decode_reserve_tokens, backfill_window=args.backfill_window)
+        replay(workload, multiple, config=config, block_size=args.block_size,
+               max_num_batched_tokens=args.max_num_batched_tokens, decode_reserve_tokens=args.decode_reserve_tokens,
+               backfill_window=args.backfill_window)
         for multiple in args.budgets
     ]
     print(f"{workload.name}: {workload.description}")

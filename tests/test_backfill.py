@@ -298,6 +298,49 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
     assert as_before > 0
 
 
+class _WholePromptDemand(Scheduler):
+    """The prefill count as it was: a sliding group counted at every block of the prompt while it is computed."""
+
+    def _demand(self, num_tokens, *, prefilling):
+        if prefilling:
+            return self._blocks_for(num_tokens) * len(self.group_windows)
+        return super()._demand(num_tokens, prefilling=False)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_long_prompts_in_small_chunks_count_a_window_plus_a_chunk(mixed):
+    """Prompts much longer than a window plus a prefill chunk: while a prompt is computed in chunks of at most
+    `max_num_batched_tokens`, a sliding group holds the blocks the chunk's keys span (window - 1 + chunk positions),
+    not the whole prompt. Counted that way, no admitted request is preempted in 300 random bursts, every block
+    comes back, and the runs take fewer steps than with the whole prompt counted (which also turns away requests
+    a pool can serve)."""
+    rng = random.Random(5 if mixed else 6)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    steps = {Scheduler: 0, _WholePromptDemand: 0}  # over the bursts both serve in full
+    served = {Scheduler: 0, _WholePromptDemand: 0}
+    for _ in range(300):
+        block_size, window, budget = rng.choice([1, 2, 4]), rng.randint(1, 8), rng.randint(2, 8)
+        specs = [(rng.randint(10, 60), rng.randint(1, 8)) for _ in range(rng.randint(2, 6))]
+        num_blocks = rng.randint(12, 48)
+        runs = {}
+        for cls in steps:
+            layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+            pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
+            scheduler = cls(pool, max_num_seqs=budget, max_num_batched_tokens=budget,
+                            sliding_windows=[window, None][: len(layer_types)])
+            requests = [_request(i, n, k) for i, (n, k) in enumerate(specs)]
+            runs[cls] = (_drive(scheduler, requests, max_steps=5000), sum(r.error is None for r in requests))
+            assert scheduler.num_preemptions == 0, (cls.__name__, block_size, window, budget, num_blocks, specs)
+            served[cls] += runs[cls][1]
+        if all(num_served == len(specs) for _, num_served in runs.values()):
+            for cls, (num_steps, _) in runs.items():
+                steps[cls] += num_steps
+    assert served[Scheduler] >= served[_WholePromptDemand]
+    if not mixed:  # one sliding group: the whole prompt was the only thing that could not fit
+        assert served[Scheduler] > served[_WholePromptDemand]
+    assert steps[Scheduler] < steps[_WholePromptDemand]
+
+
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
 def test_prefix_caching_with_sliding_groups_never_preempts_and_hits(mixed):
     """Random bursts of prompts that share a start (a system prompt, repeats), through pools with a sliding group

@@ -114,20 +114,20 @@ class Admission:
         return max(delay, computing[waits_for] + -(-request.num_pending // per_step))
 
     def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
-        """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: all of them while its
-        prompt is computed (a chunk keeps every block it writes until the next step's release); once it decodes,
-        everything in a full group, and in a sliding group the blocks its query's window spans.
+        """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: everything in a full
+        group; in a sliding group, the blocks the keys its step's queries see span. A decode row's one query sees
+        `w` positions (its window); a prefill chunk's `q <= max_num_batched_tokens` queries see `w - 1 + q`,
+        which a chunk keeps until the next step's release.
 
-        Non-decreasing in `num_tokens` (the lookahead's check points rely on it): a window of `w` positions spans
-        `ceil((w - 1) / block_size) + 1` blocks when it starts inside a block, one fewer when it starts at one, and
+        Non-decreasing in `num_tokens` (the lookahead's check points rely on it): a run of `n` positions spans
+        `ceil((n - 1) / block_size) + 1` blocks when it starts inside a block, one fewer when it starts at one, and
         that maximum is what is counted. Out-of-window blocks go back at the start of each step, before admission
         (`Scheduler.schedule`), so the count holds for every request in the step.
         """
         end_block = self._blocks_for(num_tokens)
-        if prefilling:
-            return end_block * len(self.group_windows)
+        queries = self.max_num_batched_tokens if prefilling else 1
         return sum(
-            end_block if window is None else min(end_block, self._blocks_for(window - 1) + 1)
+            end_block if window is None else min(end_block, self._blocks_for(window + queries - 2) + 1)
             for window in self.group_windows
         )
 
