@@ -135,7 +135,9 @@ class Scheduler(Admission):
         return -(-num_tokens // self.pool.block_size)
 
     def add(self, request: Request) -> None:
-        """Queue a request; one that could never fit the whole pool fails at once, alone."""
+        """Queue a request; one whose count (`_demand`) exceeds the whole pool fails at once, alone. The count is an
+        upper bound: with a window it can pass what the request would hold running alone by a few blocks (a chunk is
+        counted as if it could start anywhere), so a request that would just fit may be turned away."""
         tokens, steps = len(request.prompt_ids), request.params.max_new_tokens - 1
         worst = max(self._demand(tokens, prefilling=True), self._demand(tokens + steps, prefilling=False))
         if worst > self.pool.num_blocks:
