@@ -118,7 +118,8 @@ def replay(
         peak_rows=stats.peak_running,
         static_batch=dynamic_batch_size(budget, workload.num_samples) * workload.num_samples,
         bound=None if windowed else concurrency_bound(workload, budget),
-        mean_occupancy=sum(stats.used_blocks) / len(stats.used_blocks) / pool.num_blocks,
+        # no step at all when the budget turns every request away
+        mean_occupancy=sum(stats.used_blocks) / max(len(stats.used_blocks), 1) / pool.num_blocks,
         num_preemptions=stats.num_preemptions,
         prefill_tokens=stats.prefill_tokens,
         prompt_tokens=sum(len(spec.prompt_ids) for spec in workload.sequences),

@@ -260,7 +260,8 @@ class _WindowAlignedDemand(Scheduler):
     """The sliding count as it was: from the first block the last token's query sees, one block short when the
     window starts inside a block, and a prompt counted whole only at step 0."""
 
-    def _demand(self, num_tokens, *, prefilling):
+    def _demand(self, num_tokens, *, prefilling, windows=None):
+        assert windows is None  # no prefix caching in the tests that use it
         end_block = self._blocks_for(num_tokens)
         if prefilling:
             return end_block * len(self.group_windows)
@@ -301,10 +302,10 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
 class _WholePromptDemand(Scheduler):
     """The prefill count as it was: a sliding group counted at every block of the prompt while it is computed."""
 
-    def _demand(self, num_tokens, *, prefilling):
+    def _demand(self, num_tokens, *, prefilling, windows=None):
         if prefilling:
-            return self._blocks_for(num_tokens) * len(self.group_windows)
-        return super()._demand(num_tokens, prefilling=False)
+            return self._blocks_for(num_tokens) * len(self.group_windows if windows is None else windows)
+        return super()._demand(num_tokens, prefilling=False, windows=windows)
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])

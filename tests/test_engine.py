@@ -227,6 +227,23 @@ def test_admission_counts_blocks_that_running_requests_share_once():
     pool.allocator.check_invariants()
 
 
+def test_admission_counts_shared_blocks_once_in_the_full_group_of_a_layer_group_pool():
+    """Gemma3-style sliding + full groups (window 8, blocks of 4), 8 requests sharing a 32-token system prompt, a
+    56-block pool: counting the prompt's 8 full-group blocks once however many running requests hold them, 5 run
+    side by side (3 when every request counts its blocks as its own), none is preempted, and every output is
+    generate()'s."""
+    prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
+    new_tokens = [8] * len(prompts)
+    engine, pool = _engine("gemma3", 56, max_num_seqs=8)
+    assert pool.num_groups == 2 and pool.allocator.enable_prefix_caching
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "gemma3", prompts, new_tokens
+    )
+    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 5
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
 def test_admission_counts_a_newcomers_cached_prefix_as_held():
     """A request holds a 32-token system prompt (8 blocks of 4) in a 15-block pool. A newcomer with the same system
     prompt takes those 8 blocks from the cache when its prefill starts: counted as held, both peak at 9 + 2 fresh =

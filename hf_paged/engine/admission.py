@@ -44,15 +44,16 @@ class Admission:
         t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0, at the last
         step a prefill may take (a sliding group counts less after it), or just before one of them finishes.
 
-        With prefix caching on a pool of one full-attention group, blocks that several running requests hold (a
-        shared system prompt, parallel samples of one prompt) count once: the demand at t is every block held now by
-        a request still running at t, plus the blocks each of those will add by t. A request that has not looked up its
-        prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup
-        would take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper
-        bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to
-        a request whose new blocks are counted already, one block for the one it must then compute. With layer
-        groups or a window, every request counts its blocks as its own, cached or shared ones included: more than
-        it can take.
+        With prefix caching, blocks that several running requests hold in a full-attention group (a shared system
+        prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a
+        request still running at t, plus the blocks each of those will add by t, plus what each holds in the
+        sliding groups (`_demand`, its own). On a pool of one full group, a request that has not looked up its
+        prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would
+        take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held
+        block cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose
+        new blocks are counted already, one block for the one it must then compute. With a sliding group, such a
+        request counts its whole prompt as fresh: evicting one free block of a sliding window can shorten its hit
+        below blocks the others hold (`Lookahead._full_tables`).
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
@@ -113,7 +114,7 @@ class Admission:
             return delay
         return max(delay, computing[waits_for] + -(-request.num_pending // per_step))
 
-    def _demand(self, num_tokens: int, *, prefilling: bool) -> int:
+    def _demand(self, num_tokens: int, *, prefilling: bool, windows: list[int | None] | None = None) -> int:
         """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: everything in a full
         group; in a sliding group, the blocks the keys its step's queries see span. A decode row's one query sees
         `w` positions (its window); a prefill chunk's `q <= max_num_batched_tokens` queries see `w - 1 + q`,
@@ -122,13 +123,14 @@ class Admission:
         Non-decreasing in `num_tokens` (the lookahead's check points rely on it): a run of `n` positions spans
         `ceil((n - 1) / block_size) + 1` blocks when it starts inside a block, one fewer when it starts at one, and
         that maximum is what is counted. Out-of-window blocks go back at the start of each step, before admission
-        (`Scheduler.schedule`), so the count holds for every request in the step.
+        (`Scheduler.schedule`), so the count holds for every request in the step. `windows`: the groups to count
+        (default: every group of the pool).
         """
         end_block = self._blocks_for(num_tokens)
         queries = self.max_num_batched_tokens if prefilling else 1
         return sum(
             end_block if window is None else min(end_block, self._blocks_for(window + queries - 2) + 1)
-            for window in self.group_windows
+            for window in (self.group_windows if windows is None else windows)
         )
 
     def admit(self) -> None:

@@ -62,25 +62,39 @@ class Lookahead:
         ]
         held = {block_id for request in running for block_id in request.block_ids}
         self.available = scheduler.pool.num_free_blocks + len(held)
-        self.shared = self.prefix_caching and scheduler.group_windows == [None]
+        windows = scheduler.group_windows
+        self.full_groups = [group for group, window in enumerate(windows) if window is None]
+        self.sliding_windows = [window for window in windows if window is not None]
+        # Shared blocks count once in the full groups (a sliding group counts each request's window as its own).
+        self.shared = self.prefix_caching and bool(self.full_groups)
         self._demand_memo: dict[int, int] = {}  # step -> `_running_demand(step)`
         self._shared_memo: dict[int, tuple[int, int]] = {}  # step -> `_running_shared(step)`
         self.check_points = {0, *(growth.end for growth in self.growths)}
         if self.shared:
+            # Per running request, its table in each full group (or what its prefix lookup would take).
             self.tables = [
-                request.block_tables[0]
+                [request.block_tables[group] for group in self.full_groups]
                 if request.block_tables
-                else scheduler._cached_prefix(request).tables[0]
+                else self._full_tables(scheduler._cached_prefix(request))
                 for request in running
             ]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
             self.last_end: dict[int, int] = {}
-            for table, growth in zip(self.tables, self.growths):
-                for block_id in table:
+            for tables, growth in zip(self.tables, self.growths):
+                for block_id in (block_id for table in tables for block_id in table):
                     self.last_end[block_id] = max(self.last_end.get(block_id, -1), growth.end)
             self._sorted_ends = sorted(self.last_end.values())
-        else:  # a sliding group counts less once a prefill ends
+        if self.sliding_windows:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
+
+    def _full_tables(self, hit) -> list[list[int]]:
+        """What a request that has not looked up its prefix counts as held in the full groups: the blocks its lookup
+        would take now. Not with a sliding group: evicting one free block of a sliding window can shorten the hit
+        below blocks the running requests hold in a full group (a shared system prompt), so it would compute copies
+        of them; such a request counts every block as fresh."""
+        if self.sliding_windows:
+            return [[] for _ in self.full_groups]
+        return [hit.tables[group] for group in self.full_groups]
 
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
@@ -100,7 +114,7 @@ class Lookahead:
         hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None)
         if self.shared:
-            return self._fits_shared(hit.tables[0], new)
+            return self._fits_shared(self._full_tables(hit), new)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
             demand = self._running_demand(t)
@@ -110,9 +124,12 @@ class Lookahead:
                 return False
         return True
 
-    def _demand_at(self, growth: Growth, t: int) -> int:
+    def _demand_at(self, growth: Growth, t: int, windows: list[int | None] | None = None) -> int:
+        """What `growth` holds at step t (`_demand`), in the groups of `windows` (default: all)."""
         still_prefilling = growth.prefilling and t <= growth.end - growth.steps
-        return self.scheduler._demand(growth.tokens + min(t, growth.steps), prefilling=still_prefilling)
+        return self.scheduler._demand(
+            growth.tokens + min(t, growth.steps), prefilling=still_prefilling, windows=windows
+        )
 
     def _running_demand(self, t: int) -> int:
         demand = self._demand_memo.get(t)
@@ -122,19 +139,33 @@ class Lookahead:
             )
         return demand
 
-    def _fits_shared(self, table: list[int], new: Growth) -> bool:
-        """`fits` for one full-attention group, counting each held block once: at step t, the blocks held now by a
-        request still running then (their union), plus the blocks each of those will have added by t. `table`: the
-        cached blocks the newcomer's lookup would take."""
-        scheduler = self.scheduler
-        for t in {*self.check_points, new.end}:
+    def _fits_shared(self, tables: list[list[int]], new: Growth) -> bool:
+        """`fits` counting each block held in a full group once: at step t, the blocks held now by a request still
+        running then (their union), plus the blocks each of those will have added by t; a sliding group counts what
+        each request holds there (`_demand`). `tables`: per full group, the cached blocks the newcomer's lookup
+        would take."""
+        checks = {*self.check_points, new.end}
+        if self.sliding_windows:
+            checks.add(new.end - new.steps)
+        for t in checks:
             held, fresh = self._running_shared(t)
             if new.end >= t:
-                held += sum(1 for block_id in table if self.last_end.get(block_id, -1) < t)  # not held by them then
-                fresh += max(scheduler._blocks_for(new.tokens + min(t, new.steps)) - len(table), 0)
+                held += sum(  # not held by them then
+                    1 for table in tables for block_id in table if self.last_end.get(block_id, -1) < t
+                )
+                fresh += self._fresh(new, tables, t)
             if held + fresh > self.available:
                 return False
         return True
+
+    def _fresh(self, growth: Growth, tables: list[list[int]], t: int) -> int:
+        """Blocks `growth` holds at step t beyond its full groups' `tables`: what it adds to each, and everything it
+        holds in the sliding groups."""
+        end_block = self.scheduler._blocks_for(growth.tokens + min(t, growth.steps))
+        fresh = sum(max(end_block - len(table), 0) for table in tables)
+        if self.sliding_windows:
+            fresh += self._demand_at(growth, t, self.sliding_windows)
+        return fresh
 
     def _running_shared(self, t: int) -> tuple[int, int]:
         """(blocks the running requests still running at step t hold now, counted once; blocks they will have
@@ -143,9 +174,7 @@ class Lookahead:
         if memo is None:
             held = len(self._sorted_ends) - bisect.bisect_left(self._sorted_ends, t)
             fresh = sum(
-                max(self.scheduler._blocks_for(growth.tokens + min(t, growth.steps)) - len(table), 0)
-                for growth, table in zip(self.growths, self.tables)
-                if growth.end >= t
+                self._fresh(growth, tables, t) for growth, tables in zip(self.growths, self.tables) if growth.end >= t
             )
             memo = self._shared_memo[t] = (held, fresh)
         return memo
