@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 
 from .allocator import block_hashes
 from .group_tables import GroupTables
+from .layer_groups import group_windows
 from .decode_plan import PAGED_ATTENTION, DecodePlan
 from .errors import PoolExhausted
 from .gather import GatherWorkspace
@@ -109,12 +110,12 @@ class PagedCache(Cache):
         self._finalizer = weakref.finalize(self, self._tables.release)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
         super().__init__(layers=layers)
-        # Groups whose every layer slides: those give back blocks that left the window (all of them for Mistral).
-        self._sliding_groups = tuple(
-            group_idx
-            for group_idx, group in enumerate(self.layer_groups)
-            if release_out_of_window and all(windows[layer_idx] is not None for layer_idx in group)
+        # Per group, the window of a group whose every layer slides and gives back blocks that left the window (all
+        # of them for Mistral), None for a group that keeps every block.
+        self._group_windows = (
+            group_windows(self.layer_groups, windows) if release_out_of_window else [None] * len(self.layer_groups)
         )
+        self._sliding_groups = tuple(group for group, window in enumerate(self._group_windows) if window is not None)
 
     # ------------------------------------------------------------------ pool
     @property
@@ -235,8 +236,7 @@ class PagedCache(Cache):
         With prefix caching, from the first key a query at the end of the last full block sees instead (at most one
         block more): `release(token_ids=...)` caches what the group still holds, and `from_prefix` of every full
         block of the conversation needs that window (`BlockAllocator.peek_longest_prefix`)."""
-        pool = self._tables.pool
-        block_size = pool.block_size if pool is not None else self.block_size
+        pool, block_size = self._tables.pool, self.block_size
         caching = pool is not None and pool.allocator.enable_prefix_caching
         first_needed = {}
         for group_idx in self._sliding_groups:
@@ -303,23 +303,13 @@ class PagedCache(Cache):
         block_size = pool.block_size
         num_blocks = (len(token_ids[0]) - 1) // block_size
         hashes = block_hashes(token_ids[0][: num_blocks * block_size], block_size)
-        windows = cache._group_windows()
-        num_cached, first_blocks, tables = pool.allocator.take_longest_prefix(hashes, windows, block_size)
+        num_cached, first_blocks, tables = pool.allocator.take_longest_prefix(hashes, cache._group_windows, block_size)
         if num_cached:
             for group_tables, first, table in zip(cache._tables.groups, first_blocks, tables):
                 group_tables.adopt(table, base=first)
         for layer in cache.layers:
             layer.cumulative_length = num_cached * block_size
         return cache
-
-    def _group_windows(self) -> list[int | None]:
-        """Per layer group: the window of a group that gives back out-of-window blocks (every layer slides), None
-        for a group that keeps every block."""
-        return [
-            max(self.layers[layer_idx].sliding_window for layer_idx in group) if group_idx in self._sliding_groups
-            else None
-            for group_idx, group in enumerate(self.layer_groups)
-        ]
 
     def release(self, token_ids=None, attention_mask=None) -> None:
         """Return every block to the pool. The cache is empty afterwards and can be filled again.

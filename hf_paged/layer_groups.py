@@ -59,6 +59,15 @@ def derive_layer_groups(layer_types: Sequence[str], shapes: Sequence[tuple[int, 
     return tuple(groups)
 
 
+def group_windows(groups: LayerGroups, windows: Sequence[int | None]) -> list[int | None]:
+    """Per group: the largest sliding window of its layers when every one of them slides (the group can give back
+    blocks that left the window), else None (it keeps every block). `windows[l]`: layer l's window or None."""
+    return [
+        None if any(windows[layer] is None for layer in group) else max(windows[layer] for layer in group)
+        for group in groups
+    ]
+
+
 def slot_of_layer(groups: LayerGroups) -> tuple[int, ...]:
     """`slots[l]` = the position of layer l in its group: the storage slot it reads and writes."""
     slots = {layer_idx: slot for group in groups for slot, layer_idx in enumerate(group)}

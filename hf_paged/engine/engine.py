@@ -66,11 +66,11 @@ class Engine:
             goes to prefill chunks, so one long prompt cannot stall decoding). At least `max_num_seqs`.
         enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes when a request's prefill
             starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
-            once: a request waits while another computes blocks it would reuse, and on a one-group pool without a
-            window admission counts a block that several requests hold or would take from the cache once. With
-            layer groups, each group caches its own blocks, and a sliding group needs only the blocks its window
-            still sees for a hit. Turns the pool's prefix cache on (a pool with prefix caching belongs to one
-            model).
+            once: a request waits while another computes blocks it would reuse, and admission counts a block that
+            several running requests hold in a full-attention group once (on a one-group pool, also the blocks a
+            waiting request would take from the cache). With layer groups, each group caches its own blocks, and a
+            sliding group needs only the blocks its window still sees for a hit. Turns the pool's prefix cache on (a
+            pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting

@@ -72,12 +72,7 @@ class Lookahead:
         self.check_points = {0, *(growth.end for growth in self.growths)}
         if self.shared:
             # Per running request, its table in each full group (or what its prefix lookup would take).
-            self.tables = [
-                [request.block_tables[group] for group in self.full_groups]
-                if request.block_tables
-                else self._full_tables(scheduler._cached_prefix(request))
-                for request in running
-            ]
+            self.tables = [self._full_tables(request) for request in running]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
             self.last_end: dict[int, int] = {}
             for tables, growth in zip(self.tables, self.growths):
@@ -87,13 +82,17 @@ class Lookahead:
         if self.sliding_windows:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
 
-    def _full_tables(self, hit) -> list[list[int]]:
-        """What a request that has not looked up its prefix counts as held in the full groups: the blocks its lookup
-        would take now. Not with a sliding group: evicting one free block of a sliding window can shorten the hit
-        below blocks the running requests hold in a full group (a shared system prompt), so it would compute copies
-        of them; such a request counts every block as fresh."""
+    def _full_tables(self, request: Request, hit=None) -> list[list[int]]:
+        """What `request` counts as held in each full group: its tables once it holds blocks; before its prefix
+        lookup, the blocks that lookup would take now (`hit`, looked up when not given). Not with a sliding group:
+        evicting one free block of a sliding window can shorten the hit below blocks the running requests hold in
+        a full group (a shared system prompt), so it would compute copies of them; such a request counts every
+        block as fresh."""
+        if request.block_tables:
+            return [request.block_tables[group] for group in self.full_groups]
         if self.sliding_windows:
             return [[] for _ in self.full_groups]
+        hit = hit if hit is not None else self.scheduler._cached_prefix(request)
         return [hit.tables[group] for group in self.full_groups]
 
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None) -> Growth:
@@ -114,7 +113,7 @@ class Lookahead:
         hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None)
         if self.shared:
-            return self._fits_shared(self._full_tables(hit), new)
+            return self._fits_shared(self._full_tables(newcomer, hit), new)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
             demand = self._running_demand(t)

@@ -31,6 +31,7 @@ from typing import NamedTuple
 import torch
 
 from ..allocator import first_window_block, hash_block_tokens
+from ..layer_groups import group_windows
 from ..pool import BlockPool
 from .admission import Admission
 from .sampling import SamplingParams
@@ -117,10 +118,7 @@ class Scheduler(Admission):
         windows = sliding_windows if sliding_windows is not None else [None] * pool.layout.num_layers
         if len(windows) != pool.layout.num_layers:
             raise ValueError(f"sliding_windows needs one entry per layer ({pool.layout.num_layers}), got {len(windows)}")
-        self.group_windows = [
-            None if any(windows[layer] is None for layer in group) else max(windows[layer] for layer in group)
-            for group in pool.layer_groups
-        ]
+        self.group_windows = group_windows(pool.layer_groups, windows)
         self.decode_reserve_tokens = decode_reserve_tokens
         self.backfill_window = backfill_window
         self.max_num_seqs = max_num_seqs
