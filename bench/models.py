@@ -70,6 +70,27 @@ def mixed_window_model(
     return _random_model(Gemma3ForCausalLM, config, device=device, dtype=dtype, seed=seed)
 
 
+# `--layers` of the tools that run the embedded model's sizes with other attention layers (window 256).
+LAYERS = ("full", "sliding", "mixed")
+LAYERS_HELP = (
+    "the embedded model's attention layers: all full (default), all sliding (Mistral-style), or 5 sliding : 1 full "
+    "(Gemma3-style); window 256"
+)
+
+
+def embedded_model(layers: str = "full", **kwargs):
+    """The embedded model (`load_model()`), or its sizes with every layer sliding ("sliding") or 5 sliding : 1 full
+    ("mixed"), window 256. `kwargs`: device, dtype, seed."""
+    models = {"full": _default_model, "sliding": sliding_window_model, "mixed": mixed_window_model}
+    if layers not in models:
+        raise ValueError(f"layers must be one of {', '.join(map(repr, LAYERS))}, got {layers!r}")
+    return models[layers](**kwargs)
+
+
+def _default_model(**kwargs):
+    return load_model(None, **kwargs)
+
+
 def _random_model(model_class, config, *, device: str | None, dtype: torch.dtype | None, seed: int):
     """`model_class(config)` with weights drawn from `seed`, in eval mode on `device` (default: cuda if available)
     in `dtype` (default: bfloat16 on cuda, float32 elsewhere)."""

@@ -80,19 +80,18 @@ def main() -> None:
 
     from tabulate import tabulate
 
-    from .models import load_model, mixed_window_model, sliding_window_model
+    from .models import LAYERS, LAYERS_HELP, embedded_model, load_model
 
     parser = argparse.ArgumentParser(prog="python -m bench.prefix_cache", description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prefix-len", type=int, default=512)
     parser.add_argument("--model", default=None, help="a checkpoint path (default: the embedded model)")
-    parser.add_argument("--layers", default="full", choices=["full", "sliding", "mixed"],
-                        help="the embedded model's attention layers: all full (default), all sliding, or 5:1 mixed")
+    parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP)
     args = parser.parse_args()
     if args.model is not None and args.layers != "full":
         parser.error("--layers applies to the embedded model, not to --model")
-    models = {"full": lambda: load_model(args.model), "sliding": sliding_window_model, "mixed": mixed_window_model}
-    rows = shared_prefix(models[args.layers](), num_requests=args.requests, prefix_len=args.prefix_len)
+    model = load_model(args.model) if args.model is not None else embedded_model(args.layers)
+    rows = shared_prefix(model, num_requests=args.requests, prefix_len=args.prefix_len)
     print(tabulate(rows, headers="keys", floatfmt=".3f"))
 
 

@@ -34,7 +34,7 @@ from hf_paged import BlockPool, Engine
 from hf_paged.paged_layer import sliding_windows
 
 from .continuous import add_workload_request
-from .models import DEFAULT_CONFIG, mixed_window_model, sliding_window_model
+from .models import DEFAULT_CONFIG, LAYERS, LAYERS_HELP, embedded_model
 from .runs import BLOCK_SIZE, ENGINE_MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, Budget, budgets_arg
 from .serving_report import concurrency_bound
 from .static_batches import dynamic_batch_size
@@ -154,13 +154,9 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-reserve-tokens", type=int, default=None,
                         help="the Engine's admission lookahead (default: to every request's end, never preempting)")
     parser.add_argument("--backfill-window", type=int, default=8)
-    parser.add_argument("--layers", default="full", choices=["full", "sliding", "mixed"],
-                        help="the embedded model's attention layers: all full (default), all sliding (Mistral-style), "
-                             "or 5 sliding : 1 full (Gemma3-style); window 256")
+    parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP)
     args = parser.parse_args(argv)
-    configs = {"full": lambda: None, "sliding": lambda: sliding_window_model(256).config,
-               "mixed": lambda: mixed_window_model(256).config}
-    config = configs[args.layers]()
+    config = None if args.layers == "full" else embedded_model(args.layers).config
     workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full, seed=args.seed)
     replays = [
         replay(workload, multiple, config=config, block_size=args.block_size,
