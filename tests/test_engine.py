@@ -88,6 +88,28 @@ def test_a_request_larger_than_the_pool_fails_alone():
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_a_sliding_model_runs_in_the_blocks_it_needs_alone(name):
+    """A 40-token prompt and 12 new tokens with window 8 in blocks of 4: computed in one chunk, the prompt would take
+    10 blocks in each sliding group, but a query only ever sees 3 of them. In a pool of exactly what the request
+    needs alone (`_solo_need`: 3 blocks all-sliding, 13 full + 3 sliding for Gemma3), it is let in, computes its
+    prompt in the chunks the pool holds, and gives generate()'s tokens; one block fewer and it is turned away with
+    its numbers."""
+    prompts, new_tokens = _prompts((40,)), [12]
+    probe, _ = _engine(name, 64)
+    need = probe.scheduler._solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
+    assert need == {"mistral": 3, "gemma3": 16}[name]
+    engine, pool = _engine(name, need)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
+    assert pool.num_used_blocks == 0 and engine.stats.num_preemptions == 0
+    engine, pool = _engine(name, need - 1)
+    with pytest.raises(RequestFailed, match=f"request 0 needs {need} blocks .* the pool has {need - 1}"):
+        engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
+    assert pool.num_used_blocks == 0
+
+
 def test_seeded_sampling_does_not_depend_on_the_batch():
     prompts = _prompts((6, 9, 4))
     engine, _ = _engine("llama", 64, max_num_seqs=4)

@@ -4,8 +4,9 @@ Every step: admit waiting requests while blocks allow, looking ahead at how the 
 `Scheduler.fits`); when the first waiting request does not fit, a later one of the next few that does goes first
 (backfill, see `Scheduler.admit`). Then give every running request with one pending token a decode row, and spend
 the rest of the token budget on prefill chunks. When a row needs a block and none is free, the most recently
-admitted request is preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated),
-so no request fails for lack of memory unless it could never fit the whole pool.
+admitted request is preempted: its blocks go back and it waits to be recomputed (prompt plus what it generated);
+a request running alone computes the part of its chunk that fits instead. So no request fails for lack of memory
+unless it could never fit the whole pool (`add` turns those away at once).
 
 Layer groups: a request holds one block table per layer group of the pool (one for a uniform model; Gemma-style
 models have sliding and full groups). A group whose layers all slide gives back, at the start of every step, the
@@ -132,20 +133,38 @@ class Scheduler(Admission):
         return -(-num_tokens // self.pool.block_size)
 
     def add(self, request: Request) -> None:
-        """Queue a request; one whose count (`_demand`) exceeds the whole pool fails at once, alone. The count is an
-        upper bound: with a window it can pass what the request would hold running alone by a few blocks (a chunk is
-        counted as if it could start anywhere), so a request that would just fit may be turned away."""
-        tokens, steps = len(request.prompt_ids), request.params.max_new_tokens - 1
-        worst = max(self._demand(tokens, prefilling=True), self._demand(tokens + steps, prefilling=False))
-        if worst > self.pool.num_blocks:
+        """Queue a request; one that could not run even alone in the whole pool (`_solo_need`) fails at once, alone."""
+        need = self._solo_need(request)
+        if need > self.pool.num_blocks:
             request.error = (
-                f"request {request.request_id} needs {worst} blocks ({len(request.prompt_ids)} prompt + "
+                f"request {request.request_id} needs {need} blocks ({len(request.prompt_ids)} prompt + "
                 f"{request.params.max_new_tokens} new tokens, block_size {self.pool.block_size}); the pool has "
                 f"{self.pool.num_blocks}"
             )
             request.finished = True
             return
         self.waiting.append(request)
+
+    def _solo_need(self, request: Request) -> int:
+        """The fewest blocks `request` runs in: alone, a step computing as few tokens as it must (a prefill chunk
+        shrinks to what the pool holds when a request runs alone, `_fit_chunk`), so one query at each position.
+
+        A full group holds every block up to the query, a sliding group the blocks from the one its window starts
+        in (`_held_at`). The most over the request's positions is at one of its last `block_size`: a query one block
+        further on holds one more block in a full group and no fewer in a sliding one.
+
+        NOTE: admission (`fits`) counts whole prefill chunks (`_demand`), an upper bound that can pass this; a
+        request whose count passes the pool is admitted only when nothing else runs, and nothing joins it.
+        """
+        # The last sampled token is never fed back: the K/V end at prompt + max_new_tokens - 1 tokens.
+        end = len(request.prompt_ids) + request.params.max_new_tokens - 1
+        return max(self._held_at(position) for position in range(max(end - self.pool.block_size, 0), end))
+
+    def _held_at(self, position: int) -> int:
+        """Blocks, over all groups, that a step whose last query is at `position` holds when the step's first is
+        there too (a decode row, or a one-token chunk)."""
+        end_block = self._blocks_for(position + 1)
+        return sum(end_block - self._first_needed_block(group, position) for group in range(len(self.group_windows)))
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -266,14 +285,28 @@ class Scheduler(Admission):
                 allocator.cache_block(table[index - first], request.block_hashes[index], group)
         request.num_registered_blocks = max(request.num_registered_blocks, num_full)
 
+    def _fit_chunk(self, request: Request, chunk: int) -> int:
+        """The most of `chunk` tokens (ending at a block boundary when fewer) that `request` can compute now with the
+        pool's free blocks; 0 when not even one."""
+        groups = len(self.group_windows)
+        tables = request.block_tables or [[] for _ in range(groups)]
+        firsts = request.first_blocks or [0] * groups
+        free, block_size = self.pool.allocator.num_free_blocks, self.pool.block_size
+        while chunk > 0:
+            end_block = self._blocks_for(request.num_computed + chunk)
+            if sum(max(end_block - first - len(table), 0) for table, first in zip(tables, firsts)) <= free:
+                return chunk
+            chunk = (end_block - 1) * block_size - request.num_computed  # back to the end of the block before
+        return 0
+
     def _fail_alone(self, request: Request, chunk: int) -> None:
         """`request` runs alone and the pool still cannot hold its next `chunk` tokens, so it can never run: it
         fails (the engine raises `RequestFailed` for it once the others finish) instead of being preempted and
         re-admitted forever.
 
-        NOTE: `add` turns away a request whose count (`_demand`, an upper bound) exceeds the pool; this catches a
-        preempted request whose recomputation needs its whole sequence at once, in every group (only a finite
-        `decode_reserve_tokens` preempts).
+        NOTE: `add` turns away a request that could not run even alone (`_solo_need`), and a request running alone
+        computes a smaller chunk when its next one does not fit (`_fit_chunk`), so this is only reached when blocks
+        of the pool are held outside the engine (a `PagedCache` on the same pool).
         """
         request.error = (
             f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
@@ -322,8 +355,13 @@ class Scheduler(Admission):
             while not self._grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
-                    self._fail_alone(request, chunk)
-                    break
+                    # Alone: compute what the pool holds this step (a sliding group gives blocks back as it goes).
+                    fitting = self._fit_chunk(request, chunk)
+                    if fitting == 0:
+                        self._fail_alone(request, chunk)
+                        break
+                    chunk = fitting
+                    continue
                 self._preempt(victim)
                 if victim is request:
                     break
