@@ -142,8 +142,8 @@ def _finish_step(scheduler: Scheduler, step) -> None:
 class _NoPrefillDelay(Scheduler):
     """The lookahead as it was: every admitted request starts growing at once, whatever the prefill budget."""
 
-    def _growth_plan(self, request, delay, prefilling):
-        return super()._growth_plan(request, 0, prefilling)
+    def _growth_plan(self, request, delay, prefilling, start=None):
+        return super()._growth_plan(request, 0, prefilling, start)
 
 
 def _burst(seed: int) -> list[Request]:
@@ -353,7 +353,7 @@ class _WindowAlignedDemand(Scheduler):
     """The sliding count as it was: from the first block the last token's query sees, one block short when the
     window starts inside a block, and a prompt counted whole only at step 0."""
 
-    def _demand(self, num_tokens, *, prefilling, windows=None):
+    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
         assert windows is None  # no prefix caching in the tests that use it
         end_block = self._blocks_for(num_tokens)
         if prefilling:
@@ -395,10 +395,10 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
 class _WholePromptDemand(Scheduler):
     """The prefill count as it was: a sliding group counted at every block of the prompt while it is computed."""
 
-    def _demand(self, num_tokens, *, prefilling, windows=None):
+    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
         if prefilling:
             return self._blocks_for(num_tokens) * len(self.group_windows if windows is None else windows)
-        return super()._demand(num_tokens, prefilling=False, windows=windows)
+        return super()._demand(num_tokens, prefilling=False, windows=windows, start=start)
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
@@ -462,6 +462,35 @@ def test_prefix_caching_with_sliding_groups_never_preempts_and_hits(mixed):
         pool.allocator.check_invariants()
         num_hit_tokens += scheduler.num_prefix_hit_tokens
     assert num_hit_tokens > 1000
+
+
+def test_with_a_sliding_group_admission_takes_a_cached_prefix_unless_it_waits_for_one():
+    """Sliding (window 4) + full groups, blocks of 2. Once a 16-token prompt is computed, a newcomer continuing it is
+    admitted holding the 8 cached blocks in the full group and its window's in the sliding one, before its prefill
+    starts (so no eviction can shorten the hit admission counted). A third request, whose next block the second is
+    computing, takes nothing yet: it waits for that block and looks up when its prefill starts."""
+    sliding, full = "sliding_attention", "full_attention"
+    pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=60, block_size=2, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[4, None])
+    system = list(range(1, 17))
+    first = Request(0, system, SamplingParams(max_new_tokens=4))
+    scheduler.add(first)
+    _step(scheduler)  # computes the prompt, caches its 8 blocks in both groups
+    second = Request(1, system + [50, 51, 52, 53], SamplingParams(max_new_tokens=4))
+    third = Request(2, system + [50, 51, 52, 53, 54, 55], SamplingParams(max_new_tokens=4))
+    scheduler.add(second)
+    scheduler.admit()
+    assert second in scheduler.running and second.num_computed == 16
+    assert second.first_blocks == [6, 0]  # a query at position 16 sees positions 13-16: blocks 6-8
+    assert second.block_tables[1] == first.block_tables[1]  # the full group's 8 blocks, shared
+    assert second.block_tables[0] == first.block_tables[0][6 - first.first_blocks[0] :][:2]  # its blocks 6 and 7
+    scheduler.add(third)
+    scheduler.admit()
+    assert third in scheduler.running and not third.block_tables and third.num_computed == 0
+    assert scheduler._cached_prefix(third).waits_for == second.block_hashes[8]
+    _drive(scheduler, [])
+    assert [len(r.output_ids) for r in (first, second, third)] == [4, 4, 4] and scheduler.num_preemptions == 0
+    pool.allocator.check_invariants()
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])

@@ -266,6 +266,23 @@ def test_admission_counts_shared_blocks_once_in_the_full_group_of_a_layer_group_
     pool.allocator.check_invariants()
 
 
+@pytest.mark.parametrize("name, num_blocks, prefix_len, peak", [("gemma3", 40, 32, 5), ("mistral", 24, 48, 8)])
+def test_sliding_models_run_requests_continuing_a_cached_prompt_side_by_side(name, num_blocks, prefix_len, peak):
+    """8 requests sharing a system prompt on a pool with sliding groups (window 8, blocks of 4). A request that
+    continues the cached prompt takes it when admitted, so admission counts its full-group blocks as shared and its
+    sliding groups from the prompt's end (a window, not the prompt). Without that, the same pools ran at most 3 and
+    4 requests at once (in 33 and 19 steps); now 5 and 8, with no preemption and generate()'s outputs."""
+    prompts = _shared_prefix_prompts(num_requests=8, prefix_len=prefix_len)
+    new_tokens = [8] * len(prompts)
+    engine, pool = _engine(name, num_blocks, max_num_seqs=8)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
+    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= peak
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
 def test_admission_counts_a_newcomers_cached_prefix_as_held():
     """A request holds a 32-token system prompt (8 blocks of 4) in a 15-block pool. A newcomer with the same system
     prompt takes those 8 blocks from the cache when its prefill starts: counted as held, both peak at 9 + 2 fresh =

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
+from ..allocator import first_window_block
 from .lookahead import Growth, Lookahead
 
 if TYPE_CHECKING:
@@ -51,9 +52,12 @@ class Admission:
         prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would
         take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held
         block cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose
-        new blocks are counted already, one block for the one it must then compute. With a sliding group, such a
-        request counts its whole prompt as fresh: evicting one free block of a sliding window can shorten its hit
-        below blocks the others hold (`Lookahead._full_tables`).
+        new blocks are counted already, one block for the one it must then compute. With a sliding group that
+        argument fails (evicting one free block of a sliding window can shorten the hit below blocks the others
+        hold), so a newcomer with a hit takes it when admitted (`takes_prefix_at_admission`) and counts it as held;
+        one that waits for a block another request is computing, or was admitted without a hit, counts its whole
+        prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached prefix counts
+        its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
@@ -69,10 +73,11 @@ class Admission:
         """
         return Lookahead(self).fits(newcomer)
 
-    def _growth_plan(self, request: Request, delay: int, prefilling: bool) -> Growth:
-        """`request`'s plan in the lookahead when its prefill may wait `delay` steps for budget (see `Lookahead`)."""
+    def _growth_plan(self, request: Request, delay: int, prefilling: bool, start: int | None = None) -> Growth:
+        """`request`'s plan in the lookahead when its prefill may wait `delay` steps for budget (see `Lookahead`);
+        `start`: the position its computation goes on from (default: its computed tokens)."""
         tokens, steps = self._growth(request)
-        return Growth(tokens, steps, steps + delay, prefilling)
+        return Growth(tokens, steps, steps + delay, prefilling, request.num_computed if start is None else start)
 
     def _add_prefix_waits(
         self, requests: list[Request], prefilling: list[bool], delays: list[int], per_step: int
@@ -114,11 +119,15 @@ class Admission:
             return delay
         return max(delay, computing[waits_for] + -(-request.num_pending // per_step))
 
-    def _demand(self, num_tokens: int, *, prefilling: bool, windows: list[int | None] | None = None) -> int:
+    def _demand(
+        self, num_tokens: int, *, prefilling: bool, windows: list[int | None] | None = None, start: int = 0
+    ) -> int:
         """At most the blocks a request of `num_tokens` tokens holds over all groups in a step: everything in a full
         group; in a sliding group, the blocks the keys its step's queries see span. A decode row's one query sees
         `w` positions (its window); a prefill chunk's `q <= max_num_batched_tokens` queries see `w - 1 + q`,
-        which a chunk keeps until the next step's release.
+        which a chunk keeps until the next step's release. `start`: the position the request's computation goes
+        on from (its computed tokens, a prefix hit's): a sliding group holds nothing before the block the window
+        of a query there starts in, so a prompt that continues a cached prefix counts from there.
 
         Non-decreasing in `num_tokens` (the lookahead's check points rely on it): a run of `n` positions spans
         `ceil((n - 1) / block_size) + 1` blocks when it starts inside a block, one fewer when it starts at one, and
@@ -128,8 +137,14 @@ class Admission:
         """
         end_block = self._blocks_for(num_tokens)
         queries = self.max_num_batched_tokens if prefilling else 1
+        block_size = self.pool.block_size
         return sum(
-            end_block if window is None else min(end_block, self._blocks_for(window + queries - 2) + 1)
+            end_block
+            if window is None
+            else min(
+                end_block - first_window_block(start, window, block_size),
+                self._blocks_for(window + queries - 2) + 1,
+            )
             for window in (self.group_windows if windows is None else windows)
         )
 
@@ -149,7 +164,8 @@ class Admission:
         while self.waiting and len(self.running) < self.max_num_seqs:
             # One plan of the running requests for every waiting request tried against them (a new one after each
             # admission): nothing else changes between tries.
-            chosen = 0 if not self.running else self._first_fitting(Lookahead(self))
+            lookahead = Lookahead(self) if self.running else None
+            chosen = 0 if lookahead is None else self._first_fitting(lookahead)
             if chosen is None:
                 return
             for passed in itertools.islice(self.waiting, chosen):
@@ -157,6 +173,29 @@ class Admission:
             request = self.waiting[chosen]
             del self.waiting[chosen]
             self.running.append(request)
+            if self.takes_prefix_at_admission(request, lookahead.computing if lookahead is not None else {}):
+                self._reuse_prefix(request)
+
+    def takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
+        """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a pool
+        with a sliding group (prefix caching on), when it has one and its first uncached block is not one a running
+        request is computing (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up later).
+
+        Why: a sliding group's hit needs every block of its window cached, so evicting one free block of it before
+        the lookup would shorten the hit below blocks the running requests hold in a full group (a shared system
+        prompt), and the request would compute copies of them. Taken at once, its blocks are held and admission
+        can count them as shared (`Lookahead._full_tables`). A one-group pool looks up when the prefill starts,
+        which finds blocks computed meanwhile (an eviction there costs at most the block it takes).
+        `hit`: the request's `_cached_prefix`, when the caller has it."""
+        if (
+            request.block_tables
+            or request.num_computed
+            or not self.pool.allocator.enable_prefix_caching
+            or all(window is None for window in self.group_windows)
+        ):
+            return False
+        hit = hit if hit is not None else self._cached_prefix(request)
+        return hit.num_blocks > 0 and hit.waits_for not in computing
 
     def _first_fitting(self, lookahead: Lookahead) -> int | None:
         """Position in `waiting` of the first request that fits `lookahead`, within the backfill window and not

@@ -67,9 +67,9 @@ class Engine:
         enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes when a request's prefill
             starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
             once: a request waits while another computes blocks it would reuse, and admission counts a block that
-            several running requests hold in a full-attention group once (on a one-group pool, also the blocks a
-            waiting request would take from the cache). With layer groups, each group caches its own blocks, and a
-            sliding group needs only the blocks its window still sees for a hit. Turns the pool's prefix cache on (a
+            several running requests hold in a full-attention group once (also the blocks a waiting request would
+            take from the cache; with a sliding group it takes them when admitted). With layer groups, each group
+            caches its own blocks, and a sliding group needs only the blocks its window still sees for a hit. Turns the pool's prefix cache on (a
             pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for

@@ -21,12 +21,14 @@ if TYPE_CHECKING:
 
 class Growth(NamedTuple):
     """How a request's K/V grow in the lookahead: from `tokens` by one a step for `steps` steps, held until step
-    `end` (`end - steps`: the steps its prefill may still wait for budget)."""
+    `end` (`end - steps`: the steps its prefill may still wait for budget); its computation goes on from position
+    `start` (a sliding group holds nothing before that position's window)."""
 
     tokens: int
     steps: int
     end: int
     prefilling: bool
+    start: int = 0
 
 
 class Lookahead:
@@ -84,23 +86,28 @@ class Lookahead:
 
     def _full_tables(self, request: Request, hit=None) -> list[list[int]]:
         """What `request` counts as held in each full group: its tables once it holds blocks; before its prefix
-        lookup, the blocks that lookup would take now (`hit`, looked up when not given). Not with a sliding group:
-        evicting one free block of a sliding window can shorten the hit below blocks the running requests hold in
-        a full group (a shared system prompt), so it would compute copies of them; such a request counts every
-        block as fresh."""
+        lookup, the blocks that lookup would take now (`hit`, looked up when not given).
+
+        With a sliding group, only for the newcomer (`hit` given) when admission takes its prefix at once
+        (`takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of a sliding
+        window shortens the hit below blocks the running requests hold in a full group (a shared system prompt),
+        and it would compute copies of them. Any other request that has not looked up counts every block as
+        fresh."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
         if self.sliding_windows:
-            return [[] for _ in self.full_groups]
+            if hit is None or not self.scheduler.takes_prefix_at_admission(request, self.computing, hit):
+                return [[] for _ in self.full_groups]
         hit = hit if hit is not None else self.scheduler._cached_prefix(request)
         return [hit.tables[group] for group in self.full_groups]
 
-    def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None) -> Growth:
+    def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None, start: int = 0) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
-        caching, for `waits_for`, its first uncached prompt block, when one of them is computing it)."""
+        caching, for `waits_for`, its first uncached prompt block, when one of them is computing it). `start`: the
+        position it computes from (the prefix admission takes for it, `takes_prefix_at_admission`)."""
         delay = self._prefill_delay(self.queued + newcomer.num_pending)
         delay = self.scheduler._prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
-        return self.scheduler._growth_plan(newcomer, delay, True)
+        return self.scheduler._growth_plan(newcomer, delay, True, start)
 
     def _prefill_delay(self, queued: int) -> int:
         """Steps a prompt waits for budget before its last token is computed, when `queued` prompt tokens (its own
@@ -111,7 +118,9 @@ class Lookahead:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
         # NOTE: one prefix lookup per try, for both its wait and (shared blocks) what it would take from the cache.
         hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
-        new = self.newcomer_growth(newcomer, hit.waits_for if hit else None)
+        taken = hit is not None and self.scheduler.takes_prefix_at_admission(newcomer, self.computing, hit)
+        start = hit.num_blocks * self.scheduler.pool.block_size if taken else 0
+        new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
         if self.shared:
             return self._fits_shared(self._full_tables(newcomer, hit), new)
         checks = {*self.check_points, new.end, new.end - new.steps}
@@ -127,7 +136,7 @@ class Lookahead:
         """What `growth` holds at step t (`_demand`), in the groups of `windows` (default: all)."""
         still_prefilling = growth.prefilling and t <= growth.end - growth.steps
         return self.scheduler._demand(
-            growth.tokens + min(t, growth.steps), prefilling=still_prefilling, windows=windows
+            growth.tokens + min(t, growth.steps), prefilling=still_prefilling, windows=windows, start=growth.start
         )
 
     def _running_demand(self, t: int) -> int:
