@@ -54,7 +54,7 @@ class Admission:
         block cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose
         new blocks are counted already, one block for the one it must then compute. With a sliding group that
         argument fails (evicting one free block of a sliding window can shorten the hit below blocks the others
-        hold), so a newcomer with a hit takes it when admitted (`takes_prefix_at_admission`) and counts it as held;
+        hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and counts it as held;
         one that waits for a block another request is computing, or was admitted without a hit, counts its whole
         prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached prefix counts
         its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
@@ -173,10 +173,10 @@ class Admission:
             request = self.waiting[chosen]
             del self.waiting[chosen]
             self.running.append(request)
-            if self.takes_prefix_at_admission(request, lookahead.computing if lookahead is not None else {}):
+            if self._takes_prefix_at_admission(request, lookahead.computing if lookahead is not None else {}):
                 self._reuse_prefix(request)
 
-    def takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
+    def _takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
         """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a pool
         with a sliding group (prefix caching on), when it has one and its first uncached block is not one a running
         request is computing (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up later).

@@ -89,14 +89,14 @@ class Lookahead:
         lookup, the blocks that lookup would take now (`hit`, looked up when not given).
 
         With a sliding group, only for the newcomer (`hit` given) when admission takes its prefix at once
-        (`takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of a sliding
+        (`_takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of a sliding
         window shortens the hit below blocks the running requests hold in a full group (a shared system prompt),
         and it would compute copies of them. Any other request that has not looked up counts every block as
         fresh."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
         if self.sliding_windows:
-            if hit is None or not self.scheduler.takes_prefix_at_admission(request, self.computing, hit):
+            if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
                 return [[] for _ in self.full_groups]
         hit = hit if hit is not None else self.scheduler._cached_prefix(request)
         return [hit.tables[group] for group in self.full_groups]
@@ -104,7 +104,7 @@ class Lookahead:
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None, start: int = 0) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
         caching, for `waits_for`, its first uncached prompt block, when one of them is computing it). `start`: the
-        position it computes from (the prefix admission takes for it, `takes_prefix_at_admission`)."""
+        position it computes from (the prefix admission takes for it, `_takes_prefix_at_admission`)."""
         delay = self._prefill_delay(self.queued + newcomer.num_pending)
         delay = self.scheduler._prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
         return self.scheduler._growth_plan(newcomer, delay, True, start)
@@ -118,7 +118,7 @@ class Lookahead:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
         # NOTE: one prefix lookup per try, for both its wait and (shared blocks) what it would take from the cache.
         hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
-        taken = hit is not None and self.scheduler.takes_prefix_at_admission(newcomer, self.computing, hit)
+        taken = hit is not None and self.scheduler._takes_prefix_at_admission(newcomer, self.computing, hit)
         start = hit.num_blocks * self.scheduler.pool.block_size if taken else 0
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
         if self.shared:
