@@ -128,7 +128,8 @@ def _step(scheduler: Scheduler) -> None:
 
 
 def _finish_step(scheduler: Scheduler, step) -> None:
-    """What the engine does after the forward of `step`."""
+    """What the engine does after the forward of `step` (which must fit the step's token budget)."""
+    assert len(step.decode) + sum(num_tokens for _, num_tokens in step.prefill) <= scheduler.max_num_batched_tokens
     for request, num_tokens in [(r, 1) for r in step.decode] + step.prefill:
         request.num_computed += num_tokens
         scheduler.cache_full_blocks(request)
@@ -261,6 +262,21 @@ def test_a_recomputation_too_large_for_one_chunk_runs_in_smaller_ones_alone():
     assert second.error is None and len(second.output_ids) == 4
     assert chunks and chunks[0][0] < chunks[0][1]  # the recomputation's first chunk was cut to fit
     assert peak <= pool.num_blocks
+
+
+def test_decode_rows_after_a_prefill_chunk_keep_their_token_within_the_budget():
+    """A 10-token prompt, then a 1-token one whose row is a decode row, with a budget of 2 tokens a step: the decode
+    row's token is set aside first, so the prompt gets 1 token a step (it took both, and the step ran 3)."""
+    scheduler = Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=64, block_size=4), max_num_seqs=2,
+                          max_num_batched_tokens=2)
+    long, short = _request(0, 10, 2), _request(1, 1, 2)
+    scheduler.add(long)
+    scheduler.add(short)
+    step = scheduler.schedule()
+    assert step.prefill == [(long, 1)] and step.decode == [short]
+    _finish_step(scheduler, step)
+    _drive(scheduler, [])
+    assert len(long.output_ids) == 2 and len(short.output_ids) == 2
 
 
 def test_a_request_alone_fails_when_blocks_are_held_outside_the_engine():

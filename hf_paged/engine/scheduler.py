@@ -155,7 +155,8 @@ class Scheduler(Admission):
         further on holds one more block in a full group and no fewer in a sliding one.
 
         NOTE: admission (`fits`) counts whole prefill chunks (`_demand`), an upper bound that can pass this; a
-        request whose count passes the pool is admitted only when nothing else runs, and nothing joins it.
+        request whose count passes the pool is admitted only when nothing else runs, and nothing joins it while
+        its prompt is computed (once it decodes, its count is about what it holds, and others may).
         """
         # The last sampled token is never fed back: the K/V end at prompt + max_new_tokens - 1 tokens.
         end = len(request.prompt_ids) + request.params.max_new_tokens - 1
@@ -330,7 +331,10 @@ class Scheduler(Admission):
                 self._release_out_of_window(request)
         self.admit()
 
-        budget = self.max_num_batched_tokens
+        # Every request with one token to feed gets its row, so its token is set aside first; prefill chunks share
+        # the rest in order, and the step never passes max_num_batched_tokens.
+        decode_rows = {request.request_id for request in self.running if request.num_pending == 1}
+        budget = self.max_num_batched_tokens - len(decode_rows)
         decode: list[Request] = []
         prefill: list[tuple[Request, int]] = []
         # Hashes of the prompt blocks being computed, not cached yet (prefix caching): a request whose next uncached
@@ -348,7 +352,8 @@ class Scheduler(Admission):
                 if self._waits_for_prefix(request, computing):
                     continue
                 # NOTE: looked up when its prefill starts, not at admission: requests admitted together wait for
-                # the budget, and by then the first one has computed (and cached) the prefix they share.
+                # the budget, and by then the first one has computed (and cached) the prefix they share. (With a
+                # sliding group, a request whose hit admission counted took it then: `_takes_prefix_at_admission`.)
                 self._reuse_prefix(request)
                 if request.num_pending > 1:
                     computing.update(request.block_hashes[request.num_registered_blocks :])
@@ -368,6 +373,7 @@ class Scheduler(Admission):
                     break
             if request not in self.running:
                 continue
-            budget -= chunk
+            if request.request_id not in decode_rows:
+                budget -= chunk
             (decode.append(request) if request.num_pending == 1 else prefill.append((request, chunk)))
         return ScheduledStep(decode=decode, prefill=prefill)
