@@ -66,8 +66,8 @@ class Admission:
 
         NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
         preempted: every count is an upper bound on what the request holds then, and requests can only finish
-        earlier than planned (eos, stop tokens), which frees blocks sooner (tests/test_backfill.py drives random
-        bursts, shared prompts and sliding + full pools through it).
+        earlier than planned (eos, stop tokens), which frees blocks sooner (tests/test_backfill.py and
+        tests/test_sliding_admission.py drive random bursts, shared prompts and sliding + full pools through it).
         A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
         when they do not.
         """

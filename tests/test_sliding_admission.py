@@ -1,0 +1,155 @@
+"""Admission on pools with sliding-window layer groups: a sliding group counts the blocks its window (and a prefill
+chunk's keys) span, not the whole prompt, and a cached prefix is taken when the request is admitted, so the default
+admission never preempts and runs more requests side by side."""
+
+import random
+
+import pytest
+
+from hf_paged import BlockPool, KVLayout, SamplingParams
+from hf_paged.engine import Request, Scheduler
+from tests.scheduler_runs import drive, new_request, run_step
+
+
+class _WindowAlignedDemand(Scheduler):
+    """The sliding count as it was: from the first block the last token's query sees, one block short when the
+    window starts inside a block, and a prompt counted whole only at step 0."""
+
+    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
+        assert windows is None  # no prefix caching in the tests that use it
+        end_block = self._blocks_for(num_tokens)
+        if prefilling:
+            return end_block * len(self.group_windows)
+        groups = range(len(self.group_windows))
+        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_lookahead_with_sliding_groups_never_preempts(mixed):
+    """Random bursts through pools with a sliding group (alone, or beside a full one), windows of 1-12 tokens,
+    blocks of 1-4, prefill budgets of 8-64: no admitted request is preempted, and none fails after admission.
+    The count as it was (`_WindowAlignedDemand`) preempts in the same workloads."""
+    rng = random.Random(1 if mixed else 2)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    as_before = 0
+    for _ in range(400):
+        block_size, window = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        specs = [(rng.randint(1, 16), rng.randint(1, 12)) for _ in range(rng.randint(2, 8))]
+        num_blocks, budget = rng.randint(4, 40), rng.choice([8, 16, 64])
+        for cls in (Scheduler, _WindowAlignedDemand):
+            layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+            pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
+            windows = [window, None][: len(layer_types)]
+            scheduler = cls(pool, max_num_seqs=8, max_num_batched_tokens=budget, sliding_windows=windows)
+            requests = [new_request(i, n, k) for i, (n, k) in enumerate(specs)]
+            drive(scheduler, requests, max_steps=2000)
+            if cls is Scheduler:
+                case = (block_size, window, num_blocks, budget, specs)
+                assert scheduler.num_preemptions == 0, case
+                # Turned away at `add` (with its numbers) or served in full; never failed once admitted.
+                assert all(r.error is None or " needs " in r.error for r in requests), case
+                assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
+            else:
+                as_before += scheduler.num_preemptions
+    assert as_before > 0
+
+
+class _WholePromptDemand(Scheduler):
+    """The prefill count as it was: a sliding group counted at every block of the prompt while it is computed."""
+
+    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
+        if prefilling:
+            return self._blocks_for(num_tokens) * len(self.group_windows if windows is None else windows)
+        return super()._demand(num_tokens, prefilling=False, windows=windows, start=start)
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_long_prompts_in_small_chunks_count_a_window_plus_a_chunk(mixed):
+    """Prompts much longer than a window plus a prefill chunk: while a prompt is computed in chunks of at most
+    `max_num_batched_tokens`, a sliding group holds the blocks the chunk's keys span (window - 1 + chunk positions),
+    not the whole prompt. Counted that way, no admitted request is preempted in 300 random bursts, every block
+    comes back, and the runs take fewer steps than with the whole prompt counted. Both serve the same requests:
+    `add` checks what a request needs alone (`_solo_need`), not this count."""
+    rng = random.Random(5 if mixed else 6)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    steps = {Scheduler: 0, _WholePromptDemand: 0}  # over the bursts both serve in full
+    served = {Scheduler: 0, _WholePromptDemand: 0}
+    for _ in range(300):
+        block_size, window, budget = rng.choice([1, 2, 4]), rng.randint(1, 8), rng.randint(2, 8)
+        specs = [(rng.randint(10, 60), rng.randint(1, 8)) for _ in range(rng.randint(2, 6))]
+        num_blocks = rng.randint(12, 48)
+        runs = {}
+        for cls in steps:
+            layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+            pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
+            scheduler = cls(pool, max_num_seqs=budget, max_num_batched_tokens=budget,
+                            sliding_windows=[window, None][: len(layer_types)])
+            requests = [new_request(i, n, k) for i, (n, k) in enumerate(specs)]
+            runs[cls] = (drive(scheduler, requests, max_steps=5000), sum(r.error is None for r in requests))
+            assert scheduler.num_preemptions == 0, (cls.__name__, block_size, window, budget, num_blocks, specs)
+            served[cls] += runs[cls][1]
+        if all(num_served == len(specs) for _, num_served in runs.values()):
+            for cls, (num_steps, _) in runs.items():
+                steps[cls] += num_steps
+    assert served[Scheduler] == served[_WholePromptDemand]
+    assert steps[Scheduler] < steps[_WholePromptDemand]
+
+
+@pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
+def test_prefix_caching_with_sliding_groups_never_preempts_and_hits(mixed):
+    """Random bursts of prompts that share a start (a system prompt, repeats), through pools with a sliding group
+    (alone, or beside a full one) and prefix caching: no admitted request is preempted (admission counts every
+    request's blocks as its own, cached or shared ones included), every block goes back, the cache's maps stay
+    consistent, and later requests find what earlier ones computed."""
+    rng = random.Random(3 if mixed else 4)
+    layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
+    num_hit_tokens = 0
+    for _ in range(300):
+        block_size, window = rng.choice([1, 2, 4]), rng.randint(1, 12)
+        shared = [rng.randrange(1, 99) for _ in range(16)]
+        prompts = [
+            shared[: rng.randint(1, 16)] + [rng.randrange(100, 999) for _ in range(rng.randint(0, 4))]
+            for _ in range(rng.randint(2, 8))
+        ]
+        specs = [(prompt, rng.randint(1, 8)) for prompt in prompts]
+        layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+        pool = BlockPool(layout, num_blocks=rng.randint(8, 40), block_size=block_size, enable_prefix_caching=True)
+        scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=rng.choice([8, 16, 64]),
+                              sliding_windows=[window, None][: len(layer_types)])
+        requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(specs)]
+        drive(scheduler, requests, max_steps=2000)
+        case = (block_size, window, pool.num_blocks, specs)
+        assert scheduler.num_preemptions == 0, case
+        assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
+        pool.allocator.check_invariants()
+        num_hit_tokens += scheduler.num_prefix_hit_tokens
+    assert num_hit_tokens > 1000
+
+
+def test_with_a_sliding_group_admission_takes_a_cached_prefix_unless_it_waits_for_one():
+    """Sliding (window 4) + full groups, blocks of 2. Once a 16-token prompt is computed, a newcomer continuing it is
+    admitted holding the 8 cached blocks in the full group and its window's in the sliding one, before its prefill
+    starts (so no eviction can shorten the hit admission counted). A third request, whose next block the second is
+    computing, takes nothing yet: it waits for that block and looks up when its prefill starts."""
+    sliding, full = "sliding_attention", "full_attention"
+    pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=60, block_size=2, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[4, None])
+    system = list(range(1, 17))
+    first = Request(0, system, SamplingParams(max_new_tokens=4))
+    scheduler.add(first)
+    run_step(scheduler)  # computes the prompt, caches its 8 blocks in both groups
+    second = Request(1, system + [50, 51, 52, 53], SamplingParams(max_new_tokens=4))
+    third = Request(2, system + [50, 51, 52, 53, 54, 55], SamplingParams(max_new_tokens=4))
+    scheduler.add(second)
+    scheduler.admit()
+    assert second in scheduler.running and second.num_computed == 16
+    assert second.first_blocks == [6, 0]  # a query at position 16 sees positions 13-16: blocks 6-8
+    assert second.block_tables[1] == first.block_tables[1]  # the full group's 8 blocks, shared
+    assert second.block_tables[0] == first.block_tables[0][6 - first.first_blocks[0] :][:2]  # its blocks 6 and 7
+    scheduler.add(third)
+    scheduler.admit()
+    assert third in scheduler.running and not third.block_tables and third.num_computed == 0
+    assert scheduler._cached_prefix(third).waits_for == second.block_hashes[8]
+    drive(scheduler, [])
+    assert [len(r.output_ids) for r in (first, second, third)] == [4, 4, 4] and scheduler.num_preemptions == 0
+    pool.allocator.check_invariants()
