@@ -1,6 +1,6 @@
 """Admission on pools with sliding-window layer groups: a sliding group counts the blocks its window (and a prefill
-chunk's keys) span, not the whole prompt, and a cached prefix is taken when the request is admitted, so the default
-admission never preempts and runs more requests side by side."""
+chunk's keys) span, not the whole prompt, and a cached prefix is taken when the request is admitted (on any pool of
+several groups), so the default admission never preempts and runs more requests side by side."""
 
 import random
 
@@ -152,4 +152,30 @@ def test_with_a_sliding_group_admission_takes_a_cached_prefix_unless_it_waits_fo
     assert scheduler._cached_prefix(third).waits_for == second.block_hashes[8]
     drive(scheduler, [])
     assert [len(r.output_ids) for r in (first, second, third)] == [4, 4, 4] and scheduler.num_preemptions == 0
+    pool.allocator.check_invariants()
+
+
+def test_several_full_groups_take_a_cached_prefix_at_admission_and_never_preempt():
+    """Layer types that mix with no window give several full-attention groups, each caching its own copy of a block.
+    Evicting one group's free copy while another group's is held shortens a hit below blocks running requests
+    hold, as a sliding window's eviction does, so admission takes a newcomer's prefix at once there too (found by a
+    reviewer's fuzz: these staggered arrivals preempted once when the prefix was looked up at prefill start)."""
+    prompt = list(range(1, 31))
+    prompts = [prompt[:14], prompt[:30], prompt[:12] + [100], prompt[:18] + [101, 102, 103, 104, 105], prompt[:28]]
+    new_tokens, arrivals = [12, 8, 7, 3, 1], [0, 0, 1, 3, 11]
+    layout = KVLayout((2, 2, 2), (4, 4, 4), ("sliding_attention", "full_attention", "sliding_attention"))
+    pool = BlockPool(layout, num_blocks=57, block_size=3, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=3, max_num_batched_tokens=19, sliding_windows=[None] * 3)
+    assert pool.num_groups == 3
+    requests = [Request(i, p, SamplingParams(max_new_tokens=n)) for i, (p, n) in enumerate(zip(prompts, new_tokens))]
+    for step in range(200):
+        for request, arrival in zip(requests, arrivals):
+            if arrival == step:
+                scheduler.add(request)
+        if step > max(arrivals) and not scheduler.has_unfinished():
+            break
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 0 and not scheduler.has_unfinished()
+    assert [len(r.output_ids) for r in requests] == new_tokens
+    assert pool.num_used_blocks == 0 and scheduler.num_prefix_hit_tokens > 0
     pool.allocator.check_invariants()

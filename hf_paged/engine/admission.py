@@ -52,9 +52,9 @@ class Admission:
         prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would
         take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held
         block cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose
-        new blocks are counted already, one block for the one it must then compute. With a sliding group that
-        argument fails (evicting one free block of a sliding window can shorten the hit below blocks the others
-        hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and counts it as held;
+        new blocks are counted already, one block for the one it must then compute. With several groups that
+        argument fails (evicting one free block of one group, such as a sliding window's, can shorten the hit below
+        blocks the others hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and counts it as held;
         one that waits for a block another request is computing, or was admitted without a hit, counts its whole
         prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached prefix counts
         its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
@@ -178,20 +178,23 @@ class Admission:
 
     def _takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
         """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a pool
-        with a sliding group (prefix caching on), when it has one and its first uncached block is not one a running
-        request is computing (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up later).
+        with several layer groups or a sliding one (prefix caching on), when it has one and its first uncached block is not one a
+        running request is computing (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up
+        later).
 
-        Why: a sliding group's hit needs every block of its window cached, so evicting one free block of it before
-        the lookup would shorten the hit below blocks the running requests hold in a full group (a shared system
-        prompt), and the request would compute copies of them. Taken at once, its blocks are held and admission
-        can count them as shared (`Lookahead._full_tables`). A one-group pool looks up when the prefill starts,
-        which finds blocks computed meanwhile (an eviction there costs at most the block it takes).
+        Why: a hit needs its blocks cached in every group, so evicting one free block of one group before the
+        lookup (a sliding group's window block, or a full group's copy of a block another group still holds) would
+        shorten the hit below blocks the running requests hold in a full group (a shared system prompt), and the
+        request would compute copies of them. Taken at once, its blocks are held and admission can count them as
+        shared (`Lookahead._full_tables`), and a sliding group counted from the window where its computation goes on
+        (`_demand`'s `start`). A pool of one full group looks up when the prefill starts, which finds blocks
+        computed meanwhile (an eviction there costs at most the block it takes).
         `hit`: the request's `_cached_prefix`, when the caller has it."""
         if (
             request.block_tables
             or request.num_computed
             or not self.pool.allocator.enable_prefix_caching
-            or all(window is None for window in self.group_windows)
+            or self.group_windows == [None]  # one full group: looked up at prefill start (see above)
         ):
             return False
         hit = hit if hit is not None else self._cached_prefix(request)

@@ -88,14 +88,14 @@ class Lookahead:
         """What `request` counts as held in each full group: its tables once it holds blocks; before its prefix
         lookup, the blocks that lookup would take now (`hit`, looked up when not given).
 
-        With a sliding group, only for the newcomer (`hit` given) when admission takes its prefix at once
-        (`_takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of a sliding
-        window shortens the hit below blocks the running requests hold in a full group (a shared system prompt),
-        and it would compute copies of them. Any other request that has not looked up counts every block as
-        fresh."""
+        Unless the pool is one full group, only for the newcomer (`hit` given) when admission takes its prefix at once
+        (`_takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of one group
+        (a sliding window's, or a full group's copy of a block another group holds) shortens the hit below blocks
+        the running requests hold in a full group (a shared system prompt), and it would compute copies of them.
+        Any other request that has not looked up counts every block as fresh."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
-        if self.sliding_windows:
+        if self.scheduler.group_windows != [None]:
             if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
                 return [[] for _ in self.full_groups]
         hit = hit if hit is not None else self.scheduler._cached_prefix(request)

@@ -19,7 +19,7 @@ is remembered by its hash chain, in each layer group, so requests sharing a syst
 preempted request mostly finds its own blocks again. A request whose prompt continues with blocks another request is
 computing right now waits for them instead of computing a copy (parallel samples of one prompt start one after the
 other). Admission counts a block that several running requests hold in a full-attention group once, and a waiting
-request's cached prefix too (on a pool with a sliding group, a request takes that prefix when admitted: see
+request's cached prefix too (on a pool of several layer groups, a request takes that prefix when admitted: see
 `Admission.fits`).
 """
 
