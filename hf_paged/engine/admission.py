@@ -46,18 +46,18 @@ class Admission:
         step a prefill may take (a sliding group counts less after it), or just before one of them finishes.
 
         With prefix caching, blocks that several running requests hold in a full-attention group (a shared system
-        prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a
-        request still running at t, plus the blocks each of those will add by t, plus what each holds in the
-        sliding groups (`_demand`, its own). On a pool of one full group, a request that has not looked up its
-        prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would
-        take now (`peek_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held
-        block cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose
-        new blocks are counted already, one block for the one it must then compute. With several groups that
-        argument fails (evicting one free block of one group, such as a sliding window's, can shorten the hit below
-        blocks the others hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and counts it as held;
-        one that waits for a block another request is computing, or was admitted without a hit, counts its whole
-        prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached prefix counts
-        its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
+        prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a request
+        still running at t, plus the blocks each of those will add by t, plus what each holds in the sliding groups
+        (`_demand`, its own). On a pool of one full group, a request that has not looked up its prefix yet (the
+        newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would take now
+        (`_cached_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held block
+        cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose new blocks
+        are counted already, one block for the one it must then compute. Elsewhere that argument fails (evicting one
+        free block of a sliding window, or of one group's copy of a block another group holds, can shorten the hit below
+        blocks the others hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and
+        counts it as held; one that waits for a block another request is computing, or was admitted without a hit,
+        counts its whole prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached
+        prefix counts its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
@@ -176,11 +176,17 @@ class Admission:
             if self._takes_prefix_at_admission(request, lookahead.computing if lookahead is not None else {}):
                 self._reuse_prefix(request)
 
+    @property
+    def _hits_taken_at_admission(self) -> bool:
+        """Prefix caching on a pool of several layer groups or a sliding one: a newcomer with a cached prefix takes it
+        when admitted (`_takes_prefix_at_admission`); a pool of one full group looks up when the prefill starts."""
+        return self.pool.allocator.enable_prefix_caching and self.group_windows != [None]
+
     def _takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
-        """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a pool
-        with several layer groups or a sliding one (prefix caching on), when it has one and its first uncached block is not one a
-        running request is computing (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up
-        later).
+        """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a
+        pool where hits are taken at admission (`_hits_taken_at_admission`), when it has one and its first uncached
+        block is not one a running request is computing (`computing`; then it waits for that block,
+        `_waits_for_prefix`, and looks up later).
 
         Why: a hit needs its blocks cached in every group, so evicting one free block of one group before the
         lookup (a sliding group's window block, or a full group's copy of a block another group still holds) would
@@ -190,12 +196,7 @@ class Admission:
         (`_demand`'s `start`). A pool of one full group looks up when the prefill starts, which finds blocks
         computed meanwhile (an eviction there costs at most the block it takes).
         `hit`: the request's `_cached_prefix`, when the caller has it."""
-        if (
-            request.block_tables
-            or request.num_computed
-            or not self.pool.allocator.enable_prefix_caching
-            or self.group_windows == [None]  # one full group: looked up at prefill start (see above)
-        ):
+        if request.block_tables or request.num_computed or not self._hits_taken_at_admission:
             return False
         hit = hit if hit is not None else self._cached_prefix(request)
         return hit.num_blocks > 0 and hit.waits_for not in computing

@@ -95,7 +95,7 @@ class Lookahead:
         Any other request that has not looked up counts every block as fresh."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
-        if self.scheduler.group_windows != [None]:
+        if self.scheduler._hits_taken_at_admission:
             if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
                 return [[] for _ in self.full_groups]
         hit = hit if hit is not None else self.scheduler._cached_prefix(request)

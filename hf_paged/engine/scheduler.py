@@ -192,10 +192,7 @@ class Scheduler(Admission):
         if not request.block_tables:
             request.block_tables = [[] for _ in self.group_windows]
             request.first_blocks = [0] * len(self.group_windows)
-        end_block = self._blocks_for(num_tokens)
-        missing = [
-            max(end_block - first - len(table), 0) for table, first in zip(request.block_tables, request.first_blocks)
-        ]
+        missing = self._missing_blocks(request, num_tokens)
         total = sum(missing)
         if total == 0:
             return True
@@ -206,6 +203,14 @@ class Scheduler(Admission):
             table += new[:count]
             del new[:count]
         return True
+
+    def _missing_blocks(self, request: Request, num_tokens: int) -> list[int]:
+        """Per group: the blocks `request` must add to hold `num_tokens` tokens (a request without tables has none)."""
+        end_block = self._blocks_for(num_tokens)
+        if not request.block_tables:
+            return [end_block] * len(self.group_windows)
+        tables = zip(request.block_tables, request.first_blocks)
+        return [max(end_block - first - len(table), 0) for table, first in tables]
 
     def _free_blocks(self, request: Request) -> None:
         self.pool.allocator.free(request.block_ids)  # cached full blocks stay findable until evicted
@@ -290,14 +295,11 @@ class Scheduler(Admission):
     def _fit_chunk(self, request: Request, chunk: int) -> int:
         """The most of `chunk` tokens (ending at a block boundary when fewer) that `request` can compute now with the
         pool's free blocks; 0 when not even one."""
-        groups = len(self.group_windows)
-        tables = request.block_tables or [[] for _ in range(groups)]
-        firsts = request.first_blocks or [0] * groups
         free, block_size = self.pool.allocator.num_free_blocks, self.pool.block_size
         while chunk > 0:
-            end_block = self._blocks_for(request.num_computed + chunk)
-            if sum(max(end_block - first - len(table), 0) for table, first in zip(tables, firsts)) <= free:
+            if sum(self._missing_blocks(request, request.num_computed + chunk)) <= free:
                 return chunk
+            end_block = self._blocks_for(request.num_computed + chunk)
             chunk = (end_block - 1) * block_size - request.num_computed  # back to the end of the block before
         return 0
 
