@@ -222,4 +222,31 @@ def run_serving(
     run.results = [best[(name, b.multiple)] for b in budgets for name in backends if (name, b.multiple) in best]
     for result in run.results:
         result.extra["repeat_walls_s"] = walls[(result.backend, result.multiple)]
+    note = recheck_reference(model, workload, reference, run.results, progress=progress)
+    if note:
+        run.notes.append(note)
     return run
+
+
+def recheck_reference(
+    model, workload: Workload, reference: list[list[int]] | None, results: list[RunResult], *, progress: bool = True
+) -> str | None:
+    """When some backend's greedy output differs from `reference`, compute the reference of those requests once
+    more and say whether it reproduces: a reference that changes between two computations in one process points at
+    the host (or the reference path), not at the backends. None when every output agrees (or nothing is compared)."""
+    if reference is None:
+        return None
+    differing = sorted({i for result in results for i, (a, b) in enumerate(zip(result.outputs, reference)) if a != b})
+    if not differing:
+        return None
+    again = reference_outputs(
+        model, replace(workload, requests=tuple(workload.requests[i] for i in differing)), progress=progress
+    )
+    changed = [i for i, output in zip(differing, again) if output != reference[i]]
+    shown = ", ".join(map(str, differing))
+    if not changed:
+        return f"reference recomputed for request(s) {shown}: it reproduces (the backends' runs computed something else)"
+    return (
+        f"reference recomputed for request(s) {shown}: it changed for {', '.join(map(str, changed))}; "
+        "per-request generate() itself did not reproduce on this host, so those differences are not the backends'"
+    )

@@ -74,7 +74,13 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
     mismatches = None  # sampled: nothing to compare with
     if run.reference is not None:
         mismatches = [
-            {"request": index, "first_difference": position}
+            {
+                "request": index,
+                "first_difference": position,
+                # the two tokens there (None past the end of the shorter list)
+                "token": output[position] if position < len(output) else None,
+                "reference_token": reference[position] if position < len(reference) else None,
+            }
             for index, (output, reference) in enumerate(zip(result.outputs, run.reference))
             if (position := first_difference(output, reference)) is not None
         ]
@@ -368,7 +374,10 @@ def render(serving: dict) -> list[str]:
     elif not mismatched:
         lines.append(f"All {len(rows)} runs reproduce every request token for token.")
     for row in mismatched:
-        shown = ", ".join(f"request {m['request']} at token {m['first_difference']}" for m in row["mismatches"][:10])
+        shown = ", ".join(
+            f"request {m['request']} at token {m['first_difference']} ({m['token']} for {m['reference_token']})"
+            for m in row["mismatches"][:10]
+        )
         more = f" (and {len(row['mismatches']) - 10} more)" if len(row["mismatches"]) > 10 else ""
         lines.append(f"- `{row['backend']}` at {row['budget']}: {row['num_agree']}/{row['num_sequences']} agree; "
                      f"first differences: {shown}{more}")

@@ -225,9 +225,30 @@ def test_mismatch_is_reported_with_its_position(run):
     bad = serving.RunResult(**{**broken.__dict__, "outputs": outputs})
     fake = serving.ServingRun(run.workload, run.budgets, run.reference, [bad])
     [row] = serving_report.summarize_all(fake)
-    assert row["mismatches"] == [{"request": 1, "first_difference": 2}]
+    token = outputs[1][2]
+    assert row["mismatches"] == [
+        {"request": 1, "first_difference": 2, "token": token, "reference_token": token - 1}
+    ]
     text = "\n".join(serving_report.render({"facts": serving_report.describe(fake), "rows": [row]}))
-    assert "request 1 at token 2" in text
+    assert f"request 1 at token 2 ({token} for {token - 1})" in text
+
+
+def test_a_mismatch_recomputes_the_reference(model, run):
+    """A backend that differs from the reference makes the harness compute those requests' reference again: the
+    note says whether the reference reproduces (the backend's fault) or changed (the host's)."""
+    good = run.results[0]
+    assert serving.recheck_reference(model, run.workload, run.reference, [good], progress=False) is None
+    assert serving.recheck_reference(model, run.workload, None, [good], progress=False) is None
+    outputs = [list(output) for output in good.outputs]
+    outputs[3][0] += 1
+    bad = serving.RunResult(**{**good.__dict__, "outputs": outputs})
+    note = serving.recheck_reference(model, run.workload, run.reference, [good, bad], progress=False)
+    assert note.startswith("reference recomputed for request(s) 3: it reproduces")
+    # A reference that does not come out the same again (here: altered after the fact) is named as such.
+    altered = [list(output) for output in run.reference]
+    altered[1][0] += 1
+    note = serving.recheck_reference(model, run.workload, altered, [good], progress=False)
+    assert "request(s) 1: it changed for 1;" in note and "not the backends'" in note
 
 
 class _TwinPlugin:
