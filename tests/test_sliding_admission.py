@@ -179,3 +179,72 @@ def test_several_full_groups_take_a_cached_prefix_at_admission_and_never_preempt
     assert [len(r.output_ids) for r in requests] == new_tokens
     assert pool.num_used_blocks == 0 and scheduler.num_prefix_hit_tokens > 0
     pool.allocator.check_invariants()
+
+
+@pytest.mark.parametrize(
+    ("layer_types", "num_blocks", "peak", "num_steps"),
+    [(("sliding_attention",), 28, 8, 10), (("sliding_attention", "full_attention"), 44, 4, 16)],
+    ids=["sliding", "sliding+full"],
+)
+def test_blocks_requests_share_in_a_sliding_window_count_once(layer_types, num_blocks, peak, num_steps):
+    """A 64-token system prompt (blocks of 4, window 16) is computed, then 8 requests continue it with 4 tokens of
+    their own and 8 new tokens. Each takes the 4 cached blocks its window still sees (blocks 12-15), the same
+    blocks for all 8, and adds at most 3 of its own: admission counts the shared 4 once (plus, beside a full group,
+    the 16 full-group blocks once). Counting each window as its own, 5 blocks a request, ran 5 of them at once in
+    16 steps in the sliding pool, and 3 in 24 steps beside a full group."""
+    windows = [16 if kind == "sliding_attention" else None for kind in layer_types]
+    layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
+    pool = BlockPool(layout, num_blocks=num_blocks, block_size=4, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=16, sliding_windows=windows)
+    system = list(range(1, 65))
+    drive(scheduler, [Request(0, system, SamplingParams(max_new_tokens=1))])
+    requests = [
+        Request(i, system + [100 + 4 * i + k for k in range(4)], SamplingParams(max_new_tokens=8)) for i in range(1, 9)
+    ]
+    for request in requests:
+        scheduler.add(request)
+    most, steps = 0, 0
+    while scheduler.has_unfinished():
+        run_step(scheduler)
+        steps += 1
+        most = max(most, sum(1 for request in scheduler.running if request.block_tables))
+    assert (most, steps) == (peak, num_steps)
+    assert scheduler.num_preemptions == 0 and scheduler.num_prefix_hit_tokens == 8 * 64
+    assert all(len(request.output_ids) == 8 for request in requests) and pool.num_used_blocks == 0
+
+
+def test_shared_sliding_windows_with_staggered_arrivals_never_preempt():
+    """Random prompts continuing one of a few shared starts, arriving over time, through sliding pools (alone or
+    beside a full group; windows of 2-40 tokens, blocks of 1-8) with prefix caching: counting a block several
+    requests hold in a window once never admits more than the pool holds (no preemption), and every block comes
+    back. Undercounting it (dropping the shared blocks' own count, or a newcomer counting a shared block as kept
+    after its holders end) preempts in these cases."""
+    rng = random.Random(11)
+    for _ in range(250):
+        kinds = rng.choice([("sliding_attention",), ("sliding_attention", "full_attention")])
+        block_size, window = rng.choice([1, 2, 4, 8]), rng.randint(2, 40)
+        starts = [[rng.randrange(1, 99) for _ in range(rng.randint(8, 80))] for _ in range(rng.choice([1, 2, 3]))]
+        specs = []
+        for _ in range(rng.randint(3, 14)):
+            start = rng.choice(starts)
+            prompt = start[: rng.randint(len(start) // 2, len(start))] + [rng.randrange(100, 999) for _ in range(4)]
+            specs.append((prompt, rng.randint(1, 30), rng.randint(0, 40) if rng.random() < 0.6 else 0))
+        layout = KVLayout((2,) * len(kinds), (4,) * len(kinds), kinds)
+        pool = BlockPool(layout, num_blocks=rng.randint(6, 120), block_size=block_size, enable_prefix_caching=True)
+        budget = rng.choice([4, 8, 16, 64])
+        scheduler = Scheduler(pool, max_num_seqs=min(budget, 8), max_num_batched_tokens=budget,
+                              sliding_windows=[window if kind == "sliding_attention" else None for kind in kinds])
+        requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n, _) in enumerate(specs)]
+        case = (kinds, block_size, window, pool.num_blocks, budget, [(len(p), n, at) for p, n, at in specs])
+        step = 0
+        while step <= max(at for _, _, at in specs) or scheduler.has_unfinished():
+            for request, (_, _, at) in zip(requests, specs):
+                if at == step:
+                    scheduler.add(request)
+            if scheduler.has_unfinished():
+                run_step(scheduler)
+            step += 1
+            assert step < 5000 and scheduler.num_preemptions == 0, case
+        assert pool.num_used_blocks == 0, case
+        assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
+        pool.allocator.check_invariants()

@@ -47,17 +47,19 @@ class Admission:
 
         With prefix caching, blocks that several running requests hold in a full-attention group (a shared system
         prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a request
-        still running at t, plus the blocks each of those will add by t, plus what each holds in the sliding groups
-        (`_demand`, its own). On a pool of one full group, a request that has not looked up its prefix yet (the
-        newcomer, or one admitted but not yet prefilling) counts the cached blocks its lookup would take now
-        (`_cached_prefix`) as held, and the rest of its prompt as fresh. That is still an upper bound: a held block
-        cannot be evicted, and a free cached block that is evicted before the lookup goes to a request whose new blocks
-        are counted already, one block for the one it must then compute. Elsewhere that argument fails (evicting one
-        free block of a sliding window, or of one group's copy of a block another group holds, can shorten the hit below
-        blocks the others hold), so a newcomer with a hit takes it when admitted (`_takes_prefix_at_admission`) and
-        counts it as held; one that waits for a block another request is computing, or was admitted without a hit,
-        counts its whole prompt as fresh (`Lookahead._full_tables`). A request that goes on from a computed or cached
-        prefix counts its sliding groups from that position's window (`_demand`'s `start`), not from its first token.
+        still running at t, plus the blocks each of those will add by t. A sliding group counts, per request, the blocks
+        its window can span (`_demand`), or, when smaller, each block two or more running requests hold there once plus
+        what each holds alone and will add (`Lookahead._sliding_demand`). On a pool of one full group, a request that
+        has not looked up its prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks
+        its lookup would take now (`_cached_prefix`) as held, and the rest of its prompt as fresh. That is still an
+        upper bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to a
+        request whose new blocks are counted already, one block for the one it must then compute. Elsewhere that
+        argument fails (evicting one free block of a sliding window, or of one group's copy of a block another group
+        holds, can shorten the hit below blocks the others hold), so a newcomer with a hit takes it when admitted
+        (`_takes_prefix_at_admission`) and counts it as held; one that waits for a block another request is computing,
+        or was admitted without a hit, counts its whole prompt as fresh (`Lookahead._full_tables`). A request that goes
+        on from a computed or cached prefix counts its sliding groups from that position's window (`_demand`'s `start`),
+        not from its first token.
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`

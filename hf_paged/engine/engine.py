@@ -67,8 +67,9 @@ class Engine:
         enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes when a request's prefill
             starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
             once: a request waits while another computes blocks it would reuse, and admission counts a block that
-            several running requests hold in a full-attention group once (also the blocks a waiting request would
-            take from the cache; with several layer groups or a sliding one it takes them when admitted). With
+            several running requests hold once, in a full-attention group or a sliding window (also the blocks a
+            waiting request would take from the cache; with several layer groups or a sliding one it takes them when
+            admitted). With
             layer groups, each group caches its own blocks, and a sliding group needs only the blocks its window
             still sees for a hit. Turns the pool's prefix cache on (a pool with prefix caching belongs to one
             model).

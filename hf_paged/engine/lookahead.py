@@ -31,6 +31,18 @@ class Growth(NamedTuple):
     start: int = 0
 
 
+class SlidingShare(NamedTuple):
+    """One sliding layer group's blocks that several running requests hold (a shared prompt still in their windows),
+    each counted once, and what each request holds there alone."""
+
+    group: int
+    window: int
+    last_end: dict[int, int]  # block held by two or more running requests -> the last of their ends
+    sorted_ends: list[int]  # last_end's values, sorted
+    alone: list[int]  # per running request: the blocks of its table no other running request holds
+    reach: list[int]  # per running request: the block its table ends before (first block + table length)
+
+
 class Lookahead:
     """The plan of `scheduler.running` with one newcomer after them (see `Admission.fits` for what it counts).
 
@@ -67,7 +79,7 @@ class Lookahead:
         windows = scheduler.group_windows
         self.full_groups = [group for group, window in enumerate(windows) if window is None]
         self.sliding_windows = [window for window in windows if window is not None]
-        # Shared blocks count once in the full groups (a sliding group counts each request's window as its own).
+        # Shared blocks count once in the full groups (the sliding groups: `sliding_shares` below).
         self.shared = self.prefix_caching and bool(self.full_groups)
         self._demand_memo: dict[int, int] = {}  # step -> `_running_demand(step)`
         self._shared_memo: dict[int, tuple[int, int]] = {}  # step -> `_running_shared(step)`
@@ -83,6 +95,29 @@ class Lookahead:
             self._sorted_ends = sorted(self.last_end.values())
         if self.sliding_windows:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
+        # With prefix caching, a block several requests hold in a sliding group also counts once (`_sliding_demand`).
+        self.sliding_shares = (
+            [self._sliding_share(group, window) for group, window in enumerate(windows) if window is not None]
+            if self.prefix_caching
+            else []
+        )
+        self._sliding_memo: dict[int, list[tuple[int, int]]] = {}  # step -> `_running_sliding(step)`
+
+    def _sliding_share(self, group: int, window: int) -> SlidingShare:
+        running = self.scheduler.running
+        holders: dict[int, int] = {}
+        last_end: dict[int, int] = {}
+        for request, growth in zip(running, self.growths):
+            for block_id in request.block_tables[group] if request.block_tables else ():
+                holders[block_id] = holders.get(block_id, 0) + 1
+                last_end[block_id] = max(last_end.get(block_id, -1), growth.end)
+        shared = {block_id: end for block_id, end in last_end.items() if holders[block_id] > 1}
+        alone, reach = [], []
+        for request in running:
+            table = request.block_tables[group] if request.block_tables else []
+            alone.append(sum(1 for block_id in table if block_id not in shared))
+            reach.append(request.first_blocks[group] + len(table) if request.block_tables else 0)
+        return SlidingShare(group, window, shared, sorted(shared.values()), alone, reach)
 
     def _full_tables(self, request: Request, hit=None) -> list[list[int]]:
         """What `request` counts as held in each full group: its tables once it holds blocks; before its prefix
@@ -121,13 +156,17 @@ class Lookahead:
         taken = hit is not None and self.scheduler._takes_prefix_at_admission(newcomer, self.computing, hit)
         start = hit.num_blocks * self.scheduler.pool.block_size if taken else 0
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
+        taken_hit = hit if taken else None
         if self.shared:
-            return self._fits_shared(self._full_tables(newcomer, hit), new)
+            return self._fits_shared(self._full_tables(newcomer, hit), new, taken_hit)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
-            demand = self._running_demand(t)
-            if new.end >= t:
-                demand += self._demand_at(new, t)
+            if self.sliding_shares:  # every group slides (a full group takes `_fits_shared`)
+                demand = self._sliding_demand(new, taken_hit, t)
+            else:
+                demand = self._running_demand(t)
+                if new.end >= t:
+                    demand += self._demand_at(new, t)
             if demand > self.available:
                 return False
         return True
@@ -147,11 +186,11 @@ class Lookahead:
             )
         return demand
 
-    def _fits_shared(self, tables: list[list[int]], new: Growth) -> bool:
+    def _fits_shared(self, tables: list[list[int]], new: Growth, hit=None) -> bool:
         """`fits` counting each block held in a full group once: at step t, the blocks held now by a request still
-        running then (their union), plus the blocks each of those will have added by t; a sliding group counts what
-        each request holds there (`_demand`). `tables`: per full group, the cached blocks the newcomer's lookup
-        would take."""
+        running then (their union), plus the blocks each of those will have added by t; the sliding groups are
+        counted by `_sliding_demand`. `tables`: per full group, the cached blocks the newcomer's lookup would take;
+        `hit`: the prefix the newcomer takes at admission (None: none)."""
         checks = {*self.check_points, new.end}
         if self.sliding_windows:
             checks.add(new.end - new.steps)
@@ -162,18 +201,56 @@ class Lookahead:
                     1 for table in tables for block_id in table if self.last_end.get(block_id, -1) < t
                 )
                 fresh += self._fresh(new, tables, t)
+            if self.sliding_shares:
+                fresh += self._sliding_demand(new, hit, t)
             if held + fresh > self.available:
                 return False
         return True
 
     def _fresh(self, growth: Growth, tables: list[list[int]], t: int) -> int:
-        """Blocks `growth` holds at step t beyond its full groups' `tables`: what it adds to each, and everything it
-        holds in the sliding groups."""
+        """Blocks `growth` adds by step t to its full groups' `tables`."""
         end_block = self.scheduler._blocks_for(growth.tokens + min(t, growth.steps))
-        fresh = sum(max(end_block - len(table), 0) for table in tables)
-        if self.sliding_windows:
-            fresh += self._demand_at(growth, t, self.sliding_windows)
-        return fresh
+        return sum(max(end_block - len(table), 0) for table in tables)
+
+    def _sliding_demand(self, new: Growth, hit, t: int) -> int:
+        """Blocks the sliding groups hold at step t, the newcomer `new` included (`hit`: the prefix it takes at
+        admission, None: none), the smaller of two upper bounds per group:
+        - each request at the blocks its window can span (`_demand`), as if it shared none;
+        - each block two or more running requests hold now, once, while one of them still runs, plus each request's
+          other blocks: those it holds alone now (the newcomer: those of its hit no running holder keeps) and
+          those it adds by t, at most what its window can span.
+        Both only grow between the check points (a shared block's count drops only after a holder's end), so
+        checking there is enough, as in `fits`."""
+        total = 0
+        for share, (each, shared) in zip(self.sliding_shares, self._running_sliding(t)):
+            if new.end >= t:
+                bound = self._demand_at(new, t, [share.window])
+                each += bound
+                table = hit.tables[share.group] if hit is not None else []
+                kept = sum(1 for block_id in table if share.last_end.get(block_id, -1) >= t)
+                reach = hit.first_blocks[share.group] + len(table) if hit is not None else 0
+                shared += min(bound, len(table) - kept + self._added(new, reach, t))
+            total += min(each, shared)
+        return total
+
+    def _added(self, growth: Growth, reach: int, t: int) -> int:
+        """Blocks `growth` adds by step t after block `reach`."""
+        return max(self.scheduler._blocks_for(growth.tokens + min(t, growth.steps)) - reach, 0)
+
+    def _running_sliding(self, t: int) -> list[tuple[int, int]]:
+        """Per sliding group, the running requests' two bounds at step t (`_sliding_demand`)."""
+        memo = self._sliding_memo.get(t)
+        if memo is None:
+            memo = self._sliding_memo[t] = []
+            for share in self.sliding_shares:
+                each, shared = 0, len(share.sorted_ends) - bisect.bisect_left(share.sorted_ends, t)
+                for growth, alone, reach in zip(self.growths, share.alone, share.reach):
+                    if growth.end >= t:
+                        bound = self._demand_at(growth, t, [share.window])
+                        each += bound
+                        shared += min(bound, alone + self._added(growth, reach, t))
+                memo.append((each, shared))
+        return memo
 
     def _running_shared(self, t: int) -> tuple[int, int]:
         """(blocks the running requests still running at step t hold now, counted once; blocks they will have

@@ -18,9 +18,9 @@ leaving one token to compute; a sliding group only the blocks its window still s
 is remembered by its hash chain, in each layer group, so requests sharing a system prompt compute it once, and a
 preempted request mostly finds its own blocks again. A request whose prompt continues with blocks another request is
 computing right now waits for them instead of computing a copy (parallel samples of one prompt start one after the
-other). Admission counts a block that several running requests hold in a full-attention group once, and a waiting
-request's cached prefix too (on a pool of several layer groups, a request takes that prefix when admitted: see
-`Admission.fits`).
+other). Admission counts a block that several running requests hold once (in a sliding group, while one of them
+runs), and a waiting request's cached prefix too (on a pool of several layer groups, a request takes that prefix
+when admitted: see `Admission.fits`).
 """
 
 from __future__ import annotations
