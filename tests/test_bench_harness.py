@@ -251,6 +251,16 @@ def test_a_mismatch_recomputes_the_reference(model, run):
     assert "request(s) 1: it changed for 1;" in note and "not the backends'" in note
 
 
+def test_the_reference_recheck_is_bounded(model, run, monkeypatch):
+    """Only the first `MAX_RECHECKED` differing requests are computed again (a bfloat16 run may differ in many)."""
+    good = run.results[0]
+    outputs = [[token + 1 for token in output] for output in good.outputs]
+    bad = serving.RunResult(**{**good.__dict__, "outputs": outputs})
+    monkeypatch.setattr(serving, "MAX_RECHECKED", 2)
+    note = serving.recheck_reference(model, run.workload, run.reference, [bad], progress=False)
+    assert note.startswith("reference recomputed for request(s) 0, 1: it reproduces")
+
+
 class _TwinPlugin:
     """A third-party backend: DynamicCache under another name."""
 
