@@ -1,6 +1,6 @@
 """Admission on pools with sliding-window layer groups: a sliding group counts the blocks its window (and a prefill
-chunk's keys) span, not the whole prompt, and a cached prefix is taken when the request is admitted (on any pool of
-several groups), so the default admission never preempts and runs more requests side by side."""
+chunk's keys) span, not the whole prompt, and a cached prefix is taken when the request is admitted (on every pool),
+so the default admission never preempts and runs more requests side by side."""
 
 import random
 
@@ -178,6 +178,34 @@ def test_several_full_groups_take_a_cached_prefix_at_admission_and_never_preempt
     assert scheduler.num_preemptions == 0 and not scheduler.has_unfinished()
     assert [len(r.output_ids) for r in requests] == new_tokens
     assert pool.num_used_blocks == 0 and scheduler.num_prefix_hit_tokens > 0
+    pool.allocator.check_invariants()
+
+
+def test_one_full_group_takes_a_cached_prefix_at_admission_and_never_preempts():
+    """One full-attention group, blocks of 1 (a reviewer's fuzz, shrunk). Requests 0 and 1 compute block 16 of the
+    same prompt in one step; request 1's copy is cached first, then goes free when it finishes, while request 0
+    holds blocks 17-22 that hang from it in the hash chain. Request 3 is admitted counting a 23-block hit; looked up
+    at its prefill start, after request 0's growth evicted that free copy, it found 16 and computed 7 blocks
+    admission had counted as held, and request 0 was preempted. Taken at admission, the hit is held."""
+    prompt = list(range(1, 25))
+    pool = BlockPool(KVLayout((2,), (4,)), num_blocks=29, block_size=1, enable_prefix_caching=True)
+    scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=16)
+    arrivals = {
+        0: [Request(0, prompt, SamplingParams(max_new_tokens=3))],
+        1: [
+            Request(1, prompt[:17], SamplingParams(max_new_tokens=1)),
+            Request(2, [300, 301], SamplingParams(max_new_tokens=2)),
+        ],
+        2: [Request(3, prompt[:23] + [99], SamplingParams(max_new_tokens=1))],
+    }
+    for step in range(20):
+        for request in arrivals.get(step, []):
+            scheduler.add(request)
+        if step > 2 and not scheduler.has_unfinished():
+            break
+        run_step(scheduler)
+    assert scheduler.num_preemptions == 0 and not scheduler.has_unfinished() and pool.num_used_blocks == 0
+    assert [len(r.output_ids) for rs in arrivals.values() for r in rs] == [3, 1, 2, 1]
     pool.allocator.check_invariants()
 
 

@@ -49,17 +49,12 @@ class Admission:
         prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a request
         still running at t, plus the blocks each of those will add by t. A sliding group counts, per request, the blocks
         its window can span (`_demand`), or, when smaller, each block two or more running requests hold there once plus
-        what each holds alone and will add (`Lookahead._sliding_demand`). On a pool of one full group, a request that
-        has not looked up its prefix yet (the newcomer, or one admitted but not yet prefilling) counts the cached blocks
-        its lookup would take now (`_cached_prefix`) as held, and the rest of its prompt as fresh. That is still an
-        upper bound: a held block cannot be evicted, and a free cached block that is evicted before the lookup goes to a
-        request whose new blocks are counted already, one block for the one it must then compute. Elsewhere that
-        argument fails (evicting one free block of a sliding window, or of one group's copy of a block another group
-        holds, can shorten the hit below blocks the others hold), so a newcomer with a hit takes it when admitted
-        (`_takes_prefix_at_admission`) and counts it as held; one that waits for a block another request is computing,
-        or was admitted without a hit, counts its whole prompt as fresh (`Lookahead._full_tables`). A request that goes
-        on from a computed or cached prefix counts its sliding groups from that position's window (`_demand`'s `start`),
-        not from its first token.
+        what each holds alone and will add (`Lookahead._sliding_demand`). A newcomer with a cached prefix takes it when
+        admitted (`_takes_prefix_at_admission`) and counts it as held: looked up later, the hit could be shorter than
+        what admission counted (an evicted free block can cut it below blocks the others hold). One that waits for a
+        block another request is computing, or was admitted without a hit, counts its whole prompt as fresh
+        (`Lookahead._full_tables`). A request that goes on from a computed or cached prefix counts its sliding groups
+        from that position's window (`_demand`'s `start`), not from its first token.
 
         A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
         requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
@@ -178,27 +173,20 @@ class Admission:
             if self._takes_prefix_at_admission(request, lookahead.computing if lookahead is not None else {}):
                 self._reuse_prefix(request)
 
-    @property
-    def _hits_taken_at_admission(self) -> bool:
-        """Prefix caching on a pool of several layer groups or a sliding one: a newcomer with a cached prefix takes it
-        when admitted (`_takes_prefix_at_admission`); a pool of one full group looks up when the prefill starts."""
-        return self.pool.allocator.enable_prefix_caching and self.group_windows != [None]
-
     def _takes_prefix_at_admission(self, request: Request, computing: dict[bytes, int], hit=None) -> bool:
-        """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: on a
-        pool where hits are taken at admission (`_hits_taken_at_admission`), when it has one and its first uncached
-        block is not one a running request is computing (`computing`; then it waits for that block,
-        `_waits_for_prefix`, and looks up later).
+        """Whether `request` takes its cached prefix when it is admitted rather than when its prefill starts: with
+        prefix caching, when it has one and its first uncached block is not one a running request is computing
+        (`computing`; then it waits for that block, `_waits_for_prefix`, and looks up later).
 
-        Why: a hit needs its blocks cached in every group, so evicting one free block of one group before the
-        lookup (a sliding group's window block, or a full group's copy of a block another group still holds) would
-        shorten the hit below blocks the running requests hold in a full group (a shared system prompt), and the
-        request would compute copies of them. Taken at once, its blocks are held and admission can count them as
-        shared (`Lookahead._full_tables`), and a sliding group counted from the window where its computation goes on
-        (`_demand`'s `start`). A pool of one full group looks up when the prefill starts, which finds blocks
-        computed meanwhile (an eviction there costs at most the block it takes).
+        Why: evicting one free cached block before a later lookup can shorten the hit below blocks the running
+        requests hold (a shared system prompt), and the request would compute copies of them: a sliding group's
+        window block, one full group's copy of a block another group still holds, or, in one full group, a free copy
+        that a chain of held blocks hangs from (two requests computed the same block in one step, the copy that was
+        cached first went free, and the blocks after it are held by the other). Taken at once, its blocks are held
+        and admission counts them as shared (`Lookahead._full_tables`), and a sliding group counted from the window
+        where its computation goes on (`_demand`'s `start`).
         `hit`: the request's `_cached_prefix`, when the caller has it."""
-        if request.block_tables or request.num_computed or not self._hits_taken_at_admission:
+        if request.block_tables or request.num_computed or not self.pool.allocator.enable_prefix_caching:
             return False
         hit = hit if hit is not None else self._cached_prefix(request)
         return hit.num_blocks > 0 and hit.waits_for not in computing

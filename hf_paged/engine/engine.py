@@ -68,11 +68,9 @@ class Engine:
             starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
             once: a request waits while another computes blocks it would reuse, and admission counts a block that
             several running requests hold once, in a full-attention group or a sliding window (also the blocks a
-            waiting request would take from the cache; with several layer groups or a sliding one it takes them when
-            admitted). With
-            layer groups, each group caches its own blocks, and a sliding group needs only the blocks its window
-            still sees for a hit. Turns the pool's prefix cache on (a pool with prefix caching belongs to one
-            model).
+            waiting request would take from the cache: it takes them when admitted). With layer groups, each group
+            caches its own blocks, and a sliding group needs only the blocks its window still sees for a hit. Turns
+            the pool's prefix cache on (a pool with prefix caching belongs to one model).
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting

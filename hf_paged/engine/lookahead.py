@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .admission import Admission
-    from .scheduler import Request
+    from .scheduler import PrefixHit, Request
 
 
 class Growth(NamedTuple):
@@ -80,11 +80,11 @@ class Lookahead:
         self.full_groups = [group for group, window in enumerate(windows) if window is None]
         self.sliding_windows = [window for window in windows if window is not None]
         # Shared blocks count once in the full groups (the sliding groups: `sliding_shares` below).
-        self.shared = self.prefix_caching and bool(self.full_groups)
+        self.full_shared = self.prefix_caching and bool(self.full_groups)
         self._demand_memo: dict[int, int] = {}  # step -> `_running_demand(step)`
         self._shared_memo: dict[int, tuple[int, int]] = {}  # step -> `_running_shared(step)`
         self.check_points = {0, *(growth.end for growth in self.growths)}
-        if self.shared:
+        if self.full_shared:
             # Per running request, its table in each full group (or what its prefix lookup would take).
             self.tables = [self._full_tables(request) for request in running]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
@@ -104,6 +104,7 @@ class Lookahead:
         self._sliding_memo: dict[int, list[tuple[int, int]]] = {}  # step -> `_running_sliding(step)`
 
     def _sliding_share(self, group: int, window: int) -> SlidingShare:
+        """Sliding group `group`'s blocks held by two or more running requests, and each request's own share."""
         running = self.scheduler.running
         holders: dict[int, int] = {}
         last_end: dict[int, int] = {}
@@ -120,20 +121,13 @@ class Lookahead:
         return SlidingShare(group, window, shared, sorted(shared.values()), alone, reach)
 
     def _full_tables(self, request: Request, hit=None) -> list[list[int]]:
-        """What `request` counts as held in each full group: its tables once it holds blocks; before its prefix
-        lookup, the blocks that lookup would take now (`hit`, looked up when not given).
-
-        Unless the pool is one full group, only for the newcomer (`hit` given) when admission takes its prefix at once
-        (`_takes_prefix_at_admission`): a lookup later could find less, since evicting one free block of one group
-        (a sliding window's, or a full group's copy of a block another group holds) shortens the hit below blocks
-        the running requests hold in a full group (a shared system prompt), and it would compute copies of them.
-        Any other request that has not looked up counts every block as fresh."""
+        """What `request` counts as held in each full group: its tables once it holds blocks; for the newcomer (`hit`
+        given), the prefix admission takes for it at once (`_takes_prefix_at_admission`). Any other request that has
+        not looked up counts every block as fresh: a lookup later could find less (see `_takes_prefix_at_admission`)."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
-        if self.scheduler._hits_taken_at_admission:
-            if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
-                return [[] for _ in self.full_groups]
-        hit = hit if hit is not None else self.scheduler._cached_prefix(request)
+        if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
+            return [[] for _ in self.full_groups]
         return [hit.tables[group] for group in self.full_groups]
 
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None, start: int = 0) -> Growth:
@@ -157,7 +151,7 @@ class Lookahead:
         start = hit.num_blocks * self.scheduler.pool.block_size if taken else 0
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
         taken_hit = hit if taken else None
-        if self.shared:
+        if self.full_shared:
             return self._fits_shared(self._full_tables(newcomer, hit), new, taken_hit)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
@@ -186,7 +180,7 @@ class Lookahead:
             )
         return demand
 
-    def _fits_shared(self, tables: list[list[int]], new: Growth, hit=None) -> bool:
+    def _fits_shared(self, tables: list[list[int]], new: Growth, hit: PrefixHit | None = None) -> bool:
         """`fits` counting each block held in a full group once: at step t, the blocks held now by a request still
         running then (their union), plus the blocks each of those will have added by t; the sliding groups are
         counted by `_sliding_demand`. `tables`: per full group, the cached blocks the newcomer's lookup would take;
@@ -212,13 +206,14 @@ class Lookahead:
         end_block = self.scheduler._blocks_for(growth.tokens + min(t, growth.steps))
         return sum(max(end_block - len(table), 0) for table in tables)
 
-    def _sliding_demand(self, new: Growth, hit, t: int) -> int:
+    def _sliding_demand(self, new: Growth, hit: PrefixHit | None, t: int) -> int:
         """Blocks the sliding groups hold at step t, the newcomer `new` included (`hit`: the prefix it takes at
         admission, None: none), the smaller of two upper bounds per group:
         - each request at the blocks its window can span (`_demand`), as if it shared none;
         - each block two or more running requests hold now, once, while one of them still runs, plus each request's
-          other blocks: those it holds alone now (the newcomer: those of its hit no running holder keeps) and
-          those it adds by t, at most what its window can span.
+          other blocks: those it holds alone now (the newcomer: the blocks of its hit that are not such a block
+          still counted at t; one a single running request holds is counted by both) and those it adds by t, at
+          most what its window can span.
         Both only grow between the check points (a shared block's count drops only after a holder's end), so
         checking there is enough, as in `fits`."""
         total = 0

@@ -19,8 +19,7 @@ is remembered by its hash chain, in each layer group, so requests sharing a syst
 preempted request mostly finds its own blocks again. A request whose prompt continues with blocks another request is
 computing right now waits for them instead of computing a copy (parallel samples of one prompt start one after the
 other). Admission counts a block that several running requests hold once (in a sliding group, while one of them
-runs), and a waiting request's cached prefix too (on a pool of several layer groups, a request takes that prefix
-when admitted: see `Admission.fits`).
+runs), and a waiting request's cached prefix too (a request takes that prefix when admitted: see `Admission.fits`).
 """
 
 from __future__ import annotations
@@ -353,9 +352,9 @@ class Scheduler(Admission):
             if request.num_computed == 0 and not request.block_tables:
                 if self._waits_for_prefix(request, computing):
                     continue
-                # NOTE: looked up when its prefill starts, not at admission: requests admitted together wait for
-                # the budget, and by then the first one has computed (and cached) the prefix they share. (With a
-                # sliding group, a request whose hit admission counted took it then: `_takes_prefix_at_admission`.)
+                # NOTE: a request with a cached prefix took it when admitted (`_takes_prefix_at_admission`); one
+                # that waited for blocks another was computing (or had no hit) looks up when its prefill starts,
+                # and finds what was computed and cached meanwhile.
                 self._reuse_prefix(request)
                 if request.num_pending > 1:
                     computing.update(request.block_hashes[request.num_registered_blocks :])
