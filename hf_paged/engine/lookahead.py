@@ -85,7 +85,7 @@ class Lookahead:
         self._shared_memo: dict[int, tuple[int, int]] = {}  # step -> `_running_shared(step)`
         self.check_points = {0, *(growth.end for growth in self.growths)}
         if self.full_shared:
-            # Per running request, its table in each full group (or what its prefix lookup would take).
+            # Per running request, its table in each full group (none before it holds blocks: `_full_tables`).
             self.tables = [self._full_tables(request) for request in running]
             # A held block counts at step t while a request holding it still runs: until the last of their ends.
             self.last_end: dict[int, int] = {}
@@ -120,13 +120,13 @@ class Lookahead:
             reach.append(request.first_blocks[group] + len(table) if request.block_tables else 0)
         return SlidingShare(group, window, shared, sorted(shared.values()), alone, reach)
 
-    def _full_tables(self, request: Request, hit=None) -> list[list[int]]:
-        """What `request` counts as held in each full group: its tables once it holds blocks; for the newcomer (`hit`
-        given), the prefix admission takes for it at once (`_takes_prefix_at_admission`). Any other request that has
+    def _full_tables(self, request: Request, hit: PrefixHit | None = None) -> list[list[int]]:
+        """What `request` counts as held in each full group: its tables once it holds blocks; for the newcomer, the
+        prefix admission takes for it at once (`hit`, see `_takes_prefix_at_admission`). Any other request that has
         not looked up counts every block as fresh: a lookup later could find less (see `_takes_prefix_at_admission`)."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
-        if hit is None or not self.scheduler._takes_prefix_at_admission(request, self.computing, hit):
+        if hit is None:
             return [[] for _ in self.full_groups]
         return [hit.tables[group] for group in self.full_groups]
 
@@ -152,7 +152,7 @@ class Lookahead:
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
         taken_hit = hit if taken else None
         if self.full_shared:
-            return self._fits_shared(self._full_tables(newcomer, hit), new, taken_hit)
+            return self._fits_shared(self._full_tables(newcomer, taken_hit), new, taken_hit)
         checks = {*self.check_points, new.end, new.end - new.steps}
         for t in checks:
             if self.sliding_shares:  # every group slides (a full group takes `_fits_shared`)
@@ -183,7 +183,7 @@ class Lookahead:
     def _fits_shared(self, tables: list[list[int]], new: Growth, hit: PrefixHit | None = None) -> bool:
         """`fits` counting each block held in a full group once: at step t, the blocks held now by a request still
         running then (their union), plus the blocks each of those will have added by t; the sliding groups are
-        counted by `_sliding_demand`. `tables`: per full group, the cached blocks the newcomer's lookup would take;
+        counted by `_sliding_demand`. `tables`: per full group, the cached blocks admission takes for the newcomer;
         `hit`: the prefix the newcomer takes at admission (None: none)."""
         checks = {*self.check_points, new.end}
         if self.sliding_windows:
@@ -202,9 +202,8 @@ class Lookahead:
         return True
 
     def _fresh(self, growth: Growth, tables: list[list[int]], t: int) -> int:
-        """Blocks `growth` adds by step t to its full groups' `tables`."""
-        end_block = self.scheduler._blocks_for(growth.tokens + min(t, growth.steps))
-        return sum(max(end_block - len(table), 0) for table in tables)
+        """Blocks `growth` adds by step t to its full groups' `tables` (each starts at block 0)."""
+        return sum(self._added(growth, len(table), t) for table in tables)
 
     def _sliding_demand(self, new: Growth, hit: PrefixHit | None, t: int) -> int:
         """Blocks the sliding groups hold at step t, the newcomer `new` included (`hit`: the prefix it takes at
@@ -223,7 +222,7 @@ class Lookahead:
                 each += bound
                 table = hit.tables[share.group] if hit is not None else []
                 kept = sum(1 for block_id in table if share.last_end.get(block_id, -1) >= t)
-                reach = hit.first_blocks[share.group] + len(table) if hit is not None else 0
+                reach = hit.num_blocks if hit is not None else 0  # its table: blocks first_blocks[g] .. num_blocks - 1
                 shared += min(bound, len(table) - kept + self._added(new, reach, t))
             total += min(each, shared)
         return total
