@@ -6,6 +6,7 @@ extra) and JSONs of raw results (bench/results/).
     python -m bench --full         # the numbers committed in SERVING_LOG.md
     python -m bench --budgets 2,4 --backends dynamic,engine --serving-only
     python -m bench --workload poisson --rate 2     # also: shared-prefix, long, parallel-sampling
+    python -m bench --layers mixed --serving-only   # the embedded sizes with sliding-window layers
 """
 
 from __future__ import annotations
@@ -24,12 +25,17 @@ from tabulate import tabulate
 
 from . import cache_report, serving, serving_report
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
-from .models import load_model, mixed_window_model, sliding_window_model
+from .models import LAYERS, LAYERS_HELP, embedded_model, load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
 from .runs import budgets_arg
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
+EMBEDDED = {
+    "full": "embedded Llama-style",
+    "sliding": "embedded sizes, Mistral-style, every layer sliding (window 256)",
+    "mixed": "embedded sizes, Gemma3-style, 5 sliding (window 256) : 1 full layers",
+}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 NO_MATPLOTLIB = "matplotlib is not installed: no plot was drawn (`pip install -e '.[plot]'`)"
 
@@ -40,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     size.add_argument("--quick", action="store_true", help="small sizes (default)")
     size.add_argument("--full", action="store_true", help="full sizes: serving workloads about 3x larger, 4 budgets; cache report prompt 1024, contexts 512 and 4096")
     parser.add_argument("--model", default=None, help="a checkpoint path for from_pretrained (default: embedded model)")
+    parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP + "; not with --model")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
                         help="model and KV dtype (default: the checkpoint's; the embedded model: float32 on cpu, "
@@ -71,6 +78,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.rate is not None and args.workload != "poisson":
         parser.error(f"--rate applies to --workload poisson, not {args.workload}")
+    if args.model is not None and args.layers != "full":
+        parser.error(f"--layers {args.layers} applies to the embedded model; a checkpoint has its own layers")
     return args
 
 
@@ -80,11 +89,14 @@ def _names(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
+    if args.model is not None:
+        model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
+    else:
+        model = embedded_model(args.layers, device=args.device, dtype=DTYPES.get(args.dtype))
     weight_major_rows, calibration = pick_linear(model, args.linear)
     started = time.time()
     device = str(model.device) + (f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else "")
-    print(f"model: {args.model or 'embedded Llama-style'} on {model.device}, {model.dtype}", flush=True)
+    print(f"model: {args.model or EMBEDDED[args.layers]} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
     budgets = args.budgets or ([2, 4, 8, 16] if args.full else [2, 8])
@@ -105,7 +117,7 @@ def main(argv=None) -> int:
         "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
         "device": device,
         "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
-        "model": args.model or "embedded Llama-style (bench/models.py), random weights",
+        "model": args.model or f"{EMBEDDED[args.layers]} (bench/models.py), random weights",
         "dtype": str(model.dtype).removeprefix("torch."),
         "linear": describe_linear(args.linear, weight_major_rows, calibration),
         "wall_seconds": round(time.time() - started, 1),

@@ -15,8 +15,8 @@ budget and knobs, in seconds instead of minutes; only the time each step takes i
     python -m bench.replay --full --workload long --layers mixed # the default sizes, 5 sliding : 1 full layers
 
 What it is for: the knobs' effect on concurrency and preemption, and how close the mean rows come to the memory
-bound (`of bound`; `bench/serving_report.py`, not shown where requests share prompt blocks or a window gives blocks
-back, which it does not count). Throughput needs the model: `python -m bench`.
+bound (`of bound`; `bench/serving_report.py`, not shown where requests share prompt blocks, which it does not
+count). Throughput needs the model: `python -m bench`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,6 @@ from tabulate import tabulate
 from transformers import LlamaConfig
 
 from hf_paged import BlockPool, Engine
-from hf_paged.paged_layer import sliding_windows
 
 from .continuous import add_workload_request
 from .models import DEFAULT_CONFIG, LAYERS, LAYERS_HELP, embedded_model
@@ -66,7 +65,7 @@ class Replay:
     mean_rows: float  # requests per step, the mean over steps
     peak_rows: int
     static_batch: int  # the "dynamic" backend's batch at this budget (rows per forward)
-    bound: float | None  # the memory bound on mean concurrency (bench/serving_report.py); None with a window
+    bound: float  # the memory bound on mean concurrency (bench/serving_report.py)
     mean_occupancy: float  # blocks held after a step over the pool, the mean over steps
     num_preemptions: int
     prefill_tokens: int  # recomputation after preemption included
@@ -98,7 +97,6 @@ def replay(
             f"{workload.num_requests} arriving later, the last at {max(late):.1f} s"
         )
     model = StandInModel(config if config is not None else LlamaConfig(**DEFAULT_CONFIG))
-    windowed = any(window is not None for window in sliding_windows(model.config))  # the bound ignores windows
     budget = Budget.for_workload(model, workload, multiple)
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=block_size)
     engine = Engine(
@@ -117,7 +115,7 @@ def replay(
         mean_rows=stats.mean_running,
         peak_rows=stats.peak_running,
         static_batch=dynamic_batch_size(budget, workload.num_samples) * workload.num_samples,
-        bound=None if windowed else concurrency_bound(workload, budget),
+        bound=concurrency_bound(workload, budget),
         # no step at all when the budget turns every request away
         mean_occupancy=sum(stats.used_blocks) / max(len(stats.used_blocks), 1) / pool.num_blocks,
         num_preemptions=stats.num_preemptions,
@@ -134,7 +132,7 @@ def table(replays: list[Replay]) -> str:
         [f"{r.multiple:g}x", r.num_blocks, r.num_steps, f"{r.mean_rows:.2f}", r.peak_rows,
          f"{r.mean_rows / r.static_batch:.2f}",
          # the bound counts every sequence's blocks as its own: with shared prompt blocks it does not bound
-         f"{r.mean_rows / r.bound:.2f}" if r.bound is not None and not r.prefix_hit_tokens else "-",
+         f"{r.mean_rows / r.bound:.2f}" if not r.prefix_hit_tokens else "-",
          f"{r.mean_occupancy:.2f}", r.num_preemptions, f"{r.prefill_tokens} / {r.prompt_tokens}",
          r.prefix_hit_tokens]
         for r in replays

@@ -5,12 +5,16 @@ from __future__ import annotations
 import argparse
 import copy
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
 from transformers import GenerationConfig
 
 from hf_paged import KVLayout
+from hf_paged.allocator import first_window_block
+from hf_paged.paged_layer import sliding_windows
 
 from .workloads import Workload
 
@@ -34,28 +38,70 @@ def budgets_arg(text: str) -> list[float]:
 
 @dataclass(frozen=True)
 class Budget:
+    """A KV memory budget of `multiple` worst-case reservations, the same bytes for every backend.
+
+    One reservation is what one worst-case request (the workload's longest prompt + longest output) holds, in whole
+    blocks, so that `multiple` paged rows of the worst length fit a pool of the budget, as they fit `multiple`
+    contiguous slots (a contiguous cache holds under one block per layer less). In a sliding-window layer a row holds
+    only the blocks its window spans, as DynamicCache keeps only `window - 1` tokens there: the reservation counts
+    the same. A full-attention model has `windows == ()`.
+    """
+
     multiple: float
     reservation_tokens: int  # one worst-case request, rounded up to whole blocks
     bytes_per_token: int  # K/V of one token, every layer
+    # One (K/V bytes per token, window) per sliding-window layer: such a layer holds at most a window of a sequence.
+    windows: tuple[tuple[int, int], ...] = ()
 
     @property
     def reservation_bytes(self) -> int:
-        return self.reservation_tokens * self.bytes_per_token
+        """The most K/V bytes a paged row holds on its way to `reservation_tokens` tokens (at the end, unless a
+        sliding window's span peaks a little earlier)."""
+        if not self.windows:
+            return self.paged_bytes(self.reservation_tokens)
+        # Only the last window and block of tokens can hold more than the end does: earlier rows are shorter.
+        first = max(1, self.reservation_tokens - max(window for _, window in self.windows) - BLOCK_SIZE)
+        return max(self.paged_bytes(num_tokens) for num_tokens in range(first, self.reservation_tokens + 1))
 
     @property
     def bytes(self) -> int:
         return int(self.multiple * self.reservation_bytes)
+
+    @property
+    def full_bytes_per_token(self) -> int:
+        """K/V bytes of one token in the full-attention layers alone."""
+        return self.bytes_per_token - sum(layer_bytes for layer_bytes, _ in self.windows)
+
+    def paged_bytes(self, num_tokens: int) -> int:
+        """K/V bytes a paged row holds while its step stores token `num_tokens - 1`: whole blocks; in a sliding layer
+        only from the first block that token's query sees (what the Engine and PagedCache keep)."""
+        blocks = -(-num_tokens // BLOCK_SIZE)
+        released = sum(
+            layer_bytes * first_window_block(num_tokens - 1, window, BLOCK_SIZE) for layer_bytes, window in self.windows
+        )
+        return BLOCK_SIZE * (blocks * self.bytes_per_token - released)
+
+    def contiguous_bytes(self, num_tokens: int, *, window_tokens: Callable[[int], int] = lambda window: window - 1) -> int:
+        """K/V bytes a contiguous cache holds for a sequence of `num_tokens` tokens: every token in a full-attention
+        layer, at most `window_tokens(window)` in a sliding one (DynamicCache keeps `window - 1`, the default;
+        StaticCache's sliding layers hold `window`)."""
+        over = sum(layer_bytes * max(0, num_tokens - window_tokens(window)) for layer_bytes, window in self.windows)
+        return num_tokens * self.bytes_per_token - over
 
     @classmethod
     def for_workload(cls, model, workload: Workload, multiple: float) -> Budget:
         layout = KVLayout.from_config(model.config)
         bytes_per_block = layout.bytes_per_block(BLOCK_SIZE, model.dtype)
         assert bytes_per_block % BLOCK_SIZE == 0, bytes_per_block
+        itemsize = torch.empty((), dtype=model.dtype).element_size()
+        windows = tuple(
+            (2 * heads * head_dim * itemsize, window)
+            for heads, head_dim, window in zip(layout.num_kv_heads, layout.head_dims, sliding_windows(model.config))
+            if window is not None
+        )
         worst = workload.max_prompt_len + workload.max_new_tokens
-        # NOTE: rounded up to whole blocks so that `multiple` paged rows of the worst length fit a pool of the
-        # budget, as they fit `multiple` contiguous slots; the difference is under one block per request.
         reservation = -(-worst // BLOCK_SIZE) * BLOCK_SIZE
-        return cls(multiple, reservation, bytes_per_block // BLOCK_SIZE)
+        return cls(multiple, reservation, bytes_per_block // BLOCK_SIZE, windows)
 
 
 @dataclass

@@ -42,22 +42,23 @@ def first_difference(output: list[int], reference: list[int]) -> int | None:
 
 
 def concurrency_bound(workload: Workload, budget: Budget) -> float:
-    """The memory bound on mean concurrency at `budget`: the budget's tokens over the tokens a sequence holds on
+    """The memory bound on mean concurrency at `budget`: the budget's bytes over the K/V bytes a sequence holds on
     average while it runs, in whole blocks (in its j-th forward, j = 0 .. outputs - 1, a sequence holds its prompt
-    plus j tokens). Concurrency x tokens held per sequence cannot pass the budget's tokens at any moment.
+    plus j tokens; in a sliding-window layer only the blocks its last query sees: `Budget.paged_bytes`).
+    Concurrency x bytes held per sequence cannot pass the budget at any moment.
 
     It bounds the mean over steps exactly when every sequence runs one forward per output token and holds what it
     counts: no shared blocks (a common prefix, parallel samples), no prompt prefilled in several chunks (an extra
-    forward holding less than the prompt), no sliding window giving blocks back. The time-weighted mean the log
-    reports can also pass it a little when the long steps are those whose rows hold few tokens (a prefill step,
-    while its sequences hold only their prompts).
+    forward holding less than the prompt), no sliding window still holding a whole prompt during its prefill. The
+    time-weighted mean the log reports can also pass it a little when the long steps are those whose rows hold
+    few tokens (a prefill step, while its sequences hold only their prompts).
     """
     held = forwards = 0
     for spec in workload.requests:  # parallel samples hold what their request does: the same mean
         prompt = len(spec.prompt_ids)
-        held += sum(-(-(prompt + j) // BLOCK_SIZE) * BLOCK_SIZE for j in range(spec.max_new_tokens))
+        held += sum(budget.paged_bytes(prompt + j) for j in range(spec.max_new_tokens))
         forwards += spec.max_new_tokens
-    return (budget.bytes / budget.bytes_per_token) / (held / forwards)
+    return budget.bytes / (held / forwards)
 
 
 def summarize(result: RunResult, run: ServingRun) -> dict:
@@ -146,10 +147,23 @@ def describe(run: ServingRun) -> dict:
         "reservation_tokens": unit.reservation_tokens,
         "bytes_per_token": unit.bytes_per_token,
         "reservation_bytes": unit.reservation_bytes,
+        "sliding_windows": sorted({window for _, window in unit.windows}),
+        "num_sliding_layers": len(unit.windows),
         "budget_multiples": [b.multiple for b in run.budgets],
         "repeats": run.repeats,
         "failures": run.failures,
     }
+
+
+def _window_clause(facts: dict) -> str:
+    """How the reservation counts sliding-window layers (empty for a full-attention model)."""
+    if not facts.get("num_sliding_layers"):
+        return ""
+    windows = "/".join(map(str, facts["sliding_windows"]))
+    return (
+        f" (in the {facts['num_sliding_layers']} sliding-window layers, window {windows}, only the blocks a row's window"
+        " spans: DynamicCache keeps the last window - 1 tokens there)"
+    )
 
 
 def _bounds(rows: list[dict]) -> str:
@@ -249,8 +263,9 @@ def render(serving: dict) -> list[str]:
         f"Workload: {facts['description']}; {facts['num_output_tokens']} output tokens in all. Every request runs",
         "greedy to its own output length (no eos). One worst-case reservation = longest prompt + longest output",
         f"= {facts['max_prompt_len']} + {facts['max_new_tokens']} tokens, rounded up to whole blocks of {BLOCK_SIZE}: "
-        f"{facts['reservation_tokens']} tokens x {facts['bytes_per_token']} K/V bytes per token "
-        f"= {facts['reservation_bytes'] / MIB:.2f} MiB. Budget `Nx` = N reservations, the same for every backend:",
+        f"{facts['reservation_tokens']} tokens x {facts['bytes_per_token']} K/V bytes per token"
+        + _window_clause(facts)
+        + f" = {facts['reservation_bytes'] / MIB:.2f} MiB. Budget `Nx` = N reservations, the same for every backend:",
         "",
         "- `dynamic`: static batches of `budget // reservation` requests in arrival order through `generate()` with",
         "  `DynamicCache` (sdpa), left-padded, `max_new_tokens` = the batch's longest output; tokens past a request's",

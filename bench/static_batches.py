@@ -95,9 +95,7 @@ def run_static_batches(
                 finish[index] = clock.times[spec.max_new_tokens - 1] - start
                 live_seconds += clock.times[spec.max_new_tokens - 1] - batch_start
                 wasted += max_new_tokens - spec.max_new_tokens
-            # Live: each prompt once (samples share it in content) plus every sequence's own outputs.
-            live_tokens = sum(len(s.prompt_ids) + num_samples * s.max_new_tokens for s in specs)
-            live_peak = max(live_peak, live_tokens * budget.bytes_per_token)
+            live_peak = max(live_peak, sum(_live_bytes(budget, spec, num_samples) for spec in specs))
         wall = time.perf_counter() - start
     return RunResult(
         backend=backend,
@@ -117,6 +115,14 @@ def run_static_batches(
     )
 
 
+def _live_bytes(budget: Budget, spec, num_samples: int) -> int:
+    """K/V bytes of real tokens a request's `num_samples` sequences need at their end: the prompt once in the
+    full-attention layers (samples share it in content), every sequence's own outputs, and in a sliding layer each
+    sequence's last `window - 1` tokens (what DynamicCache keeps)."""
+    prompt, total = len(spec.prompt_ids), len(spec.prompt_ids) + spec.max_new_tokens
+    return num_samples * budget.contiguous_bytes(total) - (num_samples - 1) * prompt * budget.full_bytes_per_token
+
+
 def dynamic_batch_size(budget: Budget, num_samples: int = 1) -> int:
     """Requests per static batch: as many worst-case rows (num_samples per request) as the budget holds, at least
     one request (which can exceed a small budget; the reserved bytes say so)."""
@@ -134,7 +140,8 @@ def run_dynamic(model, workload: Workload, budget: Budget) -> RunResult:
 
 def run_static(model, workload: Workload, budget: Budget) -> RunResult:
     slot = max(STATIC_SLOT_TOKENS, budget.reservation_tokens)
-    rows_bytes = workload.num_samples * slot * budget.bytes_per_token
+    # StaticCache's sliding layers hold min(slot, window) tokens
+    rows_bytes = workload.num_samples * budget.contiguous_bytes(slot, window_tokens=lambda window: window)
     batch = max(1, budget.bytes // rows_bytes)
     return run_static_batches(
         model, workload, budget, backend="static", batch_size=batch,
