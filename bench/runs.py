@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 from hf_paged import KVLayout
 from hf_paged.allocator import first_window_block
+from hf_paged.layer_groups import group_windows
 from hf_paged.paged_layer import sliding_windows
 
 from .workloads import Workload
@@ -52,15 +53,21 @@ class Budget:
     bytes_per_token: int  # K/V of one token, every layer
     # One (K/V bytes per token, window) per sliding-window layer: such a layer holds at most a window of a sequence.
     windows: tuple[tuple[int, int], ...] = ()
+    # A paged pool's layer groups (hf_paged/layer_groups.py): each group's window (None: it keeps every block), and
+    # the K/V bytes of one token in one group's block (a block holds `num_slots` layers, padded groups included).
+    # Empty: one group of every layer that keeps every block.
+    group_windows: tuple[int | None, ...] = ()
+    group_bytes_per_token: int = 0
 
     @property
     def reservation_bytes(self) -> int:
         """The most K/V bytes a paged row holds on its way to `reservation_tokens` tokens (at the end, unless a
         sliding window's span peaks a little earlier)."""
-        if not self.windows:
+        windows = [window for window in self.group_windows if window is not None]
+        if not windows:
             return self.paged_bytes(self.reservation_tokens)
         # Only the last window and block of tokens can hold more than the end does: earlier rows are shorter.
-        first = max(1, self.reservation_tokens - max(window for _, window in self.windows) - BLOCK_SIZE)
+        first = max(1, self.reservation_tokens - max(windows) - BLOCK_SIZE)
         return max(self.paged_bytes(num_tokens) for num_tokens in range(first, self.reservation_tokens + 1))
 
     @property
@@ -73,13 +80,23 @@ class Budget:
         return self.bytes_per_token - sum(layer_bytes for layer_bytes, _ in self.windows)
 
     def paged_bytes(self, num_tokens: int) -> int:
-        """K/V bytes a paged row holds while its step stores token `num_tokens - 1`: whole blocks; in a sliding layer
-        only from the first block that token's query sees (what the Engine and PagedCache keep)."""
+        """K/V bytes a paged row holds while its step stores token `num_tokens - 1`: whole blocks of every layer
+        group; in a sliding group only from the first block that token's query sees (what the Engine keeps)."""
         blocks = -(-num_tokens // BLOCK_SIZE)
-        released = sum(
-            layer_bytes * first_window_block(num_tokens - 1, window, BLOCK_SIZE) for layer_bytes, window in self.windows
+        if not self.group_windows:
+            return BLOCK_SIZE * blocks * self.bytes_per_token
+        held = sum(
+            blocks - first_window_block(num_tokens - 1, window, BLOCK_SIZE) for window in self.group_windows
         )
-        return BLOCK_SIZE * (blocks * self.bytes_per_token - released)
+        return BLOCK_SIZE * held * self.group_bytes_per_token
+
+    def prefill_bytes(self, num_tokens: int) -> int:
+        """K/V bytes a paged row holds while one forward computes its first `num_tokens` tokens: every block of them
+        in every layer group (a sliding group gives blocks back only after the forward)."""
+        blocks = -(-num_tokens // BLOCK_SIZE)
+        if not self.group_windows:
+            return BLOCK_SIZE * blocks * self.bytes_per_token
+        return BLOCK_SIZE * blocks * len(self.group_windows) * self.group_bytes_per_token
 
     def contiguous_bytes(self, num_tokens: int, *, window_tokens: Callable[[int], int] = lambda window: window - 1) -> int:
         """K/V bytes a contiguous cache holds for a sequence of `num_tokens` tokens: every token in a full-attention
@@ -94,14 +111,19 @@ class Budget:
         bytes_per_block = layout.bytes_per_block(BLOCK_SIZE, model.dtype)
         assert bytes_per_block % BLOCK_SIZE == 0, bytes_per_block
         itemsize = torch.empty((), dtype=model.dtype).element_size()
-        windows = tuple(
-            (2 * heads * head_dim * itemsize, window)
-            for heads, head_dim, window in zip(layout.num_kv_heads, layout.head_dims, sliding_windows(model.config))
-            if window is not None
-        )
+        layer_windows = sliding_windows(model.config)
+        layer_bytes = [2 * heads * head_dim * itemsize for heads, head_dim in zip(layout.num_kv_heads, layout.head_dims)]
+        windows = tuple((b, window) for b, window in zip(layer_bytes, layer_windows) if window is not None)
+        # The pool's layer groups, as `BlockPool` builds them: a block holds the layers of the largest group.
+        groups = layout.layer_groups()
+        largest = max(groups, key=len)
         worst = workload.max_prompt_len + workload.max_new_tokens
         reservation = -(-worst // BLOCK_SIZE) * BLOCK_SIZE
-        return cls(multiple, reservation, bytes_per_block // BLOCK_SIZE, windows)
+        return cls(
+            multiple, reservation, bytes_per_block // BLOCK_SIZE, windows,
+            group_windows=tuple(group_windows(groups, layer_windows)),
+            group_bytes_per_token=sum(layer_bytes[layer] for layer in largest),
+        )
 
 
 @dataclass

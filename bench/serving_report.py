@@ -149,20 +149,23 @@ def describe(run: ServingRun) -> dict:
         "reservation_bytes": unit.reservation_bytes,
         "sliding_windows": sorted({window for _, window in unit.windows}),
         "num_sliding_layers": len(unit.windows),
+        "full_bytes_per_token": unit.full_bytes_per_token,
         "budget_multiples": [b.multiple for b in run.budgets],
         "repeats": run.repeats,
         "failures": run.failures,
     }
 
 
-def _window_clause(facts: dict) -> str:
-    """How the reservation counts sliding-window layers (empty for a full-attention model)."""
+def _reservation_terms(facts: dict) -> str:
+    """What one reservation counts: every layer at the whole sequence, or, with sliding-window layers, the full
+    layers at the whole sequence and the sliding ones at the blocks a window spans."""
     if not facts.get("num_sliding_layers"):
-        return ""
+        return f"{facts['reservation_tokens']} tokens x {facts['bytes_per_token']} K/V bytes per token"
     windows = "/".join(map(str, facts["sliding_windows"]))
     return (
-        f" (in the {facts['num_sliding_layers']} sliding-window layers, window {windows}, only the blocks a row's window"
-        " spans: DynamicCache keeps the last window - 1 tokens there)"
+        f"{facts['reservation_tokens']} tokens x {facts['full_bytes_per_token']} K/V bytes per token in the "
+        f"full-attention layers, plus in the {facts['num_sliding_layers']} sliding-window layers (window {windows}) "
+        "only the blocks a row's window spans (DynamicCache keeps the last window - 1 tokens there)"
     )
 
 
@@ -263,8 +266,7 @@ def render(serving: dict) -> list[str]:
         f"Workload: {facts['description']}; {facts['num_output_tokens']} output tokens in all. Every request runs",
         "greedy to its own output length (no eos). One worst-case reservation = longest prompt + longest output",
         f"= {facts['max_prompt_len']} + {facts['max_new_tokens']} tokens, rounded up to whole blocks of {BLOCK_SIZE}: "
-        f"{facts['reservation_tokens']} tokens x {facts['bytes_per_token']} K/V bytes per token"
-        + _window_clause(facts)
+        + _reservation_terms(facts)
         + f" = {facts['reservation_bytes'] / MIB:.2f} MiB. Budget `Nx` = N reservations, the same for every backend:",
         "",
         "- `dynamic`: static batches of `budget // reservation` requests in arrival order through `generate()` with",
@@ -273,7 +275,8 @@ def render(serving: dict) -> list[str]:
         f"- `static`: the same with `StaticCache` slots of max({STATIC_SLOT_TOKENS}, reservation) tokens, so",
         "  `budget // slot` rows (at least 1, which can exceed the budget: see `reserved`);",
         "- `paged-generate`: the dynamic batches with `PagedCache` on a `BlockPool` of exactly the budget",
-        "  (\"hf_paged\" attention);",
+        "  (\"hf_paged\" attention; on a sliding-window model, at least a batch's padded prompts whole, which",
+        "  `generate()` computes in one forward: see `reserved`);",
         f"- `engine`: `hf_paged.Engine` on a `BlockPool` of exactly the budget (max_num_seqs {ENGINE_MAX_NUM_SEQS}, "
         f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}),",
         "  prefix caching on (its default), requests added when they arrive, stepped until done;",
@@ -330,10 +333,11 @@ def render(serving: dict) -> list[str]:
         "moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends, padding",
         f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
         "",
-        "`of bound`: mean live over the memory bound on mean concurrency, budget tokens / mean tokens a sequence",
-        "holds while it runs (whole blocks; `concurrency_bound` in bench/serving_report.py). Without shared blocks,",
-        "chunked prefills or sliding windows no backend passes it on the mean over steps; the time-weighted mean",
-        f"can pass it a little (long prefill steps hold only prompts). Bound per budget: {_bounds(rows)}.",
+        "`of bound`: mean live over the memory bound on mean concurrency, budget bytes / mean K/V bytes a sequence",
+        "holds while it runs (whole blocks, in a sliding-window layer those its window spans; `concurrency_bound` in",
+        "bench/serving_report.py). Without shared blocks or chunked prefills no backend passes it on the mean over",
+        "steps; the time-weighted mean can pass it a little (long prefill steps hold only prompts, though a sliding",
+        f"layer holds a whole prompt chunk then). Bound per budget: {_bounds(rows)}.",
         "",
         tabulate(
             memory,

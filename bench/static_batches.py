@@ -116,11 +116,16 @@ def run_static_batches(
 
 
 def _live_bytes(budget: Budget, spec, num_samples: int) -> int:
-    """K/V bytes of real tokens a request's `num_samples` sequences need at their end: the prompt once in the
-    full-attention layers (samples share it in content), every sequence's own outputs, and in a sliding layer each
-    sequence's last `window - 1` tokens (what DynamicCache keeps)."""
+    """K/V bytes of real tokens a request's `num_samples` sequences need at their end, what they share counted once:
+    in a full-attention layer the prompt once plus every sequence's own outputs; in a sliding layer each sequence's
+    last `window - 1` tokens (what DynamicCache keeps), the part of the prompt still among them once."""
     prompt, total = len(spec.prompt_ids), len(spec.prompt_ids) + spec.max_new_tokens
-    return num_samples * budget.contiguous_bytes(total) - (num_samples - 1) * prompt * budget.full_bytes_per_token
+    live = budget.full_bytes_per_token * (prompt + num_samples * spec.max_new_tokens)
+    for layer_bytes, window in budget.windows:
+        kept = min(total, window - 1)
+        shared = max(0, prompt - (total - kept))  # prompt tokens still in the window: the samples share them
+        live += layer_bytes * (shared + num_samples * (kept - shared))
+    return live
 
 
 def dynamic_batch_size(budget: Budget, num_samples: int = 1) -> int:
@@ -152,8 +157,11 @@ def run_static(model, workload: Workload, budget: Budget) -> RunResult:
 
 def run_paged_generate(model, workload: Workload, budget: Budget) -> RunResult:
     batch = dynamic_batch_size(budget, workload.num_samples)
-    # The pool is the budget, or what dynamic reserves when a single request's rows exceed it (parallel sampling).
-    pool_bytes = max(budget.bytes, batch * workload.num_samples * budget.reservation_bytes)
+    # The pool is the budget, or what dynamic reserves when a single request's rows exceed it (parallel sampling),
+    # or, on a sliding-window model, what a batch's prompts hold during their one prefill forward: generate() computes
+    # every left-padded prompt whole, and its sliding groups give blocks back only after that forward.
+    rows = batch * workload.num_samples
+    pool_bytes = max(budget.bytes, rows * budget.reservation_bytes, rows * budget.prefill_bytes(workload.max_prompt_len))
     pool = BlockPool.for_model(model, max_memory=pool_bytes, block_size=BLOCK_SIZE)
 
     def new_cache():
