@@ -44,11 +44,11 @@ def test_a_reservation_is_the_most_a_paged_row_holds(name):
     try:
         engine = Engine(model, pool, max_num_seqs=1, max_num_batched_tokens=64)
         add_workload_request(engine, workload, 0)
-        peak = 0
+        peaks = []
+        engine.scheduler.schedule = _recording(engine.scheduler.schedule, pool, peaks)
         while engine.has_unfinished():
-            engine.scheduler.schedule = _recording(engine.scheduler.schedule, pool, peaks := [])
             engine.step()
-            peak = max(peak, *peaks)
+        peak = max(peaks)
     finally:
         model.set_attn_implementation("sdpa" if name == "padded-groups" else "hf_paged")
     assert budget.reservation_bytes == peak
