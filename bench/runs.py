@@ -54,9 +54,9 @@ class Budget:
     # One (K/V bytes per token, window) per sliding-window layer: such a layer holds at most a window of a sequence.
     windows: tuple[tuple[int, int], ...] = ()
     # A paged pool's layer groups (hf_paged/layer_groups.py): each group's window (None: it keeps every block), and
-    # the K/V bytes of one token in one group's block (a block holds `num_slots` layers, padded groups included).
-    # Empty: one group of every layer that keeps every block.
-    group_windows: tuple[int | None, ...] = ()
+    # the K/V bytes of one token in one group's block (a block holds `num_slots` layers, padded groups included;
+    # 0: every layer's, the one group of a model whose layers all attend alike).
+    group_windows: tuple[int | None, ...] = (None,)
     group_bytes_per_token: int = 0
 
     @property
@@ -83,20 +83,20 @@ class Budget:
         """K/V bytes a paged row holds while its step stores token `num_tokens - 1`: whole blocks of every layer
         group; in a sliding group only from the first block that token's query sees (what the Engine keeps)."""
         blocks = -(-num_tokens // BLOCK_SIZE)
-        if not self.group_windows:
-            return BLOCK_SIZE * blocks * self.bytes_per_token
         held = sum(
             blocks - first_window_block(num_tokens - 1, window, BLOCK_SIZE) for window in self.group_windows
         )
-        return BLOCK_SIZE * held * self.group_bytes_per_token
+        return BLOCK_SIZE * held * self._block_bytes_per_token
 
     def prefill_bytes(self, num_tokens: int) -> int:
         """K/V bytes a paged row holds while one forward computes its first `num_tokens` tokens: every block of them
         in every layer group (a sliding group gives blocks back only after the forward)."""
         blocks = -(-num_tokens // BLOCK_SIZE)
-        if not self.group_windows:
-            return BLOCK_SIZE * blocks * self.bytes_per_token
-        return BLOCK_SIZE * blocks * len(self.group_windows) * self.group_bytes_per_token
+        return BLOCK_SIZE * blocks * len(self.group_windows) * self._block_bytes_per_token
+
+    @property
+    def _block_bytes_per_token(self) -> int:
+        return self.group_bytes_per_token or self.bytes_per_token
 
     def contiguous_bytes(self, num_tokens: int, *, window_tokens: Callable[[int], int] = lambda window: window - 1) -> int:
         """K/V bytes a contiguous cache holds for a sequence of `num_tokens` tokens: every token in a full-attention
@@ -108,8 +108,6 @@ class Budget:
     @classmethod
     def for_workload(cls, model, workload: Workload, multiple: float) -> Budget:
         layout = KVLayout.from_config(model.config)
-        bytes_per_block = layout.bytes_per_block(BLOCK_SIZE, model.dtype)
-        assert bytes_per_block % BLOCK_SIZE == 0, bytes_per_block
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         layer_windows = sliding_windows(model.config)
         layer_bytes = [2 * heads * head_dim * itemsize for heads, head_dim in zip(layout.num_kv_heads, layout.head_dims)]
@@ -120,7 +118,7 @@ class Budget:
         worst = workload.max_prompt_len + workload.max_new_tokens
         reservation = -(-worst // BLOCK_SIZE) * BLOCK_SIZE
         return cls(
-            multiple, reservation, bytes_per_block // BLOCK_SIZE, windows,
+            multiple, reservation, sum(layer_bytes), windows,
             group_windows=tuple(group_windows(groups, layer_windows)),
             group_bytes_per_token=sum(layer_bytes[layer] for layer in largest),
         )
