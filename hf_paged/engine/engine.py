@@ -43,6 +43,7 @@ class EngineStats:
     peak_running: int = 0
     running_sum: int = 0  # sum over steps of the requests that ran, for the mean
     num_preemptions: int = 0
+    num_aborted: int = 0  # requests stopped by `abort_request` before their end
     prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
     prefill_tokens: int = 0  # input tokens computed before a request's first output (recomputation included)
     decode_tokens: int = 0  # generated tokens fed back
@@ -133,6 +134,24 @@ class Engine:
         self._requests[request.request_id] = request
         self.scheduler.add(request)
         return request.request_id
+
+    def abort_request(self, request_id: int) -> bool:
+        """Stop a request before its end (a client that went away), as vLLM's `abort_request`: a running request's
+        blocks go back to the pool at once, a waiting one leaves the queue, and neither runs again. Its `output_ids`
+        keep what it generated so far and `engine.request(request_id).aborted` is set.
+
+        Call it between steps, from the loop that calls `step()`. Returns True when the request was unfinished,
+        False when it had already finished (nothing changes).
+        """
+        request = self._requests.get(request_id)
+        if request is None:
+            issued = f"ids 0 to {len(self._requests) - 1}" if self._requests else "no ids yet"
+            raise ValueError(f"no request with id {request_id!r}: this engine has issued {issued}")
+        if request.finished:
+            return False
+        self.scheduler.abort(request)
+        self.stats.num_aborted += 1
+        return True
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -54,6 +54,7 @@ class Request:
     num_skips: int = 0  # admissions of later requests (backfill) while it waited first in line or near it
     error: str | None = None
     finished: bool = False
+    aborted: bool = False  # stopped by `Engine.abort_request` before its end
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -323,6 +324,27 @@ class Scheduler(Admission):
         request.finished = True
         request.finish_time = time.perf_counter()
         self.running.remove(request)
+
+    def abort(self, request: Request) -> None:
+        """Stop an unfinished `request` for good, between steps: running, its blocks go back at once (its computed
+        full blocks stay in the prefix cache, findable until evicted); waiting, it leaves the queue.
+
+        NOTE: the lookahead's promise (no preemption) still holds with nothing else done. The plan counted each
+        running request from its admission at its whole prompt, growing a token a step, until the latest end its
+        prefill's wait allows (`Lookahead`). An aborted request's blocks leave, and if it was prefilling, the prompts
+        behind it get its prefill budget: they start sooner, which at every step holds no more than that count and
+        ends no later. A request waiting for prompt blocks the aborted one was computing (`_waits_for_prefix`) finds
+        them out of the next step's `computing` and computes what the cache does not hold; its plan counted its
+        prompt as fresh."""
+        assert not request.finished, request.request_id
+        if request in self.running:
+            self.retire(request)
+        else:
+            assert not request.block_tables, "a waiting request holds no blocks (a preempted one gave them back)"
+            self.waiting.remove(request)
+            request.finished = True
+            request.finish_time = time.perf_counter()
+        request.aborted = True
 
     def schedule(self) -> ScheduledStep:
         # Out-of-window blocks go back first, so admission sees them free and every running request holds at most

@@ -1,0 +1,167 @@
+"""Engine.abort_request: a request stopped between steps gives its blocks back and never runs again; the others
+finish with exactly the tokens they would have produced without it, and the lookahead still never preempts."""
+
+import random
+
+import pytest
+import torch
+
+from hf_paged import BlockPool, Engine
+from tests.models import greedy_reference, tiny_model
+
+
+def _engine(name="llama", num_blocks=64, **kwargs):
+    model = tiny_model(name, "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4)
+    return Engine(model, pool, **kwargs), pool
+
+
+def _prompts(lengths, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 128, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _run(engine):
+    while engine.has_unfinished():
+        engine.step()
+
+
+def test_aborting_a_running_request_frees_its_blocks_at_once():
+    prompts = _prompts((9, 14))
+    engine, pool = _engine(enable_prefix_caching=False)
+    first, second = (engine.add_request(p, max_new_tokens=12, ignore_eos=True) for p in prompts)
+    for _ in range(4):  # both decoding
+        engine.step()
+    held = sum(len(table) for table in engine.request(first).block_tables)
+    used = pool.num_used_blocks
+    assert held > 0 and engine.abort_request(first)
+    assert pool.num_used_blocks == used - held
+    assert engine.request(first).aborted and engine.request(first).finished
+    produced = list(engine.request(first).output_ids)
+    _run(engine)
+    reference = greedy_reference("llama", prompts, [12, 12])
+    assert engine.request(second).output_ids == reference[1]
+    assert produced == engine.request(first).output_ids == reference[0][: len(produced)]  # nothing after the abort
+    assert 0 < len(produced) < 12
+    assert pool.num_used_blocks == 0 and engine.stats.num_aborted == 1
+    pool.allocator.check_invariants()
+
+
+def test_aborting_a_waiting_request_drops_it_from_the_queue():
+    prompts = _prompts((9, 14, 6))
+    engine, pool = _engine(max_num_seqs=1)  # one at a time: the others wait
+    ids = [engine.add_request(p, max_new_tokens=5, ignore_eos=True) for p in prompts]
+    engine.step()
+    assert engine.abort_request(ids[1])
+    _run(engine)
+    assert engine.request(ids[1]).output_ids == [] and engine.request(ids[1]).aborted
+    reference = greedy_reference("llama", prompts, [5, 5, 5])
+    assert [engine.request(i).output_ids for i in (ids[0], ids[2])] == [reference[0], reference[2]]
+    assert pool.num_used_blocks == 0
+
+
+def test_aborting_a_prompt_between_prefill_chunks():
+    prompts = _prompts((40, 7))
+    engine, pool = _engine(max_num_seqs=4, max_num_batched_tokens=8)  # the 40-token prompt takes five steps
+    long_id = engine.add_request(prompts[0], max_new_tokens=4, ignore_eos=True)
+    short_id = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
+    engine.step()
+    request = engine.request(long_id)
+    assert 0 < request.num_computed < 40 and not request.output_ids
+    engine.abort_request(long_id)
+    _run(engine)
+    assert engine.request(short_id).output_ids == greedy_reference("llama", prompts[1:], [4])[0]
+    assert engine.request(long_id).output_ids == []
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
+def test_a_request_waiting_for_an_aborted_requests_prompt_computes_it_itself():
+    """Parallel samples of one prompt: the first computes the prompt, the others wait for its blocks. Aborted in
+    the middle of it, the others must not wait for blocks nobody computes."""
+    prompt = _prompts((40,))[0]
+    engine, pool = _engine(max_num_seqs=4, max_num_batched_tokens=12)
+    ids = [engine.add_request(prompt, max_new_tokens=6, ignore_eos=True) for _ in range(3)]
+    engine.step()
+    assert engine.request(ids[0]).num_computed > 0 and all(engine.request(i).num_computed == 0 for i in ids[1:])
+    engine.abort_request(ids[0])
+    for _ in range(50):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert not engine.has_unfinished()
+    reference = greedy_reference("llama", [prompt], [6])[0]
+    assert [engine.request(i).output_ids for i in ids[1:]] == [reference, reference]
+    assert engine.stats.prefix_hit_tokens > 0  # the first's computed blocks stayed cached for the others
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+
+
+def test_abort_of_a_finished_or_unknown_request():
+    engine, _ = _engine()
+    with pytest.raises(ValueError, match="no request with id 0: this engine has issued no ids yet"):
+        engine.abort_request(0)
+    request_id = engine.add_request([5, 6, 7], max_new_tokens=2, ignore_eos=True)
+    _run(engine)
+    output = list(engine.request(request_id).output_ids)
+    assert engine.abort_request(request_id) is False
+    assert engine.request(request_id).output_ids == output and not engine.request(request_id).aborted
+    with pytest.raises(ValueError, match="no request with id 3: this engine has issued ids 0 to 0"):
+        engine.abort_request(3)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: sliding and full layer groups
+@pytest.mark.parametrize("seed", range(3))
+def test_random_aborts_never_preempt_leak_or_change_the_others(name, seed):
+    """Random prompts (half of them sharing a system prompt) in a tight pool with the default lookahead; at random
+    steps, a random unfinished request is aborted: waiting, between prefill chunks or decoding (each kind occurs
+    over these seeds; chunks of at most 8 tokens make prompts span steps)."""
+    rng = random.Random(seed)
+    system = _prompts((16,), seed=100 + seed)[0]
+    prompts = [
+        (system if rng.random() < 0.5 else []) + _prompts((rng.randint(2, 20),), seed=seed * 100 + i)[0]
+        for i in range(14)
+    ]
+    new_tokens = [rng.randint(2, 14) for _ in prompts]
+    engine, pool = _engine(name, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=8)
+    ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
+    aborted = set()
+    while engine.has_unfinished():
+        engine.step()
+        unfinished = [i for i in ids if not engine.request(i).finished]
+        if unfinished and rng.random() < 0.3:
+            victim = rng.choice(unfinished)
+            assert engine.abort_request(victim)
+            aborted.add(victim)
+    assert aborted and engine.stats.num_aborted == len(aborted)
+    assert engine.stats.num_preemptions == 0
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
+    reference = greedy_reference(name, prompts, new_tokens)
+    for request_id, expected in zip(ids, reference):
+        output = engine.request(request_id).output_ids
+        if request_id in aborted:
+            assert output == expected[: len(output)] and len(output) < len(expected)
+        else:
+            assert output == expected
+
+
+def test_aborting_a_preempted_request_waiting_to_be_recomputed():
+    """vLLM's admission (no lookahead) in a tight pool preempts; the preempted request, back in the queue with the
+    tokens it generated, is aborted there."""
+    prompts = _prompts((5, 17, 9, 30, 3))
+    new_tokens = [8, 12, 5, 10, 7]
+    engine, pool = _engine(num_blocks=12, max_num_seqs=4, decode_reserve_tokens=0)
+    ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
+    while engine.stats.num_preemptions == 0:
+        engine.step()
+    preempted = next(r for r in engine.scheduler.waiting if r.output_ids)
+    produced = list(preempted.output_ids)
+    assert engine.abort_request(preempted.request_id)
+    _run(engine)
+    reference = greedy_reference("llama", prompts, new_tokens)
+    for request_id, expected in zip(ids, reference):
+        expected = produced if request_id == preempted.request_id else expected
+        assert engine.request(request_id).output_ids == expected
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()
