@@ -1,5 +1,6 @@
-"""Engine.abort_request: a request stopped between steps gives its blocks back and never runs again; the others
-finish with exactly the tokens they would have produced without it, and the lookahead still never preempts."""
+"""How requests end early: Engine.abort_request stops a request between steps, which gives its blocks back and
+never runs again, while the others finish with exactly the tokens they would have produced without it (and the
+lookahead still never preempts); Request.finish_reason says how each request ended."""
 
 import random
 
@@ -165,3 +166,25 @@ def test_aborting_a_preempted_request_waiting_to_be_recomputed():
         assert engine.request(request_id).output_ids == expected
     assert pool.num_used_blocks == 0
     pool.allocator.check_invariants()
+
+
+def test_finish_reason_says_how_each_request_ended():
+    prompt = _prompts((6,))[0]
+    engine, pool = _engine(num_blocks=16)
+    full = engine.generate([prompt], max_new_tokens=10, ignore_eos=True)[0]
+    ids = {
+        "length": engine.add_request(prompt, max_new_tokens=10, ignore_eos=True),
+        "stop": engine.add_request(prompt, max_new_tokens=10, stop_token_ids=(full[4],)),
+        "eos": engine.add_request(prompt, max_new_tokens=10, eos_token_id=full[2]),
+        "abort": engine.add_request(prompt, max_new_tokens=10, ignore_eos=True),
+        "error": engine.add_request(prompt, max_new_tokens=100, ignore_eos=True),  # 106 tokens > 16 blocks of 4
+    }
+    assert engine.request(ids["length"]).finish_reason is None  # not finished yet
+    engine.step()
+    engine.abort_request(ids["abort"])
+    _run(engine)
+    reasons = {name: engine.request(request_id).finish_reason for name, request_id in ids.items()}
+    assert reasons == {"length": "length", "stop": "stop", "eos": "stop", "abort": "abort", "error": "error"}
+    assert engine.request(ids["length"]).output_ids == full
+    assert engine.request(ids["eos"]).output_ids == full[:3]
+    assert pool.num_used_blocks == 0

@@ -69,6 +69,19 @@ class Request:
         return [block_id for table in self.block_tables for block_id in table]
 
     @property
+    def finish_reason(self) -> str | None:
+        """Why the request finished, in vLLM's words: "stop" (it generated eos or a stop token, kept as its last),
+        "length" (`max_new_tokens`), "abort" (`Engine.abort_request`), "error" (it could never run; `error` says
+        why); None while it is unfinished."""
+        if not self.finished:
+            return None
+        if self.aborted:
+            return "abort"
+        if self.error is not None:
+            return "error"
+        return "stop" if self.output_ids and self.params.is_stop(self.output_ids[-1]) else "length"
+
+    @property
     def num_pending(self) -> int:
         """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
