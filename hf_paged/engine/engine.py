@@ -136,12 +136,14 @@ class Engine:
         return request.request_id
 
     def abort_request(self, request_id: int) -> bool:
-        """Stop a request before its end (a client that went away), as vLLM's `abort_request`: a running request's
+        """Stop a request before its end (a client that went away), like vLLM's `abort_request`: a running request's
         blocks go back to the pool at once, a waiting one leaves the queue, and neither runs again. Its `output_ids`
-        keep what it generated so far and `engine.request(request_id).aborted` is set.
+        keep what it generated so far, `engine.request(request_id).aborted` is set and its `finish_reason` is "abort".
+        Greedy and seeded requests that go on produce the same tokens as without the abort.
 
         Call it between steps, from the loop that calls `step()`. Returns True when the request was unfinished,
-        False when it had already finished (nothing changes).
+        False when it had already finished (nothing changes). Unlike vLLM, which ignores ids it does not know, an id
+        this engine never issued raises `ValueError`.
         """
         request = self._requests.get(request_id)
         if request is None:

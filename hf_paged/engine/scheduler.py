@@ -339,8 +339,8 @@ class Scheduler(Admission):
         self.running.remove(request)
 
     def abort(self, request: Request) -> None:
-        """Stop an unfinished `request` for good, between steps: running, its blocks go back at once (its computed
-        full blocks stay in the prefix cache, findable until evicted); waiting, it leaves the queue.
+        """Stop an unfinished `request` for good, between steps: running, its blocks go back at once (with prefix
+        caching, its computed full blocks stay cached, findable until evicted); waiting, it leaves the queue.
 
         NOTE: the lookahead's promise (no preemption) still holds with nothing else done. The plan counted each
         running request from its admission at its whole prompt, growing a token a step, until the latest end its
