@@ -188,3 +188,55 @@ def test_finish_reason_says_how_each_request_ended():
     assert engine.request(ids["length"]).output_ids == full
     assert engine.request(ids["eos"]).output_ids == full[:3]
     assert pool.num_used_blocks == 0
+
+
+def test_leaving_a_stream_early_aborts_its_unfinished_inputs():
+    prompts = _prompts((5, 9, 7))
+    engine, pool = _engine(max_num_seqs=2)  # the third input waits
+    stream = engine.stream(prompts, max_new_tokens=6, ignore_eos=True)
+    received = [next(stream) for _ in range(3)]
+    stream.close()  # what `break` out of a for loop does
+    assert not engine.has_unfinished() and pool.num_used_blocks == 0
+    assert engine.stats.num_aborted == 3 and len(received) == 3
+    # The engine serves the next call as usual.
+    reference = greedy_reference("llama", prompts, [6, 6, 6])
+    assert engine.generate(prompts, max_new_tokens=6, ignore_eos=True) == reference
+
+
+def test_generate_leaves_no_request_behind_when_a_step_raises(monkeypatch):
+    prompts = _prompts((5, 9))
+    engine, pool = _engine()
+    forward, calls = engine._forward, []
+
+    def failing_forward(rows):
+        calls.append(len(rows))
+        if len(calls) == 3:
+            raise RuntimeError("device lost")
+        return forward(rows)
+
+    monkeypatch.setattr(engine, "_forward", failing_forward)
+    with pytest.raises(RuntimeError, match="device lost"):
+        engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    assert not engine.has_unfinished() and pool.num_used_blocks == 0
+    monkeypatch.setattr(engine, "_forward", forward)
+    assert engine.generate(prompts, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", prompts, [6, 6])
+    pool.allocator.check_invariants()
+
+
+def test_a_bad_prompt_adds_none_of_a_generate_calls_prompts():
+    engine, pool = _engine()
+    with pytest.raises(ValueError, match="at least one prompt token"):
+        engine.generate([[1, 2, 3], []], max_new_tokens=4)
+    assert not engine.has_unfinished()
+
+
+def test_generate_returns_when_its_own_requests_finish():
+    """A request added for a serving loop shares generate()'s steps but does not keep generate() running."""
+    prompts = _prompts((5, 9))
+    engine, pool = _engine()
+    other = engine.add_request(prompts[1], max_new_tokens=30, ignore_eos=True)
+    assert engine.generate(prompts[:1], max_new_tokens=3, ignore_eos=True) == greedy_reference("llama", prompts[:1], [3])
+    assert not engine.request(other).finished and 0 < len(engine.request(other).output_ids) < 30
+    _run(engine)
+    assert engine.request(other).output_ids == greedy_reference("llama", prompts[1:], [30])[0]
+    assert pool.num_used_blocks == 0

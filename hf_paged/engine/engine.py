@@ -201,32 +201,64 @@ class Engine:
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling):
-        """Yield (input index, token id) as tokens are produced; failed inputs raise `RequestFailed` at the end."""
+        """Yield (input index, token id) as tokens are produced, until every input has finished; failed inputs raise
+        `RequestFailed` at the end. Stopping early (`break`, closing the generator) or an exception from a step
+        aborts the inputs still unfinished, so their blocks go back to the pool. Requests added otherwise
+        (`add_request`) share the steps and are left to their own loop."""
         request_ids = self._add_all(prompts, max_new_tokens, sampling)
         index_of = {request_id: index for index, request_id in enumerate(request_ids)}
-        while self.has_unfinished():
-            for request_id, token in self.step():
-                if request_id in index_of:
-                    yield index_of[request_id], token
+        try:
+            for events in self._steps_until_finished(request_ids):
+                for request_id, token in events:
+                    if request_id in index_of:
+                        yield index_of[request_id], token
+        finally:
+            self._abort_unfinished(request_ids)
         self._raise_failures(request_ids)
 
     def generate(
         self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling
     ) -> list[list[int]]:
-        """Generated token ids per prompt, in input order (`ignore_eos`, `temperature`, ... as in add_request)."""
+        """Generated token ids per prompt, in input order (`ignore_eos`, `temperature`, ... as in add_request). Steps
+        until every input has finished; an exception from a step aborts the inputs still unfinished."""
         request_ids = self._add_all(prompts, max_new_tokens, sampling)
-        while self.has_unfinished():
-            self.step()
+        try:
+            for _ in self._steps_until_finished(request_ids):
+                pass
+        finally:
+            self._abort_unfinished(request_ids)
         self._raise_failures(request_ids)
         return [self._requests[request_id].output_ids for request_id in request_ids]
 
     # -------------------------------------------------------------- internals
     def _add_all(self, prompts, max_new_tokens, sampling) -> list[int]:
+        """Add every prompt, or none: a bad one (empty, bad sampling values) aborts those added before it."""
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
         if len(max_new_tokens) != len(prompts):
             raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
-        return [self.add_request(p, n, **sampling) for p, n in zip(prompts, max_new_tokens)]
+        request_ids: list[int] = []
+        try:
+            for prompt, num_new in zip(prompts, max_new_tokens):
+                request_ids.append(self.add_request(prompt, num_new, **sampling))
+        except Exception:
+            self._abort_unfinished(request_ids)
+            raise
+        return request_ids
+
+    def _steps_until_finished(self, request_ids: list[int]):
+        """Step until every one of `request_ids` has finished; yields each step's events."""
+        first = 0  # the requests before it have finished (for good), so each is checked until it has, then no more
+        while True:
+            while first < len(request_ids) and self._requests[request_ids[first]].finished:
+                first += 1
+            if first == len(request_ids):
+                return
+            yield self.step()
+
+    def _abort_unfinished(self, request_ids: list[int]) -> None:
+        for request_id in request_ids:
+            self.abort_request(request_id)  # a no-op for a finished one
 
     def _raise_failures(self, request_ids: list[int]) -> None:
         errors = {i: self._requests[r].error for i, r in enumerate(request_ids) if self._requests[r].error}
