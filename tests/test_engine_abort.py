@@ -235,8 +235,95 @@ def test_generate_returns_when_its_own_requests_finish():
     prompts = _prompts((5, 9))
     engine, pool = _engine()
     other = engine.add_request(prompts[1], max_new_tokens=30, ignore_eos=True)
-    assert engine.generate(prompts[:1], max_new_tokens=3, ignore_eos=True) == greedy_reference("llama", prompts[:1], [3])
+    expected = greedy_reference("llama", prompts[:1], [3])
+    assert engine.generate(prompts[:1], max_new_tokens=3, ignore_eos=True) == expected
     assert not engine.request(other).finished and 0 < len(engine.request(other).output_ids) < 30
     _run(engine)
     assert engine.request(other).output_ids == greedy_reference("llama", prompts[1:], [30])[0]
     assert pool.num_used_blocks == 0
+
+
+def test_a_stream_yields_its_tokens_from_steps_other_calls_run():
+    """A generate() inside the stream's loop, and two streams advanced in turn, step the engine for each other's
+    inputs too: every token still comes out of its own stream, in order."""
+    prompts = _prompts((5, 9, 7))
+    reference = greedy_reference("llama", prompts, [8, 8, 8])
+    engine, pool = _engine()
+    streamed = [[], []]
+    for index, token in engine.stream(prompts[:2], max_new_tokens=8, ignore_eos=True):
+        streamed[index].append(token)
+        if len(streamed[0]) + len(streamed[1]) == 2:  # after the last token of a step
+            assert engine.generate(prompts[2:], max_new_tokens=8, ignore_eos=True) == reference[2:]
+    assert streamed == reference[:2]
+
+    first = engine.stream(prompts[:1], max_new_tokens=8, ignore_eos=True)
+    second = engine.stream(prompts[1:], max_new_tokens=8, ignore_eos=True)
+    out_first, out_second = [], [[], []]
+    for a, b in zip(first, second):  # ends when the first stream does
+        out_first.append(a[1])
+        out_second[b[0]].append(b[1])
+    out_second_rest = list(second)
+    for index, token in out_second_rest:
+        out_second[index].append(token)
+    assert [out_first] + out_second == reference
+    assert pool.num_used_blocks == 0
+
+
+def test_a_stream_kept_in_a_variable_aborts_on_close():
+    prompts = _prompts((5, 9))
+    engine, pool = _engine()
+    stream = engine.stream(prompts, max_new_tokens=6, ignore_eos=True)
+    for _ in stream:
+        break  # the stream lives on in `stream`: its inputs are paused, not aborted
+    assert engine.has_unfinished() and engine.stats.num_aborted == 0
+    stream.close()
+    assert not engine.has_unfinished() and pool.num_used_blocks == 0 and engine.stats.num_aborted == 2
+
+
+def test_an_abort_during_a_step_takes_effect_when_the_step_ends(monkeypatch):
+    """A stream the garbage collector closes while a forward runs aborts its inputs from inside the step."""
+    prompts = _prompts((5, 9))
+    engine, pool = _engine()
+    first, second = (engine.add_request(p, max_new_tokens=6, ignore_eos=True) for p in prompts)
+    engine.step()
+    forward = engine._forward
+
+    def forward_that_aborts(rows):
+        assert engine.abort_request(first)  # deferred: the step's rows and blocks are in use
+        assert not engine.request(first).finished
+        return forward(rows)
+
+    monkeypatch.setattr(engine, "_forward", forward_that_aborts)
+    engine.step()
+    monkeypatch.setattr(engine, "_forward", forward)
+    assert engine.request(first).finish_reason == "abort" and len(engine.request(first).output_ids) == 2
+    _run(engine)
+    reference = greedy_reference("llama", prompts, [6, 6])
+    assert engine.request(second).output_ids == reference[1]
+    assert engine.request(first).output_ids == reference[0][:2]
+    assert pool.num_used_blocks == 0
+
+
+def test_an_interrupt_while_adding_prompts_leaves_none_queued(monkeypatch):
+    engine, _ = _engine()
+    add_request, calls = engine.add_request, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return add_request(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "add_request", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        engine.generate(_prompts((5, 9, 7)), max_new_tokens=4)
+    assert not engine.has_unfinished() and engine.stats.num_aborted == 2
+
+
+def test_aborting_several_waiting_requests_at_once_keeps_the_others_in_order():
+    engine, _ = _engine(max_num_seqs=1)
+    ids = [engine.add_request([3, 4, 5 + i], max_new_tokens=2, ignore_eos=True) for i in range(6)]
+    engine.step()  # the first runs, the others wait
+    engine.scheduler.abort([engine.request(i) for i in (ids[2], ids[4], ids[1])])
+    assert [r.request_id for r in engine.scheduler.waiting] == [ids[3], ids[5]]
+    assert all(engine.request(i).finish_reason == "abort" for i in (ids[1], ids[2], ids[4]))

@@ -112,6 +112,8 @@ class Engine:
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
         self._requests: dict[int, Request] = {}
+        self._in_step = False
+        self._deferred_aborts: list[Request] = []  # aborts asked for during a step, done when it ends
         self._ids = itertools.count()
         generation_config = getattr(model, "generation_config", None)
         self._eos_token_id = getattr(generation_config, "eos_token_id", None)
@@ -141,9 +143,10 @@ class Engine:
         keep what it generated so far, `engine.request(request_id).aborted` is set and its `finish_reason` is "abort".
         Greedy and seeded requests that go on produce the same tokens as without the abort.
 
-        Call it between steps, from the loop that calls `step()`. Returns True when the request was unfinished,
-        False when it had already finished (nothing changes). Unlike vLLM, which ignores ids it does not know, an id
-        this engine never issued raises `ValueError`.
+        Call it between steps, from the loop that calls `step()`; called during one (say, by a stream that the
+        garbage collector closes while a forward runs), it takes effect when the step ends. Returns True when the
+        request was unfinished, False when it had already finished (nothing changes). Unlike vLLM, which ignores ids
+        it does not know, an id this engine never issued raises `ValueError`.
         """
         request = self._requests.get(request_id)
         if request is None:
@@ -151,15 +154,33 @@ class Engine:
             raise ValueError(f"no request with id {request_id!r}: this engine has issued {issued}")
         if request.finished:
             return False
-        self.scheduler.abort(request)
-        self.stats.num_aborted += 1
+        self._abort([request])
         return True
+
+    def _abort(self, requests: list[Request]) -> None:
+        """Abort unfinished `requests` now, or when the step under way ends."""
+        if self._in_step:
+            self._deferred_aborts += requests
+            return
+        requests = [request for request in dict.fromkeys(requests) if not request.finished]
+        if requests:
+            self.scheduler.abort(requests)
+            self.stats.num_aborted += len(requests)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[tuple[int, int]]:
         """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced."""
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            self._abort(deferred)
+
+    def _step(self) -> list[tuple[int, int]]:
         plan = self.scheduler.schedule()
         rows = [(request, 1) for request in plan.decode] + plan.prefill
         rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
@@ -201,17 +222,32 @@ class Engine:
         return events
 
     def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling):
-        """Yield (input index, token id) as tokens are produced, until every input has finished; failed inputs raise
-        `RequestFailed` at the end. Stopping early (`break`, closing the generator) or an exception from a step
-        aborts the inputs still unfinished, so their blocks go back to the pool. Requests added otherwise
+        """Yield (input index, token id) as tokens are produced, in order per input, until every input has finished;
+        failed inputs raise `RequestFailed` at the end. Tokens that other calls' steps produce for these inputs (a
+        `generate()` inside the loop, another stream) are yielded too. Closing the stream early (`break` out of a
+        `for` loop over `engine.stream(...)` itself, or `close()` on a stream kept in a variable) or an exception
+        from a step aborts the inputs still unfinished, so their blocks go back to the pool. Requests added otherwise
         (`add_request`) share the steps and are left to their own loop."""
         request_ids = self._add_all(prompts, max_new_tokens, sampling)
         index_of = {request_id: index for index, request_id in enumerate(request_ids)}
+        yielded = [0] * len(request_ids)  # per input: tokens yielded so far
+
+        def new_tokens(indices):
+            for index in indices:
+                output = self._requests[request_ids[index]].output_ids
+                while yielded[index] < len(output):
+                    yielded[index] += 1
+                    yield index, output[yielded[index] - 1]
+
+        everyone = range(len(request_ids))
         try:
+            num_steps = self.stats.num_steps
             for events in self._steps_until_finished(request_ids):
-                for request_id, token in events:
-                    if request_id in index_of:
-                        yield index_of[request_id], token
+                # NOTE: read the counter before yielding: the caller may step the engine while this is suspended.
+                only_ours, num_steps = self.stats.num_steps == num_steps + 1, self.stats.num_steps
+                produced = dict.fromkeys(index_of[r] for r, _ in events if r in index_of) if only_ours else everyone
+                yield from new_tokens(produced)
+            yield from new_tokens(everyone)  # tokens of steps other calls ran since
         finally:
             self._abort_unfinished(request_ids)
         self._raise_failures(request_ids)
@@ -232,7 +268,8 @@ class Engine:
 
     # -------------------------------------------------------------- internals
     def _add_all(self, prompts, max_new_tokens, sampling) -> list[int]:
-        """Add every prompt, or none: a bad one (empty, bad sampling values) aborts those added before it."""
+        """Add every prompt; a bad one (empty, bad sampling values), or an interrupt, aborts those added before it
+        (their ids are used up, and they count as aborted)."""
         if isinstance(max_new_tokens, int):
             max_new_tokens = [max_new_tokens] * len(prompts)
         if len(max_new_tokens) != len(prompts):
@@ -241,7 +278,7 @@ class Engine:
         try:
             for prompt, num_new in zip(prompts, max_new_tokens):
                 request_ids.append(self.add_request(prompt, num_new, **sampling))
-        except Exception:
+        except BaseException:
             self._abort_unfinished(request_ids)
             raise
         return request_ids
@@ -257,8 +294,7 @@ class Engine:
             yield self.step()
 
     def _abort_unfinished(self, request_ids: list[int]) -> None:
-        for request_id in request_ids:
-            self.abort_request(request_id)  # a no-op for a finished one
+        self._abort([self._requests[request_id] for request_id in request_ids])
 
     def _raise_failures(self, request_ids: list[int]) -> None:
         errors = {i: self._requests[r].error for i, r in enumerate(request_ids) if self._requests[r].error}

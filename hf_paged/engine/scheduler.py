@@ -38,7 +38,9 @@ from .admission import Admission
 from .sampling import SamplingParams
 
 
-@dataclass
+# NOTE: eq=False: requests compare (and hash) by identity. A field-by-field __eq__ made every `in` and `remove` on the
+# queues build two tuples of ~20 fields per request passed, and no two requests are ever the same one.
+@dataclass(eq=False)
 class Request:
     request_id: int
     prompt_ids: list[int]
@@ -338,9 +340,10 @@ class Scheduler(Admission):
         request.finish_time = time.perf_counter()
         self.running.remove(request)
 
-    def abort(self, request: Request) -> None:
-        """Stop an unfinished `request` for good, between steps: running, its blocks go back at once (with prefix
-        caching, its computed full blocks stay cached, findable until evicted); waiting, it leaves the queue.
+    def abort(self, requests: list[Request]) -> None:
+        """Stop unfinished `requests` for good, between steps: a running one's blocks go back at once (with prefix
+        caching, its computed full blocks stay cached, findable until evicted); a waiting one leaves the queue (one
+        pass over it for all of them).
 
         NOTE: the lookahead's promise (no preemption) still holds with nothing else done. The plan counted each
         running request from its admission at its whole prompt, growing a token a step, until the latest end its
@@ -349,15 +352,20 @@ class Scheduler(Admission):
         ends no later. A request waiting for prompt blocks the aborted one was computing (`_waits_for_prefix`) finds
         them out of the next step's `computing` and computes what the cache does not hold; its plan counted its
         prompt as fresh."""
-        assert not request.finished, request.request_id
-        if request in self.running:
+        assert not any(request.finished for request in requests), [r.request_id for r in requests if r.finished]
+        leaving = set(requests)
+        for request in [r for r in self.running if r in leaving]:
             self.retire(request)
-        else:
-            assert not request.block_tables, "a waiting request holds no blocks (a preempted one gave them back)"
-            self.waiting.remove(request)
-            request.finished = True
-            request.finish_time = time.perf_counter()
-        request.aborted = True
+            leaving.discard(request)
+        if leaving:
+            # A waiting request holds no blocks: a preempted one gave them back.
+            assert not any(request.block_tables for request in leaving)
+            self.waiting = deque(r for r in self.waiting if r not in leaving)
+            now = time.perf_counter()
+            for request in leaving:
+                request.finished, request.finish_time = True, now
+        for request in requests:
+            request.aborted = True
 
     def schedule(self) -> ScheduledStep:
         # Out-of-window blocks go back first, so admission sees them free and every running request holds at most
