@@ -327,3 +327,30 @@ def test_aborting_several_waiting_requests_at_once_keeps_the_others_in_order():
     engine.scheduler.abort([engine.request(i) for i in (ids[2], ids[4], ids[1])])
     assert [r.request_id for r in engine.scheduler.waiting] == [ids[3], ids[5]]
     assert all(engine.request(i).finish_reason == "abort" for i in (ids[1], ids[2], ids[4]))
+
+
+def test_a_request_that_cannot_sample_fails_alone(monkeypatch):
+    """Sampling raises for one request (nan logits make torch.multinomial raise): that request fails with the
+    reason, its blocks go back, and the others finish as they would have."""
+    import hf_paged.engine.engine as engine_module
+
+    sample = engine_module.sample
+
+    def sample_or_fail(logits, params, generator):
+        if params.seed == 13:
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+        return sample(logits, params, generator)
+
+    monkeypatch.setattr(engine_module, "sample", sample_or_fail)
+    prompts = _prompts((5, 9, 7))
+    engine, pool = _engine()
+    ids = [engine.add_request(p, max_new_tokens=6, ignore_eos=True) for p in (prompts[0], prompts[2])]
+    bad = engine.add_request(prompts[1], max_new_tokens=6, temperature=1.0, seed=13)
+    _run(engine)
+    request = engine.request(bad)
+    assert request.finish_reason == "error" and "could not sample its next token" in request.error
+    assert request.output_ids == []
+    reference = greedy_reference("llama", [prompts[0], prompts[2]], [6, 6])
+    assert [engine.request(i).output_ids for i in ids] == reference
+    assert pool.num_used_blocks == 0
+    pool.allocator.check_invariants()

@@ -208,9 +208,14 @@ class Engine:
                 if request.params.temperature == 0.0:
                     token = greedy_ids[row]
                 else:
-                    token = sample(host_logits[row], request.params, request.generator)
+                    try:
+                        token = sample(host_logits[row], request.params, request.generator)
+                    except RuntimeError as error:  # e.g. torch.multinomial on nan or inf probabilities
+                        # This request fails alone; the others' rows of the step are applied as usual.
+                        request.error = f"request {request.request_id} could not sample its next token: {error}"
+                        continue
                 events.append(self._append(request, token))
-        for request in [r for r in self.scheduler.running if self._is_done(r)]:
+        for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
             self.scheduler.retire(request)
         stats = self.stats
         stats.num_steps += 1
