@@ -145,6 +145,22 @@ def random_prompt(length: int = 12, vocab: int = VOCAB_SIZE, seed: int = 0) -> t
     return torch.randint(1, vocab, (1, length), generator=generator)
 
 
+def random_prompts(lengths, seed: int = 0) -> list[list[int]]:
+    """One prompt per length, token ids in `[1, VOCAB_SIZE)`, drawn one after the other from one seeded generator."""
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, VOCAB_SIZE, (n,), generator=generator).tolist() for n in lengths]
+
+
+def tiny_engine(name: str = "llama", num_blocks: int = 64, **kwargs):
+    """`(Engine, BlockPool)`: the tiny `name` model on the "hf_paged" attention, a pool of `num_blocks` blocks of 4;
+    `kwargs` go to `Engine`."""
+    from hf_paged import BlockPool, Engine
+
+    model = tiny_model(name, "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4)
+    return Engine(model, pool, **kwargs), pool
+
+
 def greedy_reference(name: str, prompts: list[list[int]], new_tokens: list[int]) -> list[list[int]]:
     """Each prompt alone through `generate()` with `DynamicCache` on the sdpa `name` model: its greedy new tokens."""
     model = tiny_model(name, "sdpa")

@@ -6,20 +6,12 @@ import torch
 from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
 from hf_paged.allocator import block_hashes
 from hf_paged.engine import Request, Scheduler
-from tests.models import greedy_reference, require_triton_on_cpu, tiny_model
+from tests.models import greedy_reference, random_prompts, require_triton_on_cpu, tiny_engine, tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
 
 
-def _prompts(lengths=(5, 17, 9, 30, 3), seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (n,), generator=generator).tolist() for n in lengths]
-
-
-def _engine(name, num_blocks, **kwargs):
-    model = tiny_model(name, "hf_paged")
-    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4)
-    return Engine(model, pool, **kwargs), pool
+PROMPT_LENGTHS = (5, 17, 9, 30, 3)
 
 
 @pytest.mark.parametrize(
@@ -30,8 +22,8 @@ def _engine(name, num_blocks, **kwargs):
 )
 @pytest.mark.parametrize("name", ["llama", "mistral"])
 def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_batched_tokens, decode_reserve_tokens):
-    prompts = _prompts()
-    engine, pool = _engine(
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine(
         name,
         num_blocks,
         max_num_seqs=4,
@@ -69,8 +61,8 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
         "paged_decode_attention",
         lambda query, *a, **k: batch_sizes.append(query.shape[0]) or kernel(query, *a, **k),
     )
-    prompts = _prompts((5, 11, 3))
-    engine, pool = _engine(name, 32, max_num_seqs=3)
+    prompts = random_prompts((5, 11, 3))
+    engine, pool = tiny_engine(name, 32, max_num_seqs=3)
     new_tokens = [4, 12, 6]  # past the window of 8 for gemma3's sliding layers
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(name, prompts, new_tokens)
     assert pool.num_used_blocks == 0
@@ -78,8 +70,8 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
 
 
 def test_a_request_larger_than_the_pool_fails_alone():
-    prompts = _prompts()
-    engine, pool = _engine("llama", 9, max_num_seqs=4)  # request 3 needs 10 blocks, the pool has 9
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine("llama", 9, max_num_seqs=4)  # request 3 needs 10 blocks, the pool has 9
     with pytest.raises(RequestFailed, match="input 3: request 3 needs 10 blocks .* the pool has 9") as info:
         engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     reference = greedy_reference("llama", prompts, NEW_TOKENS)
@@ -95,24 +87,24 @@ def test_a_sliding_model_runs_in_the_blocks_it_needs_alone(name):
     needs alone (`_solo_need`: 3 blocks all-sliding, 13 full + 3 sliding for Gemma3), it is let in, computes its
     prompt in the chunks the pool holds, and gives generate()'s tokens; one block fewer and it is turned away with
     its numbers."""
-    prompts, new_tokens = _prompts((40,)), [12]
-    probe, _ = _engine(name, 64)
+    prompts, new_tokens = random_prompts((40,)), [12]
+    probe, _ = tiny_engine(name, 64)
     need = probe.scheduler._solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
     assert need == {"mistral": 3, "gemma3": 16}[name]
-    engine, pool = _engine(name, need)
+    engine, pool = tiny_engine(name, need)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         name, prompts, new_tokens
     )
     assert pool.num_used_blocks == 0 and engine.stats.num_preemptions == 0
-    engine, pool = _engine(name, need - 1)
+    engine, pool = tiny_engine(name, need - 1)
     with pytest.raises(RequestFailed, match=f"request 0 needs {need} blocks .* the pool has {need - 1}"):
         engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True)
     assert pool.num_used_blocks == 0
 
 
 def test_seeded_sampling_does_not_depend_on_the_batch():
-    prompts = _prompts((6, 9, 4))
-    engine, _ = _engine("llama", 64, max_num_seqs=4)
+    prompts = random_prompts((6, 9, 4))
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=4)
     kwargs = dict(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_k=20, top_p=0.9, seed=7)
     together = engine.generate(prompts, **kwargs)
     alone = [engine.generate([p], **kwargs)[0] for p in prompts]
@@ -125,9 +117,9 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
 def test_greedy_and_sampled_rows_share_steps_with_an_unfinished_prefill_chunk():
     """Greedy and seeded-sampled decode rows in the same steps as a 30-token prompt prefilled 8 tokens at a time (a
     chunk short of its prompt's end samples nothing): each request gets what it gets alone."""
-    prompts = _prompts((6, 9, 30))
+    prompts = random_prompts((6, 9, 30))
     settings = [{}, dict(temperature=0.9, top_k=20, seed=3), {}]
-    engine, _ = _engine("llama", 64, max_num_seqs=4, max_num_batched_tokens=8)
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=4, max_num_batched_tokens=8)
     ids = [engine.add_request(p, max_new_tokens=10, ignore_eos=True, **kw) for p, kw in zip(prompts, settings)]
     while engine.has_unfinished():
         engine.step()
@@ -137,8 +129,8 @@ def test_greedy_and_sampled_rows_share_steps_with_an_unfinished_prefill_chunk():
 
 
 def test_stop_tokens_end_a_request_and_are_kept():
-    prompts = _prompts((6,))
-    engine, _ = _engine("llama", 64)
+    prompts = random_prompts((6,))
+    engine, _ = tiny_engine("llama", 64)
     full = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)[0]
     stop = full[4]
     out = engine.generate(prompts, max_new_tokens=10, stop_token_ids=(stop,))[0]
@@ -148,8 +140,8 @@ def test_stop_tokens_end_a_request_and_are_kept():
 
 
 def test_stream_yields_every_token_in_order_per_request():
-    prompts = _prompts((5, 8))
-    engine, _ = _engine("llama", 64)
+    prompts = random_prompts((5, 8))
+    engine, _ = tiny_engine("llama", 64)
     expected = engine.generate(prompts, max_new_tokens=[6, 3], ignore_eos=True)
     streamed = [[], []]
     for index, token in engine.stream(prompts, max_new_tokens=[6, 3], ignore_eos=True):
@@ -158,8 +150,8 @@ def test_stream_yields_every_token_in_order_per_request():
 
 
 def test_serving_loop_with_add_request_and_step():
-    prompts = _prompts((5, 8))
-    engine, pool = _engine("llama", 64)
+    prompts = random_prompts((5, 8))
+    engine, pool = tiny_engine("llama", 64)
     first = engine.add_request(prompts[0], max_new_tokens=4, ignore_eos=True)
     engine.step()  # the first request is running when the second arrives
     second = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
@@ -225,8 +217,8 @@ def test_shared_system_prompt_is_computed_once_with_identical_output():
 def test_parallel_samples_of_one_prompt_compute_it_once():
     """Four requests with one prompt, admitted together: the first computes the prompt; the others wait until its
     blocks are cached and take them, instead of all four computing a copy in the same step."""
-    prompt = _prompts(lengths=(30,))[0]
-    engine, pool = _engine("llama", 64, max_num_seqs=8, enable_prefix_caching=True)
+    prompt = random_prompts((30,))[0]
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=8, enable_prefix_caching=True)
     assert engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", [prompt], [6]) * 4
     hit = (len(prompt) - 1) // 4 * 4  # 28 tokens: 7 full blocks (one token is always left to compute)
     assert engine.stats.prefix_hit_tokens == 3 * hit
@@ -240,7 +232,7 @@ def test_admission_counts_blocks_that_running_requests_share_once():
     cache by a newcomer, 6 run side by side, and still none is preempted."""
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
     new_tokens = [8] * len(prompts)
-    engine, pool = _engine("llama", 30, max_num_seqs=8, enable_prefix_caching=True)
+    engine, pool = tiny_engine("llama", 30, max_num_seqs=8, enable_prefix_caching=True)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         "llama", prompts, new_tokens
     )
@@ -256,7 +248,7 @@ def test_admission_counts_shared_blocks_once_in_the_full_group_of_a_layer_group_
     generate()'s."""
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=32)
     new_tokens = [8] * len(prompts)
-    engine, pool = _engine("gemma3", 56, max_num_seqs=8)
+    engine, pool = tiny_engine("gemma3", 56, max_num_seqs=8)
     assert pool.num_groups == 2 and pool.allocator.enable_prefix_caching
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         "gemma3", prompts, new_tokens
@@ -274,7 +266,7 @@ def test_sliding_models_run_requests_continuing_a_cached_prompt_side_by_side(nam
     4 requests at once (in 33 and 19 steps); now 5 and 8, with no preemption and generate()'s outputs."""
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=prefix_len)
     new_tokens = [8] * len(prompts)
-    engine, pool = _engine(name, num_blocks, max_num_seqs=8)
+    engine, pool = tiny_engine(name, num_blocks, max_num_seqs=8)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         name, prompts, new_tokens
     )
@@ -307,12 +299,12 @@ def test_admission_counts_a_newcomers_cached_prefix_as_held():
 
 
 def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
-    prompts = _prompts()
+    prompts = random_prompts(PROMPT_LENGTHS)
     runs = {}
     for reserve in (0, 4, None):
         # Strict arrival order: with backfill, reserve 0 admits the three short prompts before the 30-token one
         # and this pool happens to hold them without preempting.
-        engine, pool = _engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_window=1)
+        engine, pool = tiny_engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_window=1)
         assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
             "llama", prompts, NEW_TOKENS
         )
@@ -323,13 +315,13 @@ def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
     # The lookahead still runs requests side by side when their peaks fit together.
     assert runs[None].peak_running >= 2
     with pytest.raises(ValueError, match="decode_reserve_tokens must be None or >= 0, got -1"):
-        _engine("llama", 16, decode_reserve_tokens=-1)
+        tiny_engine("llama", 16, decode_reserve_tokens=-1)
 
 
 def test_lookahead_counts_blocks_freed_by_requests_that_finish_first():
     # A 4-block pool of 4-token blocks: a request of 6 prompt + 7 new tokens peaks at 12 tokens = 3 blocks. A second
     # 2-token request with 3 new tokens peaks at 4 tokens (1 block) and finishes long before the first one peaks.
-    engine, pool = _engine("llama", 4, max_num_seqs=4)
+    engine, pool = tiny_engine("llama", 4, max_num_seqs=4)
     scheduler = engine.scheduler
     engine.add_request(list(range(2, 8)), max_new_tokens=7, ignore_eos=True)
     engine.step()  # the first request is running, 2 blocks held
@@ -345,8 +337,8 @@ def test_lookahead_counts_blocks_freed_by_requests_that_finish_first():
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
 def test_every_step_is_one_forward_with_decode_rows_and_prefill_chunks_packed(name):
     # Small token budget: prompts arrive in chunks while earlier requests decode, so steps mix both kinds.
-    prompts = _prompts(lengths=(5, 17, 9, 30, 3))
-    engine, pool = _engine(name, 64, max_num_seqs=4, max_num_batched_tokens=10)
+    prompts = random_prompts((5, 17, 9, 30, 3))
+    engine, pool = tiny_engine(name, 64, max_num_seqs=4, max_num_batched_tokens=10)
     forwards, mixed = [], []
     original = engine._forward
 
@@ -370,7 +362,7 @@ def test_sliding_groups_give_back_blocks_out_of_the_window(name, group_layers):
     model = tiny_model(name, "hf_paged")
     pool = BlockPool.for_model(model, num_blocks=96, block_size=4, group_layers=group_layers)
     engine = Engine(model, pool, max_num_seqs=3)
-    prompts, new_tokens = _prompts(lengths=(5, 17, 9)), [30, 24, 40]
+    prompts, new_tokens = random_prompts((5, 17, 9)), [30, 24, 40]
     sliding = [g for g, window in enumerate(engine.scheduler.group_windows) if window is not None]
     assert len(sliding) == {"gemma3": 1 if group_layers else 0, "mistral": 1}[name]
     peak_sliding = 0
@@ -437,7 +429,7 @@ def test_a_sliding_groups_blocks_out_of_the_window_may_be_evicted_without_losing
     model = tiny_model("gemma3", "hf_paged")
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
     engine = Engine(model, pool, max_num_seqs=4)
-    prompt = _prompts(lengths=(30,))[0]
+    prompt = random_prompts((30,))[0]
     reference = greedy_reference("gemma3", [prompt], [6])
     assert engine.generate([prompt], max_new_tokens=6, ignore_eos=True) == reference
     windows = engine.scheduler.group_windows
@@ -459,8 +451,8 @@ def test_preemption_and_prefix_caching_on_a_pool_with_layer_groups():
     """Sliding + full groups, admission that keeps no room for growth: requests are preempted and recomputed, every
     output is what generate() gives, and no block leaks. What each group cached on the way serves the longest
     prompt again: 7 blocks (28 of its 30 tokens)."""
-    prompts = _prompts()
-    engine, pool = _engine("gemma3", 24, max_num_seqs=4, decode_reserve_tokens=0)
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine("gemma3", 24, max_num_seqs=4, decode_reserve_tokens=0)
     assert pool.num_groups == 2 and pool.allocator.enable_prefix_caching
     reference = greedy_reference("gemma3", prompts, NEW_TOKENS)
     assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == reference

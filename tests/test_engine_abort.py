@@ -5,21 +5,8 @@ lookahead still never preempts); Request.finish_reason says how each request end
 import random
 
 import pytest
-import torch
 
-from hf_paged import BlockPool, Engine
-from tests.models import greedy_reference, tiny_model
-
-
-def _engine(name="llama", num_blocks=64, **kwargs):
-    model = tiny_model(name, "hf_paged")
-    pool = BlockPool.for_model(model, num_blocks=num_blocks, block_size=4)
-    return Engine(model, pool, **kwargs), pool
-
-
-def _prompts(lengths, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 128, (n,), generator=generator).tolist() for n in lengths]
+from tests.models import greedy_reference, random_prompts, tiny_engine
 
 
 def _run(engine):
@@ -28,8 +15,8 @@ def _run(engine):
 
 
 def test_aborting_a_running_request_frees_its_blocks_at_once():
-    prompts = _prompts((9, 14))
-    engine, pool = _engine(enable_prefix_caching=False)
+    prompts = random_prompts((9, 14))
+    engine, pool = tiny_engine(enable_prefix_caching=False)
     first, second = (engine.add_request(p, max_new_tokens=12, ignore_eos=True) for p in prompts)
     for _ in range(4):  # both decoding
         engine.step()
@@ -49,8 +36,8 @@ def test_aborting_a_running_request_frees_its_blocks_at_once():
 
 
 def test_aborting_a_waiting_request_drops_it_from_the_queue():
-    prompts = _prompts((9, 14, 6))
-    engine, pool = _engine(max_num_seqs=1)  # one at a time: the others wait
+    prompts = random_prompts((9, 14, 6))
+    engine, pool = tiny_engine(max_num_seqs=1)  # one at a time: the others wait
     ids = [engine.add_request(p, max_new_tokens=5, ignore_eos=True) for p in prompts]
     engine.step()
     assert engine.abort_request(ids[1])
@@ -62,8 +49,8 @@ def test_aborting_a_waiting_request_drops_it_from_the_queue():
 
 
 def test_aborting_a_prompt_between_prefill_chunks():
-    prompts = _prompts((40, 7))
-    engine, pool = _engine(max_num_seqs=4, max_num_batched_tokens=8)  # the 40-token prompt takes five steps
+    prompts = random_prompts((40, 7))
+    engine, pool = tiny_engine(max_num_seqs=4, max_num_batched_tokens=8)  # the 40-token prompt takes five steps
     long_id = engine.add_request(prompts[0], max_new_tokens=4, ignore_eos=True)
     short_id = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
     engine.step()
@@ -80,8 +67,8 @@ def test_aborting_a_prompt_between_prefill_chunks():
 def test_a_request_waiting_for_an_aborted_requests_prompt_computes_it_itself():
     """Parallel samples of one prompt: the first computes the prompt, the others wait for its blocks. Aborted in
     the middle of it, the others must not wait for blocks nobody computes."""
-    prompt = _prompts((40,))[0]
-    engine, pool = _engine(max_num_seqs=4, max_num_batched_tokens=12)
+    prompt = random_prompts((40,))[0]
+    engine, pool = tiny_engine(max_num_seqs=4, max_num_batched_tokens=12)
     ids = [engine.add_request(prompt, max_new_tokens=6, ignore_eos=True) for _ in range(3)]
     engine.step()
     assert engine.request(ids[0]).num_computed > 0 and all(engine.request(i).num_computed == 0 for i in ids[1:])
@@ -99,7 +86,7 @@ def test_a_request_waiting_for_an_aborted_requests_prompt_computes_it_itself():
 
 
 def test_abort_of_a_finished_or_unknown_request():
-    engine, _ = _engine()
+    engine, _ = tiny_engine()
     with pytest.raises(ValueError, match="no request with id 0: this engine has issued no ids yet"):
         engine.abort_request(0)
     request_id = engine.add_request([5, 6, 7], max_new_tokens=2, ignore_eos=True)
@@ -118,13 +105,13 @@ def test_random_aborts_never_preempt_leak_or_change_the_others(name, seed):
     steps, a random unfinished request is aborted: waiting, between prefill chunks or decoding (each kind occurs
     over these seeds; chunks of at most 8 tokens make prompts span steps)."""
     rng = random.Random(seed)
-    system = _prompts((16,), seed=100 + seed)[0]
+    system = random_prompts((16,), seed=100 + seed)[0]
     prompts = [
-        (system if rng.random() < 0.5 else []) + _prompts((rng.randint(2, 20),), seed=seed * 100 + i)[0]
+        (system if rng.random() < 0.5 else []) + random_prompts((rng.randint(2, 20),), seed=seed * 100 + i)[0]
         for i in range(14)
     ]
     new_tokens = [rng.randint(2, 14) for _ in prompts]
-    engine, pool = _engine(name, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=8)
+    engine, pool = tiny_engine(name, num_blocks=40, max_num_seqs=6, max_num_batched_tokens=8)
     ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
     aborted = set()
     while engine.has_unfinished():
@@ -150,9 +137,9 @@ def test_random_aborts_never_preempt_leak_or_change_the_others(name, seed):
 def test_aborting_a_preempted_request_waiting_to_be_recomputed():
     """vLLM's admission (no lookahead) in a tight pool preempts; the preempted request, back in the queue with the
     tokens it generated, is aborted there."""
-    prompts = _prompts((5, 17, 9, 30, 3))
+    prompts = random_prompts((5, 17, 9, 30, 3))
     new_tokens = [8, 12, 5, 10, 7]
-    engine, pool = _engine(num_blocks=12, max_num_seqs=4, decode_reserve_tokens=0)
+    engine, pool = tiny_engine(num_blocks=12, max_num_seqs=4, decode_reserve_tokens=0)
     ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
     while engine.stats.num_preemptions == 0:
         engine.step()
@@ -169,8 +156,8 @@ def test_aborting_a_preempted_request_waiting_to_be_recomputed():
 
 
 def test_finish_reason_says_how_each_request_ended():
-    prompt = _prompts((6,))[0]
-    engine, pool = _engine(num_blocks=16)
+    prompt = random_prompts((6,))[0]
+    engine, pool = tiny_engine(num_blocks=16)
     full = engine.generate([prompt], max_new_tokens=10, ignore_eos=True)[0]
     ids = {
         "length": engine.add_request(prompt, max_new_tokens=10, ignore_eos=True),
@@ -191,8 +178,8 @@ def test_finish_reason_says_how_each_request_ended():
 
 
 def test_leaving_a_stream_early_aborts_its_unfinished_inputs():
-    prompts = _prompts((5, 9, 7))
-    engine, pool = _engine(max_num_seqs=2)  # the third input waits
+    prompts = random_prompts((5, 9, 7))
+    engine, pool = tiny_engine(max_num_seqs=2)  # the third input waits
     stream = engine.stream(prompts, max_new_tokens=6, ignore_eos=True)
     received = [next(stream) for _ in range(3)]
     stream.close()  # what `break` out of a for loop does
@@ -204,8 +191,8 @@ def test_leaving_a_stream_early_aborts_its_unfinished_inputs():
 
 
 def test_generate_leaves_no_request_behind_when_a_step_raises(monkeypatch):
-    prompts = _prompts((5, 9))
-    engine, pool = _engine()
+    prompts = random_prompts((5, 9))
+    engine, pool = tiny_engine()
     forward, calls = engine._forward, []
 
     def failing_forward(rows):
@@ -224,7 +211,7 @@ def test_generate_leaves_no_request_behind_when_a_step_raises(monkeypatch):
 
 
 def test_a_bad_prompt_adds_none_of_a_generate_calls_prompts():
-    engine, pool = _engine()
+    engine, pool = tiny_engine()
     with pytest.raises(ValueError, match="at least one prompt token"):
         engine.generate([[1, 2, 3], []], max_new_tokens=4)
     assert not engine.has_unfinished()
@@ -232,8 +219,8 @@ def test_a_bad_prompt_adds_none_of_a_generate_calls_prompts():
 
 def test_generate_returns_when_its_own_requests_finish():
     """A request added for a serving loop shares generate()'s steps but does not keep generate() running."""
-    prompts = _prompts((5, 9))
-    engine, pool = _engine()
+    prompts = random_prompts((5, 9))
+    engine, pool = tiny_engine()
     other = engine.add_request(prompts[1], max_new_tokens=30, ignore_eos=True)
     expected = greedy_reference("llama", prompts[:1], [3])
     assert engine.generate(prompts[:1], max_new_tokens=3, ignore_eos=True) == expected
@@ -246,9 +233,9 @@ def test_generate_returns_when_its_own_requests_finish():
 def test_a_stream_yields_its_tokens_from_steps_other_calls_run():
     """A generate() inside the stream's loop, and two streams advanced in turn, step the engine for each other's
     inputs too: every token still comes out of its own stream, in order."""
-    prompts = _prompts((5, 9, 7))
+    prompts = random_prompts((5, 9, 7))
     reference = greedy_reference("llama", prompts, [8, 8, 8])
-    engine, pool = _engine()
+    engine, pool = tiny_engine()
     streamed = [[], []]
     for index, token in engine.stream(prompts[:2], max_new_tokens=8, ignore_eos=True):
         streamed[index].append(token)
@@ -270,8 +257,8 @@ def test_a_stream_yields_its_tokens_from_steps_other_calls_run():
 
 
 def test_a_stream_kept_in_a_variable_aborts_on_close():
-    prompts = _prompts((5, 9))
-    engine, pool = _engine()
+    prompts = random_prompts((5, 9))
+    engine, pool = tiny_engine()
     stream = engine.stream(prompts, max_new_tokens=6, ignore_eos=True)
     for _ in stream:
         break  # the stream lives on in `stream`: its inputs are paused, not aborted
@@ -282,8 +269,8 @@ def test_a_stream_kept_in_a_variable_aborts_on_close():
 
 def test_an_abort_during_a_step_takes_effect_when_the_step_ends(monkeypatch):
     """A stream the garbage collector closes while a forward runs aborts its inputs from inside the step."""
-    prompts = _prompts((5, 9))
-    engine, pool = _engine()
+    prompts = random_prompts((5, 9))
+    engine, pool = tiny_engine()
     first, second = (engine.add_request(p, max_new_tokens=6, ignore_eos=True) for p in prompts)
     engine.step()
     forward = engine._forward
@@ -305,7 +292,7 @@ def test_an_abort_during_a_step_takes_effect_when_the_step_ends(monkeypatch):
 
 
 def test_an_interrupt_while_adding_prompts_leaves_none_queued(monkeypatch):
-    engine, _ = _engine()
+    engine, _ = tiny_engine()
     add_request, calls = engine.add_request, []
 
     def interrupted(*args, **kwargs):
@@ -316,12 +303,12 @@ def test_an_interrupt_while_adding_prompts_leaves_none_queued(monkeypatch):
 
     monkeypatch.setattr(engine, "add_request", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        engine.generate(_prompts((5, 9, 7)), max_new_tokens=4)
+        engine.generate(random_prompts((5, 9, 7)), max_new_tokens=4)
     assert not engine.has_unfinished() and engine.stats.num_aborted == 2
 
 
 def test_aborting_several_waiting_requests_at_once_keeps_the_others_in_order():
-    engine, _ = _engine(max_num_seqs=1)
+    engine, _ = tiny_engine(max_num_seqs=1)
     ids = [engine.add_request([3, 4, 5 + i], max_new_tokens=2, ignore_eos=True) for i in range(6)]
     engine.step()  # the first runs, the others wait
     engine.scheduler.abort([engine.request(i) for i in (ids[2], ids[4], ids[1])])
@@ -342,8 +329,8 @@ def test_a_request_that_cannot_sample_fails_alone(monkeypatch):
         return sample(logits, params, generator)
 
     monkeypatch.setattr(engine_module, "sample", sample_or_fail)
-    prompts = _prompts((5, 9, 7))
-    engine, pool = _engine()
+    prompts = random_prompts((5, 9, 7))
+    engine, pool = tiny_engine()
     ids = [engine.add_request(p, max_new_tokens=6, ignore_eos=True) for p in (prompts[0], prompts[2])]
     bad = engine.add_request(prompts[1], max_new_tokens=6, temperature=1.0, seed=13)
     _run(engine)
