@@ -1,7 +1,7 @@
 """Decode attention over a paged KV pool: the Triton kernel vs. gather + SDPA vs. SDPA on contiguous K/V.
 
 For every (batch, context) cell, one new token per sequence attends to `context` cached tokens:
-  (a) paged:         `hf_paged.kernels.paged_decode_attention` reading the block pool through block tables;
+  (a) paged:         `hf_paged.attention.kernels.paged_decode_attention` reading the block pool through block tables;
   (b) gather+sdpa:   copy each sequence's K/V out of the pool into contiguous tensors (the block-table gather),
                      then `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
   (c) sdpa-contig:   SDPA on K/V that are already contiguous (what a non-paged cache would do; the bound to beat).
@@ -28,7 +28,7 @@ import time
 import torch
 from tabulate import tabulate
 
-from hf_paged.kernels import gather_kv, paged_decode_attention, resolve_backend
+from hf_paged.attention.kernels import gather_kv, paged_decode_attention, resolve_backend
 
 # Peak HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name(); the first row whose words all occur
 # in the name wins, so the more specific rows come first.
@@ -152,7 +152,7 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
     backend = resolve_backend(args.backend, device)
     rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
     if backend == "triton":
-        from hf_paged.kernels.triton_decode import choose_num_splits
+        from hf_paged.attention.kernels.triton_decode import choose_num_splits
 
         rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, blocks_per_seq * args.block_size, device)
     paged_out = out.float()

@@ -13,9 +13,9 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged import KVLayout
-from hf_paged.allocator import first_window_block
-from hf_paged.layer_groups import group_windows
-from hf_paged.paged_layer import sliding_windows
+from hf_paged.storage import first_window_block
+from hf_paged.storage import group_windows
+from hf_paged.storage import sliding_windows
 
 from .workloads import Workload
 

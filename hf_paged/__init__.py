@@ -1,21 +1,20 @@
 """hf_paged: a paged KV cache for Hugging Face transformers."""
 
-from .allocator import BlockAllocator
-from .attention import enable, paged_attention_forward, register
-from .cache import PAGED_ATTENTION, DecodePlan, PagedCache, PagedLayer
-from .engine import Engine, RequestFailed, SamplingParams
-from .errors import PoolExhausted, PoolMismatch
-from .pool import BlockPool, KVLayout
-from .registry import (
+from .attention import PAGED_ATTENTION, DecodePlan, enable, paged_attention_forward, register
+from .cache import PagedCache, PagedLayer
+from .engine import Engine, SamplingParams
+from .errors import (
     BackendOptionError,
     DuplicateBackend,
     PluginLoadError,
     PluginLoadWarning,
+    PoolExhausted,
+    PoolMismatch,
+    RequestFailed,
     UnknownBackend,
-    available_backends,
-    create_cache,
-    hookimpl,
 )
+from .registry import available_backends, create_cache, hookimpl
+from .storage import BlockAllocator, BlockPool, KVLayout
 
 # Registers the "hf_paged" attention and mask functions with transformers (a documented global registry), so
 # from_pretrained(..., attn_implementation="hf_paged") works after `import hf_paged`.

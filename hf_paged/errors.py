@@ -1,4 +1,4 @@
-"""Typed errors that a user of hf_paged can hit. No torch import: the allocator raises these too."""
+"""Every error and warning a user of hf_paged can hit, in one place. No torch import: the allocator raises these too."""
 
 
 class PoolExhausted(RuntimeError):
@@ -11,3 +11,37 @@ class PoolExhausted(RuntimeError):
 
 class PoolMismatch(ValueError):
     """A pool was built for another model shape, dtype or device than the one it is used with."""
+
+
+class UnknownBackend(KeyError):
+    """No backend has this name. The message lists the available names and any plugins that failed to load."""
+
+    def __str__(self) -> str:  # KeyError would repr-quote the message
+        return str(self.args[0])
+
+
+class BackendOptionError(TypeError):
+    """`create_cache` got an option the backend's factory does not accept, or lacks a required one."""
+
+
+class DuplicateBackend(ValueError):
+    """Two plugins register the same backend name."""
+
+
+class PluginLoadError(RuntimeError):
+    """A plugin failed to import or to register its backends (raised in strict mode; a warning otherwise)."""
+
+
+class PluginLoadWarning(UserWarning):
+    """A plugin failed to load and was skipped; the other backends keep working."""
+
+
+class RequestFailed(RuntimeError):
+    """Some requests could not run (e.g. larger than the whole pool); the others finished.
+
+    `errors` maps input index -> message; `outputs` holds every input's tokens (empty for a failed one).
+    """
+
+    def __init__(self, errors: dict[int, str], outputs: list[list[int]]):
+        self.errors, self.outputs = errors, outputs
+        super().__init__("; ".join(f"input {index}: {message}" for index, message in errors.items()))

@@ -38,6 +38,8 @@ import pluggy
 import torch
 from transformers import Cache, PreTrainedConfig
 
+from .errors import BackendOptionError, DuplicateBackend, PluginLoadError, PluginLoadWarning, UnknownBackend
+
 PROJECT_NAME = "hf_paged"
 ENTRY_POINT_GROUP = "hf_paged"
 BUILTIN_PACKAGE = "hf_paged_plugins"
@@ -61,31 +63,6 @@ class HookSpecs:
         """
 
 
-# ----------------------------------------------------------------------------------------------------------- errors
-class UnknownBackend(KeyError):
-    """No backend has this name. The message lists the available names and any plugins that failed to load."""
-
-    def __str__(self) -> str:  # KeyError would repr-quote the message
-        return str(self.args[0])
-
-
-class BackendOptionError(TypeError):
-    """`create_cache` got an option the backend's factory does not accept, or lacks a required one."""
-
-
-class DuplicateBackend(ValueError):
-    """Two plugins register the same backend name."""
-
-
-class PluginLoadError(RuntimeError):
-    """A plugin failed to import or to register its backends (raised in strict mode; a warning otherwise)."""
-
-
-class PluginLoadWarning(UserWarning):
-    """A plugin failed to load and was skipped; the other backends keep working."""
-
-
-# --------------------------------------------------------------------------------------------------------- registry
 @dataclass(frozen=True)
 class Backend:
     name: str

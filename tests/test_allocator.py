@@ -1,10 +1,11 @@
 """BlockAllocator: exact block ids, ref counts, copy-on-write, exhaustion. No torch needed."""
 
+import os
 import sys
 
 import pytest
 
-from hf_paged.allocator import BlockAllocator
+from hf_paged.storage import BlockAllocator
 from hf_paged.errors import PoolExhausted
 
 
@@ -12,12 +13,16 @@ def test_allocator_module_imports_no_torch():
     # The allocator is pure Python by design; importing it must not pull torch in.
     import subprocess
 
-    code = "import sys, importlib.util; sys.modules['torch'] = None; import hf_paged.allocator"
-    # hf_paged/__init__ imports torch, so load the module file directly.
+    import hf_paged.storage.allocator
+
+    # hf_paged/__init__ and hf_paged/storage/__init__ import torch, so stand in empty packages for them.
+    storage_dir = os.path.dirname(hf_paged.storage.allocator.__file__)
     code = (
-        "import sys, importlib.util, types; sys.modules['torch'] = None\n"
-        "pkg = types.ModuleType('hf_paged'); pkg.__path__ = [__import__('os').path.dirname(%r)]; sys.modules['hf_paged'] = pkg\n"
-        "import hf_paged.allocator\n" % (sys.modules["hf_paged.allocator"].__file__,)
+        "import sys, types; sys.modules['torch'] = None\n"
+        f"pkg = types.ModuleType('hf_paged'); pkg.__path__ = [{os.path.dirname(storage_dir)!r}]\n"
+        f"storage = types.ModuleType('hf_paged.storage'); storage.__path__ = [{storage_dir!r}]\n"
+        "sys.modules['hf_paged'], sys.modules['hf_paged.storage'] = pkg, storage\n"
+        "import hf_paged.storage.allocator\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 

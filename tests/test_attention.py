@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 import hf_paged
 from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
+from hf_paged.attention import plan_of
 from tests.models import left_padded_batch, random_prompt, require_triton_on_cpu, tiny_model
 
 MAX_NEW_TOKENS = 6  # mistral's window is 8: prompts of 12 already slide, and its blocks get released
@@ -42,13 +43,13 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
         require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
     kernel_calls = []
-    kernel = hf_paged.attention.paged_decode_attention
+    kernel = hf_paged.attention.decode_plan.paged_decode_attention
     monkeypatch.setattr(
-        hf_paged.attention, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
+        hf_paged.attention.decode_plan, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
     )
     store_calls = []
-    store = hf_paged.cache.store_kv
-    monkeypatch.setattr(hf_paged.cache, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k))
+    store = hf_paged.attention.kernels.dispatch.store_kv
+    monkeypatch.setattr(hf_paged.attention.kernels.dispatch, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k))
     reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
     model = tiny_model(name, PAGED_ATTENTION)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
@@ -78,11 +79,11 @@ def test_decode_step_returns_a_plan_instead_of_gathered_kv():
     prefill = torch.randn(2, num_kv_heads, 5, head_dim)
     keys, _ = cache.update(prefill, prefill, 0)
     assert keys.shape == (2, num_kv_heads, 5, head_dim)  # prefill: gathered K/V for SDPA
-    assert getattr(keys, "decode_plan", None) is None
+    assert plan_of(keys) is None
     step = torch.randn(2, num_kv_heads, 1, head_dim)
     keys, _ = cache.update(step, step, 0)
     assert keys.shape == (2, num_kv_heads, 0, head_dim)
-    plan = keys.decode_plan
+    plan = plan_of(keys)
     assert plan.seq_lens.tolist() == [6, 6] and plan.block_tables.dtype == torch.int32
     gathered, _ = plan.gather()
     assert torch.equal(gathered[:, :, :5], prefill) and torch.equal(gathered[:, :, 5:], step)
@@ -98,7 +99,7 @@ def test_kv_start_reads_left_padding_and_refuses_holes():
     states = torch.randn(2, 2, 4, 16)
     cache.update(states, states, 0)
     keys, _ = cache.update(states[:, :, :1], states[:, :, :1], 0)
-    plan = keys.decode_plan
+    plan = plan_of(keys)
     padded = torch.tensor([[False, False, True, True, True], [True] * 5])[:, None, None, :]
     assert plan.kv_start(padded).tolist() == [2, 0]
     assert plan.kv_start(None).tolist() == [0, 0]

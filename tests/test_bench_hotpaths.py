@@ -13,6 +13,7 @@ from bench.linear import weight_major_linear
 from bench.models import load_model
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache
 from hf_paged.engine import Request, SamplingParams, Scheduler, StepCache
+from hf_paged.attention import plan_of
 from tests.models import gemma3_config
 
 
@@ -93,7 +94,7 @@ def test_engine_step_cache(benchmark, layer_types):
             keys, _ = cache.update(states, states, layer_idx)
         return keys
 
-    plan = benchmark(step).step_plan
+    plan = plan_of(benchmark(step))
     assert plan.cache.num_decode == 16 and plan.layer_idx == len(layer_types) - 1  # the step's last layer
     # the last layer stored decode row 15's token at its position 300 + 7 * 15 of its own table
     layer, table = len(layer_types) - 1, tables[pool.group_of_layer[len(layer_types) - 1]][15]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.kernels import paged_decode_attention_torch, store_kv_torch
+from hf_paged.attention.kernels import paged_decode_attention_torch, store_kv_torch
 
 pytest.importorskip("pytest_benchmark")
 

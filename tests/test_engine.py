@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
-from hf_paged.allocator import block_hashes
+from hf_paged.storage import block_hashes
 from hf_paged.engine import Request, Scheduler
 from tests.models import greedy_reference, random_prompts, require_triton_on_cpu, tiny_engine, tiny_model
 
@@ -55,9 +55,9 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
     require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
     batch_sizes = []
-    kernel = hf_paged.attention.paged_decode_attention
+    kernel = hf_paged.attention.decode_plan.paged_decode_attention
     monkeypatch.setattr(
-        hf_paged.attention,
+        hf_paged.attention.decode_plan,
         "paged_decode_attention",
         lambda query, *a, **k: batch_sizes.append(query.shape[0]) or kernel(query, *a, **k),
     )

@@ -12,8 +12,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import hf_paged.attention
-import hf_paged.cache
+import hf_paged.attention.decode_plan
+import hf_paged.attention.kernels.dispatch
 from hf_paged import PAGED_ATTENTION, BlockPool, Engine, PagedCache
 from tests.models import random_prompt, tiny_model
 
@@ -47,7 +47,7 @@ def _sdpa_reference(name: str, prompts: list[list[int]], new_tokens: list[int], 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "mistral"])
 def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(name, monkeypatch):
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)  # "auto": Triton on CUDA
-    decode_calls = _count_calls(monkeypatch, hf_paged.attention, "paged_decode_attention")
+    decode_calls = _count_calls(monkeypatch, hf_paged.attention.decode_plan, "paged_decode_attention")
     prompt = random_prompt(12)[0].tolist()
     (reference,) = _sdpa_reference(name, [prompt], [NEW_TOKENS], "cuda")
     model = tiny_model(name, PAGED_ATTENTION, device="cuda")
@@ -65,7 +65,7 @@ def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(n
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
 def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
-    decode_calls = _count_calls(monkeypatch, hf_paged.attention, "paged_decode_attention")
+    decode_calls = _count_calls(monkeypatch, hf_paged.attention.decode_plan, "paged_decode_attention")
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 40, 17, 3)]
     new_tokens = [12, 6, 20, 9]
@@ -83,7 +83,7 @@ def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
     """A model on cuda:1 from a process whose current device is cuda:0: Triton launches on the current device
     unless told otherwise, which would hand it another GPU's pointers."""
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
-    store_calls = _count_calls(monkeypatch, hf_paged.cache, "store_kv")
+    store_calls = _count_calls(monkeypatch, hf_paged.attention.kernels.dispatch, "store_kv")
     assert torch.cuda.current_device() == 0
     prompts = [random_prompt(9)[0].tolist(), random_prompt(20, seed=1)[0].tolist()]
     model = tiny_model("llama", PAGED_ATTENTION, device="cuda:1")

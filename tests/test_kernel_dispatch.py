@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from hf_paged.kernels import paged_decode_attention, resolve_backend
+from hf_paged.attention.kernels import paged_decode_attention, resolve_backend
 from tests.test_kernels import CAN_RUN_TRITON, HAS_TRITON, make_batch
 
 
@@ -32,7 +32,7 @@ def test_backend_argument_and_env_var(monkeypatch):
 
 
 def test_store_backend_is_resolved_like_the_kernels(monkeypatch):
-    from hf_paged.cache import store_backend, store_kv_rows
+    from hf_paged.attention import store_backend, store_kv_rows
 
     cpu = torch.device("cpu")
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
@@ -60,7 +60,7 @@ def test_backend_bad_values(monkeypatch):
 
 
 def test_backend_triton_not_installed(monkeypatch):
-    import hf_paged.kernels.dispatch as dispatch
+    import hf_paged.attention.kernels.dispatch as dispatch
 
     monkeypatch.setattr(dispatch, "triton_installed", lambda: False)
     assert resolve_backend("auto", torch.device("cuda")) == "torch"
@@ -71,8 +71,8 @@ def test_backend_triton_not_installed(monkeypatch):
 def test_dispatch_calls_the_chosen_backend(monkeypatch):
     if not CAN_RUN_TRITON:
         pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
-    import hf_paged.kernels.dispatch as dispatch
-    import hf_paged.kernels.triton_decode as triton_decode
+    import hf_paged.attention.kernels.dispatch as dispatch
+    import hf_paged.attention.kernels.triton_decode as triton_decode
 
     calls = []
     monkeypatch.setattr(dispatch, "paged_decode_attention_torch", lambda *a, **k: calls.append("torch"))
@@ -90,7 +90,7 @@ COMPILE_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from hf_paged.kernels import triton_decode, triton_store
+from hf_paged.attention.kernels import triton_decode, triton_store
 
 def compile(fn, arch, ptr_types, constexprs, **options):
     signature = {}

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-import hf_paged.kernels as kernels
-from hf_paged.kernels import gather_kv, paged_decode_attention, store_kv
+import hf_paged.attention.kernels as kernels
+from hf_paged.attention.kernels import gather_kv, paged_decode_attention, store_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -224,7 +224,7 @@ def test_split_counts_are_powers_of_two_so_few_variants_compile(monkeypatch):
     SPLIT_COUNTS (at most 7 variants), 1 once the grid fills the GPU, and every chunk keeps >= 512 tokens."""
     if not HAS_TRITON:
         pytest.skip("triton not installed")
-    from hf_paged.kernels import triton_decode
+    from hf_paged.attention.kernels import triton_decode
 
     monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # an H100/H200
     seen = set()

@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM
 
 from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache, PoolExhausted
-from hf_paged.layer_groups import derive_layer_groups
+from hf_paged.storage import derive_layer_groups
 from bench.cache_report import dynamic_cache_bytes
 from tests.models import (
     SLIDING_WINDOW,

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from hf_paged import BlockPool, PagedCache, PoolExhausted
-from hf_paged.allocator import block_hashes
+from hf_paged.storage import block_hashes
 from tests.prefix_kv import LAYOUT, NUM_LAYERS, read_blocks, rows_kv, token_kv
 from tests.test_cache_properties import check_holders, machine_settings, release_all
 

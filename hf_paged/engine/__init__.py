@@ -1,6 +1,7 @@
 """Continuous batching on one BlockPool: scheduler, per-step cache views, sampling and the Engine."""
 
-from .engine import Engine, EngineStats, RequestFailed
+from ..errors import RequestFailed
+from .engine import Engine, EngineStats
 from .sampling import SamplingParams
 from .scheduler import Request, Scheduler
 from .step_cache import StepCache

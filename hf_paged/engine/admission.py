@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from ..allocator import first_window_block
+from ..storage import first_window_block
 from .lookahead import Growth, Lookahead
 
 if TYPE_CHECKING:

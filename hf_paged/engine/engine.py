@@ -19,22 +19,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import enable
-from ..paged_layer import sliding_windows
-from ..pool import BlockPool, KVLayout
+from ..errors import RequestFailed
+from ..storage import BlockPool, KVLayout, sliding_windows
 from .sampling import SamplingParams, sample
 from .scheduler import Request, Scheduler
 from .step_cache import StepCache
-
-
-class RequestFailed(RuntimeError):
-    """Some requests could not run (e.g. larger than the whole pool); the others finished.
-
-    `errors` maps input index -> message; `outputs` holds every input's tokens (empty for a failed one).
-    """
-
-    def __init__(self, errors: dict[int, str], outputs: list[list[int]]):
-        self.errors, self.outputs = errors, outputs
-        super().__init__("; ".join(f"input {index}: {message}" for index, message in errors.items()))
 
 
 @dataclass

@@ -31,9 +31,7 @@ from typing import NamedTuple
 
 import torch
 
-from ..allocator import first_window_block, hash_block_tokens
-from ..layer_groups import group_windows
-from ..pool import BlockPool
+from ..storage import BlockPool, first_window_block, group_windows, hash_block_tokens
 from .admission import Admission
 from .sampling import SamplingParams
 

@@ -31,12 +31,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention import BACKEND_ATTR, paged_attention_forward
-from ..block_tables import head_major_index
-from ..cache import DecodePlan, store_backend, store_kv_rows
-from ..decode_plan import length_mask
-from ..kernels.dispatch import resolve_backend
-from ..pool import BlockPool
+from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
+from ..cache.block_tables import head_major_index
+from ..storage import BlockPool
 
 
 class _StepLayer(CacheLayerMixin):
@@ -78,11 +75,13 @@ class StepPlan:
         self,
         module: torch.nn.Module,
         query: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
         *,
         sliding_window: int | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None)."""
+        """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None). `attention_mask` is
+        ignored: each row's keys are described by its lengths, and each prefill chunk builds its own causal mask."""
         cache = self.cache
         num_decode = cache.num_decode
         decoded = None
@@ -245,8 +244,7 @@ class StepCache(Cache):
             backend=self._store_backend,
         )
         _, num_heads, _, head_dim = key_states.shape
-        placeholder = key_states.new_empty(1, num_heads, 0, head_dim)
-        placeholder.step_plan = StepPlan(self, layer_idx)
+        placeholder = attach_plan(key_states.new_empty(1, num_heads, 0, head_dim), StepPlan(self, layer_idx))
         return placeholder, placeholder
 
     def attend_decode(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, **kwargs) -> torch.Tensor:
@@ -259,7 +257,7 @@ class StepCache(Cache):
         "auto", resolved for the query's device.
         """
         group = self._groups[self.pool.group_of_layer[layer_idx]]
-        if resolve_backend(getattr(module, BACKEND_ATTR, None), query.device) == "torch":
+        if module_backend(module, query.device) == "torch":
             key, value = self._gather(layer_idx, 0, self.num_decode)
             mask = length_mask(
                 group.seq_lens[: self.num_decode], kwargs.get("sliding_window"), group.length_masks,
@@ -269,8 +267,7 @@ class StepCache(Cache):
         pool = self.pool
         if group.decode_tables is None:
             group.decode_tables = group.tables[: self.num_decode].to(torch.int32)
-        placeholder = query.new_empty(self.num_decode, pool.layout.num_kv_heads[layer_idx], 0, query.shape[-1])
-        placeholder.decode_plan = DecodePlan(
+        plan = DecodePlan(
             key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
             value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
             block_tables=group.decode_tables,
@@ -281,7 +278,7 @@ class StepCache(Cache):
             ragged=True,
             length_masks=group.length_masks,
         )
-        return paged_attention_forward(module, query, placeholder, placeholder, None, **kwargs)[0]
+        return plan.attend(module, query, None, **kwargs)[0]
 
     def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s held keys and values, cached and new: two [1, kv_heads, keys, head_dim] tensors, from

@@ -9,15 +9,11 @@ from __future__ import annotations
 import weakref
 from typing import TYPE_CHECKING
 
-from transformers.cache_utils import CacheLayerMixin, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 if TYPE_CHECKING:
     import torch
 
-    from .cache import PagedCache
-
-SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES)
 
 
 class PagedLayer(CacheLayerMixin):
@@ -30,7 +26,7 @@ class PagedLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = True
 
-    def __init__(self, cache: PagedCache, layer_idx: int, sliding_window: int | None = None):
+    def __init__(self, cache: Cache, layer_idx: int, sliding_window: int | None = None):
         super().__init__()
         # A weak reference: the cache owns its layers, and a cycle would delay the finalizer that frees blocks.
         self._cache = weakref.proxy(cache)
@@ -85,18 +81,3 @@ class PagedLayer(CacheLayerMixin):
         raise NotImplementedError("PagedCache layers cannot be offloaded: their K/V live in the shared BlockPool")
 
     prefetch = offload
-
-
-def sliding_windows(config) -> list[int | None]:
-    """Per layer: its sliding window (an int) or None for full attention. Raises for layer types PagedCache cannot
-    store (linear attention, convolution states, shared K/V), naming the supported ones."""
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
-    if unsupported:
-        raise NotImplementedError(
-            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}"
-        )
-    return [
-        kwargs["sliding_window"] if layer_type in SLIDING_LAYER_TYPES else None
-        for layer_type, kwargs in zip(layer_types, layer_kwargs)
-    ]

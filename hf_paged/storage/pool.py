@@ -23,69 +23,13 @@ that slot, and a block is `num_slots` layers' worth of bytes.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from accelerate.utils import convert_file_size_to_int
-from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ..errors import PoolMismatch
 from .allocator import BlockAllocator
-from .errors import PoolMismatch
-from .layer_groups import LayerGroups, derive_layer_groups, group_of_layer, slot_of_layer
-
-
-@dataclass(frozen=True)
-class KVLayout:
-    """Per-layer K/V shapes of one model: what a pool must hold for it.
-
-    `layer_types` (one transformers layer type per layer, such as "full_attention" or "sliding_attention"; all
-    "full_attention" when not given) only decides how a pool groups layers (`layer_groups`).
-
-    NOTE: `layer_types` is left out of equality. Two layouts are equal when they store the same shapes, and any
-    grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per group of its
-    pool and releases a group's blocks only when every layer of that group slides (by the cache's own config).
-    """
-
-    num_kv_heads: tuple[int, ...]
-    head_dims: tuple[int, ...]
-    layer_types: tuple[str, ...] | None = field(default=None, compare=False)
-
-    def __post_init__(self):
-        if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
-            raise ValueError(f"num_kv_heads and head_dims need one entry per layer, got {self} ")
-        if min(self.num_kv_heads) <= 0 or min(self.head_dims) <= 0:
-            raise ValueError(f"num_kv_heads and head_dims must be positive, got {self}")
-        layer_types = ("full_attention",) * self.num_layers if self.layer_types is None else tuple(self.layer_types)
-        if len(layer_types) != self.num_layers:
-            raise ValueError(f"layer_types needs one entry per layer ({self.num_layers}), got {len(layer_types)}")
-        object.__setattr__(self, "layer_types", layer_types)
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.num_kv_heads)
-
-    def layer_groups(self) -> LayerGroups:
-        """The layer groups a pool of this layout uses (see layer_groups.py): one group unless types mix."""
-        return derive_layer_groups(self.layer_types, list(zip(self.num_kv_heads, self.head_dims)))
-
-    @classmethod
-    def from_config(cls, config) -> KVLayout:
-        """Read the decoder's layer count, kv heads and head_dim from a transformers config (or a model)."""
-        config = getattr(config, "config", config)  # a model: use its config
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config(decoder=True)
-        num_layers = config.num_hidden_layers
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        layer_types, _ = get_layer_types_and_kwargs(config)
-        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, tuple(layer_types))
-
-    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what
-        DynamicCache pays per `block_size` tokens of a full-attention model)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * itemsize * sum(h * d for h, d in zip(self.num_kv_heads, self.head_dims))
+from .layer_groups import LayerGroups, group_of_layer, slot_of_layer
+from .layout import KVLayout
 
 
 def parse_memory(max_memory: int | str) -> int:

@@ -28,8 +28,7 @@ from collections import Counter
 
 import torch
 
-from .allocator import block_hashes
-from .pool import BlockPool
+from ..storage import BlockPool, block_hashes
 
 
 class BlockTables:

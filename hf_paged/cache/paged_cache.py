@@ -6,7 +6,7 @@ gathered from the pool instead of kept contiguous. What changes is storage: bloc
 tokens at a time from a pool that many caches can share, rows that hold the same prefix share its blocks by
 reference count, and beam search reorders block tables instead of copying K/V.
 
-Layer groups (layer_groups.py): the cache keeps one `BlockTables` per layer group of its pool, and layer `l` uses
+Layer groups (storage/layer_groups.py): the cache keeps one `BlockTables` per layer group of its pool, and layer `l` uses
 its group's tables. A group whose layers all slide gives back the blocks that left the window at the start of each
 step; a group with a full-attention layer keeps every block. Mistral (all sliding) is one sliding group; Gemma2/3
 get sliding groups and full groups, so a long generation holds about what DynamicCache holds.
@@ -14,24 +14,17 @@ get sliding groups and full groups, so a long generation holds about what Dynami
 
 from __future__ import annotations
 
-import os
 import weakref
 
 import torch
 from transformers.cache_utils import Cache
 
-from .allocator import block_hashes
-from .group_tables import GroupTables
-from .layer_groups import group_windows
-from .decode_plan import PAGED_ATTENTION, DecodePlan
-from .errors import PoolExhausted
+from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_kv_rows
+from ..errors import PoolExhausted
+from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
 from .gather import GatherWorkspace
-from .kernels import store_kv
-from .kernels.dispatch import BACKEND_ENV_VAR, resolve_backend
-from .paged_layer import PagedLayer, sliding_windows
-from .pool import BlockPool, KVLayout
-
-__all__ = ["PAGED_ATTENTION", "DecodePlan", "PagedCache", "PagedLayer", "store_backend", "store_kv_rows"]
+from .group_tables import GroupTables
+from .layer import PagedLayer
 
 
 class PagedCache(Cache):
@@ -275,8 +268,7 @@ class PagedCache(Cache):
             _kv_starts=step["kv_starts"],
         )
         batch_size, num_heads, _, head_dim = key_states.shape
-        placeholder = key_states.new_empty(batch_size, num_heads, 0, head_dim)
-        placeholder.decode_plan = plan
+        placeholder = attach_plan(key_states.new_empty(batch_size, num_heads, 0, head_dim), plan)
         return placeholder, placeholder
 
     # ------------------------------------------------------------- lifecycle
@@ -422,32 +414,3 @@ def _token_rows(token_ids) -> list[list[int]]:
     """[S] or [B, S] ids (tensor or nested lists) -> B lists of ints."""
     rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
     return [list(rows)] if not rows or not isinstance(rows[0], (list, tuple)) else [list(row) for row in rows]
-
-
-def store_backend(device: torch.device) -> str:
-    """Where `store_kv_rows` runs the Triton store kernel ("triton": CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under
-    TRITON_INTERPRET=1), else "torch". Callers storing every layer of a step may resolve it once and pass it on."""
-    if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
-        return resolve_backend(None, device)
-    return "torch"
-
-
-def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None) -> None:
-    """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
-
-    The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
-    TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
-    `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now).
-    """
-    if backend not in (None, "triton", "torch"):
-        raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
-    num_heads, _, _, head_dim = key_cache.shape
-    if (backend or store_backend(key_cache.device)) == "triton":
-        key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
-        value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
-        store_kv(key_rows, value_rows, BlockPool.nhd_view(key_cache), BlockPool.nhd_view(value_cache), slots,
-                 backend="triton")
-        return
-    for cache, states in ((key_cache, key_states), (value_cache, value_states)):
-        new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]
-        cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)

@@ -1,9 +1,10 @@
 """DecodePlan: what one decode step's attention needs to read a layer's K/V straight from the pool.
 
-`PagedCache.update` returns it attached to an empty placeholder tensor when the model runs the `hf_paged` attention
-implementation (attention.py); the engine's `StepCache` builds one for its decode rows on the Triton path only
-(`StepCache.attend_decode`). Block tables and lengths are built once per step (per layer group) and shared by the
-step's layers.
+`PagedCache.update` returns it attached to an empty placeholder tensor (see plan.py) when the model runs the
+`hf_paged` attention implementation; the engine's step cache builds one for its decode rows on the Triton path.
+Block tables and lengths are built once per step (per layer group) and shared by the step's layers. `attend` runs
+- the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or
+- one gather of the K/V and SDPA (backend "torch"; "auto" elsewhere), bit-identical to plain sdpa.
 """
 
 from __future__ import annotations
@@ -12,18 +13,19 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-# The attention implementation name hf_paged registers (see attention.py). "paged" is transformers' own.
-PAGED_ATTENTION = "hf_paged"
+from .kernels import paged_decode_attention
+from .plan import module_backend
 
 
 @dataclass
 class DecodePlan:
     """What a decode step's attention needs to read one layer's K/V from the pool without gathering it.
 
-    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`key.decode_plan`)
-    when the model runs the `hf_paged` attention implementation. `block_tables`, `seq_lens` and the kv_start memo
-    are built once per step and shared by every layer.
+    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`attach_plan`) when
+    the model runs the `hf_paged` attention implementation. `block_tables`, `seq_lens` and the kv_start memo are
+    built once per step and shared by every layer.
     """
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
@@ -38,6 +40,43 @@ class DecodePlan:
     ragged: bool = False
     length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
+        backend = module_backend(module, query.device)
+        kv_start = self.kv_start(attention_mask) if backend == "triton" else None
+        if backend == "torch" or kv_start is None:
+            # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
+            key, value = self.gather()
+            if self.ragged:
+                attention_mask = self.length_mask(sliding_window)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+            )
+        out = paged_decode_attention(
+            query[:, :, 0],  # [B, heads, head_dim]
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            kv_start=kv_start,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            backend="triton",
+        )
+        return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).

@@ -25,7 +25,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from .errors import PoolExhausted
+from ..errors import PoolExhausted
 
 
 class BlockAllocator:

@@ -6,13 +6,11 @@ continuous batching), together with a mask function: without one, a custom atten
 
 How it meets the cache: when the model runs this implementation, `PagedCache.update` on a decode step (one new
 token per row) stores the token and returns an empty `[B, kv_heads, 0, head_dim]` tensor carrying a `DecodePlan`
-instead of gathering the whole context. The plan holds the block tables of the layer's layer group (a Gemma-style
-pool keeps one per group; a sliding group's tables start at its first unreleased block, `position_offset`), so
-the same code serves every group. This function finds the plan on `key` and either
-- runs the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or
-- gathers the K/V once and runs SDPA (backend "torch"; "auto" elsewhere), bit-identical to plain sdpa.
-Prefill steps, and any other cache (DynamicCache, StaticCache), get plain SDPA: with no plan on `key`, this is
-exactly `sdpa_attention_forward`.
+instead of gathering the whole context (plan.py). The plan holds the block tables of the layer's layer group (a
+Gemma-style pool keeps one per group; a sliding group's tables start at its first unreleased block,
+`position_offset`), so the same code serves every group. This function finds the plan on `key` and calls its
+`attend`. Prefill steps, and any other cache (DynamicCache, StaticCache), get plain SDPA: with no plan on `key`,
+this is exactly `sdpa_attention_forward`.
 
 The backend comes from `enable(model, backend=...)`, else `HF_PAGED_ATTENTION_BACKEND`, else "auto".
 """
@@ -24,12 +22,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .decode_plan import PAGED_ATTENTION, DecodePlan
-from .kernels import paged_decode_attention
 from .kernels.dispatch import resolve_backend
-
-# Set by `enable(model, backend=...)` on every attention module (they all have a `layer_idx`).
-BACKEND_ATTR = "hf_paged_attention_backend"
+from .plan import BACKEND_ATTR, PAGED_ATTENTION, plan_of
 
 
 def paged_attention_forward(
@@ -44,42 +38,23 @@ def paged_attention_forward(
     softcap: float | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a decode placeholder
+    """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
-    step_plan = getattr(key, "step_plan", None)
-    if step_plan is not None:  # the engine's packed step: decode rows and prefill chunks in one sequence
-        return step_plan.attend(
-            module, query, dropout=dropout, scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs
-        )
-    plan: DecodePlan | None = getattr(key, "decode_plan", None)
+    plan = plan_of(key)
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
         )
-    backend = resolve_backend(getattr(module, BACKEND_ATTR, None), query.device)
-    kv_start = plan.kv_start(attention_mask) if backend == "triton" else None
-    if backend == "torch" or kv_start is None:
-        # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
-        key, value = plan.gather()
-        if plan.ragged:
-            attention_mask = plan.length_mask(sliding_window)
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
-        )
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_decode_attention(
-        query[:, :, 0],  # [B, heads, head_dim]
-        plan.key_cache,
-        plan.value_cache,
-        plan.block_tables,
-        plan.seq_lens,
-        scale=scale,
-        kv_start=kv_start,
+    return plan.attend(
+        module,
+        query,
+        attention_mask,
+        dropout=dropout,
+        scaling=scaling,
         sliding_window=sliding_window,
         softcap=softcap,
-        backend="triton",
+        **kwargs,
     )
-    return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
 
 
 def register() -> None:

@@ -97,3 +97,32 @@ def store_kv(
     from .triton_store import store_kv_triton
 
     store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def store_backend(device: torch.device) -> str:
+    """Where `store_kv_rows` runs the Triton store kernel ("triton": CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under
+    TRITON_INTERPRET=1), else "torch". Callers storing every layer of a step may resolve it once and pass it on."""
+    if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
+        return resolve_backend(None, device)
+    return "torch"
+
+
+def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None) -> None:
+    """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
+
+    The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
+    TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
+    `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now).
+    """
+    if backend not in (None, "triton", "torch"):
+        raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
+    num_heads, _, _, head_dim = key_cache.shape
+    if (backend or store_backend(key_cache.device)) == "triton":
+        key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
+        value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
+        store_kv(key_rows, value_rows, key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3), slots, backend="triton")
+        return
+    for cache, states in ((key_cache, key_states), (value_cache, value_states)):
+        new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]
+        cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)

@@ -10,8 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .block_tables import BlockTables
-from .layer_groups import LayerGroups, group_of_layer
-from .pool import BlockPool
+from ..storage import BlockPool, LayerGroups, group_of_layer
 
 
 class GroupTables:

@@ -1,0 +1,50 @@
+"""The seam between a cache and the "hf_paged" attention function: a plan object with one method, `attend`.
+
+transformers calls an attention function with what the model hands it (module, query, key, value, mask, kwargs),
+never the cache. The one value both `generate()`'s cache and the engine's step cache control is what
+`Cache.update` returns, so a cache that wants to run attention itself returns an empty placeholder tensor carrying
+a plan (`attach_plan`), and the attention function calls `plan_of(key).attend(...)`. Attention knows only this
+contract: `DecodePlan` (a `PagedCache` decode step) and the engine's packed-step plan both implement it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .kernels.dispatch import resolve_backend
+
+# The attention implementation name hf_paged registers. "paged" is transformers' own continuous batching.
+PAGED_ATTENTION = "hf_paged"
+
+# Set by `enable(model, backend=...)` on every attention module (they all have a `layer_idx`).
+BACKEND_ATTR = "hf_paged_attention_backend"
+
+PLAN_ATTR = "hf_paged_plan"
+
+
+class AttentionPlan(Protocol):
+    def attend(
+        self, module: torch.nn.Module, query: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs
+    ) -> tuple[torch.Tensor, None]:
+        """query [B, heads, q_len, head_dim] -> ([B, q_len, heads, head_dim], None), like every transformers
+        attention function. `kwargs`: the attention function's (dropout, scaling, sliding_window, softcap, ...)."""
+
+
+def attach_plan(placeholder: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
+    """Hang `plan` on `placeholder` (an empty `[B, kv_heads, 0, head_dim]` tensor a cache returns as keys and
+    values) and return it."""
+    setattr(placeholder, PLAN_ATTR, plan)
+    return placeholder
+
+
+def plan_of(key: torch.Tensor) -> AttentionPlan | None:
+    """The plan a cache attached to `key`, or None for ordinary K/V."""
+    return getattr(key, PLAN_ATTR, None)
+
+
+def module_backend(module: torch.nn.Module, device: torch.device) -> str:
+    """"triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
+    `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device`."""
+    return resolve_backend(getattr(module, BACKEND_ATTR, None), device)
