@@ -17,8 +17,10 @@ setup: $(VENV)/.installed
 
 # The test suite. Without CUDA, Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py); on a CUDA
 # machine tests/test_gpu.py runs the paged path on the GPU too.
-# Microbenchmarks run once each as smoke tests here (--benchmark-disable).
+# Microbenchmarks run once each as smoke tests here (--benchmark-disable). ruff checks lint and formatting first.
 test: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q --benchmark-disable
 
 # The benchmark draws its plot with matplotlib (the `plot` extra; also in `dev`, installed explicitly here so the

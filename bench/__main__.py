@@ -44,35 +44,67 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="small sizes (default)")
-    size.add_argument("--full", action="store_true", help="full sizes: serving workloads about 3x larger, 4 budgets; cache report prompt 1024, contexts 512 and 4096")
+    size.add_argument(
+        "--full",
+        action="store_true",
+        help="full sizes: serving workloads about 3x larger, 4 budgets; cache report prompt 1024, contexts 512, 4096",
+    )
     parser.add_argument("--model", default=None, help="a checkpoint path for from_pretrained (default: embedded model)")
     parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP + "; not with --model")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    parser.add_argument("--dtype", default=None, choices=sorted(DTYPES),
-                        help="model and KV dtype (default: the checkpoint's; the embedded model: float32 on cpu, "
-                        "bfloat16 on cuda). Compare greedy agreement in float32: in bfloat16, rows packed differently "
-                        "round differently")
-    parser.add_argument("--linear", default="auto", choices=LINEARS,
-                        help="how CPU float32 linear layers compute, for every backend alike (default: auto, for each "
-                        "row count up to 16 the faster of stock F.linear and weight-major W @ x.T, timed on this host "
-                        "at startup; see bench/linear.py)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=sorted(DTYPES),
+        help="model and KV dtype (default: the checkpoint's; the embedded model: float32 on cpu, "
+        "bfloat16 on cuda). Compare greedy agreement in float32: in bfloat16, rows packed differently "
+        "round differently",
+    )
+    parser.add_argument(
+        "--linear",
+        default="auto",
+        choices=LINEARS,
+        help="how CPU float32 linear layers compute, for every backend alike (default: auto, for each "
+        "row count up to 16 the faster of stock F.linear and weight-major W @ x.T, timed on this host "
+        "at startup; see bench/linear.py)",
+    )
     parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
     parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
     parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
-    parser.add_argument("--plot", default=None,
-                        help="PNG of tok/s and concurrency against budget (needs matplotlib; "
-                        "default: serving_plot_WORKLOAD.png next to --log)")
-    parser.add_argument("--workload", default="burst", choices=WORKLOADS,
-                        help="serving workload (default: burst; see bench/workloads.py)")
-    parser.add_argument("--rate", type=float, default=None,
-                        help="poisson arrival rate in requests/s (default: quick 4, full 1)")
-    parser.add_argument("--budgets", type=budgets_arg, default=None,
-                        help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)")
-    parser.add_argument("--backends", type=_names, default=None,
-                        help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
-                        "and any third-party cache backend; opt-in: engine-optimistic, the Engine with vLLM's admission)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="serving runs per backend and budget, interleaved; the fastest is kept (default 2)")
+    parser.add_argument(
+        "--plot",
+        default=None,
+        help="PNG of tok/s and concurrency against budget (needs matplotlib; "
+        "default: serving_plot_WORKLOAD.png next to --log)",
+    )
+    parser.add_argument(
+        "--workload",
+        default="burst",
+        choices=WORKLOADS,
+        help="serving workload (default: burst; see bench/workloads.py)",
+    )
+    parser.add_argument(
+        "--rate", type=float, default=None, help="poisson arrival rate in requests/s (default: quick 4, full 1)"
+    )
+    parser.add_argument(
+        "--budgets",
+        type=budgets_arg,
+        default=None,
+        help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)",
+    )
+    parser.add_argument(
+        "--backends",
+        type=_names,
+        default=None,
+        help=f"serving backends, comma-separated (default: all: {', '.join(serving.BUILTIN_BACKENDS)} "
+        "and any third-party cache backend; opt-in: engine-optimistic, the Engine with vLLM's admission)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="serving runs per backend and budget, interleaved; the fastest is kept (default 2)",
+    )
     parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
@@ -95,7 +127,9 @@ def main(argv=None) -> int:
         model = embedded_model(args.layers, device=args.device, dtype=DTYPES.get(args.dtype))
     weight_major_rows, calibration = pick_linear(model, args.linear)
     started = time.time()
-    device = str(model.device) + (f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else "")
+    device = str(model.device) + (
+        f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else ""
+    )
     print(f"model: {args.model or EMBEDDED[args.layers]} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
@@ -116,7 +150,9 @@ def main(argv=None) -> int:
         "command": command.strip(),
         "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
         "device": device,
-        "versions": f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}",
+        "versions": (
+            f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
+        ),
         "model": args.model or f"{EMBEDDED[args.layers]} (bench/models.py), random weights",
         "dtype": str(model.dtype).removeprefix("torch."),
         "linear": describe_linear(args.linear, weight_major_rows, calibration),
@@ -143,8 +179,17 @@ def draw_plot(rows: list[dict], args: argparse.Namespace, device: str) -> str | 
 
 
 def _serving_table(rows: list[dict]) -> str:
-    keys = ["budget", "backend", "output_tok_s", "tok_s_vs_dynamic", "mean_concurrency", "mean_live", "utilization",
-            "preemptions", "num_agree"]
+    keys = [
+        "budget",
+        "backend",
+        "output_tok_s",
+        "tok_s_vs_dynamic",
+        "mean_concurrency",
+        "mean_live",
+        "utilization",
+        "preemptions",
+        "num_agree",
+    ]
     return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
 
 
@@ -168,19 +213,35 @@ def _cache_part(results: dict) -> dict | None:
 def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
     """The cache report (PagedCache under plain generate()): demo, KV bytes held, sliding window, decode speed."""
     sizes = (
-        dict(prompt_len=1024, max_new_tokens=64, contexts=[512, 4096], num_steps=32, repeats=3,
-             sliding_prompt_len=3584, sliding_new_tokens=512)
+        dict(
+            prompt_len=1024,
+            max_new_tokens=64,
+            contexts=[512, 4096],
+            num_steps=32,
+            repeats=3,
+            sliding_prompt_len=3584,
+            sliding_new_tokens=512,
+        )
         if args.full
-        else dict(prompt_len=256, max_new_tokens=32, contexts=[256, 1024], num_steps=16, repeats=2,
-             sliding_prompt_len=448, sliding_new_tokens=64)
+        else dict(
+            prompt_len=256,
+            max_new_tokens=32,
+            contexts=[256, 1024],
+            num_steps=16,
+            repeats=2,
+            sliding_prompt_len=448,
+            sliding_new_tokens=64,
+        )
     )
     demo = cache_report.demo(model)
     print(f"demo: identical={demo['identical']}", flush=True)
     memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
     dtype = DTYPES.get(args.dtype)  # None: the window models' own default
-    window_models = [sliding_window_model(256, device=args.device, dtype=dtype),
-                     mixed_window_model(256, device=args.device, dtype=dtype)]
+    window_models = [
+        sliding_window_model(256, device=args.device, dtype=dtype),
+        mixed_window_model(256, device=args.device, dtype=dtype),
+    ]
     for window_model in window_models:
         use_linear(window_model, "weight-major", weight_major_rows=weight_major_rows)
     sliding = [
@@ -220,7 +281,11 @@ def render_cache_report(results: dict) -> list[str]:
         tabulate(
             [
                 ["DynamicCache", demo["dynamic_tokens"][:8], demo["dynamic_kv_bytes"]],
-                [f"PagedCache (block_size {demo['paged_block_size']})", demo["paged_tokens"][:8], demo["paged_kv_bytes"]],
+                [
+                    f"PagedCache (block_size {demo['paged_block_size']})",
+                    demo["paged_tokens"][:8],
+                    demo["paged_kv_bytes"],
+                ],
             ],
             headers=["cache", "tokens", "KV bytes"],
             tablefmt="github",

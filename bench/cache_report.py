@@ -14,7 +14,9 @@ from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
 
 
 def dynamic_cache_bytes(cache: DynamicCache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None)
+    return sum(
+        t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values) if t is not None
+    )
 
 
 def demo(model, *, prompt_len: int = 24, max_new_tokens: int = 16) -> dict:

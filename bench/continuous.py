@@ -78,8 +78,13 @@ def run_engine(
     busy = []  # (seconds, requests that ran, requests live) per step
     live_peak = held_peak = 0
     with attention(model, None):  # the Engine switches to "hf_paged"; give the model back as it was
-        engine = Engine(model, pool, max_num_seqs=ENGINE_MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                        decode_reserve_tokens=decode_reserve_tokens)
+        engine = Engine(
+            model,
+            pool,
+            max_num_seqs=ENGINE_MAX_NUM_SEQS,
+            max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+            decode_reserve_tokens=decode_reserve_tokens,
+        )
         start = time.perf_counter()
         while added < n or engine.has_unfinished():
             now = time.perf_counter() - start
@@ -93,8 +98,9 @@ def run_engine(
             events = engine.step()
             if pool.device.type == "cuda":  # the step's time is its kernels' time, not their launch
                 torch.cuda.synchronize(pool.device)
-            busy.append((time.perf_counter() - step_start, engine.stats.running_sum - ran_before,
-                         _num_live(engine, events)))
+            busy.append(
+                (time.perf_counter() - step_start, engine.stats.running_sum - ran_before, _num_live(engine, events))
+            )
             held = pool.num_used_blocks * pool.bytes_per_block
             held_peak = max(held_peak, held)
             if held > live_peak:  # live <= held: a step holding no more than the live peak cannot raise it
@@ -169,16 +175,24 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
     ]
     n = len(sequence_ids)
     results = {}
-    with attention(model, "sdpa"), model.continuous_batching_context_manager(
-        generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60
-    ) as manager:
+    with (
+        attention(model, "sdpa"),
+        model.continuous_batching_context_manager(
+            generation_config=config, continuous_batching_config=cb_config, block=True, timeout=60
+        ) as manager,
+    ):
         cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
         reserved = int(cache.cache_tensor.numel() * cache.cache_tensor.element_size()) if cache is not None else 0
         start = time.perf_counter()
         for index, spec in enumerate(workload.requests):
             sleep_until(start + spec.arrival)
-            manager.add_request(list(spec.prompt_ids), request_id=f"r{index}", max_new_tokens=spec.max_new_tokens,
-                                record_timestamps=True, eos_token_id=-1)
+            manager.add_request(
+                list(spec.prompt_ids),
+                request_id=f"r{index}",
+                max_new_tokens=spec.max_new_tokens,
+                record_timestamps=True,
+                eos_token_id=-1,
+            )
         while len(results) < n:
             result = manager.get_result(timeout=1)
             if result is not None and result.is_finished():
@@ -208,4 +222,3 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
         live_bytes_peak=None,
         extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE},
     )
-

@@ -160,7 +160,7 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
 
     key = gather_kv(key_cache, block_tables, context).contiguous()
     value = gather_kv(value_cache, block_tables, context).contiguous()
-    del key_cache, value_cache  # keep the peak at the pool plus one copy
+    key_cache = value_cache = None  # keep the peak at the pool plus one copy
     rows.append(
         {
             **cell,

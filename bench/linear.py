@@ -92,8 +92,9 @@ def calibrate(model: nn.Module, *, repeats: int = 5) -> dict[int, tuple[float, f
 def use_linear(model: nn.Module, kind: str, *, weight_major_rows: frozenset[int] | None = None) -> int:
     """Make every `nn.Linear` of `model` whose weight is CPU float32 compute as `kind`: "weight-major" (for the row
     counts in `weight_major_rows`, default all of 1..MAX_WEIGHT_MAJOR_ROWS; `F.linear` for the others, so an empty
-    set is stock) or "torch" (the stock forward). Returns how many layers compute weight-major for some row count. A layer whose forward
-    someone else replaced (accelerate's offloading hooks) is left alone. For "auto", see `pick_linear`."""
+    set is stock) or "torch" (the stock forward). Returns how many layers compute weight-major for some row count.
+    A layer whose forward someone else replaced (accelerate's offloading hooks) is left alone. For "auto", see
+    `pick_linear`."""
     if kind not in ("weight-major", "torch"):
         raise ValueError(f"linear must be one of {', '.join(LINEARS)}, got {kind!r}")
     rows_set = ALL_ROWS if weight_major_rows is None else frozenset(weight_major_rows)

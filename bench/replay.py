@@ -100,8 +100,12 @@ def replay(
     budget = Budget.for_workload(model, workload, multiple)
     pool = BlockPool.for_model(model, max_memory=budget.bytes, block_size=block_size)
     engine = Engine(
-        model, pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-        decode_reserve_tokens=decode_reserve_tokens, backfill_window=backfill_window,
+        model,
+        pool,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        decode_reserve_tokens=decode_reserve_tokens,
+        backfill_window=backfill_window,
     )
     for index in range(workload.num_requests):
         add_workload_request(engine, workload, index)
@@ -126,15 +130,34 @@ def replay(
 
 
 def table(replays: list[Replay]) -> str:
-    headers = ["budget", "blocks", "steps", "mean rows", "peak rows", "rows vs static batch", "of bound",
-               "occupancy", "preemptions", "prefill / prompt tokens", "prefix hits"]
+    headers = [
+        "budget",
+        "blocks",
+        "steps",
+        "mean rows",
+        "peak rows",
+        "rows vs static batch",
+        "of bound",
+        "occupancy",
+        "preemptions",
+        "prefill / prompt tokens",
+        "prefix hits",
+    ]
     rows = [
-        [f"{r.multiple:g}x", r.num_blocks, r.num_steps, f"{r.mean_rows:.2f}", r.peak_rows,
-         f"{r.mean_rows / r.static_batch:.2f}",
-         # the bound counts every sequence's blocks as its own: with shared prompt blocks it does not bound
-         f"{r.mean_rows / r.bound:.2f}" if not r.prefix_hit_tokens else "-",
-         f"{r.mean_occupancy:.2f}", r.num_preemptions, f"{r.prefill_tokens} / {r.prompt_tokens}",
-         r.prefix_hit_tokens]
+        [
+            f"{r.multiple:g}x",
+            r.num_blocks,
+            r.num_steps,
+            f"{r.mean_rows:.2f}",
+            r.peak_rows,
+            f"{r.mean_rows / r.static_batch:.2f}",
+            # the bound counts every sequence's blocks as its own: with shared prompt blocks it does not bound
+            f"{r.mean_rows / r.bound:.2f}" if not r.prefix_hit_tokens else "-",
+            f"{r.mean_occupancy:.2f}",
+            r.num_preemptions,
+            f"{r.prefill_tokens} / {r.prompt_tokens}",
+            r.prefix_hit_tokens,
+        ]
         for r in replays
     ]
     return tabulate(rows, headers=headers, tablefmt="github")
@@ -144,22 +167,36 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.splitlines()[0])
     parser.add_argument("--full", action="store_true", help="full workload sizes (default: quick, as python -m bench)")
     parser.add_argument("--workload", default="burst", choices=[w for w in WORKLOADS if w != "poisson"])
-    parser.add_argument("--budgets", type=budgets_arg, default=[2.0, 4.0, 8.0, 16.0],
-                        help="KV budgets in worst-case reservations, comma-separated (default 2,4,8,16)")
+    parser.add_argument(
+        "--budgets",
+        type=budgets_arg,
+        default=[2.0, 4.0, 8.0, 16.0],
+        help="KV budgets in worst-case reservations, comma-separated (default 2,4,8,16)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the workload's seed (default 0, as python -m bench)")
     parser.add_argument("--block-size", type=int, default=BLOCK_SIZE)
     parser.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS)
-    parser.add_argument("--decode-reserve-tokens", type=int, default=None,
-                        help="the Engine's admission lookahead (default: to every request's end, never preempting)")
+    parser.add_argument(
+        "--decode-reserve-tokens",
+        type=int,
+        default=None,
+        help="the Engine's admission lookahead (default: to every request's end, never preempting)",
+    )
     parser.add_argument("--backfill-window", type=int, default=8)
     parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP)
     args = parser.parse_args(argv)
     config = None if args.layers == "full" else embedded_model(args.layers).config
     workload = make_workload(args.workload, vocab_size=DEFAULT_CONFIG["vocab_size"], full=args.full, seed=args.seed)
     replays = [
-        replay(workload, multiple, config=config, block_size=args.block_size,
-               max_num_batched_tokens=args.max_num_batched_tokens, decode_reserve_tokens=args.decode_reserve_tokens,
-               backfill_window=args.backfill_window)
+        replay(
+            workload,
+            multiple,
+            config=config,
+            block_size=args.block_size,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            decode_reserve_tokens=args.decode_reserve_tokens,
+            backfill_window=args.backfill_window,
+        )
         for multiple in args.budgets
     ]
     print(f"{workload.name}: {workload.description}")

@@ -13,9 +13,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged import KVLayout
-from hf_paged.storage import first_window_block
-from hf_paged.storage import group_windows
-from hf_paged.storage import sliding_windows
+from hf_paged.storage import first_window_block, group_windows, sliding_windows
 
 from .workloads import Workload
 
@@ -83,9 +81,7 @@ class Budget:
         """K/V bytes a paged row holds while its step stores token `num_tokens - 1`: whole blocks of every layer
         group; in a sliding group only from the first block that token's query sees (what the Engine keeps)."""
         blocks = -(-num_tokens // BLOCK_SIZE)
-        held = sum(
-            blocks - first_window_block(num_tokens - 1, window, BLOCK_SIZE) for window in self.group_windows
-        )
+        held = sum(blocks - first_window_block(num_tokens - 1, window, BLOCK_SIZE) for window in self.group_windows)
         return BLOCK_SIZE * held * self._block_bytes_per_token
 
     def prefill_bytes(self, num_tokens: int) -> int:
@@ -98,7 +94,9 @@ class Budget:
     def _block_bytes_per_token(self) -> int:
         return self.group_bytes_per_token or self.bytes_per_token
 
-    def contiguous_bytes(self, num_tokens: int, *, window_tokens: Callable[[int], int] = lambda window: window - 1) -> int:
+    def contiguous_bytes(
+        self, num_tokens: int, *, window_tokens: Callable[[int], int] = lambda window: window - 1
+    ) -> int:
         """K/V bytes a contiguous cache holds for a sequence of `num_tokens` tokens: every token in a full-attention
         layer, at most `window_tokens(window)` in a sliding one (DynamicCache keeps `window - 1`, the default;
         StaticCache's sliding layers hold `window`)."""
@@ -110,7 +108,9 @@ class Budget:
         layout = KVLayout.from_config(model.config)
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         layer_windows = sliding_windows(model.config)
-        layer_bytes = [2 * heads * head_dim * itemsize for heads, head_dim in zip(layout.num_kv_heads, layout.head_dims)]
+        layer_bytes = [
+            2 * heads * head_dim * itemsize for heads, head_dim in zip(layout.num_kv_heads, layout.head_dims)
+        ]
         windows = tuple((b, window) for b, window in zip(layer_bytes, layer_windows) if window is not None)
         # The pool's layer groups, as `BlockPool` builds them: a block holds the layers of the largest group.
         groups = layout.layer_groups()
@@ -118,7 +118,10 @@ class Budget:
         worst = workload.max_prompt_len + workload.max_new_tokens
         reservation = -(-worst // BLOCK_SIZE) * BLOCK_SIZE
         return cls(
-            multiple, reservation, sum(layer_bytes), windows,
+            multiple,
+            reservation,
+            sum(layer_bytes),
+            windows,
             group_windows=tuple(group_windows(groups, layer_windows)),
             group_bytes_per_token=sum(layer_bytes[layer] for layer in largest),
         )
@@ -181,4 +184,3 @@ def sleep_until(deadline: float) -> None:
     delay = deadline - time.perf_counter()
     if delay > 0:
         time.sleep(delay)
-

@@ -83,7 +83,6 @@ def reference_outputs(model, workload: Workload, *, progress: bool = True) -> li
     return outputs
 
 
-
 RUNNERS: dict[str, Callable[..., RunResult]] = {
     "dynamic": run_dynamic,
     "static": run_static,
@@ -252,7 +251,9 @@ def recheck_reference(
     changed = [i for i, output in zip(differing, again) if output != reference[i]]
     shown = ", ".join(map(str, differing))
     if not changed:
-        return f"reference recomputed for request(s) {shown}: it reproduces (the backends' runs computed something else)"
+        return (
+            f"reference recomputed for request(s) {shown}: it reproduces (the backends' runs computed something else)"
+        )
     return (
         f"reference recomputed for request(s) {shown}: it changed for {', '.join(map(str, changed))}; "
         "per-request generate() itself did not reproduce on this host, so those differences are not the backends'"

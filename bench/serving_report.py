@@ -230,9 +230,16 @@ def render(serving: dict) -> list[str]:
     facts, rows = serving["facts"], serving["rows"]
     throughput = [
         [
-            row["budget"], row["backend"], _fmt(row["output_tok_s"], ".1f"), _fmt(row["tok_s_vs_dynamic"], ".2f"),
-            _fmt(row["requests_s"], ".2f"), _fmt(row["ttft_p50_s"], ".2f"), _fmt(row["ttft_p99_s"], ".2f"),
-            _fmt(row["tpot_p50_ms"], ".1f"), _fmt(row["tpot_p99_ms"], ".1f"), _fmt(row["wall_s"], ".1f"),
+            row["budget"],
+            row["backend"],
+            _fmt(row["output_tok_s"], ".1f"),
+            _fmt(row["tok_s_vs_dynamic"], ".2f"),
+            _fmt(row["requests_s"], ".2f"),
+            _fmt(row["ttft_p50_s"], ".2f"),
+            _fmt(row["ttft_p99_s"], ".2f"),
+            _fmt(row["tpot_p50_ms"], ".1f"),
+            _fmt(row["tpot_p99_ms"], ".1f"),
+            _fmt(row["wall_s"], ".1f"),
             _fmt(row["other_load"], ".2f"),
             "n/a (sampled)" if row["num_agree"] is None else f"{row['num_agree']}/{row['num_sequences']}",
         ]
@@ -240,23 +247,36 @@ def render(serving: dict) -> list[str]:
     ]
     memory = [
         [
-            row["budget"], row["backend"], _fmt(row["kv_budget_mib"], ".2f"), row["peak_concurrency"],
-            _fmt(row["mean_concurrency"], ".1f"), _fmt(row["concurrency_vs_dynamic"], ".2f"),
-            _fmt(row["mean_live"], ".1f"), _fmt(row["live_vs_dynamic"], ".2f"),
+            row["budget"],
+            row["backend"],
+            _fmt(row["kv_budget_mib"], ".2f"),
+            row["peak_concurrency"],
+            _fmt(row["mean_concurrency"], ".1f"),
+            _fmt(row["concurrency_vs_dynamic"], ".2f"),
+            _fmt(row["mean_live"], ".1f"),
+            _fmt(row["live_vs_dynamic"], ".2f"),
             _fmt(row["concurrency_of_bound"], ".2f"),
             _fmt(row["reserved_mib"], ".2f"),
-            _fmt(row["live_at_peak_mib"], ".2f"), _fmt(row["utilization"], ".2f"),
-            _fmt(row["held_at_peak_mib"], ".2f"), row["preemptions"], row["wasted_tokens"],
+            _fmt(row["live_at_peak_mib"], ".2f"),
+            _fmt(row["utilization"], ".2f"),
+            _fmt(row["held_at_peak_mib"], ".2f"),
+            row["preemptions"],
+            row["wasted_tokens"],
         ]
         for row in rows
     ]
     ratios = [
         [
-            r["budget"], _fmt(r["tok_s_vs_dynamic"], ".2f"),
+            r["budget"],
+            _fmt(r["tok_s_vs_dynamic"], ".2f"),
             " / ".join(format(x, ".2f") for x in r["tok_s_vs_dynamic_each"] or []) or "-",
             _fmt(r["tok_s_vs_peer"], ".2f"),
-            _fmt(r["live_vs_dynamic"], ".2f"), _fmt(r["live_vs_static"], ".2f"), _fmt(r["rows_vs_dynamic"], ".2f"),
-            _fmt(r["utilization"], ".2f"), r["preemptions"], r["agree"] or "n/a (sampled)",
+            _fmt(r["live_vs_dynamic"], ".2f"),
+            _fmt(r["live_vs_static"], ".2f"),
+            _fmt(r["rows_vs_dynamic"], ".2f"),
+            _fmt(r["utilization"], ".2f"),
+            r["preemptions"],
+            r["agree"] or "n/a (sampled)",
         ]
         for r in engine_ratios(rows)
     ]
@@ -275,7 +295,7 @@ def render(serving: dict) -> list[str]:
         f"- `static`: the same with `StaticCache` slots of max({STATIC_SLOT_TOKENS}, reservation) tokens, so",
         "  `budget // slot` rows (at least 1, which can exceed the budget: see `reserved`);",
         "- `paged-generate`: the dynamic batches with `PagedCache` on a `BlockPool` of exactly the budget",
-        "  (\"hf_paged\" attention; on a sliding-window model, at least a batch's padded prompts whole, which",
+        '  ("hf_paged" attention; on a sliding-window model, at least a batch\'s padded prompts whole, which',
         "  `generate()` computes in one forward: see `reserved`);",
         f"- `engine`: `hf_paged.Engine` on a `BlockPool` of exactly the budget (max_num_seqs {ENGINE_MAX_NUM_SEQS}, "
         f"max_num_batched_tokens {MAX_NUM_BATCHED_TOKENS}),",
@@ -311,8 +331,20 @@ def render(serving: dict) -> list[str]:
         "",
         tabulate(
             throughput,
-            headers=["budget", "backend", "out tok/s", "vs dynamic", "req/s", "TTFT p50 s", "TTFT p99 s",
-                     "TPOT p50 ms", "TPOT p99 ms", "wall s", "other load", "greedy agree"],
+            headers=[
+                "budget",
+                "backend",
+                "out tok/s",
+                "vs dynamic",
+                "req/s",
+                "TTFT p50 s",
+                "TTFT p99 s",
+                "TPOT p50 ms",
+                "TPOT p99 ms",
+                "wall s",
+                "other load",
+                "greedy agree",
+            ],
             tablefmt="github",
             disable_numparse=True,
         ),
@@ -341,9 +373,23 @@ def render(serving: dict) -> list[str]:
         "",
         tabulate(
             memory,
-            headers=["budget", "backend", "budget MiB", "peak seqs", "mean rows", "vs dynamic", "mean live",
-                     "vs dynamic", "of bound", "reserved MiB",
-                     "live at peak MiB", "utilization", "held at peak MiB", "preemptions", "wasted tokens"],
+            headers=[
+                "budget",
+                "backend",
+                "budget MiB",
+                "peak seqs",
+                "mean rows",
+                "vs dynamic",
+                "mean live",
+                "vs dynamic",
+                "of bound",
+                "reserved MiB",
+                "live at peak MiB",
+                "utilization",
+                "held at peak MiB",
+                "preemptions",
+                "wasted tokens",
+            ],
             tablefmt="github",
             disable_numparse=True,
         ),
@@ -358,8 +404,18 @@ def render(serving: dict) -> list[str]:
                 "",
                 tabulate(
                     ratios,
-                    headers=["budget", "tok/s vs dynamic", "each repeat", f"tok/s vs {PEER}", "live vs dynamic",
-                             "live vs static", "rows vs dynamic", "utilization", "preemptions", "greedy agree"],
+                    headers=[
+                        "budget",
+                        "tok/s vs dynamic",
+                        "each repeat",
+                        f"tok/s vs {PEER}",
+                        "live vs dynamic",
+                        "live vs static",
+                        "rows vs dynamic",
+                        "utilization",
+                        "preemptions",
+                        "greedy agree",
+                    ],
                     tablefmt="github",
                     disable_numparse=True,
                 ),
@@ -388,8 +444,10 @@ def render(serving: dict) -> list[str]:
     ]
     mismatched = [row for row in rows if row["mismatches"]]
     if facts["temperature"] > 0:
-        lines.append(f"Sampled workload (temperature {facts['temperature']:g}): the backends draw from different "
-                     "generators, so outputs are not compared; every sequence has its full length.")
+        lines.append(
+            f"Sampled workload (temperature {facts['temperature']:g}): the backends draw from different "
+            "generators, so outputs are not compared; every sequence has its full length."
+        )
     elif not mismatched:
         lines.append(f"All {len(rows)} runs reproduce every request token for token.")
     for row in mismatched:
@@ -398,12 +456,13 @@ def render(serving: dict) -> list[str]:
             for m in row["mismatches"][:10]
         )
         more = f" (and {len(row['mismatches']) - 10} more)" if len(row["mismatches"]) > 10 else ""
-        lines.append(f"- `{row['backend']}` at {row['budget']}: {row['num_agree']}/{row['num_sequences']} agree; "
-                     f"first differences: {shown}{more}")
+        lines.append(
+            f"- `{row['backend']}` at {row['budget']}: {row['num_agree']}/{row['num_sequences']} agree; "
+            f"first differences: {shown}{more}"
+        )
     notes = [f"- `{key}` failed: {error}" for key, error in facts["failures"].items()]
     notes += [f"- {note}" for note in serving.get("notes", [])]
     if notes:
         lines += ["", "### Notes", "", *notes]
     lines.append("")
     return lines
-

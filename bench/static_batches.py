@@ -137,7 +137,11 @@ def dynamic_batch_size(budget: Budget, num_samples: int = 1) -> int:
 def run_dynamic(model, workload: Workload, budget: Budget) -> RunResult:
     batch = dynamic_batch_size(budget, workload.num_samples)
     return run_static_batches(
-        model, workload, budget, backend="dynamic", batch_size=batch,
+        model,
+        workload,
+        budget,
+        backend="dynamic",
+        batch_size=batch,
         new_cache=lambda: (DynamicCache(config=model.config), lambda: None),
         reserved_bytes=batch * workload.num_samples * budget.reservation_bytes,
     )
@@ -149,7 +153,11 @@ def run_static(model, workload: Workload, budget: Budget) -> RunResult:
     rows_bytes = workload.num_samples * budget.contiguous_bytes(slot, window_tokens=lambda window: window)
     batch = max(1, budget.bytes // rows_bytes)
     return run_static_batches(
-        model, workload, budget, backend="static", batch_size=batch,
+        model,
+        workload,
+        budget,
+        backend="static",
+        batch_size=batch,
         new_cache=lambda: (hf_registry.create_cache("static", model, max_cache_len=slot), lambda: None),
         reserved_bytes=batch * rows_bytes,
     )
@@ -161,7 +169,9 @@ def run_paged_generate(model, workload: Workload, budget: Budget) -> RunResult:
     # or, on a sliding-window model, what a batch's prompts hold during their one prefill forward: generate() computes
     # every left-padded prompt whole, and its sliding groups give blocks back only after that forward.
     rows = batch * workload.num_samples
-    pool_bytes = max(budget.bytes, rows * budget.reservation_bytes, rows * budget.prefill_bytes(workload.max_prompt_len))
+    pool_bytes = max(
+        budget.bytes, rows * budget.reservation_bytes, rows * budget.prefill_bytes(workload.max_prompt_len)
+    )
     pool = BlockPool.for_model(model, max_memory=pool_bytes, block_size=BLOCK_SIZE)
 
     def new_cache():
@@ -169,8 +179,14 @@ def run_paged_generate(model, workload: Workload, budget: Budget) -> RunResult:
         return cache, cache.release
 
     return run_static_batches(
-        model, workload, budget, backend="paged-generate", batch_size=batch, new_cache=new_cache,
-        reserved_bytes=pool.num_blocks * pool.bytes_per_block, attn_implementation=PAGED_ATTENTION,
+        model,
+        workload,
+        budget,
+        backend="paged-generate",
+        batch_size=batch,
+        new_cache=new_cache,
+        reserved_bytes=pool.num_blocks * pool.bytes_per_block,
+        attn_implementation=PAGED_ATTENTION,
         held_bytes=lambda: pool.num_used_blocks * pool.bytes_per_block,
     )
 
@@ -187,9 +203,13 @@ def run_registry_backend(name: str, registry=None) -> Callable[..., RunResult]:
             return cache, getattr(cache, "release", lambda: None)
 
         return run_static_batches(
-            model, workload, budget, backend=name, batch_size=batch, new_cache=new_cache,
+            model,
+            workload,
+            budget,
+            backend=name,
+            batch_size=batch,
+            new_cache=new_cache,
             reserved_bytes=batch * workload.num_samples * budget.reservation_bytes,
         )
 
     return run
-

@@ -145,8 +145,9 @@ def shared_prefix(
 
 
 def long(*, vocab_size: int, num_requests: int, prompt_lens, output_lens, seed: int = 0) -> Workload:
-    workload = burst(vocab_size=vocab_size, num_requests=num_requests, prompt_lens=prompt_lens,
-                     output_lens=output_lens, seed=seed)
+    workload = burst(
+        vocab_size=vocab_size, num_requests=num_requests, prompt_lens=prompt_lens, output_lens=output_lens, seed=seed
+    )
     return Workload("long", workload.requests, workload.description)
 
 

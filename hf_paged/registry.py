@@ -30,9 +30,10 @@ import importlib.metadata
 import inspect
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable
+from typing import Any
 
 import pluggy
 import torch

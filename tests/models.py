@@ -88,14 +88,12 @@ def _config(name: str, num_layers: int):
         config = GPT2Config(**_COMMON, n_embd=64, n_inner=128, n_layer=num_layers, n_head=4, n_positions=256)
         return GPT2LMHeadModel, config
     if name == "phi3":  # fused qkv projection
-        config = Phi3Config(
-            **_COMMON, **decoder, num_attention_heads=4, num_key_value_heads=4, sliding_window=None
-        )
+        config = Phi3Config(**_COMMON, **decoder, num_attention_heads=4, num_key_value_heads=4, sliding_window=None)
         return Phi3ForCausalLM, config
     raise ValueError(f"unknown tiny model {name!r}; choose one of {list(MODEL_NAMES)}")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def tiny_model(
     name: str, attn_implementation: str = "sdpa", *, num_layers: int = 2, seed: int = 0, device: str = "cpu"
 ):

@@ -16,8 +16,9 @@ BLOCK_SIZE = 4
 def test_decode_rows_after_a_prefill_chunk_keep_their_token_within_the_budget():
     """A 10-token prompt, then a 1-token one whose row is a decode row, with a budget of 2 tokens a step: the decode
     row's token is set aside first, so the prompt gets 1 token a step (it took both, and the step ran 3)."""
-    scheduler = Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=64, block_size=BLOCK_SIZE), max_num_seqs=2,
-                          max_num_batched_tokens=2)
+    scheduler = Scheduler(
+        BlockPool(KVLayout((2,), (4,)), num_blocks=64, block_size=BLOCK_SIZE), max_num_seqs=2, max_num_batched_tokens=2
+    )
     long, short = new_request(0, 10, 2), new_request(1, 1, 2)
     scheduler.add(long)
     scheduler.add(short)
@@ -62,8 +63,12 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
         block_size, window, budget = rng.choice([1, 2, 4]), rng.randint(1, 12), rng.choice([2, 3, 8, 64])
         windows = [window, None][: len(layer_types)]
         specs = [(rng.randint(1, 40), rng.randint(1, 16)) for _ in range(rng.randint(1, 4))]
-        probe = Scheduler(BlockPool(layout, num_blocks=1, block_size=block_size), max_num_seqs=2,
-                          max_num_batched_tokens=budget, sliding_windows=windows)
+        probe = Scheduler(
+            BlockPool(layout, num_blocks=1, block_size=block_size),
+            max_num_seqs=2,
+            max_num_batched_tokens=budget,
+            sliding_windows=windows,
+        )
         needs = []
         for prompt_len, new_tokens in specs:
             request = new_request(0, prompt_len, new_tokens)
@@ -73,8 +78,13 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
         num_blocks = max(rng.choice(needs) + rng.randint(-2, 2), 1)
         for reserve in (None, 0):
             pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
-            scheduler = Scheduler(pool, max_num_seqs=2, max_num_batched_tokens=budget, sliding_windows=windows,
-                                  decode_reserve_tokens=reserve)
+            scheduler = Scheduler(
+                pool,
+                max_num_seqs=2,
+                max_num_batched_tokens=budget,
+                sliding_windows=windows,
+                decode_reserve_tokens=reserve,
+            )
             requests = [new_request(i, n, k) for i, (n, k) in enumerate(specs)]
             drive(scheduler, requests, max_steps=5000)
             case = (block_size, window, budget, num_blocks, specs, reserve)
@@ -85,8 +95,10 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
                 else:
                     assert request.error is None and len(request.output_ids) == request.params.max_new_tokens, case
                     tokens = len(request.prompt_ids)
-                    demand = max(scheduler._demand(tokens, prefilling=True),
-                                 scheduler._demand(tokens + request.params.max_new_tokens - 1, prefilling=False))
+                    demand = max(
+                        scheduler._demand(tokens, prefilling=True),
+                        scheduler._demand(tokens + request.params.max_new_tokens - 1, prefilling=False),
+                    )
                     served_below_demand += demand > num_blocks
     assert turned_away > 0 and served_below_demand > 0
 
@@ -100,8 +112,9 @@ def test_a_recomputation_too_large_for_one_chunk_runs_in_smaller_ones_alone():
     needs 7 blocks at most (`_solo_need`)."""
     sliding, full = "sliding_attention", "full_attention"
     pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=9, block_size=2)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None],
-                          decode_reserve_tokens=0)
+    scheduler = Scheduler(
+        pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None], decode_reserve_tokens=0
+    )
     first, second = new_request(0, 1, 7), new_request(1, 6, 4)
     need = scheduler._solo_need(second)
     assert need == 7  # at position 8: full blocks 0-4, sliding blocks 3-4 (the window sees positions 7-8)

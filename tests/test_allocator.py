@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from hf_paged.storage import BlockAllocator
 from hf_paged.errors import PoolExhausted
+from hf_paged.storage import BlockAllocator
 
 
 def test_allocator_module_imports_no_torch():

@@ -45,11 +45,15 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
     kernel_calls = []
     kernel = hf_paged.attention.decode_plan.paged_decode_attention
     monkeypatch.setattr(
-        hf_paged.attention.decode_plan, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
+        hf_paged.attention.decode_plan,
+        "paged_decode_attention",
+        lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k),
     )
     store_calls = []
     store = hf_paged.attention.kernels.dispatch.store_kv
-    monkeypatch.setattr(hf_paged.attention.kernels.dispatch, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k))
+    monkeypatch.setattr(
+        hf_paged.attention.kernels.dispatch, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k)
+    )
     reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
     model = tiny_model(name, PAGED_ATTENTION)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)

@@ -5,11 +5,10 @@ Parametrized over the backends of a fresh registry, so an installed third-party 
 
 import pytest
 import torch
+from models import left_padded_batch, random_prompt, tiny_model
 
 from hf_paged import BlockPool
 from hf_paged.registry import BackendRegistry
-
-from models import left_padded_batch, random_prompt, tiny_model
 
 PROMPT_LEN, MAX_NEW_TOKENS = 12, 12
 BACKENDS = sorted(BackendRegistry().available_backends())

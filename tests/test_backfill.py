@@ -102,8 +102,11 @@ def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
 
 def test_max_num_batched_tokens_must_cover_a_decode_row_per_request():
     with pytest.raises(ValueError, match=r"max_num_batched_tokens \(8\) must be >= max_num_seqs \(16\)"):
-        Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=8, block_size=BLOCK_SIZE), max_num_seqs=16,
-                  max_num_batched_tokens=8)
+        Scheduler(
+            BlockPool(KVLayout((2,), (4,)), num_blocks=8, block_size=BLOCK_SIZE),
+            max_num_seqs=16,
+            max_num_batched_tokens=8,
+        )
 
 
 class _NoPrefillDelay(Scheduler):
@@ -169,8 +172,9 @@ def test_lookahead_counts_waits_for_a_shared_prefix_and_never_preempts():
     for _ in range(3000):
         num_blocks, block_size, specs = _shared_prompt_workload(rng)
         for cls in (Scheduler, _NoPrefixWaits):
-            pool = BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=block_size,
-                             enable_prefix_caching=True)
+            pool = BlockPool(
+                KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=block_size, enable_prefix_caching=True
+            )
             scheduler = cls(pool, max_num_seqs=8, max_num_batched_tokens=64)
             requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(specs)]
             drive(scheduler, requests)
@@ -205,8 +209,12 @@ def test_one_lookahead_answers_every_newcomer_as_a_fresh_one(prefix_caching):
     num_checked = num_mixed = 0
     for _ in range(300):
         shared = [rng.randrange(1, 99) for _ in range(12)]
-        pool = BlockPool(KVLayout((2,), (4,)), num_blocks=rng.randint(6, 24), block_size=rng.choice([1, 2, 4]),
-                         enable_prefix_caching=prefix_caching)
+        pool = BlockPool(
+            KVLayout((2,), (4,)),
+            num_blocks=rng.randint(6, 24),
+            block_size=rng.choice([1, 2, 4]),
+            enable_prefix_caching=prefix_caching,
+        )
         scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=rng.choice([8, 16, 64]))
         for index in range(16):
             prompt = shared[: rng.randint(2, 12)] + [rng.randrange(100, 999) for _ in range(rng.randint(0, 6))]

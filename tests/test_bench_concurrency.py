@@ -109,8 +109,15 @@ def _row(budget, backend, tok_s, live, **extra):
 
 
 def test_engine_ratios_divide_by_each_baseline_of_the_same_budget():
-    engine = dict(tok_s_vs_dynamic=1.5, live_vs_dynamic=1.8, concurrency_vs_dynamic=1.4, utilization=0.99,
-                  preemptions=0, num_agree=10, num_sequences=10)
+    engine = dict(
+        tok_s_vs_dynamic=1.5,
+        live_vs_dynamic=1.8,
+        concurrency_vs_dynamic=1.4,
+        utilization=0.99,
+        preemptions=0,
+        num_agree=10,
+        num_sequences=10,
+    )
     rows = [
         _row("2x", "dynamic", 100.0, 1.5),
         _row("2x", "static", 50.0, 0.9),
@@ -130,8 +137,9 @@ def test_engine_ratios_divide_by_each_baseline_of_the_same_budget():
 
 def test_report_has_the_engine_summary(tight_run):
     run, by_backend = tight_run
-    text = "\n".join(serving_report.render({"facts": serving_report.describe(run),
-                                            "rows": serving_report.summarize_all(run)}))
+    text = "\n".join(
+        serving_report.render({"facts": serving_report.describe(run), "rows": serving_report.summarize_all(run)})
+    )
     summary = text.split("### The engine against the baselines", 1)[1]
     engine_line = next(line for line in summary.splitlines() if line.startswith("| 2x"))
     cells = [cell.strip() for cell in engine_line.strip("|").split("|")]
@@ -146,8 +154,9 @@ def test_engine_live_counts_held_and_just_finished_requests(model, tight_run):
     from bench.continuous import _num_live
     from hf_paged import BlockPool, Engine
 
-    engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4), max_num_seqs=4,
-                    max_num_batched_tokens=16)
+    engine = Engine(
+        model, BlockPool.for_model(model, num_blocks=16, block_size=4), max_num_seqs=4, max_num_batched_tokens=16
+    )
     short = engine.add_request([5, 6, 7], max_new_tokens=1)  # finishes in its first step: live in it
     engine.add_request(list(range(10, 30)), max_new_tokens=4)  # 20 tokens: prefill chunked over two steps
     events = engine.step()

@@ -10,7 +10,16 @@ from transformers import DynamicCache
 
 from bench import serving, serving_report
 from bench.__main__ import parse_args, render
-from bench.workloads import WORKLOADS, RequestSpec, Workload, burst, make_workload, parallel_sampling, poisson, shared_prefix
+from bench.workloads import (
+    WORKLOADS,
+    RequestSpec,
+    Workload,
+    burst,
+    make_workload,
+    parallel_sampling,
+    poisson,
+    shared_prefix,
+)
 from hf_paged import hookimpl
 from hf_paged.registry import BackendRegistry
 from tests.models import VOCAB_SIZE, tiny_model
@@ -85,8 +94,9 @@ def test_poisson_arrivals():
 
 
 def test_poisson_requests_wait_for_their_arrival(model):
-    workload = poisson(vocab_size=VOCAB_SIZE, rate=40.0, num_requests=5, prompt_lens=(4, 10), output_lens=(3, 5),
-                       seed=2)
+    workload = poisson(
+        vocab_size=VOCAB_SIZE, rate=40.0, num_requests=5, prompt_lens=(4, 10), output_lens=(3, 5), seed=2
+    )
     run = serving.run_serving(model, workload, [2], ["dynamic", "engine", serving.PEER], progress=False)
     assert not run.failures
     arrivals = [spec.arrival for spec in workload.requests]
@@ -99,8 +109,9 @@ def test_poisson_requests_wait_for_their_arrival(model):
 
 
 def test_shared_prefix_is_counted_once_in_the_engine(model):
-    workload = shared_prefix(vocab_size=VOCAB_SIZE, num_requests=5, prefix_len=40, unique_lens=(2, 6),
-                             output_lens=(3, 6), seed=3)
+    workload = shared_prefix(
+        vocab_size=VOCAB_SIZE, num_requests=5, prefix_len=40, unique_lens=(2, 6), output_lens=(3, 6), seed=3
+    )
     run = serving.run_serving(model, workload, [2], ["dynamic", "engine"], progress=False)
     rows = serving_report.summarize_all(run)
     for row, result in zip(rows, run.results):
@@ -113,8 +124,15 @@ def test_shared_prefix_is_counted_once_in_the_engine(model):
 
 
 def test_parallel_sampling_gives_every_request_its_samples(model):
-    workload = parallel_sampling(vocab_size=VOCAB_SIZE, num_samples=3, temperature=1.0, num_requests=3,
-                                 prompt_lens=(4, 10), output_lens=(4, 6), seed=4)
+    workload = parallel_sampling(
+        vocab_size=VOCAB_SIZE,
+        num_samples=3,
+        temperature=1.0,
+        num_requests=3,
+        prompt_lens=(4, 10),
+        output_lens=(4, 6),
+        seed=4,
+    )
     run = serving.run_serving(model, workload, [2], progress=False)
     assert not run.failures and run.reference is None
     rows = serving_report.summarize_all(run)
@@ -156,8 +174,12 @@ def test_every_backend_serves_every_request(run, workload):
 def test_reference_is_per_request_generate(model, workload, run):
     spec = workload.requests[0]
     input_ids = torch.tensor([spec.prompt_ids])
-    out = model.generate(input_ids, past_key_values=DynamicCache(config=model.config), do_sample=False,
-                         max_new_tokens=spec.max_new_tokens)
+    out = model.generate(
+        input_ids,
+        past_key_values=DynamicCache(config=model.config),
+        do_sample=False,
+        max_new_tokens=spec.max_new_tokens,
+    )
     assert run.reference[0] == out[0, input_ids.shape[1] :].tolist()
 
 
@@ -197,8 +219,13 @@ def test_metrics_are_consistent(rows, run, workload):
 def test_render_has_every_section(run, rows):
     served = {"facts": serving_report.describe(run), "rows": rows, "notes": ["a note"]}
     text = "\n".join(serving_report.render(served))
-    for heading in ("## Serving: `burst` workload", "### Throughput and latency", "### KV memory and concurrency",
-                    "### Greedy agreement with per-request generate()", "### Notes"):
+    for heading in (
+        "## Serving: `burst` workload",
+        "### Throughput and latency",
+        "### KV memory and concurrency",
+        "### Greedy agreement with per-request generate()",
+        "### Notes",
+    ):
         assert heading in text
     assert "All 10 runs reproduce every request token for token." in text
     for name in serving.default_backends():
@@ -209,10 +236,20 @@ def test_render_has_every_section(run, rows):
 
 
 def _fake_cache_report():
-    demo = dict(dynamic_tokens=[1, 2], paged_tokens=[1, 2], dynamic_kv_bytes=10, paged_kv_bytes=12,
-                paged_block_size=16, identical=True)
-    return {"demo": demo, "kv_bytes_held": [{"mode": "x"}], "sliding_window_bytes": [{"cache": "y"}],
-            "decode_speed": [{"batch": 1}]}
+    demo = dict(
+        dynamic_tokens=[1, 2],
+        paged_tokens=[1, 2],
+        dynamic_kv_bytes=10,
+        paged_kv_bytes=12,
+        paged_block_size=16,
+        identical=True,
+    )
+    return {
+        "demo": demo,
+        "kv_bytes_held": [{"mode": "x"}],
+        "sliding_window_bytes": [{"cache": "y"}],
+        "decode_speed": [{"batch": 1}],
+    }
 
 
 def test_mismatch_is_reported_with_its_position(run):
@@ -226,9 +263,7 @@ def test_mismatch_is_reported_with_its_position(run):
     fake = serving.ServingRun(run.workload, run.budgets, run.reference, [bad])
     [row] = serving_report.summarize_all(fake)
     token = outputs[1][2]
-    assert row["mismatches"] == [
-        {"request": 1, "first_difference": 2, "token": token, "reference_token": token - 1}
-    ]
+    assert row["mismatches"] == [{"request": 1, "first_difference": 2, "token": token, "reference_token": token - 1}]
     text = "\n".join(serving_report.render({"facts": serving_report.describe(fake), "rows": [row]}))
     assert f"request 1 at token 2 ({token} for {token - 1})" in text
 
@@ -282,8 +317,12 @@ def test_third_party_backend_runs_like_dynamic(model, workload):
 
 def test_repeats_keep_the_fastest_run_of_each(model, workload):
     run = serving.run_serving(model, workload, [2, 3], ["engine", "dynamic"], repeats=2, progress=False)
-    assert [(r.backend, r.multiple) for r in run.results] == [("engine", 2), ("dynamic", 2), ("engine", 3),
-                                                              ("dynamic", 3)]
+    assert [(r.backend, r.multiple) for r in run.results] == [
+        ("engine", 2),
+        ("dynamic", 2),
+        ("engine", 3),
+        ("dynamic", 3),
+    ]
     assert run.repeats == 2 and run.notes == [] and all(r.outputs == run.reference for r in run.results)
     for result in run.results:  # every repeat's wall time, the fastest kept
         walls = result.extra["repeat_walls_s"]

@@ -12,8 +12,8 @@ import torch
 from bench.linear import weight_major_linear
 from bench.models import load_model
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache
-from hf_paged.engine import Request, SamplingParams, Scheduler, StepCache
 from hf_paged.attention import plan_of
+from hf_paged.engine import Request, SamplingParams, Scheduler, StepCache
 from tests.models import gemma3_config
 
 
@@ -130,7 +130,9 @@ def test_scheduler_backfill_scan_while_blocked(benchmark):
     for index in range(64 + 8):
         scheduler.add(Request(index, [1] * 100, SamplingParams(max_new_tokens=200)))
     scheduler.schedule()
-    assert len(scheduler.running) == 64 and len(scheduler.waiting) == 8  # 64 x 19 blocks at the peak: 1,216 + 19 > 1,234
+    assert (
+        len(scheduler.running) == 64 and len(scheduler.waiting) == 8
+    )  # 64 x 19 blocks at the peak: 1,216 + 19 > 1,234
 
     benchmark(scheduler.admit)
     assert len(scheduler.running) == 64 and [r.num_skips for r in scheduler.waiting] == [0] * 8

@@ -31,9 +31,7 @@ def make_pool(num_seqs: int, seq_len: int, *, block_size=16, num_kv_heads=2, hea
 def test_bench_decode_attention_torch(benchmark, num_seqs, seq_len):
     key_cache, value_cache, block_tables, seq_lens = make_pool(num_seqs, seq_len)
     query = torch.randn(num_seqs, 8, 64)  # GQA: 8 q heads over 2 kv heads
-    out = benchmark(
-        paged_decode_attention_torch, query, key_cache, value_cache, block_tables, seq_lens, scale=0.125
-    )
+    out = benchmark(paged_decode_attention_torch, query, key_cache, value_cache, block_tables, seq_lens, scale=0.125)
     assert out.shape == query.shape and torch.isfinite(out).all()
 
 

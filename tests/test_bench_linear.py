@@ -23,8 +23,15 @@ from hf_paged import BlockPool, Engine
 def _model() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, initializer_range=0.2, tie_word_embeddings=False, eos_token_id=None,
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=None,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -113,7 +120,6 @@ def test_pick_linear_auto_applies_what_the_calibration_found(monkeypatch):
     assert pick_linear(model, "torch") == (frozenset(), {})
     assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, nn.Linear))  # undone
     assert describe_linear("torch", frozenset(), {}).startswith("torch: stock F.linear at every row count")
-
 
 
 def test_weight_major_model_generates_the_same_tokens():

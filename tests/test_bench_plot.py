@@ -76,8 +76,20 @@ def tiny_harness(tmp_path, monkeypatch):
     monkeypatch.setattr(harness, "make_workload", lambda *args, **kwargs: workload)
 
     def main():
-        argv = ["--serving-only", "--budgets", "2,4", "--backends", "dynamic,engine", "--repeats", "1",
-                "--no-progress", "--log", str(tmp_path / "LOG.md"), "--serving-json", str(tmp_path / "serving.json")]
+        argv = [
+            "--serving-only",
+            "--budgets",
+            "2,4",
+            "--backends",
+            "dynamic,engine",
+            "--repeats",
+            "1",
+            "--no-progress",
+            "--log",
+            str(tmp_path / "LOG.md"),
+            "--serving-json",
+            str(tmp_path / "serving.json"),
+        ]
         assert harness.main(argv) == 0
         return (tmp_path / "LOG.md").read_text(), json.loads((tmp_path / "serving.json").read_text())
 

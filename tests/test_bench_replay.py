@@ -33,15 +33,23 @@ def test_replay_takes_the_real_engines_decisions(name, num_samples, decode_reser
     while engine.has_unfinished():
         engine.step()
 
-    result = replay(workload, multiple, config=model.config, max_num_seqs=8, max_num_batched_tokens=64,
-                    decode_reserve_tokens=decode_reserve_tokens)
+    result = replay(
+        workload,
+        multiple,
+        config=model.config,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        decode_reserve_tokens=decode_reserve_tokens,
+    )
     stats = engine.stats
     assert result.num_blocks == pool.num_blocks
     assert result.num_steps == stats.num_steps
     assert result.mean_rows == stats.mean_running and result.peak_rows == stats.peak_running
     assert result.mean_occupancy == sum(stats.used_blocks) / len(stats.used_blocks) / pool.num_blocks
     assert (result.num_preemptions, result.prefill_tokens, result.prefix_hit_tokens) == (
-        stats.num_preemptions, stats.prefill_tokens, stats.prefix_hit_tokens
+        stats.num_preemptions,
+        stats.prefill_tokens,
+        stats.prefix_hit_tokens,
     )
     if decode_reserve_tokens == 0 and name == "llama":  # the preempting cases really preempt and recompute
         assert result.num_preemptions > 0

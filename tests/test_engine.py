@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
-from hf_paged.storage import block_hashes
 from hf_paged.engine import Request, Scheduler
+from hf_paged.storage import block_hashes
 from tests.models import greedy_reference, random_prompts, require_triton_on_cpu, tiny_engine, tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
@@ -64,7 +64,9 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
     prompts = random_prompts((5, 11, 3))
     engine, pool = tiny_engine(name, 32, max_num_seqs=3)
     new_tokens = [4, 12, 6]  # past the window of 8 for gemma3's sliding layers
-    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(name, prompts, new_tokens)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
     assert pool.num_used_blocks == 0
     assert batch_sizes and max(batch_sizes) == 3  # rows of lengths 6, 12 and 4 went through one kernel call
 
@@ -157,7 +159,9 @@ def test_serving_loop_with_add_request_and_step():
     second = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
     while engine.has_unfinished():
         engine.step()
-    assert [engine.request(first).output_ids, engine.request(second).output_ids] == greedy_reference("llama", prompts, [4, 4])
+    assert [engine.request(first).output_ids, engine.request(second).output_ids] == greedy_reference(
+        "llama", prompts, [4, 4]
+    )
     assert pool.num_used_blocks == 0
 
 
@@ -219,7 +223,9 @@ def test_parallel_samples_of_one_prompt_compute_it_once():
     blocks are cached and take them, instead of all four computing a copy in the same step."""
     prompt = random_prompts((30,))[0]
     engine, pool = tiny_engine("llama", 64, max_num_seqs=8, enable_prefix_caching=True)
-    assert engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", [prompt], [6]) * 4
+    assert (
+        engine.generate([prompt] * 4, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", [prompt], [6]) * 4
+    )
     hit = (len(prompt) - 1) // 4 * 4  # 28 tokens: 7 full blocks (one token is always left to compute)
     assert engine.stats.prefix_hit_tokens == 3 * hit
     assert engine.stats.prefill_tokens == len(prompt) + 3 * (len(prompt) - hit)
@@ -403,7 +409,7 @@ def test_shared_system_prompt_with_sliding_layers_is_computed_once(name):
         hits = []
         reuse = engine.scheduler._reuse_prefix
 
-        def spy(request):  # the tables each prefill starts from
+        def spy(request, reuse=reuse, hits=hits):  # the tables each prefill starts from
             reuse(request)
             hits.append((request.num_computed, list(request.first_blocks), [len(t) for t in request.block_tables]))
 

@@ -12,12 +12,11 @@ import gc
 
 import pytest
 import torch
+from models import ATTN_IMPLEMENTATIONS, MODEL_NAMES, left_padded_batch, random_prompt, tiny_assistant, tiny_model
 from transformers import DynamicCache
 
 from hf_paged import BlockPool, KVLayout, PoolExhausted, PoolMismatch
 from hf_paged.cache import PagedCache
-
-from models import ATTN_IMPLEMENTATIONS, MODEL_NAMES, left_padded_batch, random_prompt, tiny_assistant, tiny_model
 
 PROMPT_LEN = 13  # not a multiple of BLOCK_SIZE: the prompt ends inside a block
 MAX_NEW_TOKENS = 12

@@ -37,9 +37,11 @@ def _sdpa_reference(name: str, prompts: list[list[int]], new_tokens: list[int], 
     model = tiny_model(name, "sdpa", device=device)
     return [
         model.generate(
-            torch.tensor([prompt], device=device), past_key_values=DynamicCache(config=model.config),
-            max_new_tokens=n, do_sample=False,
-        )[0, len(prompt):].tolist()
+            torch.tensor([prompt], device=device),
+            past_key_values=DynamicCache(config=model.config),
+            max_new_tokens=n,
+            do_sample=False,
+        )[0, len(prompt) :].tolist()
         for prompt, n in zip(prompts, new_tokens)
     ]
 
@@ -57,7 +59,7 @@ def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(n
         out = model.generate(
             torch.tensor([prompt], device="cuda"), past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False
         )
-    assert out[0, len(prompt):].tolist() == reference
+    assert out[0, len(prompt) :].tolist() == reference
     assert len(decode_calls) == model.config.num_hidden_layers * (NEW_TOKENS - 1)
     assert pool.num_used_blocks == 0
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM
 
+from bench.cache_report import dynamic_cache_bytes
 from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache, PoolExhausted
 from hf_paged.storage import derive_layer_groups
-from bench.cache_report import dynamic_cache_bytes
 from tests.models import (
     SLIDING_WINDOW,
     gemma3_config,

@@ -7,7 +7,12 @@ from transformers import GPT2Config, LlamaConfig
 from hf_paged import BlockPool, KVLayout, PoolMismatch
 
 LLAMA = LlamaConfig(
-    vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2
+    vocab_size=64,
+    hidden_size=64,
+    intermediate_size=64,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
 )
 
 

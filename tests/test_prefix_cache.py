@@ -5,8 +5,8 @@ import torch
 from transformers import DynamicCache
 
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache, PoolExhausted, SamplingParams
-from hf_paged.storage import block_hashes, hash_block_tokens
 from hf_paged.engine import Request, Scheduler
+from hf_paged.storage import block_hashes, hash_block_tokens
 from tests.models import left_padded_batch, tiny_model
 from tests.prefix_kv import LAYOUT, update_rows
 

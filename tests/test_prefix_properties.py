@@ -378,9 +378,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         """Crop back into a held cached block and append: written in place (sole holders) it must lose its hash;
         shared with others, it is copied and keeps it."""
         block_size = self.block_size
-        cached_indices = [
-            index for index, b in enumerate(t.cache.block_tables[0]) if self.pool.allocator.is_cached(b)
-        ]
+        cached_indices = [index for index, b in enumerate(t.cache.block_tables[0]) if self.pool.allocator.is_cached(b)]
         index = data.draw(st.sampled_from(cached_indices), label="block index")
         # A crop may have cut into the block already (crop alone does not forget its hash).
         keep = data.draw(st.integers(index * block_size, min((index + 1) * block_size - 1, t.seq_len)), label="keep")

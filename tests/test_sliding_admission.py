@@ -82,8 +82,12 @@ def test_long_prompts_in_small_chunks_count_a_window_plus_a_chunk(mixed):
         for cls in steps:
             layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
             pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
-            scheduler = cls(pool, max_num_seqs=budget, max_num_batched_tokens=budget,
-                            sliding_windows=[window, None][: len(layer_types)])
+            scheduler = cls(
+                pool,
+                max_num_seqs=budget,
+                max_num_batched_tokens=budget,
+                sliding_windows=[window, None][: len(layer_types)],
+            )
             requests = [new_request(i, n, k) for i, (n, k) in enumerate(specs)]
             runs[cls] = (drive(scheduler, requests, max_steps=5000), sum(r.error is None for r in requests))
             assert scheduler.num_preemptions == 0, (cls.__name__, block_size, window, budget, num_blocks, specs)
@@ -114,8 +118,12 @@ def test_prefix_caching_with_sliding_groups_never_preempts_and_hits(mixed):
         specs = [(prompt, rng.randint(1, 8)) for prompt in prompts]
         layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
         pool = BlockPool(layout, num_blocks=rng.randint(8, 40), block_size=block_size, enable_prefix_caching=True)
-        scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=rng.choice([8, 16, 64]),
-                              sliding_windows=[window, None][: len(layer_types)])
+        scheduler = Scheduler(
+            pool,
+            max_num_seqs=8,
+            max_num_batched_tokens=rng.choice([8, 16, 64]),
+            sliding_windows=[window, None][: len(layer_types)],
+        )
         requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n) in enumerate(specs)]
         drive(scheduler, requests, max_steps=2000)
         case = (block_size, window, pool.num_blocks, specs)
@@ -260,8 +268,12 @@ def test_shared_sliding_windows_with_staggered_arrivals_never_preempt():
         layout = KVLayout((2,) * len(kinds), (4,) * len(kinds), kinds)
         pool = BlockPool(layout, num_blocks=rng.randint(6, 120), block_size=block_size, enable_prefix_caching=True)
         budget = rng.choice([4, 8, 16, 64])
-        scheduler = Scheduler(pool, max_num_seqs=min(budget, 8), max_num_batched_tokens=budget,
-                              sliding_windows=[window if kind == "sliding_attention" else None for kind in kinds])
+        scheduler = Scheduler(
+            pool,
+            max_num_seqs=min(budget, 8),
+            max_num_batched_tokens=budget,
+            sliding_windows=[window if kind == "sliding_attention" else None for kind in kinds],
+        )
         requests = [Request(i, prompt, SamplingParams(max_new_tokens=n)) for i, (prompt, n, _) in enumerate(specs)]
         case = (kinds, block_size, window, pool.num_blocks, budget, [(len(p), n, at) for p, n, at in specs])
         step = 0

@@ -17,7 +17,6 @@ import torch
 from hypothesis import event
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
-
 from transformers import DynamicCache, MistralConfig
 
 from hf_paged import BlockPool, PagedCache, PoolExhausted

@@ -81,7 +81,9 @@ def test_step_cache_decode_rows_use_the_attention_scaling_and_keep_row_order():
 def test_step_cache_rejects_bad_rows():
     model = tiny_model("llama", "hf_paged")
     pool = BlockPool.for_model(model, num_blocks=8, block_size=4)
-    with pytest.raises(ValueError, match=r"decode rows \(q_len 1\) must come before prefill chunks, got q_lens \[3, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"decode rows \(q_len 1\) must come before prefill chunks, got q_lens \[3, 1\]"
+    ):
         StepCache(pool, [[[0], [1]]], [0, 0], [3, 1])
     with pytest.raises(ValueError, match="a block table of 1 blocks cannot hold 5 tokens"):
         StepCache(pool, [[[0]]], [2], [3])

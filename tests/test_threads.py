@@ -17,11 +17,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+from models import random_prompt, tiny_model
 from transformers import DynamicCache
 
 from hf_paged import BlockPool, KVLayout, PagedCache, PoolExhausted
-
-from models import random_prompt, tiny_model
 
 NUM_THREADS = 4
 CALLS_PER_THREAD = 3

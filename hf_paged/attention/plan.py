@@ -45,6 +45,6 @@ def plan_of(key: torch.Tensor) -> AttentionPlan | None:
 
 
 def module_backend(module: torch.nn.Module, device: torch.device) -> str:
-    """"triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
+    """ "triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
     `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device`."""
     return resolve_backend(getattr(module, BACKEND_ATTR, None), device)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .block_tables import BlockTables
 from ..storage import BlockPool, LayerGroups, group_of_layer
+from .block_tables import BlockTables
 
 
 class GroupTables:

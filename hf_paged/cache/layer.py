@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     import torch
 
 
-
 class PagedLayer(CacheLayerMixin):
     """One decoder layer's view of a `PagedCache`. It holds a length, not tensors: the K/V are in the pool.
 

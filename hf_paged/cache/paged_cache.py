@@ -6,10 +6,10 @@ gathered from the pool instead of kept contiguous. What changes is storage: bloc
 tokens at a time from a pool that many caches can share, rows that hold the same prefix share its blocks by
 reference count, and beam search reorders block tables instead of copying K/V.
 
-Layer groups (storage/layer_groups.py): the cache keeps one `BlockTables` per layer group of its pool, and layer `l` uses
-its group's tables. A group whose layers all slide gives back the blocks that left the window at the start of each
-step; a group with a full-attention layer keeps every block. Mistral (all sliding) is one sliding group; Gemma2/3
-get sliding groups and full groups, so a long generation holds about what DynamicCache holds.
+Layer groups (storage/layer_groups.py): the cache keeps one `BlockTables` per layer group of its pool, and layer
+`l` uses its group's tables. A group whose layers all slide gives back the blocks that left the window at the start
+of each step; a group with a full-attention layer keeps every block. Mistral (all sliding) is one sliding group;
+Gemma2/3 get sliding groups and full groups, so a long generation holds about what DynamicCache holds.
 """
 
 from __future__ import annotations
@@ -318,7 +318,9 @@ class PagedCache(Cache):
             rows = _token_rows(token_ids)
             if len(rows) != blocks.num_rows:
                 raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
-            padded = [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
+            padded = (
+                [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
+            )
             num_tokens = min(layer.cumulative_length for layer in self.layers)
             for group, group_tables in enumerate(self._tables.groups):
                 group_tables.cache_rows(rows, padded, num_tokens, group)
@@ -349,8 +351,8 @@ class PagedCache(Cache):
             return
         lengths = [max(layer.cumulative_length + tokens_to_remove, 0) for layer in self.layers]
         self._tables.truncate(
-            [min(self.layers[l].first_visible(lengths[l]) for l in group) for group in self.layer_groups],
-            [max(lengths[l] for l in group) for group in self.layer_groups],
+            [min(self.layers[i].first_visible(lengths[i]) for i in group) for group in self.layer_groups],
+            [max(lengths[i] for i in group) for group in self.layer_groups],
             crop_call=f"crop({tokens_to_remove})",
         )
         for layer, length in zip(self.layers, lengths):

@@ -5,8 +5,8 @@
 
 Each `step()` runs one forward over every scheduled request: the decode rows' next tokens and the prefill chunks
 packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
-padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches the model to the "hf_paged" attention implementation (which
-behaves exactly like sdpa with any other cache).
+padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches
+the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache).
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ class Engine:
                 # sample (their generators live on the CPU), copied to the host together.
                 greedy_ids = logits.argmax(-1).tolist()
                 sampled = [
-                    row for row, (request, num_tokens) in enumerate(rows)
+                    row
+                    for row, (request, num_tokens) in enumerate(rows)
                     if request.params.temperature > 0.0 and request.num_pending == num_tokens
                 ]
                 host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
@@ -308,7 +309,8 @@ class Engine:
             workspace=self._workspace,
         )
         token_ids = [
-            token for request, num_tokens in rows
+            token
+            for request, num_tokens in rows
             for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
         ]
         device = self.model.device

@@ -132,7 +132,9 @@ class Scheduler(Admission):
         # Per layer group: the window when every layer of the group slides (the largest), else None (keeps all).
         windows = sliding_windows if sliding_windows is not None else [None] * pool.layout.num_layers
         if len(windows) != pool.layout.num_layers:
-            raise ValueError(f"sliding_windows needs one entry per layer ({pool.layout.num_layers}), got {len(windows)}")
+            raise ValueError(
+                f"sliding_windows needs one entry per layer ({pool.layout.num_layers}), got {len(windows)}"
+            )
         self.group_windows = group_windows(pool.layer_groups, windows)
         self.decode_reserve_tokens = decode_reserve_tokens
         self.backfill_window = backfill_window

@@ -106,9 +106,7 @@ class StepPlan:
         return out, None
 
 
-def _chunk_mask(
-    seq_len: int, q_len: int, sliding_window: int | None, first: int, device
-) -> torch.Tensor | None:
+def _chunk_mask(seq_len: int, q_len: int, sliding_window: int | None, first: int, device) -> torch.Tensor | None:
     """[1, 1, q_len, seq_len + q_len - first] bool for keys from position `first` on: query i (position seq_len + i)
     sees the key at position p when p <= seq_len + i (and, with a window, p > seq_len + i - sliding_window). None
     where sdpa's own mask would be skipped for plain causal attention (no cached keys, the whole chunk inside the
@@ -166,11 +164,17 @@ class StepCache(Cache):
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
-            raise ValueError(f"block_tables needs one list per layer group ({pool.num_groups}), got {len(block_tables)}")
+            raise ValueError(
+                f"block_tables needs one list per layer group ({pool.num_groups}), got {len(block_tables)}"
+            )
         if first_blocks is None:
             first_blocks = [[0] * num_rows for _ in block_tables]
-        if not num_rows or len(q_lens) != num_rows or any(
-            len(tables) != num_rows or len(firsts) != num_rows for tables, firsts in zip(block_tables, first_blocks)
+        if (
+            not num_rows
+            or len(q_lens) != num_rows
+            or any(
+                len(tables) != num_rows or len(firsts) != num_rows for tables, firsts in zip(block_tables, first_blocks)
+            )
         ):
             raise ValueError(
                 f"block tables, first blocks, seq_lens and q_lens need one entry per row, got "
@@ -240,7 +244,11 @@ class StepCache(Cache):
         pool.check_states(layer_idx, key_states)
         group = self._groups[pool.group_of_layer[layer_idx]]
         store_kv_rows(
-            pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, group.slots,
+            pool.key_cache[layer_idx],
+            pool.value_cache[layer_idx],
+            key_states,
+            value_states,
+            group.slots,
             backend=self._store_backend,
         )
         _, num_heads, _, head_dim = key_states.shape
@@ -260,7 +268,9 @@ class StepCache(Cache):
         if module_backend(module, query.device) == "torch":
             key, value = self._gather(layer_idx, 0, self.num_decode)
             mask = length_mask(
-                group.seq_lens[: self.num_decode], kwargs.get("sliding_window"), group.length_masks,
+                group.seq_lens[: self.num_decode],
+                kwargs.get("sliding_window"),
+                group.length_masks,
                 max_len=max(group.host_seq_lens[: self.num_decode]),
             )
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]

@@ -83,7 +83,9 @@ class BlockAllocator:
                 raise PoolExhausted(num_blocks, len(self._free), self.num_blocks)
             block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
             for block_id in block_ids:
-                assert self._ref_counts[block_id] == 0, f"free block {block_id} had ref_count {self._ref_counts[block_id]}"
+                assert self._ref_counts[block_id] == 0, (
+                    f"free block {block_id} had ref_count {self._ref_counts[block_id]}"
+                )
                 self._ref_counts[block_id] = num_holders
                 self._forget(block_id)  # evicted: new data will overwrite the cached contents
             return block_ids
@@ -268,7 +270,9 @@ class BlockAllocator:
             free = list(self._free)
             assert len(free) == len(set(free)), "a block is in the free queue twice"
             for block_id in free:
-                assert self._ref_counts[block_id] == 0, f"queued block {block_id} has ref_count {self._ref_counts[block_id]}"
+                assert self._ref_counts[block_id] == 0, (
+                    f"queued block {block_id} has ref_count {self._ref_counts[block_id]}"
+                )
             num_held = sum(1 for count in self._ref_counts if count > 0)
             assert all(count >= 0 for count in self._ref_counts), "negative ref_count"
             assert num_held + len(free) == self.num_blocks, f"{num_held} held + {len(free)} free != {self.num_blocks}"

@@ -39,7 +39,9 @@ def parse_memory(max_memory: int | str) -> int:
     except ValueError:
         num_bytes = 0
     if isinstance(max_memory, bool) or num_bytes <= 0:
-        raise ValueError(f"max_memory must be a positive byte count or a size like '512MiB' or '2GB', got {max_memory!r}")
+        raise ValueError(
+            f"max_memory must be a positive byte count or a size like '512MiB' or '2GB', got {max_memory!r}"
+        )
     return num_bytes
 
 
@@ -100,7 +102,7 @@ class BlockPool:
         self.num_slots = max(len(group) for group in self.layer_groups)
         # slot -> (kv heads, head_dim) of the layers using it; derive_layer_groups guarantees they agree.
         full_group = next(group for group in self.layer_groups if len(group) == self.num_slots)
-        self._slot_shapes = [(layout.num_kv_heads[l], layout.head_dims[l]) for l in full_group]
+        self._slot_shapes = [(layout.num_kv_heads[i], layout.head_dims[i]) for i in full_group]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.bytes_per_block = 2 * block_size * itemsize * sum(h * d for h, d in self._slot_shapes)
         if max_memory is not None:
@@ -206,8 +208,9 @@ class BlockPool:
         """Raise `PoolMismatch` unless this pool stores K/V of the given shape (layer types may differ: see
         `KVLayout`; the pool's layer groups serve any model of its shapes)."""
         if layout != self.layout:
+            built_heads = sorted(set(self.layout.num_kv_heads))
             raise PoolMismatch(
-                f"pool was built for {self.layout.num_layers} layers with kv heads {sorted(set(self.layout.num_kv_heads))} "
+                f"pool was built for {self.layout.num_layers} layers with kv heads {built_heads} "
                 f"and head_dim {sorted(set(self.layout.head_dims))}; the model has {layout.num_layers} layers with kv "
                 f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}"
             )
@@ -215,7 +218,9 @@ class BlockPool:
     def check_states(self, layer_idx: int, key_states: torch.Tensor) -> None:
         """Raise `PoolMismatch` unless `key_states` ([B, kv_heads, q_len, head_dim]) fits this pool's layer."""
         if layer_idx >= self.layout.num_layers:
-            raise PoolMismatch(f"layer_idx {layer_idx} out of range: pool was built for {self.layout.num_layers} layers")
+            raise PoolMismatch(
+                f"layer_idx {layer_idx} out of range: pool was built for {self.layout.num_layers} layers"
+            )
         heads, dim = self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx]
         if key_states.shape[1] != heads or key_states.shape[-1] != dim:
             raise PoolMismatch(
@@ -240,7 +245,7 @@ class BlockPool:
 
     @staticmethod
     def nhd_view(cache: torch.Tensor) -> torch.Tensor:
-        """[num_kv_heads, num_blocks, block_size, head_dim] -> a [num_blocks, block_size, num_kv_heads, head_dim] view."""
+        """[num_kv_heads, num_blocks, block_size, head_dim] -> [num_blocks, block_size, num_kv_heads, head_dim] view."""
         return cache.permute(1, 2, 0, 3)
 
     def grow(self, num_new_blocks: int) -> None:

@@ -121,7 +121,14 @@ def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, ba
         key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
         value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
         # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
-        store_kv(key_rows, value_rows, key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3), slots, backend="triton")
+        store_kv(
+            key_rows,
+            value_rows,
+            key_cache.permute(1, 2, 0, 3),
+            value_cache.permute(1, 2, 0, 3),
+            slots,
+            backend="triton",
+        )
         return
     for cache, states in ((key_cache, key_states), (value_cache, value_states)):
         new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]

@@ -55,11 +55,21 @@ def _paged_decode_kernel(
     out_ptr,  # [B, num_q_heads, head_dim], written only if NUM_SPLITS == 1
     partial_out_ptr,  # [B, num_q_heads, NUM_SPLITS, head_dim] fp32, written only if NUM_SPLITS > 1
     partial_lse_ptr,  # [B, num_q_heads, NUM_SPLITS] fp32 (log2 units), written only if NUM_SPLITS > 1
-    stride_qb, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
     stride_bt,
-    stride_ob, stride_oh, stride_od,
+    stride_ob,
+    stride_oh,
+    stride_od,
     scale,
     softcap,
     sliding_window,
@@ -178,7 +188,9 @@ def _merge_splits_kernel(
     partial_out_ptr,  # [B, num_q_heads, NUM_SPLITS, head_dim] fp32
     partial_lse_ptr,  # [B, num_q_heads, NUM_SPLITS] fp32, log2 units
     out_ptr,  # [B, num_q_heads, head_dim]
-    stride_ob, stride_oh, stride_od,
+    stride_ob,
+    stride_oh,
+    stride_od,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
@@ -232,7 +244,6 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     return 1 << (wanted.bit_length() - 1)
 
 
-
 def paged_decode_attention_triton(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -279,9 +290,15 @@ def paged_decode_attention_triton(
         partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
     with on_device(query):
         _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
-            query, key_cache, value_cache, block_tables, seq_lens,
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            seq_lens,
             kv_start if kv_start is not None else seq_lens,  # unused when HAS_KV_START is False
-            out, partial_out, partial_lse,
+            out,
+            partial_out,
+            partial_lse,
             *query.stride(),
             *key_cache.stride(),
             *value_cache.stride(),
@@ -309,7 +326,9 @@ def paged_decode_attention_triton(
         )
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
-                partial_out, partial_lse, out,
+                partial_out,
+                partial_lse,
+                out,
                 *out.stride(),
                 HEAD_DIM=head_dim,
                 HEAD_DIM_PAD=head_dim_pad,

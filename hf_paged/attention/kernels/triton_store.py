@@ -21,10 +21,20 @@ def _store_kv_kernel(
     key_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     value_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     slot_mapping_ptr,  # [num_tokens] int64
-    stride_kt, stride_kh, stride_kd,
-    stride_vt, stride_vh, stride_vd,
-    stride_kcb, stride_kcs, stride_kch, stride_kcd,
-    stride_vcb, stride_vcs, stride_vch, stride_vcd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    stride_kcb,
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcb,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
     BLOCK_SIZE: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -69,7 +79,11 @@ def store_kv_triton(
         return
     with on_device(key_cache):
         _store_kv_kernel[(num_tokens, num_kv_heads)](
-            key, value, key_cache, value_cache, slot_mapping,
+            key,
+            value,
+            key_cache,
+            value_cache,
+            slot_mapping,
             *key.stride(),
             *value.stride(),
             *key_cache.stride(),
