@@ -26,7 +26,7 @@ def derive_layer_groups(layer_types: Sequence[str], shapes: Sequence[tuple[int, 
 
     Layers of one type form groups of `m` consecutive (in that type's order) layers, `m` = the smallest per-type
     count; the last group of a type may be shorter (its missing slots simply have no layer). One type -> one group
-    of every layer (the layout before layer groups existed).
+    of every layer.
 
     NOTE: `m` = the smallest count means the rarest type (Gemma's full layers) is never padded; a padded group
     leaves `(m - len(group)) / m` of each of its blocks unused. Since the padded group is usually a sliding one,

@@ -10,7 +10,7 @@ pos % block_size` of the flattened `[num_kv_heads, num_blocks * block_size, head
 
 Why head-major: gathering one row's blocks with `index_select(dim=1)` lands directly in the `[kv_heads, seq, dim]`
 layout that attention wants, in one block-granular copy. Gathering from a token-major pool needs a second,
-transposing copy (measured 2x slower), and returning the transposed view instead changes eager attention's matmul
+transposing copy, and returning the transposed view instead changes eager attention's matmul
 results in the last bit. `nhd_view` gives kernels the `[num_blocks, block_size, num_kv_heads, head_dim]` view.
 
 Layer groups (layer_groups.py): a block id names the same token range in every layer *of one layer group*, so a
@@ -116,7 +116,7 @@ class BlockPool:
             raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
         self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
         # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
-        # index by layer as before). grow() replaces the tensors and refreshes the lists in place.
+        # index by layer). grow() replaces the tensors and refreshes the lists in place.
         self._key_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
         self._value_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
         self.key_cache: list[torch.Tensor] = []
