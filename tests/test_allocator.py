@@ -148,3 +148,37 @@ def test_bad_allocate_arguments_are_rejected():
         allocator.allocate(-1)
     with pytest.raises(ValueError):
         allocator.allocate(1, num_holders=0)
+
+
+def test_creating_an_allocator_costs_the_same_for_any_num_blocks():
+    import tracemalloc
+
+    tracemalloc.start()
+    allocator = BlockAllocator(10**12)
+    assert allocator.allocate(3) == [0, 1, 2]
+    allocator.free([1])
+    assert allocator.allocate(2) == [3, 4]  # never-used ids come first: they were queued before 1 was freed
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 64 * 1024, peak
+    assert allocator.num_free_blocks == 10**12 - 4 and allocator.num_used_blocks == 4
+    allocator.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "allocated, freed, queue",
+    [
+        (4, [2], [2, 4, 5]),  # grown ids queue behind the freed block
+        (2, [], [2, 3, 4, 5]),  # the never-used run goes on
+        (2, [0], [2, 3, 0, 4, 5]),
+        (4, [], [4, 5]),
+    ],
+)
+def test_grow_queues_new_ids_last(allocated, freed, queue):
+    allocator = BlockAllocator(4)
+    allocator.allocate(allocated)
+    allocator.free(freed)
+    allocator.grow(2)
+    assert allocator.free_queue() == queue
+    allocator.check_invariants()
+    assert allocator.allocate(len(queue)) == queue

@@ -259,7 +259,7 @@ def test_failed_update_keeps_cached_free_blocks():
     forked.batch_repeat_interleave(2)
     other = PagedCache(pool=pool)
     update_rows(other, [[3]])
-    assert pool.num_free_blocks == 2 and all(pool.allocator.is_cached(b) for b in pool.allocator._free)
+    assert pool.num_free_blocks == 2 and all(pool.allocator.is_cached(b) for b in pool.allocator.free_queue())
     # 1 fresh block for each of the 2 diverged rows, and 1 copy of their shared half-full block
     with pytest.raises(PoolExhausted, match=r"need 3 blocks, 2 free of 5"):
         update_rows(forked, [[2] * 6 + [1] * 6, [2] * 6 + [3] * 6], num_past=6)

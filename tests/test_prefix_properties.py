@@ -93,7 +93,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def snapshot(self) -> PoolState:
         allocator = self.pool.allocator
         return PoolState(
-            free=list(allocator._free),
+            free=allocator.free_queue(),
             cached=dict(allocator._block_of_hash),
             tables=[t.cache.block_tables for t in self.tracked],
             lengths=[t.cache.get_seq_length() for t in self.tracked],
@@ -302,7 +302,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if t.rows:
             self.release_tracked(t, data)
         num_blocks = data.draw(st.integers(1, self.pool.num_free_blocks), label="num_blocks")
-        num_cached_free = sum(1 for b in self.pool.allocator._free if self.pool.allocator.is_cached(b))
+        num_cached_free = sum(1 for b in self.pool.allocator.free_queue() if self.pool.allocator.is_cached(b))
         tokens = data.draw(
             st.lists(TOKENS, min_size=num_blocks * self.block_size, max_size=num_blocks * self.block_size),
             label="tokens",
@@ -402,7 +402,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     def pool_bookkeeping(self):
         check_holders(self.pool, self.tracked, NUM_BLOCKS)
         allocator = self.pool.allocator
-        free = set(allocator._free)
+        free = set(allocator.free_queue())
         assert allocator.num_cached_blocks == len(allocator._block_of_hash) == len(allocator._hash_of_block)
         for block_hash, block_id in allocator._block_of_hash.items():
             assert allocator._hash_of_block[block_id] == block_hash, f"block {block_id}: hash maps disagree"

@@ -42,9 +42,12 @@ class BlockAllocator:
         self.num_blocks = num_blocks
         # NOTE: FIFO order. Freed blocks go to the back, so the least recently freed block is reused first (and,
         # with prefix caching, the least recently used cached block is evicted first); the allocator tests pin
-        # this order down exactly. An OrderedDict, not a deque: a prefix hit removes a block from the middle.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._ref_counts: list[int] = [0] * num_blocks
+        # this order down exactly. The queue is the never-used ids `_fresh_start .. _fresh_end - 1`, then the
+        # freed ones in `_free`: building an allocator costs the same for any `num_blocks`, and memory grows with
+        # the blocks in use. An OrderedDict, not a deque: a prefix hit removes a block from the middle.
+        self._fresh_start, self._fresh_end = 0, num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict()
+        self._ref_counts: dict[int, int] = {}  # held blocks only; a free block has no entry
         # Re-entrant, and public so a caller can make a read-then-act sequence atomic (block_tables.py).
         self.lock = threading.RLock()
         self.enable_prefix_caching = enable_prefix_caching
@@ -58,17 +61,22 @@ class BlockAllocator:
     # ------------------------------------------------------------------ queries
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self._fresh_end - self._fresh_start + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+        return self._ref_counts.get(block_id, 0)
 
     def can_allocate(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self._free)
+        return num_blocks <= self.num_free_blocks
+
+    def free_queue(self) -> list[int]:
+        """The free block ids in the order `allocate` takes them; for tests and debugging, O(num_free_blocks)."""
+        with self.lock:
+            return [*range(self._fresh_start, self._fresh_end), *self._free]
 
     # ---------------------------------------------------------------- mutations
     def allocate(self, num_blocks: int, num_holders: int = 1) -> list[int]:
@@ -79,11 +87,14 @@ class BlockAllocator:
         if num_blocks < 0 or num_holders < 1:
             raise ValueError(f"allocate needs num_blocks >= 0 and num_holders >= 1, got {num_blocks}, {num_holders}")
         with self.lock:
-            if num_blocks > len(self._free):
-                raise PoolExhausted(num_blocks, len(self._free), self.num_blocks)
-            block_ids = [self._free.popitem(last=False)[0] for _ in range(num_blocks)]
+            if num_blocks > self.num_free_blocks:
+                raise PoolExhausted(num_blocks, self.num_free_blocks, self.num_blocks)
+            num_fresh = min(num_blocks, self._fresh_end - self._fresh_start)
+            block_ids = list(range(self._fresh_start, self._fresh_start + num_fresh))
+            self._fresh_start += num_fresh
+            block_ids += [self._free.popitem(last=False)[0] for _ in range(num_blocks - num_fresh)]
             for block_id in block_ids:
-                assert self._ref_counts[block_id] == 0, (
+                assert block_id not in self._ref_counts, (
                     f"free block {block_id} had ref_count {self._ref_counts[block_id]}"
                 )
                 self._ref_counts[block_id] = num_holders
@@ -95,7 +106,7 @@ class BlockAllocator:
         with self.lock:
             block_ids = list(block_ids)
             for block_id in block_ids:
-                if self._ref_counts[block_id] <= 0:
+                if block_id not in self._ref_counts:
                     raise RuntimeError(f"incref of free block {block_id}: only held blocks can be shared")
             for block_id in block_ids:
                 self._ref_counts[block_id] += times
@@ -111,13 +122,14 @@ class BlockAllocator:
             for block_id in block_ids:
                 drops[block_id] = drops.get(block_id, 0) + times
             for block_id, num in drops.items():
-                if self._ref_counts[block_id] < num:
+                if self.ref_count(block_id) < num:
                     raise RuntimeError(
-                        f"double free of block {block_id}: dropping {num} holders, it has {self._ref_counts[block_id]}"
+                        f"double free of block {block_id}: dropping {num} holders, it has {self.ref_count(block_id)}"
                     )
             for block_id in block_ids:
                 self._ref_counts[block_id] -= times
                 if self._ref_counts[block_id] == 0:
+                    del self._ref_counts[block_id]
                     self._free[block_id] = None
 
     def copy_on_write(self, block_id: int, num_holders: int = 1) -> int:
@@ -127,7 +139,7 @@ class BlockAllocator:
         returns its id; the caller must then copy the data (`BlockPool.copy_blocks`) before writing.
         """
         with self.lock:
-            ref_count = self._ref_counts[block_id]
+            ref_count = self.ref_count(block_id)
             if ref_count < num_holders:
                 raise RuntimeError(f"copy_on_write of block {block_id} by {num_holders} holders, it has {ref_count}")
             if ref_count == num_holders:
@@ -142,8 +154,13 @@ class BlockAllocator:
         if num_new_blocks <= 0:
             raise ValueError(f"grow needs a positive number of blocks, got {num_new_blocks}")
         with self.lock:
-            self._free.update(OrderedDict.fromkeys(range(self.num_blocks, self.num_blocks + num_new_blocks)))
-            self._ref_counts.extend([0] * num_new_blocks)
+            new_ids = range(self.num_blocks, self.num_blocks + num_new_blocks)
+            if self._free:  # behind the freed blocks in the queue
+                self._free.update(OrderedDict.fromkeys(new_ids))
+            elif self._fresh_start == self._fresh_end:
+                self._fresh_start, self._fresh_end = new_ids.start, new_ids.stop
+            else:  # the never-used run ends at the old `num_blocks`: it simply goes on
+                self._fresh_end = new_ids.stop
             self.num_blocks += num_new_blocks
 
     # ----------------------------------------------------------- prefix cache
@@ -164,7 +181,7 @@ class BlockAllocator:
         if not self.enable_prefix_caching:
             return
         with self.lock:
-            if self._ref_counts[block_id] <= 0:
+            if block_id not in self._ref_counts:
                 raise RuntimeError(f"cache_block of free block {block_id}: only held blocks can be cached")
             blocks = self._blocks_by_group.setdefault(group, {})
             if block_hash in blocks or block_id in self._hash_of_block:
@@ -186,9 +203,9 @@ class BlockAllocator:
     def _take_cached(self, block_ids: Iterable[int]) -> None:
         """One more holder for each cached block; a freed one comes back out of the free queue."""
         for block_id in block_ids:
-            if self._ref_counts[block_id] == 0:
+            if block_id not in self._ref_counts:
                 del self._free[block_id]
-            self._ref_counts[block_id] += 1
+            self._ref_counts[block_id] = self._ref_counts.get(block_id, 0) + 1
 
     def peek_prefix(self, block_hashes: Sequence[bytes], group: int = 0) -> list[int]:
         """The ids of the cached blocks `lookup_prefix(block_hashes, group)` would take now, taking nothing."""
@@ -265,17 +282,21 @@ class BlockAllocator:
 
     # --------------------------------------------------------------- debugging
     def check_invariants(self) -> None:
-        """Assert the allocator's invariants; for tests and debugging, O(num_blocks)."""
+        """Assert the allocator's invariants; for tests and debugging, O(blocks ever used)."""
         with self.lock:
-            free = list(self._free)
-            assert len(free) == len(set(free)), "a block is in the free queue twice"
-            for block_id in free:
-                assert self._ref_counts[block_id] == 0, (
-                    f"queued block {block_id} has ref_count {self._ref_counts[block_id]}"
+            fresh = range(self._fresh_start, self._fresh_end)
+            assert 0 <= fresh.start <= fresh.stop <= self.num_blocks, f"never-used run {fresh} of {self.num_blocks}"
+            for block_id in self._free:
+                assert block_id not in fresh, f"block {block_id} is in the free queue twice"
+                assert 0 <= block_id < self.num_blocks, f"queued block {block_id} out of range"
+                assert block_id not in self._ref_counts, (
+                    f"queued block {block_id} has ref_count {self.ref_count(block_id)}"
                 )
-            num_held = sum(1 for count in self._ref_counts if count > 0)
-            assert all(count >= 0 for count in self._ref_counts), "negative ref_count"
-            assert num_held + len(free) == self.num_blocks, f"{num_held} held + {len(free)} free != {self.num_blocks}"
+            for block_id, count in self._ref_counts.items():
+                assert count > 0, f"held block {block_id} has ref_count {count}"
+                assert 0 <= block_id < self.num_blocks and block_id not in fresh, f"held block {block_id} is free"
+            num_held, num_free = len(self._ref_counts), self.num_free_blocks
+            assert num_held + num_free == self.num_blocks, f"{num_held} held + {num_free} free != {self.num_blocks}"
             num_cached = sum(len(blocks) for blocks in self._blocks_by_group.values())
             assert num_cached == len(self._hash_of_block) == len(self._group_of_block), "hash maps out of step"
             for group, blocks in self._blocks_by_group.items():
