@@ -2,8 +2,9 @@
 
 from ..errors import RequestFailed
 from .engine import Engine, EngineStats
+from .request import Request
 from .sampling import SamplingParams
-from .scheduler import Request, Scheduler
+from .scheduler import Scheduler
 from .step_cache import StepCache
 
 __all__ = ["Engine", "EngineStats", "Request", "RequestFailed", "SamplingParams", "Scheduler", "StepCache"]

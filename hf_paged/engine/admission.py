@@ -16,7 +16,7 @@ from ..storage import first_window_block
 from .lookahead import Growth, Lookahead
 
 if TYPE_CHECKING:
-    from .scheduler import Request
+    from .request import Request
 
 
 class Admission:

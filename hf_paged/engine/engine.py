@@ -21,8 +21,9 @@ import torch
 from ..attention import enable
 from ..errors import RequestFailed
 from ..storage import BlockPool, KVLayout, sliding_windows
+from .request import Request
 from .sampling import SamplingParams, sample
-from .scheduler import Request, Scheduler
+from .scheduler import Scheduler
 from .step_cache import StepCache
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
     from .admission import Admission
-    from .scheduler import PrefixHit, Request
+    from .request import PrefixHit, Request
 
 
 class Growth(NamedTuple):

@@ -1,0 +1,77 @@
+"""A request as the scheduler tracks it, what a prefix lookup would give it, and what one step runs."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from .sampling import SamplingParams
+
+
+# NOTE: eq=False: requests compare (and hash) by identity. No two requests are ever the same one, and a field-by-field
+# __eq__ would build two tuples of ~20 fields for every request an `in` or `remove` on the queues passes.
+@dataclass(eq=False)
+class Request:
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # per layer group: its held block ids
+    first_blocks: list[int] = field(default_factory=list)  # per layer group: leading blocks released before them
+    num_computed: int = 0  # tokens whose K/V are in the pool
+    generator: torch.Generator | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
+    num_registered_blocks: int = 0  # leading blocks the prefix cache knows (in every group)
+    num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
+    num_skips: int = 0  # admissions of later requests (backfill) while it waited first in line or near it
+    error: str | None = None
+    finished: bool = False
+    aborted: bool = False  # stopped by `Engine.abort_request` before its end
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Every block id the request holds, all groups."""
+        return [block_id for table in self.block_tables for block_id in table]
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Why the request finished, in vLLM's words: "stop" (it generated eos or a stop token, kept as its last),
+        "length" (`max_new_tokens`), "abort" (`Engine.abort_request`), "error" (it could never run; `error` says
+        why); None while it is unfinished."""
+        if not self.finished:
+            return None
+        if self.aborted:
+            return "abort"
+        if self.error is not None:
+            return "error"
+        return "stop" if self.output_ids and self.params.is_stop(self.output_ids[-1]) else "length"
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+
+class PrefixHit(NamedTuple):
+    """What a prefix lookup would take: the first `num_blocks` blocks of a request's tokens are cached."""
+
+    num_blocks: int
+    first_blocks: list[int]  # per layer group: the first block it needs (0 in a full group; a sliding group's window)
+    tables: list[list[int]]  # per layer group: the cached blocks `first_blocks[g] .. num_blocks - 1`
+    waits_for: bytes | None  # the hash of the first block not found (None: every block a lookup tries was)
+
+
+@dataclass
+class ScheduledStep:
+    decode: list[Request]  # one token each, batched in one forward
+    prefill: list[tuple[Request, int]]  # (request, chunk length); the engine packs all of it in one forward
