@@ -1,5 +1,5 @@
 """What a step and a request may take: a step never passes `max_num_batched_tokens`, and `add` turns a request away
-exactly when it could not run even alone (`Scheduler._solo_need`); a request running alone computes the part of a
+exactly when it could not run even alone (`BlockCounts.solo_need`); a request running alone computes the part of a
 chunk that fits."""
 
 import random
@@ -31,8 +31,8 @@ def test_decode_rows_after_a_prefill_chunk_keep_their_token_within_the_budget():
 
 def test_a_request_over_the_sliding_count_is_turned_away_at_once():
     """`add` turns away a request that could not run even alone: 1 prompt + 4 new tokens, window 2, blocks of 2
-    hold 2 full + 2 sliding blocks at position 2, so a 3-block pool turns it away before it runs (it used to be
-    admitted and to outgrow the pool alone), and a 4-block pool serves it."""
+    hold 2 full + 2 sliding blocks at position 2, so a 3-block pool turns it away before it runs (rather than
+    admitting it to outgrow the pool alone), and a 4-block pool serves it."""
     sliding, full = "sliding_attention", "full_attention"
     for num_blocks in (3, 4):
         pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=num_blocks, block_size=2)
@@ -50,11 +50,11 @@ def test_a_request_over_the_sliding_count_is_turned_away_at_once():
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
 def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
     """Random requests on tiny pools with a sliding group (windows 1-12, blocks of 1-4, prefill budgets 2-64):
-    - `_solo_need` is the most any position needs (`_held_at`), though it looks at the last `block_size` only;
+    - `solo_need` is the most any position needs (`held_at`), though it looks at the last `block_size` only;
     - a request is turned away iff that passes the pool, and one the pool holds is served in full, alone or in a
       burst, with the default admission or one that preempts (`decode_reserve_tokens=0`), never failing;
-    - some served requests have an admission count (`_demand`) above the pool: `add` checked that count before,
-      and turned them away."""
+    - some served requests have an admission count (`GrowthModel.demand`) above the pool: checking that count,
+      `add` would turn them away."""
     rng = random.Random(11 if mixed else 12)
     layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
     layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)
@@ -73,8 +73,12 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
         for prompt_len, new_tokens in specs:
             request = new_request(0, prompt_len, new_tokens)
             end = prompt_len + new_tokens - 1
-            needs.append(probe._solo_need(request))
-            assert needs[-1] == max(probe._held_at(position) for position in range(end)), (block_size, window, end)
+            needs.append(probe.blocks.solo_need(request))
+            assert needs[-1] == max(probe.blocks.held_at(position) for position in range(end)), (
+                block_size,
+                window,
+                end,
+            )
         num_blocks = max(rng.choice(needs) + rng.randint(-2, 2), 1)
         for reserve in (None, 0):
             pool = BlockPool(layout, num_blocks=num_blocks, block_size=block_size)
@@ -96,32 +100,32 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
                     assert request.error is None and len(request.output_ids) == request.params.max_new_tokens, case
                     tokens = len(request.prompt_ids)
                     demand = max(
-                        scheduler._demand(tokens, prefilling=True),
-                        scheduler._demand(tokens + request.params.max_new_tokens - 1, prefilling=False),
+                        scheduler.growth_model.demand(tokens, prefilling=True),
+                        scheduler.growth_model.demand(tokens + request.params.max_new_tokens - 1, prefilling=False),
                     )
                     served_below_demand += demand > num_blocks
     assert turned_away > 0 and served_below_demand > 0
 
 
 def test_a_recomputation_too_large_for_one_chunk_runs_in_smaller_ones_alone():
-    """Sliding + full groups, window 2, blocks of 2, a 9-block pool, admission that keeps no room for growth (found by
-    a randomized search): the second request is preempted after 2 tokens, and its recomputation in one chunk (6
-    prompt + 2 generated + 1 to feed: 5 blocks in each group) does not fit the pool even alone. It used to be
-    preempted and re-admitted forever, then to fail; running alone, it now computes what the pool holds each step
-    (the sliding group gives blocks back between chunks) and finishes. `add` let it in: alone, one token a step, it
-    needs 7 blocks at most (`_solo_need`)."""
+    """Sliding + full groups, window 2, blocks of 2, a 9-block pool, admission that keeps no room for growth: the
+    second request is preempted after 2 tokens, and its recomputation in one chunk (6 prompt + 2 generated + 1 to
+    feed: 5 blocks in each group) does not fit the pool even alone. Rather than being preempted and re-admitted
+    forever, or failing, it runs alone and computes what the pool holds each step (the sliding group gives blocks
+    back between chunks) and finishes. `add` let it in: alone, one token a step, it needs 7 blocks at most
+    (`solo_need`)."""
     sliding, full = "sliding_attention", "full_attention"
     pool = BlockPool(KVLayout((2, 2), (4, 4), (sliding, full)), num_blocks=9, block_size=2)
     scheduler = Scheduler(
         pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None], decode_reserve_tokens=0
     )
     first, second = new_request(0, 1, 7), new_request(1, 6, 4)
-    need = scheduler._solo_need(second)
+    need = scheduler.blocks.solo_need(second)
     assert need == 7  # at position 8: full blocks 0-4, sliding blocks 3-4 (the window sees positions 7-8)
     for request in (first, second):
         scheduler.add(request)
     chunks, peak = [], 0
-    for _ in range(50):  # bounded: the first bug was an endless loop
+    for _ in range(50):  # bounded: a scheduler that never finishes fails here
         if not scheduler.has_unfinished():
             break
         pending = second.num_pending

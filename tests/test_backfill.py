@@ -1,5 +1,5 @@
 """Backfill admission and the lookahead: when the first waiting request does not fit, a later one of the next
-`backfill_window` that does goes first, a request passed over `Scheduler.MAX_SKIPS` times blocks backfill behind it,
+`backfill_window` that does goes first, a request passed over `Admission.MAX_SKIPS` times blocks backfill behind it,
 and the plan admission checks newcomers against counts prefill waits, so the default admission never preempts."""
 
 import itertools
@@ -10,7 +10,8 @@ import torch
 
 from hf_paged import BlockPool, Engine, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
-from hf_paged.engine.lookahead import Lookahead
+from hf_paged.engine.admission import Admission
+from hf_paged.engine.growth import GrowthModel
 from tests.models import greedy_reference, tiny_model
 from tests.scheduler_runs import drive, new_request, run_step
 
@@ -64,7 +65,7 @@ def test_the_window_bounds_how_far_admission_looks():
 def test_a_request_skipped_max_skips_times_blocks_backfill_behind_it():
     scheduler = _scheduler(10)
     running, big, small = _fill(scheduler)
-    big.num_skips = Scheduler.MAX_SKIPS
+    big.num_skips = Admission.MAX_SKIPS
     scheduler.schedule()
     assert scheduler.running == [running] and list(scheduler.waiting) == [big, small]
     # Once blocks come back, it goes first.
@@ -109,11 +110,16 @@ def test_max_num_batched_tokens_must_cover_a_decode_row_per_request():
         )
 
 
-class _NoPrefillDelay(Scheduler):
-    """The lookahead as it was: every admitted request starts growing at once, whatever the prefill budget."""
+class _NoPrefillDelayGrowth(GrowthModel):
+    """A lookahead blind to prefill waits: every admitted request starts growing at once, whatever the prefill
+    budget."""
 
-    def _growth_plan(self, request, delay, prefilling, start=None):
-        return super()._growth_plan(request, 0, prefilling, start)
+    def growth(self, request, delay, prefilling, start=None):
+        return super().growth(request, 0, prefilling, start)
+
+
+class _NoPrefillDelay(Scheduler):
+    growth_model_class = _NoPrefillDelayGrowth
 
 
 def _burst(seed: int) -> list[Request]:
@@ -141,11 +147,15 @@ def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_window):
     assert late_plans > 0
 
 
-class _NoPrefixWaits(Scheduler):
+class _NoPrefixWaitsGrowth(GrowthModel):
     """The lookahead without the wait of a request for prompt blocks another one is computing."""
 
-    def _add_prefix_waits(self, requests, prefilling, delays, per_step):
+    def add_prefix_waits(self, requests, prefilling, delays, per_step):
         return {}
+
+
+class _NoPrefixWaits(Scheduler):
+    growth_model_class = _NoPrefixWaitsGrowth
 
 
 def _shared_prompt_workload(rng: random.Random) -> tuple[int, int, list[tuple[list[int], int]]]:
@@ -187,8 +197,8 @@ def test_lookahead_counts_waits_for_a_shared_prefix_and_never_preempts():
 
 
 def test_engine_with_a_shared_prefix_wait_matches_generate_without_preempting():
-    """Three prompts sharing a 2-token start in 8 blocks of 2 (found by a randomized search): the third waits for
-    the second's blocks. Planned as if it started at once, it was preempted; counted, nothing is."""
+    """Three prompts sharing a 2-token start in 8 blocks of 2: the third waits for the second's blocks. Planned as
+    if it started at once, it would be preempted; with its wait counted, nothing is."""
     prompts = [[50, 51], [50, 51, 16, 33, 47, 21, 25, 18], [50, 51, 16]]
     new_tokens = [1, 6, 3]
     reference = greedy_reference("llama", prompts, new_tokens)
@@ -226,7 +236,7 @@ def test_one_lookahead_answers_every_newcomer_as_a_fresh_one(prefix_caching):
             continue  # admission tries no newcomer then
         fresh = [scheduler.fits(request) for request in waiting]
         for order in (waiting, waiting[::-1]):
-            lookahead = Lookahead(scheduler)
+            lookahead = scheduler.admission.lookahead(scheduler.running)
             answers = {request.request_id: lookahead.fits(request) for request in order}
             assert [answers[request.request_id] for request in waiting] == fresh
         num_checked += 1

@@ -86,12 +86,12 @@ def test_a_request_larger_than_the_pool_fails_alone():
 def test_a_sliding_model_runs_in_the_blocks_it_needs_alone(name):
     """A 40-token prompt and 12 new tokens with window 8 in blocks of 4: computed in one chunk, the prompt would take
     10 blocks in each sliding group, but a query only ever sees 3 of them. In a pool of exactly what the request
-    needs alone (`_solo_need`: 3 blocks all-sliding, 13 full + 3 sliding for Gemma3), it is let in, computes its
+    needs alone (`solo_need`: 3 blocks all-sliding, 13 full + 3 sliding for Gemma3), it is let in, computes its
     prompt in the chunks the pool holds, and gives generate()'s tokens; one block fewer and it is turned away with
     its numbers."""
     prompts, new_tokens = random_prompts((40,)), [12]
     probe, _ = tiny_engine(name, 64)
-    need = probe.scheduler._solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
+    need = probe.scheduler.blocks.solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
     assert need == {"mistral": 3, "gemma3": 16}[name]
     engine, pool = tiny_engine(name, need)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
@@ -242,7 +242,9 @@ def test_admission_counts_blocks_that_running_requests_share_once():
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         "llama", prompts, new_tokens
     )
-    assert engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 6  # 4 counting held blocks only, 2 before
+    assert (
+        engine.stats.num_preemptions == 0 and engine.stats.peak_running >= 6
+    )  # 2 counting each request's blocks as its own
     assert pool.num_used_blocks == 0
     pool.allocator.check_invariants()
 
@@ -268,8 +270,8 @@ def test_admission_counts_shared_blocks_once_in_the_full_group_of_a_layer_group_
 def test_sliding_models_run_requests_continuing_a_cached_prompt_side_by_side(name, num_blocks, prefix_len, peak):
     """8 requests sharing a system prompt on a pool with sliding groups (window 8, blocks of 4). A request that
     continues the cached prompt takes it when admitted, so admission counts its full-group blocks as shared and its
-    sliding groups from the prompt's end (a window, not the prompt). Without that, the same pools ran at most 3 and
-    4 requests at once (in 33 and 19 steps); now 5 and 8, with no preemption and generate()'s outputs."""
+    sliding groups from the prompt's end (a window, not the prompt): 5 and 8 run at once, with no preemption and
+    generate()'s outputs (counting the prompt as fresh, the same pools run at most 3 and 4)."""
     prompts = _shared_prefix_prompts(num_requests=8, prefix_len=prefix_len)
     new_tokens = [8] * len(prompts)
     engine, pool = tiny_engine(name, num_blocks, max_num_seqs=8)
@@ -407,13 +409,13 @@ def test_shared_system_prompt_with_sliding_layers_is_computed_once(name):
         pool = BlockPool.for_model(model, num_blocks=96, block_size=4)
         engine = Engine(model, pool, max_num_seqs=8, max_num_batched_tokens=44, enable_prefix_caching=caching)
         hits = []
-        reuse = engine.scheduler._reuse_prefix
+        take = engine.scheduler.prefix.take
 
-        def spy(request, reuse=reuse, hits=hits):  # the tables each prefill starts from
-            reuse(request)
+        def spy(request, take=take, hits=hits):  # the tables each prefill starts from
+            take(request)
             hits.append((request.num_computed, list(request.first_blocks), [len(t) for t in request.block_tables]))
 
-        engine.scheduler._reuse_prefix = spy
+        engine.scheduler.prefix.take = spy
         assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
         results[caching] = engine.stats
         assert pool.num_used_blocks == 0

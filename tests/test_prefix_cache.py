@@ -115,7 +115,7 @@ def test_a_hit_needs_every_block_of_a_full_group_and_the_window_of_a_sliding_one
     full_blocks = _cache(allocator, hashes, full_cached, full)
     sliding_blocks = _cache(allocator, hashes, sliding_cached, sliding)
     request = Request(0, tokens, SamplingParams(max_new_tokens=4))
-    hit = scheduler._cached_prefix(request)
+    hit = scheduler.prefix.peek(request)
     assert hit.num_blocks == num_hit
     assert hit.waits_for == (hashes[num_hit] if num_hit < 10 else None)
     first_sliding = max(num_hit * 4 - 8 + 1, 0) // 4  # the first block a query at position 4 * num_hit sees
@@ -123,7 +123,7 @@ def test_a_hit_needs_every_block_of_a_full_group_and_the_window_of_a_sliding_one
     assert hit.tables[full] == [full_blocks[i] for i in range(num_hit)]
     assert hit.tables[sliding] == [sliding_blocks[i] for i in range(first_sliding, num_hit)]
     num_free = allocator.num_free_blocks
-    scheduler._reuse_prefix(request)  # takes exactly what the peek named
+    scheduler.prefix.take(request)  # takes exactly what the peek named
     assert request.block_tables == hit.tables and request.first_blocks == hit.first_blocks
     assert request.num_computed == 4 * num_hit == scheduler.num_prefix_hit_tokens
     assert allocator.num_free_blocks == num_free - len(hit.tables[full]) - len(hit.tables[sliding])
@@ -134,7 +134,7 @@ def test_a_hash_cached_in_another_group_is_not_a_hit():
     scheduler, sliding, full = _hybrid_scheduler()
     tokens = list(range(1, 42))
     _cache(scheduler.pool.allocator, block_hashes(tokens, 4), range(10), full)  # the sliding group holds none
-    assert scheduler._cached_prefix(Request(0, tokens, SamplingParams())).num_blocks == 0
+    assert scheduler.prefix.peek(Request(0, tokens, SamplingParams())).num_blocks == 0
 
 
 def test_eviction_takes_the_least_recently_freed_cached_block():

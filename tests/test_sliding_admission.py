@@ -8,30 +8,36 @@ import pytest
 
 from hf_paged import BlockPool, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
+from hf_paged.engine.growth import GrowthModel
 from tests.scheduler_runs import drive, new_request, run_step
 
 
-class _WindowAlignedDemand(Scheduler):
-    """The sliding count as it was: from the first block the last token's query sees, one block short when the
-    window starts inside a block, and a prompt counted whole only at step 0."""
+class _WindowAlignedDemandGrowth(GrowthModel):
+    """A sliding count from the first block the last token's query sees, one block short when the window starts
+    inside a block, and a prompt counted whole only at step 0."""
 
-    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
+    def demand(self, num_tokens, *, prefilling, windows=None, start=0):
         assert windows is None  # no prefix caching in the tests that use it
-        end_block = self._blocks_for(num_tokens)
+        blocks = self.blocks
+        end_block = blocks.blocks_for(num_tokens)
         if prefilling:
-            return end_block * len(self.group_windows)
-        groups = range(len(self.group_windows))
-        return sum(end_block - self._first_needed_block(group, num_tokens - 1) for group in groups)
+            return end_block * len(blocks.group_windows)
+        groups = range(len(blocks.group_windows))
+        return sum(end_block - blocks.first_needed_block(group, num_tokens - 1) for group in groups)
+
+
+class _WindowAlignedDemand(Scheduler):
+    growth_model_class = _WindowAlignedDemandGrowth
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
 def test_lookahead_with_sliding_groups_never_preempts(mixed):
     """Random bursts through pools with a sliding group (alone, or beside a full one), windows of 1-12 tokens,
     blocks of 1-4, prefill budgets of 8-64: no admitted request is preempted, and none fails after admission.
-    The count as it was (`_WindowAlignedDemand`) preempts in the same workloads."""
+    A count one block short (`_WindowAlignedDemand`) preempts in the same workloads."""
     rng = random.Random(1 if mixed else 2)
     layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
-    as_before = 0
+    short_count_preemptions = 0
     for _ in range(400):
         block_size, window = rng.choice([1, 2, 4]), rng.randint(1, 12)
         specs = [(rng.randint(1, 16), rng.randint(1, 12)) for _ in range(rng.randint(2, 8))]
@@ -50,17 +56,21 @@ def test_lookahead_with_sliding_groups_never_preempts(mixed):
                 assert all(r.error is None or " needs " in r.error for r in requests), case
                 assert all(len(r.output_ids) == r.params.max_new_tokens for r in requests if r.error is None), case
             else:
-                as_before += scheduler.num_preemptions
-    assert as_before > 0
+                short_count_preemptions += scheduler.num_preemptions
+    assert short_count_preemptions > 0
+
+
+class _WholePromptDemandGrowth(GrowthModel):
+    """A prefill count that holds a sliding group at every block of the prompt while it is computed."""
+
+    def demand(self, num_tokens, *, prefilling, windows=None, start=0):
+        if prefilling:
+            return self.blocks.blocks_for(num_tokens) * len(self.blocks.group_windows if windows is None else windows)
+        return super().demand(num_tokens, prefilling=False, windows=windows, start=start)
 
 
 class _WholePromptDemand(Scheduler):
-    """The prefill count as it was: a sliding group counted at every block of the prompt while it is computed."""
-
-    def _demand(self, num_tokens, *, prefilling, windows=None, start=0):
-        if prefilling:
-            return self._blocks_for(num_tokens) * len(self.group_windows if windows is None else windows)
-        return super()._demand(num_tokens, prefilling=False, windows=windows, start=start)
+    growth_model_class = _WholePromptDemandGrowth
 
 
 @pytest.mark.parametrize("mixed", [True, False], ids=["sliding+full", "sliding"])
@@ -69,7 +79,7 @@ def test_long_prompts_in_small_chunks_count_a_window_plus_a_chunk(mixed):
     `max_num_batched_tokens`, a sliding group holds the blocks the chunk's keys span (window - 1 + chunk positions),
     not the whole prompt. Counted that way, no admitted request is preempted in 300 random bursts, every block
     comes back, and the runs take fewer steps than with the whole prompt counted. Both serve the same requests:
-    `add` checks what a request needs alone (`_solo_need`), not this count."""
+    `add` checks what a request needs alone (`BlockCounts.solo_need`), not this count."""
     rng = random.Random(5 if mixed else 6)
     layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
     steps = {Scheduler: 0, _WholePromptDemand: 0}  # over the bursts both serve in full
@@ -157,7 +167,7 @@ def test_with_a_sliding_group_admission_takes_a_cached_prefix_unless_it_waits_fo
     scheduler.add(third)
     scheduler.admit()
     assert third in scheduler.running and not third.block_tables and third.num_computed == 0
-    assert scheduler._cached_prefix(third).waits_for == second.block_hashes[8]
+    assert scheduler.prefix.peek(third).waits_for == second.block_hashes[8]
     drive(scheduler, [])
     assert [len(r.output_ids) for r in (first, second, third)] == [4, 4, 4] and scheduler.num_preemptions == 0
     pool.allocator.check_invariants()
@@ -166,8 +176,8 @@ def test_with_a_sliding_group_admission_takes_a_cached_prefix_unless_it_waits_fo
 def test_several_full_groups_take_a_cached_prefix_at_admission_and_never_preempt():
     """Layer types that mix with no window give several full-attention groups, each caching its own copy of a block.
     Evicting one group's free copy while another group's is held shortens a hit below blocks running requests
-    hold, as a sliding window's eviction does, so admission takes a newcomer's prefix at once there too (found by a
-    reviewer's fuzz: these staggered arrivals preempted once when the prefix was looked up at prefill start)."""
+    hold, as a sliding window's eviction does, so admission takes a newcomer's prefix at once there too: these
+    staggered arrivals would preempt once if the prefix were looked up at prefill start."""
     prompt = list(range(1, 31))
     prompts = [prompt[:14], prompt[:30], prompt[:12] + [100], prompt[:18] + [101, 102, 103, 104, 105], prompt[:28]]
     new_tokens, arrivals = [12, 8, 7, 3, 1], [0, 0, 1, 3, 11]
@@ -190,11 +200,11 @@ def test_several_full_groups_take_a_cached_prefix_at_admission_and_never_preempt
 
 
 def test_one_full_group_takes_a_cached_prefix_at_admission_and_never_preempts():
-    """One full-attention group, blocks of 1 (a reviewer's fuzz, shrunk). Requests 0 and 1 compute block 16 of the
-    same prompt in one step; request 1's copy is cached first, then goes free when it finishes, while request 0
-    holds blocks 17-22 that hang from it in the hash chain. Request 3 is admitted counting a 23-block hit; looked up
-    at its prefill start, after request 0's growth evicted that free copy, it found 16 and computed 7 blocks
-    admission had counted as held, and request 0 was preempted. Taken at admission, the hit is held."""
+    """One full-attention group, blocks of 1. Requests 0 and 1 compute block 16 of the same prompt in one step;
+    request 1's copy is cached first, then goes free when it finishes, while request 0 holds blocks 17-22 that hang
+    from it in the hash chain. Request 3 is admitted counting a 23-block hit. Looked up at its prefill start, after
+    request 0's growth evicts that free copy, it would find 16 and compute 7 blocks admission counted as held, and
+    request 0 would be preempted. Taken at admission, the hit is held."""
     prompt = list(range(1, 25))
     pool = BlockPool(KVLayout((2,), (4,)), num_blocks=29, block_size=1, enable_prefix_caching=True)
     scheduler = Scheduler(pool, max_num_seqs=4, max_num_batched_tokens=16)
@@ -226,7 +236,7 @@ def test_blocks_requests_share_in_a_sliding_window_count_once(layer_types, num_b
     """A 64-token system prompt (blocks of 4, window 16) is computed, then 8 requests continue it with 4 tokens of
     their own and 8 new tokens. Each takes the 4 cached blocks its window still sees (blocks 12-15), the same
     blocks for all 8, and adds at most 3 of its own: admission counts the shared 4 once (plus, beside a full group,
-    the 16 full-group blocks once). Counting each window as its own, 5 blocks a request, ran 5 of them at once in
+    the 16 full-group blocks once). Counting each window as its own, 5 blocks a request, runs 5 of them at once in
     16 steps in the sliding pool, and 3 in 24 steps beside a full group."""
     windows = [16 if kind == "sliding_attention" else None for kind in layer_types]
     layout = KVLayout((2,) * len(layer_types), (4,) * len(layer_types), layer_types)

@@ -71,7 +71,7 @@ class Engine:
         backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in queue order
             (arrival order; a preempted request goes back to the front).
             When the first does not fit, the first of the others that does is admitted instead (backfill); a
-            request passed over `Scheduler.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
+            request passed over `Admission.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
             1: strict arrival order.
     """
 

@@ -3,32 +3,17 @@
 Admission asks, for up to `backfill_window` waiting requests a step, whether each fits next to the running requests
 at every step ahead (`Admission.fits`). The running requests' side of that question (how each grows, when it
 finishes, which blocks they hold together) does not depend on the newcomer, so `Lookahead` works it out once per
-admission round and each try adds only the newcomer's share. Driving the full burst at 2 reservations through the
-engine with a stand-in model (22k tries in 3,227 steps, 6.8 a step while the queue is blocked), this took the
-scheduler from 0.57 s to 0.25 s, and everything the engine does outside the model from 0.87-0.91 s to 0.56 s
-(the run takes about 24 s with the real model).
+admission round and each try adds only the newcomer's share: while the queue is blocked, admission tries several
+waiting requests every step, and each would otherwise rebuild the same plan.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
-if TYPE_CHECKING:
-    from .admission import Admission
-    from .request import PrefixHit, Request
-
-
-class Growth(NamedTuple):
-    """How a request's K/V grow in the lookahead: from `tokens` by one a step for `steps` steps, held until step
-    `end` (`end - steps`: the steps its prefill may still wait for budget); its computation goes on from position
-    `start` (a sliding group holds nothing before that position's window)."""
-
-    tokens: int
-    steps: int
-    end: int
-    prefilling: bool
-    start: int = 0
+from .growth import Growth, GrowthModel
+from .request import PrefixHit, Request
 
 
 class SlidingShare(NamedTuple):
@@ -44,39 +29,41 @@ class SlidingShare(NamedTuple):
 
 
 class Lookahead:
-    """The plan of `scheduler.running` with one newcomer after them (see `Admission.fits` for what it counts).
+    """The plan of the `running` requests with one newcomer after them (see `Admission.fits` for what it counts):
+    `num_free_blocks` of the pool are free, and `growth_model` says how each request grows and what it holds.
 
-    Valid while the running requests, their blocks and the pool stay as they were: admission makes a new one after
+    Valid while the running requests, their blocks and the pool stay as they are: admission makes a new one after
     each request it admits, and every step.
     """
 
-    def __init__(self, scheduler: Admission):
-        self.scheduler = scheduler
-        running = scheduler.running
+    def __init__(self, running: list[Request], num_free_blocks: int, growth_model: GrowthModel):
+        self.growth_model = growth_model
+        self.blocks = growth_model.blocks
+        self.prefix = growth_model.prefix
         # NOTE: decode rows run every step, but prefill chunks share what is left of `max_num_batched_tokens` in
         # scheduling order, so a prompt waits for the prompts before it: admitting many requests at once (a burst)
         # starts the last of them several steps late, and they end as late. Without counting that delay, a burst
-        # admitted on a plan that fitted ran out of blocks at its end and preempted.
+        # admitted on a plan that fits runs out of blocks at its end and preempts.
         # Prefill tokens a step surely has once the newcomer runs: the budget less a decode row for every other
         # request (one that is prefilling has none); at least 1, as max_num_batched_tokens >= max_num_seqs.
-        self.per_step = scheduler.max_num_batched_tokens - len(running)
-        assert self.per_step >= 1, (scheduler.max_num_batched_tokens, len(running))
+        max_num_batched_tokens = growth_model.max_num_batched_tokens
+        self.per_step = max_num_batched_tokens - len(running)
+        assert self.per_step >= 1, (max_num_batched_tokens, len(running))
         prefilling = [request.num_pending > 1 or not request.block_tables for request in running]
         delays, self.queued = [], 0  # queued: prompt tokens still to compute, this request's and those before it
         for request, waits in zip(running, prefilling):
             self.queued += request.num_pending if waits else 0
             delays.append(self._prefill_delay(self.queued) if waits else 0)
-        allocator = scheduler.pool.allocator
-        self.prefix_caching = allocator.enable_prefix_caching
+        self.prefix_caching = self.prefix.enabled
         self.computing: dict[bytes, int] = {}
         if self.prefix_caching:
-            self.computing = scheduler._add_prefix_waits(running, prefilling, delays, self.per_step)
+            self.computing = growth_model.add_prefix_waits(running, prefilling, delays, self.per_step)
         self.growths = [
-            scheduler._growth_plan(request, delay, waits) for request, delay, waits in zip(running, delays, prefilling)
+            growth_model.growth(request, delay, waits) for request, delay, waits in zip(running, delays, prefilling)
         ]
         held = {block_id for request in running for block_id in request.block_ids}
-        self.available = scheduler.pool.num_free_blocks + len(held)
-        windows = scheduler.group_windows
+        self.available = num_free_blocks + len(held)
+        windows = self.blocks.group_windows
         self.full_groups = [group for group, window in enumerate(windows) if window is None]
         self.sliding_windows = [window for window in windows if window is not None]
         # Shared blocks count once in the full groups (the sliding groups: `sliding_shares` below).
@@ -97,15 +84,14 @@ class Lookahead:
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
         # With prefix caching, a block several requests hold in a sliding group also counts once (`_sliding_demand`).
         self.sliding_shares = (
-            [self._sliding_share(group, window) for group, window in enumerate(windows) if window is not None]
+            [self._sliding_share(running, group, window) for group, window in enumerate(windows) if window is not None]
             if self.prefix_caching
             else []
         )
         self._sliding_memo: dict[int, list[tuple[int, int]]] = {}  # step -> `_running_sliding(step)`
 
-    def _sliding_share(self, group: int, window: int) -> SlidingShare:
-        """Sliding group `group`'s blocks held by two or more running requests, and each request's own share."""
-        running = self.scheduler.running
+    def _sliding_share(self, running: list[Request], group: int, window: int) -> SlidingShare:
+        """Sliding group `group`'s blocks held by two or more `running` requests, and each request's own share."""
         holders: dict[int, int] = {}
         last_end: dict[int, int] = {}
         for request, growth in zip(running, self.growths):
@@ -122,8 +108,8 @@ class Lookahead:
 
     def _full_tables(self, request: Request, hit: PrefixHit | None = None) -> list[list[int]]:
         """What `request` counts as held in each full group: its tables once it holds blocks; for the newcomer, the
-        prefix admission takes for it at once (`hit`, see `_takes_prefix_at_admission`). Any other request that has
-        not looked up counts every block as fresh: a lookup later could find less (see `_takes_prefix_at_admission`)."""
+        prefix admission takes for it at once (`hit`, see `PrefixReuse.takes_at_admission`). Any other request that has
+        not looked up counts every block as fresh: a lookup later could find less."""
         if request.block_tables:
             return [request.block_tables[group] for group in self.full_groups]
         if hit is None:
@@ -133,10 +119,10 @@ class Lookahead:
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None, start: int = 0) -> Growth:
         """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
         caching, for `waits_for`, its first uncached prompt block, when one of them is computing it). `start`: the
-        position it computes from (the prefix admission takes for it, `_takes_prefix_at_admission`)."""
+        position it computes from (the prefix admission takes for it, `PrefixReuse.takes_at_admission`)."""
         delay = self._prefill_delay(self.queued + newcomer.num_pending)
-        delay = self.scheduler._prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
-        return self.scheduler._growth_plan(newcomer, delay, True, start)
+        delay = self.growth_model.prefix_wait(newcomer, waits_for, self.computing, self.per_step, delay)
+        return self.growth_model.growth(newcomer, delay, True, start)
 
     def _prefill_delay(self, queued: int) -> int:
         """Steps a prompt waits for budget before its last token is computed, when `queued` prompt tokens (its own
@@ -146,9 +132,9 @@ class Lookahead:
     def fits(self, newcomer: Request) -> bool:
         """Whether the pool holds `newcomer` next to the running requests at every step of the lookahead."""
         # NOTE: one prefix lookup per try, for both its wait and (shared blocks) what it would take from the cache.
-        hit = self.scheduler._cached_prefix(newcomer) if self.prefix_caching else None
-        taken = hit is not None and self.scheduler._takes_prefix_at_admission(newcomer, self.computing, hit)
-        start = hit.num_blocks * self.scheduler.pool.block_size if taken else 0
+        hit = self.prefix.peek(newcomer) if self.prefix_caching else None
+        taken = hit is not None and self.prefix.takes_at_admission(newcomer, self.computing, hit)
+        start = hit.num_blocks * self.blocks.block_size if taken else 0
         new = self.newcomer_growth(newcomer, hit.waits_for if hit else None, start)
         taken_hit = hit if taken else None
         if self.full_shared:
@@ -166,9 +152,9 @@ class Lookahead:
         return True
 
     def _demand_at(self, growth: Growth, t: int, windows: list[int | None] | None = None) -> int:
-        """What `growth` holds at step t (`_demand`), in the groups of `windows` (default: all)."""
+        """What `growth` holds at step t (`GrowthModel.demand`), in the groups of `windows` (default: all)."""
         still_prefilling = growth.prefilling and t <= growth.end - growth.steps
-        return self.scheduler._demand(
+        return self.growth_model.demand(
             growth.tokens + min(t, growth.steps), prefilling=still_prefilling, windows=windows, start=growth.start
         )
 
@@ -208,7 +194,7 @@ class Lookahead:
     def _sliding_demand(self, new: Growth, hit: PrefixHit | None, t: int) -> int:
         """Blocks the sliding groups hold at step t, the newcomer `new` included (`hit`: the prefix it takes at
         admission, None: none), the smaller of two upper bounds per group:
-        - each request at the blocks its window can span (`_demand`), as if it shared none;
+        - each request at the blocks its window can span (`GrowthModel.demand`), as if it shared none;
         - each block two or more running requests hold now, once, while one of them still runs, plus each request's
           other blocks: those it holds alone now (the newcomer: the blocks of its hit that are not such a block
           still counted at t; one a single running request holds is counted by both) and those it adds by t, at
@@ -229,7 +215,7 @@ class Lookahead:
 
     def _added(self, growth: Growth, reach: int, t: int) -> int:
         """Blocks `growth` adds by step t after block `reach`."""
-        return max(self.scheduler._blocks_for(growth.tokens + min(t, growth.steps)) - reach, 0)
+        return max(self.blocks.blocks_for(growth.tokens + min(t, growth.steps)) - reach, 0)
 
     def _running_sliding(self, t: int) -> list[tuple[int, int]]:
         """Per sliding group, the running requests' two bounds at step t (`_sliding_demand`)."""

@@ -1,0 +1,57 @@
+"""Block arithmetic over a pool's layer groups: the blocks a number of tokens takes, and the blocks a query sees.
+
+A full group (window None) holds every block up to a request's last token; a sliding group only the blocks from
+the one its window starts in:
+
+    positions:      0 ........................................ p
+    full group:     [b0][b1][b2][b3][b4][b5][b6][b7]              every block up to p's
+    sliding group:                      [b4][b5][b6][b7]          from the block p - window + 1 is in
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..storage import first_window_block
+
+if TYPE_CHECKING:
+    from .request import Request
+
+
+class BlockCounts:
+    """Block counts for one pool's `block_size` and its layer groups' windows (`group_windows[g]`: the window when
+    every layer of group g slides, else None)."""
+
+    def __init__(self, block_size: int, group_windows: list[int | None]):
+        self.block_size = block_size
+        self.group_windows = group_windows
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks that `num_tokens` tokens from position 0 fill, the last one partly."""
+        return -(-num_tokens // self.block_size)
+
+    def first_needed_block(self, group: int, position: int) -> int:
+        """The first block of `group` that a query at `position` (or later) can see."""
+        return first_window_block(position, self.group_windows[group], self.block_size)
+
+    def held_at(self, position: int) -> int:
+        """Blocks, over all groups, that a step whose last query is at `position` holds when the step's first is
+        there too (a decode row, or a one-token chunk)."""
+        end_block = self.blocks_for(position + 1)
+        return sum(end_block - self.first_needed_block(group, position) for group in range(len(self.group_windows)))
+
+    def solo_need(self, request: Request) -> int:
+        """The fewest blocks `request` runs in: alone, a step computing as few tokens as it must (a prefill chunk
+        shrinks to what the pool holds when a request runs alone), so one query at each position.
+
+        A full group holds every block up to the query, a sliding group the blocks from the one its window starts
+        in (`held_at`). The most over the request's positions is at one of its last `block_size`: a query one block
+        further on holds one more block in a full group and no fewer in a sliding one.
+
+        NOTE: admission counts whole prefill chunks (`GrowthModel.demand`), an upper bound that can pass this; a
+        request whose count passes the pool is admitted only when nothing else runs, and nothing joins it while
+        its prompt is computed (once it decodes, its count is about what it holds, and others may).
+        """
+        # The last sampled token is never fed back: the K/V end at prompt + max_new_tokens - 1 tokens.
+        end = len(request.prompt_ids) + request.params.max_new_tokens - 1
+        return max(self.held_at(position) for position in range(max(end - self.block_size, 0), end))
