@@ -6,11 +6,26 @@ class PoolExhausted(RuntimeError):
 
     def __init__(self, num_needed: int, num_free: int, num_total: int):
         self.num_needed, self.num_free, self.num_total = num_needed, num_free, num_total
-        super().__init__(f"need {num_needed} blocks, {num_free} free of {num_total}")
+        super().__init__(
+            f"need {num_needed} blocks, {num_free} free of {num_total}; give the pool more blocks (BlockPool "
+            "num_blocks or max_memory), or run fewer or shorter sequences on it at once"
+        )
 
 
 class PoolMismatch(ValueError):
     """A pool was built for another model shape, dtype or device than the one it is used with."""
+
+
+class PoolTooLarge(ValueError):
+    """A pool would need more memory than its device has; raised before anything is allocated."""
+
+    def __init__(self, num_blocks: int, bytes_per_block: int, capacity: int, device: str):
+        self.num_blocks, self.bytes_per_block, self.capacity = num_blocks, bytes_per_block, capacity
+        super().__init__(
+            f"a pool of {num_blocks} blocks of {bytes_per_block} bytes needs "
+            f"{num_blocks * bytes_per_block / 2**30:.1f} GiB, more than the {capacity / 2**30:.1f} GiB {device} can "
+            "hold; lower num_blocks or max_memory"
+        )
 
 
 class UnknownBackend(KeyError):

@@ -275,7 +275,10 @@ def test_pool_exhaustion_during_generate():
         _generate(model, doomed, prompt, max_new_tokens=16)
     assert isinstance(info.value, RuntimeError)
     assert info.value.num_total == num_blocks and info.value.num_free == 0 and info.value.num_needed >= 1
-    assert str(info.value) == f"need {info.value.num_needed} blocks, 0 free of {num_blocks}"
+    assert str(info.value) == (
+        f"need {info.value.num_needed} blocks, 0 free of {num_blocks}; give the pool more blocks (BlockPool "
+        "num_blocks or max_memory), or run fewer or shorter sequences on it at once"
+    )
     pool.allocator.check_invariants()
     doomed.release()
     assert pool.num_used_blocks == num_survivor_blocks

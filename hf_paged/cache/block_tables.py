@@ -251,6 +251,17 @@ class BlockTables:
             self.pool.allocator.free(block_id for table in old_tables for block_id in table)
         self._changed()
 
+    def share_from(self, other: BlockTables) -> None:
+        """Begin with `other`'s rows, row groups and base, one more holder on each of their blocks: the first write
+        to a shared block by either side copies that block (`prepare_write`), and each side releases on its own."""
+        assert not self.tables, "share_from() on a BlockTables that still holds rows"
+        assert self.pool is other.pool, "tables share blocks of one pool"
+        self.tables = [list(table) for table in other.tables]
+        self.leaders, self.base = list(other.leaders), other.base
+        if self.pool is not None and self.tables:
+            self.pool.allocator.incref(block_id for table in self.tables for block_id in table)
+        self._changed()
+
     # ---------------------------------------------------------------- metadata
     def adopt(self, block_ids: list[int], base: int = 0) -> None:
         """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit), after `base`

@@ -45,6 +45,11 @@ class GroupTables:
         for tables in self.groups:
             tables.release()
 
+    def share_from(self, other: GroupTables) -> None:
+        """Hold `other`'s rows in every group, sharing their blocks copy-on-write (see `BlockTables.share_from`)."""
+        for tables, other_tables in zip(self.groups, other.groups):
+            tables.share_from(other_tables)
+
     def select_rows(self, indices: list[int]) -> None:
         """New row i becomes a copy of old row `indices[i]`, in every group (see `BlockTables.select_rows`)."""
         num_rows = self.num_rows

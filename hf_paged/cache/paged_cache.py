@@ -20,8 +20,9 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_kv_rows
-from ..errors import PoolExhausted
+from ..errors import PoolExhausted, PoolMismatch
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
+from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import GatherWorkspace
 from .group_tables import GroupTables
 from .layer import PagedLayer
@@ -77,22 +78,30 @@ class PagedCache(Cache):
     ):
         if config is None and pool is None:
             raise ValueError("PagedCache needs a model config, a BlockPool, or both: PagedCache(config=model.config)")
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        if isinstance(config, torch.nn.Module):
+            raise TypeError(
+                f"PagedCache takes the model's config, got the model ({type(config).__name__}): "
+                "PagedCache(config=model.config)"
+            )
+        if pool is not None and not isinstance(pool, BlockPool):
+            raise TypeError(f"pool must be a BlockPool (BlockPool.for_model(model)), got {type(pool).__name__}")
+        check_positive_int("block_size", block_size)
         if config is not None:
-            config = config.get_text_config(decoder=True)
             layout = KVLayout.from_config(config)
+            config = config.get_text_config(decoder=True)
             if pool is not None:
                 pool.check_compatible(layout)
             windows = sliding_windows(config)
         else:
             layout = pool.layout
-            windows = [None] * layout.num_layers
+            windows = list(layout.windows)  # the windows of the model the pool was built for
         self.layout = layout
         self._config = config
         self.block_size = pool.block_size if pool is not None else block_size
-        self._dtype, self._device = dtype, device
+        self._dtype, self._device = resolve_dtype(dtype), device
         self.share_rows = share_rows
+        self.release_out_of_window = release_out_of_window
+        self._last_layer_updated = 0  # the highest layer updated since layer 0's last update
         # A private pool is built later from `layout`, with the same groups `layout.layer_groups()` gives now.
         self.layer_groups = pool.layer_groups if pool is not None else layout.layer_groups()
         self._tables = GroupTables(self.layer_groups, pool)
@@ -135,6 +144,11 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
         `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        if layer_idx >= len(self.layers):
+            raise PoolMismatch(
+                f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers; build it from the "
+                "config of the model it runs with: PagedCache(config=model.config)"
+            )
         layer = self.layers[layer_idx]
         blocks = self._tables.of_layer(layer_idx)
         batch_size, _, q_len, _ = key_states.shape
@@ -158,6 +172,7 @@ class PagedCache(Cache):
                 "use batch_repeat_interleave / batch_select_indices to change the batch of a filled cache"
             )
 
+        self._check_layer_count(layer_idx)
         if blocks.has_groups():
             blocks.verify_row_groups(key_states, value_states)
         # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
@@ -170,6 +185,7 @@ class PagedCache(Cache):
             if starting:
                 blocks.release()
             self._undo_step(layer_idx, num_past)
+            self._last_layer_updated = 0  # the step starts again at layer 0
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
@@ -184,6 +200,19 @@ class PagedCache(Cache):
         if q_len == 1 and self._runs_paged_attention():
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
+
+    def _check_layer_count(self, layer_idx: int) -> None:
+        """A model's forward updates every layer of its cache: one that came back to layer 0 after updating more
+        than layer 0 but not the last layer has fewer layers than the config the cache was built from."""
+        if layer_idx:
+            self._last_layer_updated = max(self._last_layer_updated, layer_idx)
+            return
+        last, self._last_layer_updated = self._last_layer_updated, 0
+        if 0 < last < len(self.layers) - 1:
+            raise PoolMismatch(
+                f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self.layers)} "
+                "layers: build it from the config of the model it runs with, PagedCache(config=model.config)"
+            )
 
     def _undo_step(self, layer_idx: int, num_past: int) -> None:
         """Layer `layer_idx` could not get blocks: put the layers of OTHER layer groups that stored this step back at
@@ -288,6 +317,7 @@ class PagedCache(Cache):
         `model.generate(input_ids, past_key_values=PagedCache.from_prefix(pool, input_ids, model.config))` then
         computes only the rest of the prompt.
         """
+        _check_prefix_caching(pool, "from_prefix")
         token_ids = _token_rows(input_ids)
         if len(token_ids) != 1:
             raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
@@ -313,21 +343,58 @@ class PagedCache(Cache):
             attention_mask (`torch.Tensor`, *optional*): `[B, S]`; rows with padding are not cached (their K/V
                 were computed with shifted positions).
         """
-        blocks, pool = self._blocks, self._blocks.pool
-        if token_ids is not None and pool is not None and pool.allocator.enable_prefix_caching and blocks.num_rows:
-            rows = _token_rows(token_ids)
-            if len(rows) != blocks.num_rows:
-                raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
-            padded = (
-                [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
+        try:
+            if token_ids is not None:
+                self._cache_rows(token_ids, attention_mask)
+        finally:  # the blocks go back even when the token ids were refused
+            self._tables.release()
+            self._workspace.clear()
+            self._last_layer_updated = 0
+            for layer in self.layers:
+                layer.cumulative_length = 0
+
+    def _cache_rows(self, token_ids, attention_mask) -> None:
+        """Remember every full block of every unpadded row in the prefix cache (see `release`)."""
+        blocks = self._blocks
+        _check_prefix_caching(blocks.pool, "release(token_ids=...)")
+        if not blocks.num_rows:
+            return
+        rows = _token_rows(token_ids)
+        if len(rows) != blocks.num_rows:
+            raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
+        num_tokens = min(layer.cumulative_length for layer in self.layers)
+        shortest = min(len(row) for row in rows)
+        if shortest < num_tokens:
+            raise ValueError(
+                f"release got a row of {shortest} token_ids, the cache computed {num_tokens} per row: pass every token "
+                "of each row, prompt and generated (what generate() returned)"
             )
-            num_tokens = min(layer.cumulative_length for layer in self.layers)
-            for group, group_tables in enumerate(self._tables.groups):
-                group_tables.cache_rows(rows, padded, num_tokens, group)
-        self._tables.release()
-        self._workspace.clear()
-        for layer in self.layers:
-            layer.cumulative_length = 0
+        padded = [False] * len(rows) if attention_mask is None else [not all(r) for r in _token_rows(attention_mask)]
+        for group, group_tables in enumerate(self._tables.groups):
+            group_tables.cache_rows(rows, padded, num_tokens, group)
+
+    def __deepcopy__(self, memo: dict) -> PagedCache:
+        """A branch of this cache (`copy.deepcopy(cache)`, e.g. to continue one prompt several ways): the same rows
+        and lengths, sharing every block with this cache by reference count. The first write to a shared block, by
+        either cache, copies only that block; each releases its blocks on its own. The pool and config are shared,
+        not copied."""
+        branch = type(self)(
+            self._config,
+            pool=self.pool,
+            block_size=self.block_size,
+            dtype=self._dtype,
+            device=self._device,
+            share_rows=self.share_rows,
+            release_out_of_window=self.release_out_of_window,
+        )
+        branch._tables.share_from(self._tables)
+        branch._last_layer_updated = self._last_layer_updated
+        for layer, source in zip(branch.layers, self.layers):
+            layer.cumulative_length, layer.record_past = source.cumulative_length, source.record_past
+            if source.is_initialized:
+                layer.dtype, layer.device, layer.is_initialized = source.dtype, source.device, True
+        memo[id(self)] = branch
+        return branch
 
     def __enter__(self) -> PagedCache:
         return self
@@ -409,6 +476,13 @@ class PagedCache(Cache):
         return (
             f"PagedCache(rows={self._tables.num_rows}, seq_length={self.get_seq_length()}, "
             f"layer_groups={len(self.layer_groups)}, held_blocks={self.num_held_blocks}, pool={self.pool!r})"
+        )
+
+
+def _check_prefix_caching(pool: BlockPool | None, call: str) -> None:
+    if pool is None or not pool.allocator.enable_prefix_caching:
+        raise ValueError(
+            f"{call} needs a pool with prefix caching: BlockPool.for_model(model, ..., enable_prefix_caching=True)"
         )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .layer_groups import LayerGroups, derive_layer_groups
@@ -22,16 +23,20 @@ class KVLayout:
     """Per-layer K/V shapes of one model: what a pool must hold for it.
 
     `layer_types` (one transformers layer type per layer, such as "full_attention" or "sliding_attention"; all
-    "full_attention" when not given) only decides how a pool groups layers (`layer_groups`).
+    "full_attention" when not given) decides how a pool groups layers (`layer_groups`). `windows` (per layer: its
+    sliding window, None for full attention; all None when not given) lets a cache built from the pool alone give
+    back blocks that left a window, as a cache built from the config does.
 
-    NOTE: `layer_types` is left out of equality. Two layouts are equal when they store the same shapes, and any
-    grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per group of its
-    pool and releases a group's blocks only when every layer of that group slides (by the cache's own config).
+    NOTE: `layer_types` and `windows` are left out of equality. Two layouts are equal when they store the same
+    shapes, and any grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per
+    group of its pool and releases a group's blocks only when every layer of that group slides (by the cache's own
+    config).
     """
 
     num_kv_heads: tuple[int, ...]
     head_dims: tuple[int, ...]
     layer_types: tuple[str, ...] | None = field(default=None, compare=False)
+    windows: tuple[int | None, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
@@ -42,6 +47,10 @@ class KVLayout:
         if len(layer_types) != self.num_layers:
             raise ValueError(f"layer_types needs one entry per layer ({self.num_layers}), got {len(layer_types)}")
         object.__setattr__(self, "layer_types", layer_types)
+        windows = (None,) * self.num_layers if self.windows is None else tuple(self.windows)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"windows needs one entry per layer ({self.num_layers}), got {len(windows)}")
+        object.__setattr__(self, "windows", windows)
 
     @property
     def num_layers(self) -> int:
@@ -55,14 +64,19 @@ class KVLayout:
     def from_config(cls, config) -> KVLayout:
         """Read the decoder's layer count, kv heads and head_dim from a transformers config (or a model)."""
         config = getattr(config, "config", config)  # a model: use its config
-        if hasattr(config, "get_text_config"):
-            config = config.get_text_config(decoder=True)
+        if not isinstance(config, PreTrainedConfig):
+            raise TypeError(
+                f"expected a transformers model or its config, got {type(config).__name__} {config!r:.80}; load a "
+                "checkpoint first (AutoModelForCausalLM.from_pretrained(path) or AutoConfig.from_pretrained(path))"
+            )
+        config = config.get_text_config(decoder=True)
         num_layers = config.num_hidden_layers
         num_heads = config.num_attention_heads
         num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        layer_types, _ = get_layer_types_and_kwargs(config)
-        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, tuple(layer_types))
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        windows = _windows(layer_types, layer_kwargs)
+        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, tuple(layer_types), tuple(windows))
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what
@@ -80,6 +94,10 @@ def sliding_windows(config) -> list[int | None]:
         raise NotImplementedError(
             f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}"
         )
+    return _windows(layer_types, layer_kwargs)
+
+
+def _windows(layer_types: list[str], layer_kwargs: list[dict]) -> list[int | None]:
     return [
         kwargs["sliding_window"] if layer_type in SLIDING_LAYER_TYPES else None
         for layer_type, kwargs in zip(layer_types, layer_kwargs)

@@ -23,26 +23,65 @@ that slot, and a block is `num_slots` layers' worth of bytes.
 
 from __future__ import annotations
 
-import torch
-from accelerate.utils import convert_file_size_to_int
+import math
+import os
+import re
 
-from ..errors import PoolMismatch
+import torch
+
+from ..errors import PoolMismatch, PoolTooLarge
 from .allocator import BlockAllocator
 from .layer_groups import LayerGroups, group_of_layer, slot_of_layer
 from .layout import KVLayout
 
+# K, M, G, T are powers of 1000 and Ki, Mi, Gi, Ti powers of 1024, as in Kubernetes and vLLM; a trailing B is optional.
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"\s*((?:\d+\.?\d*|\.\d+)(?:e\d+)?)\s*([kmgt]i?)?b?\s*", re.IGNORECASE)
 
-def parse_memory(max_memory: int | str) -> int:
-    """`536870912`, `"512MiB"`, `"0.5GB"` -> bytes (accelerate's parser: KiB/MiB/GiB are powers of 1024)."""
-    try:
-        num_bytes = convert_file_size_to_int(max_memory)
-    except ValueError:
-        num_bytes = 0
-    if isinstance(max_memory, bool) or num_bytes <= 0:
+
+def parse_memory(max_memory: int | float | str) -> int:
+    """`536870912`, `2e9`, `"512MiB"`, `"0.5GB"`, `"2G"` -> bytes (K/M/G/T: powers of 1000; Ki/Mi/Gi/Ti: of 1024)."""
+    num_bytes = 0
+    if isinstance(max_memory, (int, float)) and not isinstance(max_memory, bool) and math.isfinite(max_memory):
+        num_bytes = int(max_memory)
+    elif isinstance(max_memory, str) and (match := _SIZE.fullmatch(max_memory)):
+        num_bytes = int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
+    if num_bytes <= 0:
         raise ValueError(
-            f"max_memory must be a positive byte count or a size like '512MiB' or '2GB', got {max_memory!r}"
+            "max_memory must be a positive byte count (an int, or a float such as 2e9) or a size string such as "
+            f"'512MiB', '2GB' or '2G' (units K/M/G/T = 1000^n, Ki/Mi/Gi/Ti = 1024^n), got {max_memory!r}"
         )
     return num_bytes
+
+
+def resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """A torch floating dtype, or its name ("bfloat16", "torch.float16"), as a `torch.dtype`; None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    resolved = getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(resolved, torch.dtype) or not resolved.is_floating_point:
+        raise ValueError(
+            f"dtype must be a floating torch.dtype or its name ('float32', 'float16', 'bfloat16'), got {dtype!r}"
+        )
+    return resolved
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """Bytes a pool on `device` can take at most: free memory of a CUDA device, physical memory of the host for
+    the CPU; None when unknown."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            return None
+    return None
+
+
+def check_positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
 class BlockPool:
@@ -82,8 +121,7 @@ class BlockPool:
         enable_prefix_caching: bool = False,
         group_layers: bool = True,
     ):
-        if not isinstance(block_size, int) or block_size <= 0:
-            raise ValueError(f"block_size must be a positive int, got {block_size!r}")
+        check_positive_int("block_size", block_size)
         if (num_blocks is None) == (max_memory is None):
             raise ValueError(
                 f"give exactly one of num_blocks and max_memory, got num_blocks={num_blocks!r}, "
@@ -91,7 +129,7 @@ class BlockPool:
             )
         self.layout = layout
         self.block_size = block_size
-        self.dtype = dtype if dtype is not None else torch.float32
+        self.dtype = resolve_dtype(dtype) or torch.float32
         self.device = torch.device(device if device is not None else "cpu")
         if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it, as
             self.device = torch.device("cuda", torch.cuda.current_device())  # tensors do, so device checks match
@@ -112,8 +150,8 @@ class BlockPool:
                 raise ValueError(
                     f"max_memory={max_memory!r} ({budget} bytes) holds no block of {self.bytes_per_block} bytes"
                 )
-        if not isinstance(num_blocks, int) or num_blocks <= 0:
-            raise ValueError(f"num_blocks must be a positive int, got {num_blocks!r}")
+        check_positive_int("num_blocks", num_blocks)
+        self._check_fits(num_blocks)
         self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
         # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
         # index by layer). grow() replaces the tensors and refreshes the lists in place.
@@ -154,6 +192,12 @@ class BlockPool:
             enable_prefix_caching=enable_prefix_caching,
             group_layers=group_layers,
         )
+
+    def _check_fits(self, num_blocks: int) -> None:
+        """Raise `PoolTooLarge` before allocating storage the device cannot hold."""
+        capacity = device_capacity(self.device)
+        if capacity is not None and num_blocks * self.bytes_per_block > capacity:
+            raise PoolTooLarge(num_blocks, self.bytes_per_block, capacity, str(self.device))
 
     def _new_storage(self, num_blocks: int, slot: int) -> torch.Tensor:
         num_kv_heads, head_dim = self._slot_shapes[slot]
@@ -252,6 +296,7 @@ class BlockPool:
         """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
         if not self.growable:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
+        self._check_fits(self.num_blocks + num_new_blocks)
         for slots in (self._key_slots, self._value_slots):
             for slot, cache in enumerate(slots):
                 slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot)], dim=1)

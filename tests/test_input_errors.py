@@ -1,0 +1,120 @@
+"""What a user can get wrong with a pool or a cache gets a typed error that names the allowed values and the actual
+ones, raised before anything is allocated or changed; a refused call never keeps blocks."""
+
+import time
+
+import pytest
+import torch
+
+from hf_paged import BlockPool, PagedCache, PoolExhausted, PoolMismatch
+from hf_paged.errors import PoolTooLarge
+from hf_paged.storage import parse_memory
+from tests.models import random_prompt, tiny_model
+
+
+@pytest.mark.parametrize(
+    "max_memory, num_bytes",
+    [(536870912, 536870912), (2e9, 2 * 10**9), ("512MiB", 512 * 2**20), ("0.5GB", 5 * 10**8), ("2G", 2 * 10**9),
+     ("2 gib", 2 * 2**30), ("1TiB", 2**40), ("3K", 3000), ("7", 7)],
+)  # fmt: skip
+def test_memory_sizes(max_memory, num_bytes):
+    assert parse_memory(max_memory) == num_bytes
+
+
+@pytest.mark.parametrize("max_memory", ["lots", "2 GB of RAM", "", "1PiB", -5, 0, True, float("inf"), [1]])
+def test_bad_memory_sizes_name_the_forms(max_memory):
+    with pytest.raises(ValueError, match=r"max_memory must be a positive byte count .* '2G' .* got "):
+        parse_memory(max_memory)
+
+
+def test_dtype_names_are_accepted_and_bad_ones_refused_up_front():
+    model = tiny_model("llama")
+    assert BlockPool.for_model(model, num_blocks=2, dtype="bfloat16").dtype == torch.bfloat16
+    assert BlockPool.for_model(model, num_blocks=2, dtype="torch.float16").dtype == torch.float16
+    for dtype in ("bf16", "int8", torch.int64):
+        with pytest.raises(ValueError, match=rf"dtype must be a floating torch.dtype or its name .* got {dtype!r}"):
+            BlockPool.for_model(model, num_blocks=2, dtype=dtype)
+        with pytest.raises(ValueError, match="dtype must be a floating torch.dtype"):
+            PagedCache(config=model.config, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "name, value", [("block_size", True), ("block_size", 0), ("num_blocks", True), ("num_blocks", 2.0)]
+)
+def test_sizes_must_be_positive_ints(name, value):
+    model = tiny_model("llama")
+    kwargs = {"num_blocks": 4, name: value}
+    with pytest.raises(ValueError, match=rf"{name} must be a positive int, got {value!r}"):
+        BlockPool.for_model(model, **kwargs)
+
+
+def test_a_pool_larger_than_the_device_is_refused_before_allocating():
+    model = tiny_model("llama")
+    started = time.perf_counter()
+    with pytest.raises(PoolTooLarge, match=r"a pool of 1000000000000 blocks .* more than the .* GiB cpu can hold"):
+        BlockPool.for_model(model, num_blocks=10**12)
+    with pytest.raises(PoolTooLarge, match="lower num_blocks or max_memory"):
+        BlockPool.for_model(model, max_memory="1024TiB")
+    assert time.perf_counter() - started < 1.0
+
+
+def test_a_model_or_a_path_where_a_config_belongs():
+    model = tiny_model("llama")
+    with pytest.raises(TypeError, match=r"PagedCache takes the model's config, got the model \(LlamaForCausalLM\)"):
+        PagedCache(model)
+    with pytest.raises(TypeError, match="expected a transformers model or its config, got str .*from_pretrained"):
+        BlockPool.for_model("path/to/checkpoint", num_blocks=4)
+    with pytest.raises(TypeError, match="pool must be a BlockPool"):
+        PagedCache(config=model.config, pool="pool")
+
+
+def test_pool_exhausted_says_what_to_change():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=1, block_size=4)
+    with pytest.raises(PoolExhausted, match=r"need 2 blocks, 1 free of 1; give the pool more blocks .*max_memory"):
+        model.generate(random_prompt(5), past_key_values=PagedCache(config=model.config, pool=pool), max_new_tokens=2)
+    assert pool.num_used_blocks == 0
+
+
+def test_prefix_calls_need_a_prefix_caching_pool_and_release_anyway():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    prompt = random_prompt(9)
+    with pytest.raises(ValueError, match=r"from_prefix needs a pool with prefix caching: .*enable_prefix_caching=True"):
+        PagedCache.from_prefix(pool, prompt, model.config)
+    cache = PagedCache(config=model.config, pool=pool)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=3)
+    with pytest.raises(ValueError, match=r"release\(token_ids=...\) needs a pool with prefix caching"):
+        cache.release(token_ids=out)
+    assert pool.num_used_blocks == 0
+
+
+def test_release_refuses_token_ids_shorter_than_what_was_computed():
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4, enable_prefix_caching=True)
+    cache = PagedCache(config=model.config, pool=pool)
+    out = model.generate(random_prompt(9), past_key_values=cache, max_new_tokens=4)  # 12 tokens computed
+    with pytest.raises(ValueError, match="release got a row of 8 token_ids, the cache computed 12 per row"):
+        cache.release(token_ids=out[:, :8])
+    assert pool.num_used_blocks == 0 and pool.allocator.num_cached_blocks == 0
+
+
+def test_a_cache_built_for_another_layer_count_is_refused():
+    deeper, shallower = tiny_model("llama", num_layers=4), tiny_model("llama", num_layers=2)
+    with pytest.raises(PoolMismatch, match="layer_idx 2: this PagedCache was built for 2 layers"):
+        deeper.generate(random_prompt(5), past_key_values=PagedCache(config=shallower.config), max_new_tokens=2)
+    with pytest.raises(PoolMismatch, match=r"the model's forward updated layers 0..1 of this PagedCache, built for 4"):
+        shallower.generate(random_prompt(5), past_key_values=PagedCache(config=deeper.config), max_new_tokens=2)
+
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_a_cache_built_from_the_pool_alone_releases_out_of_window_blocks(name):
+    model = tiny_model(name)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    held = []
+    for kwargs in ({"config": model.config}, {}, {"config": model.config, "release_out_of_window": False}):
+        cache = PagedCache(pool=pool, **kwargs)
+        model.generate(random_prompt(6), past_key_values=cache, max_new_tokens=30)
+        held.append(cache.held_blocks_per_group)
+        cache.release()
+    assert held[1] == held[0] and sum(held[0]) < sum(held[2])  # the sliding groups gave blocks back
