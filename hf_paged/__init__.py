@@ -10,6 +10,7 @@ from .errors import (
     PluginLoadWarning,
     PoolExhausted,
     PoolMismatch,
+    PoolTooLarge,
     RequestFailed,
     UnknownBackend,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "PluginLoadWarning",
     "PoolExhausted",
     "PoolMismatch",
+    "PoolTooLarge",
     "RequestFailed",
     "SamplingParams",
     "UnknownBackend",

@@ -6,8 +6,7 @@ import time
 import pytest
 import torch
 
-from hf_paged import BlockPool, PagedCache, PoolExhausted, PoolMismatch
-from hf_paged.errors import PoolTooLarge
+from hf_paged import BlockPool, PagedCache, PoolExhausted, PoolMismatch, PoolTooLarge
 from hf_paged.storage import parse_memory
 from tests.models import random_prompt, tiny_model
 
