@@ -175,6 +175,29 @@ def test_decode_head_dim_256_bf16(impl):
     check_decode(impl, batch)
 
 
+@pytest.mark.parametrize("impl,num_splits", [("torch", None), ("triton", None), ("triton", 3)])
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim,block_size",
+    [
+        pytest.param(40, 2, 40, 12, id="group-20-head_dim-40-block-12"),  # two programs per kv head, odd sizes
+        pytest.param(34, 2, 8, 5, id="group-17-head_dim-8-block-5"),  # a 16-wide tile for an 8-wide head
+    ],
+)
+def test_decode_large_groups_and_odd_sizes(impl, num_q_heads, num_kv_heads, head_dim, block_size, num_splits):
+    """GQA groups past 16 q heads (more than one program per kv head), head dims that are not a power of two or
+    under 16, and block sizes that are not powers of two: all runtime arguments of the kernel."""
+    batch = make_batch(
+        [1, 23, 61],
+        block_size=block_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=torch.float16,
+        seed=block_size,
+    )
+    check_decode(impl, batch, **({"num_splits": num_splits} if num_splits else {}))
+
+
 # ------------------------------------------------------------------ masking: kv_start, sliding window, softcap
 @IMPLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -4,7 +4,9 @@
   see `dispatch.py` for the `backend` argument and the `HF_PAGED_ATTENTION_BACKEND` variable.
 - `*_torch`: the PyTorch references (`reference.py`), also the CPU fallback.
 - `*_triton`: the Triton kernels (`triton_decode.py`, `triton_store.py`), imported on first attribute access so
-  that this package imports without Triton installed.
+  that this package imports without Triton installed; their launch choices (tiles, warps, stages) per GPU are in
+  `launch_config.py`, and `resources.py` compiles every variant they pick for sm_80 / sm_90 without a GPU
+  (registers, spills, shared memory: tests/test_kernel_compile.py, docs/kernels.md).
 """
 
 from .dispatch import BACKEND_ENV_VAR, BACKENDS, paged_decode_attention, resolve_backend, store_kv

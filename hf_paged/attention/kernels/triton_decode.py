@@ -3,16 +3,20 @@
 Reference: `reference.paged_decode_attention_torch` (same signature, same semantics).
 
 Design, for memory bandwidth (decode reads every cached K/V byte once and does little math per byte):
-- one program per (sequence, kv head, split) handles the whole GQA group of q heads that share the kv head, so each
-  K/V tile is read from HBM once per group, not once per q head;
+- one program per (sequence, kv head, split) handles the GQA group of q heads that share the kv head, 16 at a time
+  (a group of up to 16 in one program), so each K/V tile is read from HBM once per group, not once per q head;
 - the program walks the sequence in tiles of `BLOCK_N` tokens; for each tile it gathers the block ids from the
   block table and loads a `[BLOCK_N, head_dim]` tile of K and of V (rows are contiguous `head_dim` vectors in the
   NHD layout, so every row load is coalesced whatever the block size);
-- online softmax in fp32 (exp2 with the scale folded into log2(e)), tensor-core `tl.dot` for QK^T and PV with the
-  group dim padded to >= 16 rows;
+- online softmax in fp32 (exp2 with the scale folded into log2(e)), `tl.dot` for QK^T and PV with the group dim
+  padded to 16 rows (tensor cores for fp16/bf16);
 - split-K ("flash decoding"): when batch * num_kv_heads programs cannot fill the GPU, the context is cut into
   `num_splits` chunks processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
   second small kernel merges them.
+
+Tile sizes, warps and stages come from `launch_config` (a function of head_dim, dtype and the GPU's compute
+capability, chosen so that no variant spills registers); group, block size, window and split count are runtime
+arguments, so one compiled variant per (dtype, head_dim tile, softcap) serves every model and step.
 
 Import this module only through `hf_paged.kernels` (lazily): `triton.jit` reads `TRITON_INTERPRET` when the
 kernels below are defined.
@@ -27,9 +31,11 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
 from .reference import check_decode_args
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
+NO_WINDOW = 1 << 30  # the sliding_window argument without a window: wider than any sequence
 
 
 @triton.jit
@@ -42,19 +48,20 @@ def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 # NOTE: Triton compiles a variant per value class of each int argument (1, divisible by 16, other) unless told not
-# to: a block table's row stride is its width in blocks, which grows with the context, so it would recompile as
-# sequences grow (on the GPU, inside timed runs).
-@triton.jit(do_not_specialize=["stride_bt"])
+# to. Sizes that vary with the model or the workload (block table width, GQA group, block size, window) are excluded,
+# so one variant per (dtype, head_dim_pad, softcap) serves every model and step; head_dim stays specialized, because
+# knowing it is a multiple of 16 is what lets the loads of its rows vectorize.
+@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size"])
 def _paged_decode_kernel(
     q_ptr,  # [B, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables_ptr,  # [B, max_blocks_per_seq]
     seq_lens_ptr,  # [B]
-    kv_start_ptr,  # [B], read only if HAS_KV_START
-    out_ptr,  # [B, num_q_heads, head_dim], written only if NUM_SPLITS == 1
-    partial_out_ptr,  # [B, num_q_heads, NUM_SPLITS, head_dim] fp32, written only if NUM_SPLITS > 1
-    partial_lse_ptr,  # [B, num_q_heads, NUM_SPLITS] fp32 (log2 units), written only if NUM_SPLITS > 1
+    kv_start_ptr,  # [B], read only if has_kv_start
+    out_ptr,  # [B, num_q_heads, head_dim], written when the grid has one split
+    partial_out_ptr,  # [B, num_q_heads, num_splits, head_dim] fp32 contiguous, written when it has more
+    partial_lse_ptr,  # [B, num_q_heads, num_splits] fp32 contiguous (log2 units), written when it has more
     stride_qb,
     stride_qh,
     stride_qd,
@@ -72,52 +79,52 @@ def _paged_decode_kernel(
     stride_od,
     scale,
     softcap,
-    sliding_window,
+    sliding_window,  # larger than any sequence when there is no window
     tokens_per_split,  # a multiple of BLOCK_N
-    GROUP: tl.constexpr,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    group,  # q heads per kv head
+    head_dim,
+    block_size,
+    has_kv_start,  # bool
+    BLOCK_G: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HAS_KV_START: tl.constexpr,
-    USE_SLIDING_WINDOW: tl.constexpr,
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
+    # grid: (B, num_kv_heads * group_tiles, num_splits); a program serves BLOCK_G q heads of one kv head.
     seq_idx = tl.program_id(0)
+    group_tiles = tl.cdiv(group, BLOCK_G)
     # int64: in a head-major pool the head stride is num_blocks * block_size * head_dim, and a large pool's element
     # offsets overflow int32 (so do block_id * stride_kb, below).
-    kv_head = tl.program_id(1).to(tl.int64)
+    kv_head = (tl.program_id(1) // group_tiles).to(tl.int64)
+    group_start = (tl.program_id(1) % group_tiles) * BLOCK_G
     split = tl.program_id(2)
+    num_splits = tl.num_programs(2)
 
     # Visible key positions: [lo, seq_len), intersected with this split's chunk.
     seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int32)
-    lo = seq_len * 0  # an int32 scalar tensor, like the values that may replace it below
-    if HAS_KV_START:
+    lo = tl.maximum(seq_len - sliding_window, 0)
+    if has_kv_start:
         lo = tl.maximum(lo, tl.load(kv_start_ptr + seq_idx).to(tl.int32))
-    if USE_SLIDING_WINDOW:
-        lo = tl.maximum(lo, seq_len - sliding_window)
     start = tl.maximum(lo, split * tokens_per_split)
     end = tl.minimum(seq_len, (split + 1) * tokens_per_split)
 
-    g = tl.arange(0, GROUP_PAD)
+    g = group_start + tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
-    q_heads = kv_head * GROUP + g
-    g_mask = g < GROUP
-    d_mask = d < HEAD_DIM
-    # q: [GROUP_PAD, HEAD_DIM_PAD]; padded rows and columns are zero, so they add nothing to the dot products.
+    q_heads = kv_head * group + g
+    g_mask = g < group
+    d_mask = d < head_dim
+    # q: [BLOCK_G, HEAD_DIM_PAD]; padded rows and columns are zero, so they add nothing to the dot products.
     q = tl.load(
         q_ptr + seq_idx * stride_qb + q_heads[:, None] * stride_qh + d[None, :] * stride_qd,
         mask=g_mask[:, None] & d_mask[None, :],
         other=0.0,
     )
 
-    m_i = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)  # running max, log2 units
-    l_i = tl.zeros((GROUP_PAD,), dtype=tl.float32)  # running sum of exp2(logit - m_i)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM_PAD), dtype=tl.float32)
+    m_i = tl.full((BLOCK_G,), float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros((BLOCK_G,), dtype=tl.float32)  # running sum of exp2(logit - m_i)
+    acc = tl.zeros((BLOCK_G, HEAD_DIM_PAD), dtype=tl.float32)
     bt_row = block_tables_ptr + seq_idx * stride_bt
 
     # NOTE: the first tile contains `start` and every later one starts before `end`, so each tile processed has at
@@ -128,8 +135,9 @@ def _paged_decode_kernel(
     for tile_start in range(tile_lo, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         visible = (pos >= start) & (pos < end)
-        block_ids = tl.load(bt_row + pos // BLOCK_SIZE, mask=visible, other=0).to(tl.int64)
-        offsets = pos % BLOCK_SIZE
+        block_idx = pos // block_size
+        block_ids = tl.load(bt_row + block_idx, mask=visible, other=0).to(tl.int64)
+        offsets = pos - block_idx * block_size
         kv_mask = visible[:, None] & d_mask[None, :]
         # k, v: [BLOCK_N, HEAD_DIM_PAD]
         k = tl.load(
@@ -151,7 +159,7 @@ def _paged_decode_kernel(
             other=0.0,
         )
 
-        logits = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [GROUP_PAD, BLOCK_N] fp32
+        logits = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_G, BLOCK_N] fp32
         if USE_SOFTCAP:
             # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x.
             x = logits / softcap
@@ -170,50 +178,49 @@ def _paged_decode_kernel(
     # A split (or a sequence) with no visible key has l_i == 0: emit zeros, and lse = -inf so the merge ignores it.
     has_keys = l_i > 0.0
     o = acc / tl.where(has_keys, l_i, 1.0)[:, None]
-    if NUM_SPLITS == 1:
-        tl.store(
-            out_ptr + seq_idx * stride_ob + q_heads[:, None] * stride_oh + d[None, :] * stride_od,
-            o.to(out_ptr.dtype.element_ty),
-            mask=g_mask[:, None] & d_mask[None, :],
-        )
+    o_mask = g_mask[:, None] & d_mask[None, :]
+    if num_splits == 1:
+        out_rows = out_ptr + seq_idx * stride_ob + q_heads[:, None] * stride_oh
+        tl.store(out_rows + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask)
     else:
-        row = (seq_idx * GROUP * tl.num_programs(1) + q_heads) * NUM_SPLITS + split  # [GROUP_PAD]
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], o, mask=g_mask[:, None] & d_mask[None, :])
+        num_q_heads = group * (tl.num_programs(1) // group_tiles)
+        row = (seq_idx * num_q_heads + q_heads) * num_splits + split  # [BLOCK_G]
+        tl.store(partial_out_ptr + row[:, None] * head_dim + d[None, :], o, mask=o_mask)
         lse = tl.where(has_keys, m_i + tl.log2(tl.where(has_keys, l_i, 1.0)), float("-inf"))
         tl.store(partial_lse_ptr + row, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(
-    partial_out_ptr,  # [B, num_q_heads, NUM_SPLITS, head_dim] fp32
-    partial_lse_ptr,  # [B, num_q_heads, NUM_SPLITS] fp32, log2 units
+    partial_out_ptr,  # [B, num_q_heads, num_splits, head_dim] fp32 contiguous
+    partial_lse_ptr,  # [B, num_q_heads, num_splits] fp32 contiguous, log2 units
     out_ptr,  # [B, num_q_heads, head_dim]
     stride_ob,
     stride_oh,
     stride_od,
-    HEAD_DIM: tl.constexpr,
+    num_splits,
+    head_dim,
     HEAD_DIM_PAD: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
 ):
+    # grid: (B, num_q_heads); a loop over the splits, so registers do not grow with their number.
     seq_idx = tl.program_id(0)
     q_head = tl.program_id(1)
-    s = tl.arange(0, SPLITS_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
-    s_mask = s < NUM_SPLITS
-    d_mask = d < HEAD_DIM
-    row = (seq_idx * tl.num_programs(1) + q_head) * NUM_SPLITS + s  # [SPLITS_PAD]
+    d_mask = d < head_dim
+    first_row = (seq_idx * tl.num_programs(1) + q_head) * num_splits
 
-    lse = tl.load(partial_lse_ptr + row, mask=s_mask, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.load(partial_lse_ptr + first_row)
+    for s in range(1, num_splits):
+        lse_max = tl.maximum(lse_max, tl.load(partial_lse_ptr + first_row + s))
     lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # every split empty: weights all 0
-    weights = tl.exp2(lse - lse_max)  # [SPLITS_PAD]
-    total = tl.sum(weights, axis=0)
-    # o: [SPLITS_PAD, HEAD_DIM_PAD], each split's output already normalized by its own softmax sum
-    o = tl.load(
-        partial_out_ptr + row[:, None] * HEAD_DIM + d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    o = tl.sum(o * weights[:, None], axis=0) / tl.where(total > 0.0, total, 1.0)
+    total = lse_max * 0.0
+    acc = tl.zeros((HEAD_DIM_PAD,), dtype=tl.float32)
+    for s in range(num_splits):
+        # each split's output is already normalized by its own softmax sum
+        weight = tl.exp2(tl.load(partial_lse_ptr + first_row + s) - lse_max)
+        acc += weight * tl.load(partial_out_ptr + (first_row + s) * head_dim + d, mask=d_mask, other=0.0)
+        total += weight
+    o = acc / tl.where(total > 0.0, total, 1.0)
     out_row = out_ptr + seq_idx * stride_ob + q_head * stride_oh
     tl.store(out_row + d * stride_od, o.to(out_ptr.dtype.element_ty), mask=d_mask)
 
@@ -274,28 +281,27 @@ def paged_decode_attention_triton(
     if block_tables.shape[1] == 0:  # no sequence holds a key: zeros, as the reference gives
         return out.zero_()
 
-    head_dim_pad = triton.next_power_of_2(head_dim)
-    block_n = 64 if head_dim_pad <= 128 else 32
+    config = launch_config.decode_config(head_dim, key_cache.dtype, launch_config.device_capability(query.device))
+    group_tiles = triton.cdiv(group, config.block_g)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device)
-    # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores): the
-    # split count stays the one asked for, so no new variant compiles.
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
+    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n) * config.block_n
 
     if num_splits > 1:
         partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
-    else:
-        partial_out = partial_lse = out  # unused by the kernel when NUM_SPLITS == 1
+    else:  # unused by the kernel with one split; fp32 like the real ones, so that both share one compiled variant
+        partial_out = partial_lse = torch.empty(0, dtype=torch.float32, device=query.device)
     with on_device(query):
-        _paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        _paged_decode_kernel[(batch, num_kv_heads * group_tiles, num_splits)](
             query,
             key_cache,
             value_cache,
             block_tables,
             seq_lens,
-            kv_start if kv_start is not None else seq_lens,  # unused when HAS_KV_START is False
+            kv_start if kv_start is not None else seq_lens,  # unused when has_kv_start is False
             out,
             partial_out,
             partial_lse,
@@ -306,23 +312,20 @@ def paged_decode_attention_triton(
             *out.stride(),
             float(scale),
             float(softcap) if softcap is not None else 1.0,
-            int(sliding_window) if sliding_window is not None else 0,
+            min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW,
             tokens_per_split,
-            GROUP=group,
-            GROUP_PAD=max(16, triton.next_power_of_2(group)),  # tl.dot needs >= 16 rows
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=head_dim_pad,
-            BLOCK_SIZE=block_size,
-            BLOCK_N=block_n,
-            NUM_SPLITS=num_splits,
-            HAS_KV_START=kv_start is not None,
-            USE_SLIDING_WINDOW=sliding_window is not None,
+            group,
+            head_dim,
+            block_size,
+            kv_start is not None,
+            BLOCK_G=config.block_g,
+            HEAD_DIM_PAD=config.head_dim_pad,
+            BLOCK_N=config.block_n,
             USE_SOFTCAP=softcap is not None,
-            # fp32 caches: full-precision dot products (the default would round inputs to tf32 on the GPU).
-            DOT_PRECISION="ieee" if key_cache.dtype == torch.float32 else "tf32",
-            DOT_UPCAST=key_cache.dtype == torch.bfloat16 and key_cache.device.type != "cuda",
-            num_warps=4,
-            num_stages=2,
+            DOT_PRECISION=config.dot_precision,
+            DOT_UPCAST=config.dot_upcast,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
         if num_splits > 1:
             _merge_splits_kernel[(batch, num_q_heads)](
@@ -330,11 +333,10 @@ def paged_decode_attention_triton(
                 partial_lse,
                 out,
                 *out.stride(),
-                HEAD_DIM=head_dim,
-                HEAD_DIM_PAD=head_dim_pad,
-                NUM_SPLITS=num_splits,
-                SPLITS_PAD=triton.next_power_of_2(num_splits),
-                num_warps=4,
+                num_splits,
+                head_dim,
+                HEAD_DIM_PAD=config.head_dim_pad,
+                num_warps=launch_config.merge_num_warps(head_dim),
             )
     return out
 

@@ -11,10 +11,13 @@ import torch
 import triton
 import triton.language as tl
 
+from . import launch_config
 from .triton_decode import on_device
 
 
-@triton.jit
+# Block size and head_dim are runtime arguments, so one variant per (dtypes, head_dim_pad) serves every pool; the
+# block size is not specialized (8 and 16 would compile twice), head_dim is (a multiple of 16 vectorizes).
+@triton.jit(do_not_specialize=["block_size"])
 def _store_kv_kernel(
     key_ptr,  # [num_tokens, num_kv_heads, head_dim]
     value_ptr,  # [num_tokens, num_kv_heads, head_dim]
@@ -35,17 +38,17 @@ def _store_kv_kernel(
     stride_vcs,
     stride_vch,
     stride_vcd,
-    BLOCK_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    block_size,
+    head_dim,
     HEAD_DIM_PAD: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)  # int64: a head-major pool's head stride times head overflows int32
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
-    block_id = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
+    block_id = slot // block_size
+    offset = slot - block_id * block_size
     d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = d < HEAD_DIM
+    d_mask = d < head_dim
 
     k = tl.load(key_ptr + token * stride_kt + head * stride_kh + d * stride_kd, mask=d_mask)
     v = tl.load(value_ptr + token * stride_vt + head * stride_vh + d * stride_vd, mask=d_mask)
@@ -88,8 +91,8 @@ def store_kv_triton(
             *value.stride(),
             *key_cache.stride(),
             *value_cache.stride(),
-            BLOCK_SIZE=key_cache.shape[1],
-            HEAD_DIM=head_dim,
-            HEAD_DIM_PAD=triton.next_power_of_2(head_dim),
-            num_warps=1 if head_dim <= 128 else 2,
+            key_cache.shape[1],
+            head_dim,
+            HEAD_DIM_PAD=launch_config.head_dim_pad(head_dim),
+            num_warps=launch_config.store_num_warps(head_dim),
         )

@@ -1,0 +1,90 @@
+"""Launch choices of the Triton kernels (tile sizes, warps, pipeline stages) as plain functions of the shapes and
+the GPU's compute capability.
+
+The launchers call these with `device_capability(device)`; `resources.py` calls the launchers with it answering
+sm_80 or sm_90 on a machine without either GPU, which is how CI checks that every variant a launcher can pick
+compiles without register spills (docs/kernels.md lists each variant's registers and occupancy).
+
+Why the choices, for a memory-bound kernel that should never spill (a decode program holds, per thread, its share
+of a `[BLOCK_G, head_dim_pad]` fp32 accumulator, the query tile, the `[BLOCK_G, BLOCK_N]` logits, and one
+`[BLOCK_N, head_dim_pad]` tile each of K and V, plus the next tiles' loads in flight):
+- `BLOCK_G` is 16 whatever the GQA group: `tl.dot` needs 16 rows; a larger group runs one program per 16 q heads
+  (neighbours in the grid, so the second one's K/V reads mostly hit L2);
+- each thread's share of a K or V tile is a fixed 16 registers: wide heads take fewer tokens per tile (and 8
+  warps from 128 wide) instead of more registers per thread, and an fp32 cache, whose dot products run on CUDA
+  cores in full precision, takes half the tokens of a 16-bit one;
+- narrow heads stop at 64 tokens and at twice the tile width: past that a tile adds more logits than K/V;
+- 2 pipeline stages: the next tile's loads are in flight while one is used.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+
+# Compute capabilities that CI compiles every kernel variant for (docs/kernels.md): A100, H100/H200.
+CHECKED_CAPABILITIES = (80, 90)
+TILE_REGISTERS = 16  # per thread, for its share of one [BLOCK_N, head_dim_pad] K or V tile
+# Narrow heads: past these, a longer tile adds more logits ([BLOCK_G, BLOCK_N] fp32) than K/V per thread.
+MAX_BLOCK_N = 64
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """How `_paged_decode_kernel` is launched for one (head_dim, dtype, GPU)."""
+
+    head_dim_pad: int  # head_dim rounded up to a power of two >= 16 (tl.arange and tl.dot sizes)
+    block_g: int  # q heads per program
+    block_n: int  # tokens per K/V tile
+    num_warps: int
+    num_stages: int
+    dot_precision: str  # "ieee" for fp32 caches (no tf32 rounding), "tf32" (ignored for 16-bit inputs) otherwise
+    dot_upcast: bool  # widen bf16 dot inputs to fp32: only in Triton's CPU interpreter (see triton_decode._dot)
+
+
+def head_dim_pad(head_dim: int) -> int:
+    """The power-of-two tile width for `head_dim` (>= 16: the smallest `tl.dot` dimension)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
+@functools.cache
+def device_capability(device: torch.device) -> int | None:
+    """The compute capability of a CUDA device as one int (80: sm_80, 90: sm_90), None off CUDA (the interpreter)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> DecodeConfig:
+    """The decode kernel's launch for K/V of `head_dim` in `dtype` on a GPU of `capability` (None: interpreter).
+
+    The choice depends on the tile width (`head_dim_pad`), the element size and capability only, so each
+    (dtype, tile width) compiles one variant per GPU.
+    """
+    pad = head_dim_pad(head_dim)
+    num_warps = 4 if pad <= 64 else 8
+    # Each thread holds TILE_REGISTERS registers of a K (or V) tile: 32 elements of a 16-bit cache, 16 of fp32.
+    elements_per_thread = TILE_REGISTERS * 4 // dtype.itemsize
+    block_n = min(MAX_BLOCK_N, 2 * pad, elements_per_thread * 32 * num_warps // pad)
+    return DecodeConfig(
+        head_dim_pad=pad,
+        block_g=16,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=2,
+        dot_precision="ieee" if dtype == torch.float32 else "tf32",
+        dot_upcast=dtype == torch.bfloat16 and capability is None,
+    )
+
+
+def merge_num_warps(head_dim: int) -> int:
+    """Warps of the split-K merge kernel: one fp32 `head_dim` row per program, two elements or more per thread."""
+    return 1 if head_dim_pad(head_dim) <= 64 else 2
+
+
+def store_num_warps(head_dim: int) -> int:
+    """Warps of the store kernel: one K and one V row per program, a 16-byte vector per thread for 16-bit rows."""
+    return 1 if head_dim_pad(head_dim) <= 128 else 2
