@@ -211,7 +211,8 @@ class PagedCache(Cache):
         if 0 < last < len(self.layers) - 1:
             raise PoolMismatch(
                 f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self.layers)} "
-                "layers: build it from the config of the model it runs with, PagedCache(config=model.config)"
+                "layers: build it from the config of the model it runs with, PagedCache(config=model.config) (or an "
+                "earlier forward stopped part-way: only release() is valid then)"
             )
 
     def _undo_step(self, layer_idx: int, num_past: int) -> None:
