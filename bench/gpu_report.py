@@ -1,0 +1,172 @@
+"""`python -m bench.gpu_report` (`make bench-gpu`): everything that needs a CUDA GPU, in one run and one report.
+
+1. the GPU tests: tests/test_gpu.py (the paged path end to end on CUDA models) and tests/test_kernels.py /
+   tests/test_kernel_dispatch.py on CUDA tensors (the Triton kernels against their reference on the GPU);
+2. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
+   contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
+3. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+
+Each step runs in its own process and the report records its command, exit status and time, so one failing step
+does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
+step failed. Without CUDA it runs nothing, says so, and exits 2.
+
+    python -m bench.gpu_report                 # everything
+    python -m bench.gpu_report --skip serving  # tests and decode only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "bench" / "results" / "gpu"
+NO_CUDA_EXIT = 2
+STEP_KINDS = ("tests", "decode", "serving")
+DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
+SERVING_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass
+class Step:
+    kind: str
+    name: str
+    command: list[str]
+    returncode: int | None = None
+    seconds: float | None = None
+    output_tail: str = ""
+
+
+def plan(out: Path, skip: set[str]) -> list[Step]:
+    python = sys.executable
+    steps = []
+    if "tests" not in skip:
+        tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_kernel_dispatch.py"]
+        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *tests]))
+    if "decode" not in skip:
+        for dtype, head_dim in DECODE_RUNS:
+            json_path = out / f"decode_{dtype}_d{head_dim}.json"
+            command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
+            steps.append(Step("decode", f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+    if "serving" not in skip:
+        for dtype in SERVING_DTYPES:
+            command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
+            command += ["--log", str(out / f"SERVING_{dtype}.md"), "--json", str(out / f"cache_report_{dtype}.json")]
+            command += ["--serving-json", str(out / f"serving_{dtype}.json")]
+            steps.append(Step("serving", f"serving {dtype}", command))
+    return steps
+
+
+def run(step: Step, out: Path) -> None:
+    print(f"== {step.name}: {' '.join(step.command)}", flush=True)
+    start = time.perf_counter()
+    log = out / f"{step.name.replace(' ', '_')}.log"
+    with open(log, "w") as f:
+        result = subprocess.run(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
+    step.returncode, step.seconds = result.returncode, time.perf_counter() - start
+    step.output_tail = "\n".join(log.read_text().splitlines()[-25:])
+    print(f"   exit {step.returncode} in {step.seconds:.0f} s (log: {log})", flush=True)
+
+
+def _decode_section(out: Path) -> str:
+    parts = []
+    for dtype, head_dim in DECODE_RUNS:
+        path = out / f"decode_{dtype}_d{head_dim}.json"
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        args = report["args"]
+        peak = report["peak_bandwidth"]
+        peak_text = f"{peak / 1e12:.2f} TB/s" if peak else "unknown"
+        parts.append(
+            f"### {args['dtype']}, head_dim {args['head_dim']}, {args['num_q_heads']} q / {args['num_kv_heads']} kv "
+            f"heads, block_size {args['block_size']}\n\n{report['device']}, HBM peak {peak_text}\n"
+        )
+        rows = [
+            [
+                r["batch"],
+                r["context"],
+                r["method"],
+                r.get("skipped") or f"{r['ms'] * 1e3:.1f}",
+                f"{r['bandwidth_gbs']:.0f}" if "ms" in r else "",
+                f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "",
+                r.get("num_splits", ""),
+            ]
+            for r in report["results"]
+        ]
+        headers = ["batch", "context", "method", "time (us)", "GB/s", "% of HBM peak", "splits"]
+        parts.append(tabulate(rows, headers, tablefmt="github", disable_numparse=True) + "\n")
+    return "\n".join(parts) if parts else "(no decode results)\n"
+
+
+def _serving_section(out: Path) -> str:
+    parts = []
+    for dtype in SERVING_DTYPES:
+        path = out / f"SERVING_{dtype}.md"
+        if path.exists():  # the harness's own report, its headings one level down
+            text = "\n".join("#" + line if line.startswith("#") else line for line in path.read_text().splitlines())
+            parts.append(f"### serving, {dtype} ({path.name})\n\n{text}\n")
+    return "\n".join(parts) if parts else "(no serving results)\n"
+
+
+def report(steps: list[Step], out: Path) -> str:
+    import triton
+
+    device = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    lines = [
+        "# GPU report",
+        "",
+        f"{device} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))}), torch "
+        f"{torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}, commit "
+        f"{commit.stdout.strip() or 'unknown'}, {time.strftime('%Y-%m-%d %H:%M')}. Static register and occupancy "
+        "numbers for the same kernels: docs/kernels.md.",
+        "",
+        "## Steps",
+        "",
+        tabulate(
+            [[s.name, "ok" if s.returncode == 0 else f"FAILED ({s.returncode})", f"{s.seconds:.0f}"] for s in steps],
+            ["step", "status", "seconds"],
+            tablefmt="github",
+        ),
+        "",
+    ]
+    for step in steps:
+        if step.kind == "tests" or step.returncode != 0:
+            lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
+    lines += ["## Decode attention", "", _decode_section(out), "## Serving", "", _serving_section(out)]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(OUT), help="folder for REPORT.md and the raw results")
+    parser.add_argument("--skip", nargs="*", default=[], choices=STEP_KINDS, help="steps to leave out")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print(
+            f"CUDA is not available: `make bench-gpu` runs only on a CUDA GPU; nothing was run (exit {NO_CUDA_EXIT})."
+        )
+        return NO_CUDA_EXIT
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = plan(out, set(args.skip))
+    for step in steps:
+        run(step, out)
+    (out / "REPORT.md").write_text(report(steps, out))
+    failed = [s.name for s in steps if s.returncode != 0]
+    print(f"wrote {out / 'REPORT.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
