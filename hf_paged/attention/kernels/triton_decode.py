@@ -240,8 +240,8 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     """How many chunks to cut each sequence into so that the grid fills the GPU: a power of two up to 64.
 
     Splitting costs one partial write and a merge, so split only when batch * num_kv_heads programs leave SMs idle,
-    and keep every chunk at >= 512 tokens so each program still streams a long run of K/V. A power of two because
-    the count is a compile-time constant: at most 7 variants of each kernel ever compile (`SPLIT_COUNTS`).
+    and keep every chunk at >= 512 tokens so each program still streams a long run of K/V. The count is a runtime
+    argument of both kernels: a new count compiles nothing.
     """
     num_programs = batch * num_kv_heads
     num_sms = _num_sms(device)
