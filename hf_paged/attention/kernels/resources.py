@@ -33,9 +33,9 @@ import torch
 
 from . import launch_config
 
-# The shapes and options the launchers are driven over (docs/kernels.md, "What is checked").
+# The shapes and options the launchers are driven over (docs/kernels.md, "How the variants are found").
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 192, 256)  # multiples of 16 up to launch_config.MAX_HEAD_DIM
+HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 192, 256)  # multiples of 16 up to 256; each tile width, and some inside
 GROUPS = (1, 2, 4, 7, 8, 16, 32)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SPLITS = (1, 8)
@@ -56,7 +56,7 @@ class Variant:
 
     kernel: str
     capability: int
-    dtypes: str  # the pointer argument types that differ between launches, e.g. "*bf16" or "*fp32 -> *fp16"
+    dtypes: str  # the distinct float pointer types in argument order, e.g. "*bf16 *fp32" (cache, partials)
     constexprs: dict  # name -> value, as launched
     num_warps: int
     num_stages: int
@@ -69,10 +69,6 @@ class Variant:
     shared_bytes: int | None = None
     compile_s: float | None = None
     error: str | None = None
-
-    @property
-    def spill_bytes(self) -> int:
-        return (self.stack_bytes or 0) + (self.local_bytes or 0)
 
 
 def nvidia_tools() -> dict[str, str] | None:
@@ -89,7 +85,6 @@ def nvidia_tools() -> dict[str, str] | None:
         return None
 
 
-# ------------------------------------------------------------------ recording the launchers' launches
 @dataclass
 class _Launch:
     fn: object  # triton JITFunction
@@ -218,9 +213,9 @@ def _dtypes(signature: dict) -> str:
     return " ".join(distinct)
 
 
-def collect_variants(capabilities=launch_config.CHECKED_CAPABILITIES) -> tuple[list[Variant], dict, int]:
-    """Drive the launchers for each capability; return (distinct variants, their compile inputs by index, number of
-    launcher calls driven)."""
+def collect_variants(capabilities=launch_config.CHECKED_CAPABILITIES) -> tuple[list[Variant], list[tuple], int]:
+    """Drive the launchers for each capability; return (distinct variants, the `compile_variant` input of each, number
+    of launcher calls driven)."""
     variants: dict[tuple, Variant] = {}
     compile_inputs: dict[tuple, tuple] = {}
     num_calls = 0
@@ -258,7 +253,6 @@ def collect_variants(capabilities=launch_config.CHECKED_CAPABILITIES) -> tuple[l
     return [variants[k] for k in keys], [compile_inputs[k] for k in keys], num_calls
 
 
-# ------------------------------------------------------------------ compiling, and reading the cubin
 _RESOURCE_LINE = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
@@ -267,11 +261,11 @@ def compile_variant(inputs: tuple) -> dict:
     import importlib
 
     import triton
+    from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     module_name, kernel_name, signature, constexprs, attrs, options, capability = inputs
     fn = getattr(importlib.import_module(module_name), kernel_name)
-    from triton.backends.compiler import GPUTarget
 
     start = time.perf_counter()
     try:
@@ -294,7 +288,8 @@ def compile_variant(inputs: tuple) -> dict:
     if match is None:
         return {"error": f"no resource line in cuobjdump's output:\n{dump}"}
     registers, stack, shared, local = map(int, match.groups())
-    # cuobjdump's SHARED is the static part; Triton's dynamic shared memory (tiles staged for tl.dot) is in metadata
+    # Triton's shared memory is dynamic (its size is in the metadata); cuobjdump's SHARED is the static part, which
+    # for these kernels is at most the runtime's reserved 1 KiB (sm_90), counted separately by blocks_per_sm
     shared = max(shared, kernel.metadata.shared)
     return dict(
         registers=registers, stack_bytes=stack, shared_bytes=shared, local_bytes=local, compile_s=round(compile_s, 2)
@@ -341,7 +336,6 @@ def measure_in_subprocess(jobs: int | None = None, timeout: float = 900) -> dict
             return json.load(f)
 
 
-# ------------------------------------------------------------------ what the numbers mean on the GPU
 def blocks_per_sm(registers: int, shared_bytes: int, num_warps: int, capability: int) -> dict:
     """Resident blocks per SM (the occupancy calculator's rule) and what limits them: registers (allocated per warp
     in units of 256), shared memory (plus the runtime's 1 KiB per block), warps, or the block limit."""
