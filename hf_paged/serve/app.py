@@ -1,0 +1,107 @@
+"""The FastAPI app of `hf-paged serve`: transformers' server (`build_server`) and handlers, with the Engine behind
+them, `/metrics`, OpenAI-style error bodies, and disconnects that abort their requests."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+
+from ..engine import Engine
+from ..storage import BlockPool
+from .errors import InvalidRequest
+from .limits import RequestLimits
+from .manager import EngineManager
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    """What `hf-paged serve` runs (its command-line flags)."""
+
+    model: str  # a local directory with the model and its tokenizer
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_memory: str = "1GiB"  # the KV cache pool's budget
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    dtype: str = "auto"
+    device: str = "cpu"
+
+
+def error_body(message: str, status_code: int, param: str | None = None) -> dict:
+    """An OpenAI-style error body."""
+    kind = "invalid_request_error" if status_code < 500 else "server_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
+def build_app(config: ServeConfig):
+    """Load the model, build its pool and Engine, and return `(app, manager)`; the caller runs the app."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException
+    from transformers.cli.serving.model_manager import ModelManager
+    from transformers.cli.serving.server import build_server
+    from transformers.cli.serving.systemone import SystemOneHandler
+    from transformers.cli.serving.transcription import TranscriptionHandler
+    from transformers.cli.serving.utils import CBWorkerDeadError
+
+    from . import metrics
+    from .disconnect import DisconnectGuard
+    from .handlers import PagedChatCompletionHandler, PagedCompletionHandler, PagedResponseHandler
+    from .state import PagedGenerationState
+
+    model_manager = ModelManager(device=config.device, dtype=config.dtype, force_model=config.model)
+    model, _processor = model_manager.load_model_and_processor(model_manager.process_model_name(config.model))
+    pool = BlockPool.for_model(model, max_memory=config.max_memory, block_size=config.block_size)
+    make_engine = functools.partial(
+        Engine,
+        model,
+        pool,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        enable_prefix_caching=True,
+    )
+    manager = EngineManager(make_engine, RequestLimits.for_model(model, pool))
+    state = PagedGenerationState(manager)
+    handlers = {"model_manager": model_manager, "generation_state": state}
+    app = build_server(
+        model_manager,
+        PagedChatCompletionHandler(**handlers),
+        completion_handler=PagedCompletionHandler(**handlers),
+        response_handler=PagedResponseHandler(**handlers),
+        transcription_handler=TranscriptionHandler(model_manager, state),
+        systemone_handler=SystemOneHandler(**handlers),
+        generation_state=state,
+    )
+
+    @app.get("/metrics")
+    def prometheus_metrics():
+        return Response(metrics.render(manager.metrics), media_type=metrics.CONTENT_TYPE)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(_request: Request, error: InvalidRequest):
+        return JSONResponse(error_body(error.message, 400, error.param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, error: HTTPException):
+        return JSONResponse(error_body(str(error.detail), error.status_code), status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_request: Request, error: RequestValidationError):
+        return JSONResponse(error_body(f"invalid request body: {error.errors()}", 422), status_code=422)
+
+    @app.exception_handler(CBWorkerDeadError)
+    async def engine_stopped(_request: Request, error: CBWorkerDeadError):
+        return JSONResponse(error_body(str(error), 503), status_code=503)
+
+    @app.exception_handler(Exception)
+    async def server_error(_request: Request, error: Exception):
+        logger.exception("request failed")
+        return JSONResponse(error_body(f"the server failed: {error!r}", 500), status_code=500)
+
+    app.add_middleware(DisconnectGuard)
+    return app, manager

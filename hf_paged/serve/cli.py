@@ -1,0 +1,81 @@
+"""`hf-paged serve MODEL`: an OpenAI-compatible server (transformers' own) with the hf-paged Engine generating."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import ServeUnavailable
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument("model", help="a local directory holding the model and its tokenizer (from save_pretrained)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+    parser.add_argument(
+        "--max-memory",
+        default="1GiB",
+        help="the KV cache pool's size: bytes, or K/M/G/T and Ki/Mi/Gi/Ti sizes such as 2GiB (default: %(default)s)",
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default: %(default)s)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once (default: %(default)s)")
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=512,
+        help="tokens per Engine step, at least --max-num-seqs (default: %(default)s)",
+    )
+    parser.add_argument("--dtype", default="auto", help="model dtype: auto (from the weights), bfloat16, float32, ...")
+    parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda when present, else cpu)")
+    parser.add_argument(
+        "--log-level", default="warning", choices=("debug", "info", "warning", "error"), help="(default: %(default)s)"
+    )
+    return parser
+
+
+def serve(args: argparse.Namespace) -> None:
+    from .compat import check_seams
+
+    try:
+        check_seams()
+    except ServeUnavailable as error:
+        sys.exit(f"hf-paged serve: {error}")
+
+    import uvicorn
+    from transformers.utils import logging as transformers_logging
+
+    from .app import ServeConfig, build_app
+
+    if args.log_level == "warning":  # transformers' handlers log every request at warning level
+        transformers_logging.set_verbosity_error()
+    config = ServeConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        max_memory=args.max_memory,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        dtype=args.dtype,
+        device=args.device or default_device(),
+    )
+    app, manager = build_app(config)
+    try:
+        uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        manager.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hf-paged", description="hf-paged: a paged KV cache for transformers")
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser(commands.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API"))
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        serve(args)

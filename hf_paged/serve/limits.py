@@ -1,0 +1,77 @@
+"""How long a request may be: the model's position limit and what one request can hold of the pool.
+
+A prompt the model cannot position, or whose K/V the whole pool could never hold, is refused with HTTP 400 before it
+reaches the Engine. A request that names no max_tokens gets what is left (at most the handler's default); one that
+names more than is left is refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..engine.blocks import BlockCounts
+from ..storage import BlockPool, group_windows, sliding_windows
+from .errors import InvalidRequest
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """`max_model_len`: positions the model has (None: no limit in its config). `max_kv_tokens`: the most tokens of
+    K/V one request can hold running alone in the pool (None: no limit below `max_model_len`, as when every layer
+    slides)."""
+
+    max_model_len: int | None
+    max_kv_tokens: int | None
+    num_blocks: int
+    block_size: int
+
+    @classmethod
+    def for_model(cls, model, pool: BlockPool) -> RequestLimits:
+        config = model.config.get_text_config(decoder=True)
+        max_model_len = getattr(config, "max_position_embeddings", None)
+        windows = group_windows(pool.layer_groups, sliding_windows(config))
+        counts = BlockCounts(pool.block_size, windows)
+        if all(window is None for window in windows):
+            max_kv_tokens = (pool.num_blocks // len(windows)) * pool.block_size
+        else:
+            # NOTE: a query at `position` holds `held_at(position)` blocks; sliding groups keep that bounded, so scan.
+            end = max_model_len or pool.num_blocks * pool.block_size
+            max_kv_tokens = next((p for p in range(end) if counts.held_at(p) > pool.num_blocks), None)
+        return cls(max_model_len, max_kv_tokens, pool.num_blocks, pool.block_size)
+
+    def max_new_tokens(self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str) -> int:
+        """The tokens a request with this prompt may generate: `max_new_tokens`, or less when it was not `given` and
+        less is left. Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room."""
+        if num_prompt_tokens == 0:
+            raise InvalidRequest("the prompt is empty: a request needs at least one prompt token", param)
+        rooms = []
+        if self.max_model_len is not None:
+            if num_prompt_tokens >= self.max_model_len:
+                raise InvalidRequest(
+                    f"the prompt has {num_prompt_tokens} tokens; this model's limit is {self.max_model_len} "
+                    "positions (max_position_embeddings), prompt and generated tokens together",
+                    param,
+                )
+            rooms.append((self.max_model_len - num_prompt_tokens, f"the model's limit of {self.max_model_len}"))
+        if self.max_kv_tokens is not None:
+            if num_prompt_tokens > self.max_kv_tokens:
+                raise InvalidRequest(
+                    f"the prompt has {num_prompt_tokens} tokens; the KV cache pool holds at most {self.max_kv_tokens} "
+                    f"tokens of one request ({self.num_blocks} blocks of {self.block_size}): start the server with a "
+                    "larger --max-memory",
+                    param,
+                )
+            # The last generated token is never fed back: its K/V is not stored.
+            rooms.append(
+                (self.max_kv_tokens - num_prompt_tokens + 1, f"the {self.max_kv_tokens} tokens the pool holds")
+            )
+        if not rooms:
+            return max_new_tokens
+        room, limit = min(rooms)
+        if given and max_new_tokens > room:
+            raise InvalidRequest(
+                f"max_tokens is {max_new_tokens}, but the prompt's {num_prompt_tokens} tokens leave room for {room} "
+                f"within {limit}",
+                "max_tokens",
+            )
+        return min(max_new_tokens, room)

@@ -1,0 +1,257 @@
+"""The generation manager transformers' handlers call: one Engine, stepped on one background thread.
+
+    event loop (handlers)                      Engine thread
+    generate_streaming / _non_streaming  ─┐
+      checks the request, builds a        │  inbox: ("add", stream) ("abort", stream) ("stop", None)
+      RequestStream                       └──────────────────►  drains the inbox between steps
+    stream.cancel() (client gone) ───────── ("abort", stream) ►  engine.add_request / abort_request
+                                                                 engine.step()
+    stream.deliver(tokens, finished) ◄── call_soon_threadsafe ── each live request's new tokens
+                                                                 a finished request is forgotten
+
+Only the Engine thread touches the Engine; handlers talk to it through the inbox, and it answers through the event
+loop. `metrics` is a snapshot the thread replaces after every step, read by `/metrics` on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from transformers.cli.serving.utils import BaseGenerateManager, CBWorkerDeadError
+
+from ..engine import Engine, SamplingParams
+from .errors import InvalidRequest
+from .limits import RequestLimits
+from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_strings
+from .stream import RequestStream
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineMetrics:
+    """What `/metrics` reports, as of the Engine thread's last step (or inbox drain)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 0
+    # Counters, since the server started:
+    prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache
+    prefill_tokens: int = 0  # prompt tokens computed (a preempted request's recomputation included)
+    generation_tokens: int = 0  # tokens generated
+    num_finished: int = 0  # requests ended by eos, a stop token or string, or max_tokens
+    num_aborted: int = 0  # requests whose client went away
+    num_failed: int = 0  # requests refused by the Engine or failed in a step
+
+
+class EngineManager(BaseGenerateManager):
+    """Serve transformers' handlers from one Engine on one thread (see the module docstring).
+
+    Args:
+        make_engine (`Callable[[], Engine]`): builds the Engine, on the same model and pool each time. The manager
+            builds a fresh one when idle after `renew_after` finished requests: the Engine keeps every request it
+            issued until then (`Engine.request`), and a new Engine on the same pool keeps its prefix cache.
+        limits (`RequestLimits`): the model's and the pool's limits on one request.
+        renew_after (`int`, defaults to 256): finished requests after which an idle Engine is replaced.
+    """
+
+    def __init__(self, make_engine: Callable[[], Engine], limits: RequestLimits, *, renew_after: int = 256):
+        self._make_engine = make_engine
+        self.engine = make_engine()
+        self.limits = limits
+        self.renew_after = renew_after
+        self.metrics = EngineMetrics(num_blocks=self.engine.pool.num_blocks)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._live: dict[int, RequestStream] = {}  # Engine request id -> stream, Engine thread only
+        self._num_forgotten = 0  # finished requests the current Engine still keeps
+        self._counts = {"generation_tokens": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0}
+        self._replaced = {"prefix_hit_tokens": 0, "prefill_tokens": 0}  # the stats of the Engines replaced so far
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------ BaseGenerateManager
+    def init_cb(self, model, gen_config) -> None:
+        """Nothing to do: the Engine was built with the server."""
+
+    def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
+        stream = self._submit(processor, inputs, gen_config, streaming=True, response_parser=response_parser)
+        return stream.queue, stream
+
+    async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
+        stream = self._submit(processor, inputs, gen_config, streaming=False)
+        try:
+            text = await stream.result
+        except asyncio.CancelledError:  # the client went away (see DisconnectGuard)
+            stream.cancel()
+            raise
+        return text, len(stream.prompt_ids), stream.token_ids
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._inbox.put(("stop", None))
+            self._thread.join(timeout=5)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and self._error is None
+
+    # ------------------------------------------------------- event loop
+    def _submit(self, processor, inputs, gen_config, *, streaming: bool, response_parser=None) -> RequestStream:
+        if not self.is_alive():
+            raise CBWorkerDeadError(f"the hf-paged Engine thread has stopped: {self._error!r}")
+        prompt_ids = inputs["input_ids"]
+        prompt_ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
+        if prompt_ids and isinstance(prompt_ids[0], list):  # one sequence, batched
+            prompt_ids = prompt_ids[0]
+        options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions()
+        max_new_tokens = self.limits.max_new_tokens(
+            len(prompt_ids), int(gen_config.max_new_tokens), options.max_tokens_given, options.prompt_field
+        )
+        gen_config.max_new_tokens = max_new_tokens  # the handler reads it back for the finish reason
+        sampling = engine_sampling(gen_config)
+        try:
+            SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        except ValueError as error:
+            raise InvalidRequest(str(error)) from error
+        tokenizer = getattr(processor, "tokenizer", processor)
+        stream = RequestStream(
+            loop=asyncio.get_running_loop(),
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
+            sampling=sampling,
+            tokenizer=tokenizer._tokenizer,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            stop_strings=stop_strings(gen_config),
+            response_parser=response_parser,
+            streaming=streaming,
+            on_cancel=self._cancel,
+        )
+        self._inbox.put(("add", stream))
+        return stream
+
+    def _cancel(self, stream: RequestStream) -> None:
+        self._inbox.put(("abort", stream))
+
+    # ----------------------------------------------------- Engine thread
+    def _run(self) -> None:
+        try:
+            while True:
+                if not self.engine.has_unfinished():
+                    if self._num_forgotten >= self.renew_after:
+                        self._renew()
+                    if not self._drain(block=True):
+                        return
+                elif not self._drain(block=False):
+                    return
+                if self.engine.has_unfinished():
+                    try:
+                        self.engine.step()
+                    except Exception as error:  # a step that raises fails the requests it ran, not the server
+                        logger.exception("an Engine step failed; failing the requests in flight")
+                        self._fail_live(f"the server failed to run this request: {error!r}")
+                    self._deliver()
+                self._publish()
+        except BaseException as error:
+            self._error = error
+            logger.exception("the hf-paged Engine thread stopped")
+            self._fail_live(f"the hf-paged Engine thread stopped: {error!r}")
+            raise
+
+    def _drain(self, block: bool) -> bool:
+        """Apply the inbox's commands (waiting for one when `block`); False once asked to stop."""
+        while True:
+            try:
+                command, stream = self._inbox.get(block=block)
+            except queue.Empty:
+                return True
+            block = False
+            if command == "stop":
+                return False
+            if command == "add":
+                self._add(stream)
+            elif command == "abort":
+                self._abort(stream)
+            self._publish()
+
+    def _add(self, stream: RequestStream) -> None:
+        try:
+            request_id = self.engine.add_request(stream.prompt_ids, stream.max_new_tokens, **stream.sampling)
+        except ValueError as error:
+            self._post(stream, [], True, str(error), True)
+            self._counts["num_failed"] += 1
+            return
+        stream.engine_id = request_id
+        request = self.engine.request(request_id)
+        if request.finished:  # refused at once: it could never fit the pool
+            self._post(stream, [], True, request.error, True)
+            self._counts["num_failed"] += 1
+            self._num_forgotten += 1
+            return
+        self._live[request_id] = stream
+
+    def _abort(self, stream: RequestStream) -> None:
+        if stream.engine_id is None or self._live.get(stream.engine_id) is not stream:
+            return  # never added, or already finished
+        self.engine.abort_request(stream.engine_id)
+        self._forget(stream.engine_id)
+        self._counts["num_finished" if stream.stopped else "num_aborted"] += 1
+
+    def _deliver(self) -> None:
+        """Hand every live request's new tokens to its stream; forget the finished ones."""
+        for request_id, stream in list(self._live.items()):
+            request = self.engine.request(request_id)
+            new_tokens = request.output_ids[stream.num_sent :]
+            stream.num_sent += len(new_tokens)
+            self._counts["generation_tokens"] += len(new_tokens)
+            if new_tokens or request.finished:
+                error = request.error if request.finish_reason == "error" else None
+                self._post(stream, new_tokens, request.finished, error, False)
+            if request.finished:
+                self._forget(request_id)
+                self._counts["num_failed" if error else "num_finished"] += 1
+
+    def _forget(self, request_id: int) -> None:
+        del self._live[request_id]
+        self._num_forgotten += 1
+
+    def _post(self, stream: RequestStream, tokens: list[int], finished: bool, error: str | None, invalid: bool):
+        try:
+            stream.result.get_loop().call_soon_threadsafe(stream.deliver, tokens, finished, error, invalid)
+        except RuntimeError:  # the event loop has closed: the server is shutting down
+            pass
+
+    def _fail_live(self, message: str) -> None:
+        for request_id, stream in list(self._live.items()):
+            try:
+                self.engine.abort_request(request_id)
+            finally:
+                self._post(stream, [], True, message, False)
+                self._forget(request_id)
+                self._counts["num_failed"] += 1
+
+    def _renew(self) -> None:
+        """Replace the idle Engine (and with it every finished request it keeps) by a fresh one on the same pool."""
+        assert not self._live and not self.engine.has_unfinished()
+        self._replaced["prefix_hit_tokens"] += self.engine.stats.prefix_hit_tokens
+        self._replaced["prefill_tokens"] += self.engine.stats.prefill_tokens
+        self.engine = self._make_engine()
+        self._num_forgotten = 0
+
+    def _publish(self) -> None:
+        engine = self.engine
+        # NOTE: the scheduler's queues are the only place the Engine shows how many requests run and wait.
+        self.metrics = EngineMetrics(
+            num_running=len(engine.scheduler.running),
+            num_waiting=len(engine.scheduler.waiting),
+            num_used_blocks=engine.pool.num_used_blocks,
+            num_blocks=engine.pool.num_blocks,
+            prefix_hit_tokens=self._replaced["prefix_hit_tokens"] + engine.stats.prefix_hit_tokens,
+            prefill_tokens=self._replaced["prefill_tokens"] + engine.stats.prefill_tokens,
+            **self._counts,
+        )

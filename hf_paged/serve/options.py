@@ -1,0 +1,114 @@
+"""What a request asks of the sampler, read from its JSON body and checked before it runs.
+
+transformers' handlers turn a request body into a `GenerationConfig` (`BaseHandler._build_generation_config`): they
+apply temperature, top_p, max_tokens and stop, and reseed torch's global generator for `seed`. `RequestOptions` carries
+what that config has no field for (the request's own seed, `ignore_eos`, whether `max_tokens` was given), and
+`engine_sampling` turns config and options into `Engine.add_request` keywords.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import InvalidRequest
+
+# Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
+EXTENSION_FIELDS = ("top_k", "ignore_eos")
+MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
+# The GenerationConfig attribute `RequestOptions` rides on from the handler to the manager.
+OPTIONS_ATTRIBUTE = "hf_paged_options"
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    seed: int | None = None
+    ignore_eos: bool = False
+    max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
+    prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
+
+
+def _number(body: dict, name: str) -> float | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise InvalidRequest(f"{name} must be a finite number, got {value!r}", name)
+    return float(value)
+
+
+def _int(body: dict, name: str) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidRequest(f"{name} must be an integer, got {value!r}", name)
+    return value
+
+
+def read_options(body: dict) -> RequestOptions:
+    """Check a request body's sampling fields; raise `InvalidRequest` naming the first bad one and its allowed
+    values."""
+    temperature = _number(body, "temperature")
+    if temperature is not None and temperature < 0:
+        raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
+    top_p = _number(body, "top_p")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise InvalidRequest(f"top_p must be in (0, 1], got {top_p}", "top_p")
+    top_k = _int(body, "top_k")
+    if top_k is not None and top_k < -1:
+        raise InvalidRequest(f"top_k must be >= -1 (-1 and 0 keep every token), got {top_k}", "top_k")
+    seed = _int(body, "seed")
+    for name in MAX_TOKENS_FIELDS:
+        value = _int(body, name)
+        if value is not None and value < 1:
+            raise InvalidRequest(f"{name} must be >= 1, got {value}", name)
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise InvalidRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop
+    if stop is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
+        raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+    return RequestOptions(
+        seed=seed,
+        ignore_eos=ignore_eos,
+        max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS),
+        prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
+    )
+
+
+def apply_options(generation_config, body: dict, options: RequestOptions) -> None:
+    """Complete the handler's `GenerationConfig` with what it leaves out: a temperature above 0 samples (the
+    handler only turns sampling off at 0), top_k, and the options themselves."""
+    if body.get("temperature") is not None:
+        generation_config.do_sample = body["temperature"] > 0
+    if body.get("top_k") is not None:
+        generation_config.top_k = max(body["top_k"], 0)
+    setattr(generation_config, OPTIONS_ATTRIBUTE, options)
+
+
+def engine_sampling(generation_config) -> dict:
+    """`Engine.add_request` sampling keywords for a request's `GenerationConfig`: greedy unless it samples (a request
+    with a temperature above 0, or a model whose generation config samples by default)."""
+    options = getattr(generation_config, OPTIONS_ATTRIBUTE, None) or RequestOptions()
+    temperature = generation_config.temperature if generation_config.temperature is not None else 1.0
+    sampling = bool(generation_config.do_sample) and temperature > 0
+    eos = generation_config.eos_token_id
+    eos_ids = [eos] if isinstance(eos, int) else list(eos or [])
+    return {
+        "temperature": float(temperature) if sampling else 0.0,
+        "top_k": int(generation_config.top_k or 0) if sampling else 0,
+        "top_p": float(generation_config.top_p or 1.0) if sampling else 1.0,
+        "seed": options.seed,
+        "eos_token_id": eos_ids[0] if eos_ids else None,
+        "stop_token_ids": () if options.ignore_eos else tuple(eos_ids[1:]),
+        "ignore_eos": options.ignore_eos,
+    }
+
+
+def stop_strings(generation_config) -> tuple[str, ...]:
+    stops = getattr(generation_config, "stop_strings", None)
+    if not stops:
+        return ()
+    return (stops,) if isinstance(stops, str) else tuple(stops)

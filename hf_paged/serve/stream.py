@@ -1,0 +1,151 @@
+"""One request's way back from the Engine thread to its HTTP handler.
+
+The Engine thread hands each step's new tokens to the request's `RequestStream` on the event loop
+(`loop.call_soon_threadsafe(stream.deliver, ...)`); the stream decodes them (tokenizers' `DecodeStream`, one token at
+a time), applies the request's stop strings, and feeds the handler: an `asyncio.Queue` of text pieces ending in None
+for a streaming request, a future of the generated ids for the others. It is also the handler's streamer:
+`total_tokens`, and `cancel()` when the client goes away.
+
+Stop strings: text that might be the start of a stop string is held back until the next tokens show it is not; when
+one appears, the text before it is sent, the stream ends, and the Engine request is aborted (so the stop string and
+what follows are never sent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
+
+from .errors import InvalidRequest
+
+
+class RequestStream:
+    """Args:
+    loop: the event loop of the handler awaiting this request.
+    prompt_ids (`list[int]`), max_new_tokens (`int`), sampling (`dict`): what the Engine runs
+        (`Engine.add_request(prompt_ids, max_new_tokens, **sampling)`).
+    tokenizer: the Rust tokenizer (`tokenizers.Tokenizer`), for incremental decoding.
+    decode (`Callable[[list[int]], str]`): the whole-output decode a non-streaming answer uses (the handler's).
+    stop_strings (`tuple[str, ...]`): text that ends the request; neither it nor what follows is sent.
+    response_parser (*optional*): transformers' `ResponseParser` for streaming, as the handler built it.
+    streaming (`bool`): queue text pieces (True) or resolve `result` with the generated ids (False).
+    on_cancel (`Callable[[RequestStream], None]`): stops the Engine request (a client gone, a stop string seen).
+    """
+
+    def __init__(
+        self,
+        *,
+        loop: asyncio.AbstractEventLoop,
+        prompt_ids: list[int],
+        max_new_tokens: int,
+        sampling: dict,
+        tokenizer,
+        decode: Callable[[list[int]], str],
+        stop_strings: tuple[str, ...],
+        response_parser=None,
+        streaming: bool,
+        on_cancel: Callable[[RequestStream], None],
+    ):
+        from tokenizers.decoders import DecodeStream
+
+        self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
+        self.streaming = streaming
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.result: asyncio.Future = loop.create_future()
+        self.token_ids: list[int] = []
+        self.total_tokens = 0
+        # Read and written on the Engine thread only: the Engine's request id, and how many of its tokens went out.
+        self.engine_id: int | None = None
+        self.num_sent = 0
+        self.stopped = False  # a stop string ended it
+        self._tokenizer, self._decode = tokenizer, decode
+        self._decoder = DecodeStream([], skip_special_tokens=response_parser is None)
+        self._stops = stop_strings
+        self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
+        self._parser = response_parser
+        self._pending = ""  # decoded text not sent yet
+        self._closed = False
+        self._on_cancel = on_cancel
+        if self._parser is not None:
+            for item in response_events_to_chunks(self._parser.initial_events):
+                self.queue.put_nowait(item)
+
+    # ------------------------------------------------------- handler side
+    def cancel(self) -> None:
+        """The client went away: stop the Engine request (its blocks go back to the pool)."""
+        if not self._closed:
+            self._closed = True
+            self.result.cancel()
+            self._on_cancel(self)
+
+    # -------------------------------------------------------- engine side
+    def deliver(self, token_ids: list[int], finished: bool, error: str | None = None, invalid: bool = False) -> None:
+        """New tokens of the request, whether it has finished, and why it failed (`invalid`: it could never run)."""
+        if self._closed:
+            return
+        for token_id in token_ids:
+            self.token_ids.append(token_id)
+            self.total_tokens += 1
+            if self.streaming or self._stops:
+                self._pending += self._decoder.step(self._tokenizer, token_id) or ""
+            if self._stops and self._cut_at_stop():
+                self.stopped = True
+                self._finish()
+                self._on_cancel(self)  # the Engine request runs on otherwise
+                return
+            if not self.streaming:
+                self._pending = self._pending[
+                    max(len(self._pending) - self._hold, 0) :
+                ]  # all a stop string can start in
+        if error is not None:
+            self._fail(error, invalid)
+        elif finished:
+            self._finish()
+        elif self.streaming:
+            cut = max(len(self._pending) - self._hold, 0)
+            self._emit(self._pending[:cut])
+            self._pending = self._pending[cut:]
+
+    def _cut_at_stop(self) -> bool:
+        """Whether a stop string has appeared in the text not sent yet; the text from it on is dropped."""
+        positions = [i for i in (self._pending.find(stop) for stop in self._stops) if i >= 0]
+        if positions:
+            self._pending = self._pending[: min(positions)]
+        return bool(positions)
+
+    def _emit(self, text: str) -> None:
+        if not text:
+            return
+        if self._parser is None:
+            self.queue.put_nowait(text)
+        else:
+            for item in response_events_to_chunks(self._parser.feed(text)):
+                self.queue.put_nowait(item)
+
+    def _finish(self) -> None:
+        self._closed = True
+        if not self.streaming:
+            text = self._decode(self.token_ids)
+            positions = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+            if not self.result.done():
+                self.result.set_result(text[: min(positions)] if positions else text)
+            return
+        self._emit(self._pending)
+        self._pending = ""
+        if self._parser is not None:
+            try:
+                _message, events = self._parser.finalize()
+            except (ValueError, RuntimeError):  # stopped inside a structured region (a tool call cut by max_tokens)
+                events = []
+            for item in response_events_to_chunks(events):
+                self.queue.put_nowait(item)
+        self.queue.put_nowait(None)
+
+    def _fail(self, error: str, invalid: bool) -> None:
+        self._closed = True
+        if self.streaming:
+            self.queue.put_nowait(_StreamError(error))
+        elif not self.result.done():
+            self.result.set_exception(InvalidRequest(error) if invalid else RuntimeError(error))

@@ -1,0 +1,369 @@
+"""`hf-paged serve` end to end: the real server in a subprocess on 127.0.0.1, driven with the `openai` client.
+
+One server for the module: a tiny random-weight Llama saved with `save_pretrained`, a word-level tokenizer trained
+here on a few sentences (with a chat template), and a pool of 64 blocks of 16 tokens, smaller than the model's
+positions so both limits can be hit. Greedy outputs are compared with `generate()` on the same saved model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+import torch
+
+openai = pytest.importorskip("openai", reason="hf-paged serve needs the `serve` extra")
+pytest.importorskip("fastapi", reason="hf-paged serve needs the `serve` extra")
+
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
+
+SENTENCES = [
+    "the quick brown fox jumps over the lazy dog",
+    "a paged cache keeps the keys and values of every request in blocks",
+    "system : you are a helpful assistant who answers in short sentences",
+    "user : hello world , what is a block table ?",
+    "assistant : it maps the positions of a sequence to blocks of the pool",
+    "many requests share one pool and a shared prompt is computed once",
+]
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<s> {{ message['role'] }} : {{ message['content'] }} </s> {% endfor %}"
+    "{% if add_generation_prompt %}<s> assistant : {% endif %}"
+)
+SYSTEM_PROMPT = " ".join(SENTENCES[:3] * 2)  # about 60 tokens: the prefix every concurrent stream shares
+MAX_POSITIONS = 2048
+NUM_BLOCKS, BLOCK_SIZE = 64, 16  # the pool holds 1024 tokens of one request
+BYTES_PER_BLOCK = 2 * BLOCK_SIZE * 4 * 2 * (2 * 16)  # K and V, float32, 2 layers of 2 kv heads x head_dim 16
+STARTUP_TIMEOUT_S = 90
+
+
+def make_tokenizer() -> PreTrainedTokenizerFast:
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.train_from_iterator(
+        SENTENCES, trainers.WordLevelTrainer(special_tokens=["<pad>", "<unk>", "<s>", "</s>"])
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>"
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def make_model(vocab_size: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class Server:
+    def __init__(self, model_dir: str, port: int, log_path: str):
+        self.model_dir, self.port, self.log_path = model_dir, port, log_path
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def async_client(self) -> openai.AsyncOpenAI:
+        """A client for one `asyncio.run` (its connections belong to that event loop)."""
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=10) as response:
+                return response.status, response.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    def metrics(self) -> dict[str, float]:
+        status, text = self.get("/metrics")
+        assert status == 200
+        return {
+            name: float(value)
+            for name, value in (line.split() for line in text.splitlines() if line and not line.startswith("#"))
+        }
+
+    def wait_idle(self, timeout_s: float = 20) -> dict[str, float]:
+        """Metrics once nothing runs and no block is held."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            metrics = self.metrics()
+            idle = metrics["hf_paged_requests_running"] == metrics["hf_paged_requests_waiting"] == 0
+            if (idle and metrics["hf_paged_kv_blocks_used"] == 0) or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.05)
+
+    def log(self) -> str:
+        with open(self.log_path) as log:
+            return log.read()[-4000:]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(model directory, tokenizer, model) of the served model."""
+    model_dir = tmp_path_factory.mktemp("serve_model")
+    tokenizer = make_tokenizer()
+    model = make_model(len(tokenizer))
+    tokenizer.save_pretrained(model_dir)
+    model.save_pretrained(model_dir)
+    return str(model_dir), tokenizer, model
+
+
+@pytest.fixture(scope="module")
+def server(saved, tmp_path_factory, request):
+    model_dir, _, _ = saved
+    log_path = str(tmp_path_factory.mktemp("serve_log") / "server.log")
+    server = Server(model_dir, free_port(), log_path)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    with open(log_path, "w") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "hf_paged", "serve", model_dir, "--host", "127.0.0.1", "--port", str(server.port)]
+            + ["--max-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK), "--block-size", str(BLOCK_SIZE)]
+            + ["--max-num-seqs", "32", "--dtype", "float32", "--device", "cpu"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+
+    def stop():
+        if process.poll() is None:
+            os.kill(process.pid, signal.SIGTERM)
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.kill(process.pid, signal.SIGKILL)
+                process.wait()
+
+    request.addfinalizer(stop)
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while True:
+        if process.poll() is not None:
+            pytest.fail(f"the server exited with {process.returncode}:\n{server.log()}")
+        try:
+            if server.get("/health")[0] == 200:
+                break
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"the server did not start in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
+        time.sleep(0.2)
+    return server
+
+
+def greedy_text(saved, prompt_ids: list[int], max_new_tokens: int) -> str:
+    _, tokenizer, model = saved
+    with torch.inference_mode():
+        output = model.generate(
+            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None
+        )
+    return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True)
+
+
+def chat_ids(saved, messages: list[dict]) -> list[int]:
+    return saved[1].apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
+
+
+def test_metrics_and_health(server):
+    assert server.get("/health") == (200, '{"status":"ok"}')
+    status, text = server.get("/metrics")
+    for name, kind in [
+        ("hf_paged_requests_running", "gauge"),
+        ("hf_paged_requests_waiting", "gauge"),
+        ("hf_paged_kv_blocks_used", "gauge"),
+        ("hf_paged_kv_blocks_total", "gauge"),
+        ("hf_paged_prefix_cache_hit_tokens_total", "counter"),
+    ]:
+        assert f"# TYPE {name} {kind}\n" in text
+    assert server.metrics()["hf_paged_kv_blocks_total"] == NUM_BLOCKS
+
+
+def test_greedy_completion_equals_generate(server, saved):
+    prompt = "the quick brown fox jumps over"
+    expected = greedy_text(saved, saved[1](prompt)["input_ids"], 12)
+    response = server.client.completions.create(model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0)
+    assert response.choices[0].text == expected
+    assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 12
+    stream = server.client.completions.create(
+        model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == expected
+
+    messages = [{"role": "user", "content": "hello world , what is a block table ?"}]
+    expected = greedy_text(saved, chat_ids(saved, messages), 10)
+    response = server.client.chat.completions.create(
+        model=server.model_dir, messages=messages, max_tokens=10, temperature=0
+    )
+    assert response.choices[0].message.content == expected
+
+
+def test_concurrent_streams_share_the_system_prompt(server, saved):
+    questions = [f"{word} what is a block table ?" for word in SENTENCES[0].split() + SENTENCES[1].split()][:20]
+    conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
+    hits_before = server.metrics()["hf_paged_prefix_cache_hit_tokens_total"]
+
+    async def one(client, messages):
+        stream = await client.chat.completions.create(
+            model=server.model_dir, messages=messages, max_tokens=8, temperature=0, stream=True
+        )
+        pieces, reasons = [], []
+        async for chunk in stream:
+            if chunk.choices:
+                pieces.append(chunk.choices[0].delta.content or "")
+                reasons.append(chunk.choices[0].finish_reason)
+        return "".join(pieces), reasons[-1]
+
+    async def all_of_them():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(one(client, messages) for messages in conversations))
+
+    results = asyncio.run(all_of_them())
+    assert len(results) == 20
+    for messages, (text, finish_reason) in zip(conversations, results):
+        assert finish_reason == "length"
+        assert text == greedy_text(saved, chat_ids(saved, messages), 8)
+    metrics = server.wait_idle()
+    system_blocks = len(chat_ids(saved, conversations[0][:1])) // BLOCK_SIZE
+    # every stream but the first takes the system prompt's full blocks from the prefix cache
+    assert metrics["hf_paged_prefix_cache_hit_tokens_total"] - hits_before >= 19 * system_blocks * BLOCK_SIZE
+    assert metrics["hf_paged_requests_running"] == metrics["hf_paged_kv_blocks_used"] == 0
+
+
+def test_seeds_reproduce_per_request(server):
+    def sample(seed: int) -> str:
+        response = server.client.completions.create(
+            model=server.model_dir, prompt="many requests share one pool", max_tokens=16, temperature=1.0, seed=seed
+        )
+        return response.choices[0].text
+
+    alone = sample(7)
+
+    async def beside_others(client):
+        async def other(seed):
+            return await client.completions.create(
+                model=server.model_dir,
+                prompt="the lazy dog",
+                max_tokens=24,
+                temperature=1.0,
+                seed=seed,
+                extra_body={"top_k": 5},
+            )
+
+        others = [asyncio.create_task(other(seed)) for seed in range(4)]
+        mine = await client.completions.create(
+            model=server.model_dir, prompt="many requests share one pool", max_tokens=16, temperature=1.0, seed=7
+        )
+        await asyncio.gather(*others)
+        return mine.choices[0].text
+
+    async def run():
+        async with server.async_client() as client:
+            return await beside_others(client)
+
+    assert asyncio.run(run()) == alone
+    assert sample(8) != alone
+
+
+@pytest.mark.parametrize(
+    "kwargs, status, words",
+    [
+        ({"temperature": -0.5}, 400, "temperature"),
+        ({"temperature": "hot"}, 400, "temperature"),
+        ({"top_p": 1.5}, 400, "top_p"),
+        ({"top_p": 0}, 400, "top_p"),
+        ({"extra_body": {"top_k": -3}}, 400, "top_k"),
+        ({"extra_body": {"ignore_eos": "yes"}}, 400, "ignore_eos"),
+        ({"max_tokens": 0}, 400, "max_tokens"),
+        ({"max_tokens": -4}, 400, "max_tokens"),
+        ({"max_tokens": 1021}, 400, "max_tokens"),  # 5 prompt tokens leave 1020 (the last token stores no K/V)
+        ({"prompt": "the " * 1100}, 400, "pool"),  # more than the pool holds for one request
+        ({"prompt": "the " * (MAX_POSITIONS + 10)}, 400, "max_position_embeddings"),  # more than the model positions
+        ({"extra_body": {"no_such_field": 1}}, 422, "no_such_field"),
+    ],
+)
+def test_bad_requests_fail_alone(server, kwargs, status, words):
+    request = {"model": server.model_dir, "prompt": "the quick brown fox jumps", "max_tokens": 4} | kwargs
+    with pytest.raises(openai.APIStatusError) as raised:
+        server.client.completions.create(**request)
+    assert raised.value.status_code == status
+    error = raised.value.body
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+    # the server goes on serving
+    response = server.client.completions.create(model=server.model_dir, prompt="hello", max_tokens=2)
+    assert response.usage.completion_tokens == 2
+
+
+def test_ignore_eos_and_stop(server, saved):
+    prompt = "the quick brown fox jumps over"
+    full = greedy_text(saved, saved[1](prompt)["input_ids"], 12)
+    stop = full.split()[3]
+    response = server.client.completions.create(
+        model=server.model_dir,
+        prompt=prompt,
+        max_tokens=12,
+        temperature=0,
+        stop=[stop],
+        extra_body={"ignore_eos": True},
+    )
+    assert response.choices[0].text == full[: full.index(stop)]
+    stream = server.client.completions.create(
+        model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True
+    )
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == full[: full.index(stop)]
+
+
+def test_disconnect_frees_its_blocks(server):
+    before = server.wait_idle()
+    # streaming: the client reads a few events and goes away
+    stream = server.client.completions.create(
+        model=server.model_dir, prompt="a paged cache keeps the keys", max_tokens=1000, temperature=0, stream=True
+    )
+    for _, _chunk in zip(range(3), stream):
+        pass
+    assert server.metrics()["hf_paged_kv_blocks_used"] > 0
+    stream.close()
+    after = server.wait_idle()
+    assert after["hf_paged_requests_running"] == after["hf_paged_kv_blocks_used"] == 0
+    assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 1
+
+    # non-streaming: the client sends the request and closes its connection before the answer
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    body = {"model": server.model_dir, "prompt": "a paged cache keeps the keys", "max_tokens": 1000}
+    connection.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 10
+    while server.metrics()["hf_paged_kv_blocks_used"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    connection.sock.shutdown(socket.SHUT_RDWR)
+    connection.close()
+    after = server.wait_idle()
+    assert after["hf_paged_requests_running"] == after["hf_paged_kv_blocks_used"] == 0
+    assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 2
+    assert after["hf_paged_generation_tokens_total"] - before["hf_paged_generation_tokens_total"] < 2000
