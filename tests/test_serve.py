@@ -141,7 +141,7 @@ def server(saved, tmp_path_factory, request):
     model_dir, _, _ = saved
     log_path = str(tmp_path_factory.mktemp("serve_log") / "server.log")
     server = Server(model_dir, free_port(), log_path)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "hf_paged", "serve", model_dir, "--host", "127.0.0.1", "--port", str(server.port)]
@@ -179,10 +179,15 @@ def server(saved, tmp_path_factory, request):
 
 def greedy_text(saved, prompt_ids: list[int], max_new_tokens: int) -> str:
     _, tokenizer, model = saved
-    with torch.inference_mode():
-        output = model.generate(
-            torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None
-        )
+    num_threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the server runs beside this process: one thread each keeps a small machine responsive
+    try:
+        with torch.inference_mode():
+            output = model.generate(
+                torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False, attention_mask=None
+            )
+    finally:
+        torch.set_num_threads(num_threads)
     return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True)
 
 
@@ -367,3 +372,65 @@ def test_disconnect_frees_its_blocks(server):
     assert after["hf_paged_requests_running"] == after["hf_paged_kv_blocks_used"] == 0
     assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 2
     assert after["hf_paged_generation_tokens_total"] - before["hf_paged_generation_tokens_total"] < 2000
+
+
+def test_the_manager_forgets_what_it_has_handed_back(saved):
+    """In process: the Engine thread hands each request's tokens back and the Engine forgets it; the prefix cache
+    and the counters carry on."""
+    import functools
+
+    from transformers import GenerationConfig
+
+    from hf_paged import BlockPool, Engine
+    from hf_paged.serve.limits import RequestLimits
+    from hf_paged.serve.manager import EngineManager
+
+    tokenizer = saved[1]
+    model = make_model(len(tokenizer))  # its own copy: the Engine switches a model's attention implementation
+    pool = BlockPool.for_model(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    manager = EngineManager(
+        functools.partial(Engine, model, pool, max_num_seqs=4), RequestLimits.for_model(model, pool), renew_after=3
+    )
+    prompt_ids = tokenizer(" ".join(SENTENCES[:3]))["input_ids"]
+    num_full_blocks = len(prompt_ids) // BLOCK_SIZE
+
+    async def ask() -> list[int]:
+        config = GenerationConfig(max_new_tokens=4, do_sample=False)
+        _text, num_prompt_tokens, token_ids = await manager.generate_non_streaming(
+            model, tokenizer, {"input_ids": prompt_ids}, config, "request"
+        )
+        assert num_prompt_tokens == len(prompt_ids)
+        return token_ids
+
+    def holds(engine, request_id: int) -> bool:
+        try:
+            engine.request(request_id)
+        except (KeyError, ValueError):
+            return False
+        return True
+
+    try:
+        outputs = [asyncio.run(ask()) for _ in range(4)]
+        assert all(output == outputs[0] and len(output) == 4 for output in outputs)
+        # handed back and forgotten (`Engine.pop_finished`), or dropped with an idle Engine after `renew_after`
+        assert sum(holds(manager.engine, request_id) for request_id in range(4)) < manager.renew_after
+        deadline = time.monotonic() + 10
+        while manager.metrics.num_finished < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the Engine thread publishes its metrics just after it answers
+        metrics = manager.metrics
+        assert metrics.num_finished == 4 and metrics.generation_tokens == 16
+        assert metrics.prefix_hit_tokens == 3 * num_full_blocks * BLOCK_SIZE  # requests 2 to 4 reuse the prompt's
+        assert metrics.num_used_blocks == metrics.num_running == metrics.num_waiting == 0
+    finally:
+        manager.stop()
+
+
+def test_a_missing_serving_seam_fails_at_startup(monkeypatch):
+    from hf_paged.serve import compat
+    from hf_paged.serve.errors import ServeUnavailable
+
+    compat.check_seams()  # the installed transformers has every seam
+    seams = {**compat.SEAMS, "transformers.cli.serving.utils": {"GenerationState": ("get_engine",)}}
+    monkeypatch.setattr(compat, "SEAMS", seams)
+    with pytest.raises(ServeUnavailable, match=r"transformers>=5\.23,<5\.25.*GenerationState\.get_engine"):
+        compat.check_seams()

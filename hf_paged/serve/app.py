@@ -56,7 +56,9 @@ def build_app(config: ServeConfig):
 
     model_manager = ModelManager(device=config.device, dtype=config.dtype, force_model=config.model)
     model, _processor = model_manager.load_model_and_processor(model_manager.process_model_name(config.model))
-    pool = BlockPool.for_model(model, max_memory=config.max_memory, block_size=config.block_size)
+    pool = BlockPool.for_model(
+        model, max_memory=config.max_memory, block_size=config.block_size, enable_prefix_caching=True
+    )
     make_engine = functools.partial(
         Engine,
         model,

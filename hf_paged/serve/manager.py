@@ -53,12 +53,14 @@ class EngineMetrics:
 class EngineManager(BaseGenerateManager):
     """Serve transformers' handlers from one Engine on one thread (see the module docstring).
 
+    The manager takes each finished request back from the Engine (`Engine.pop_finished`), after which the Engine no
+    longer holds it, so a server that runs for days holds only the requests in flight.
+
     Args:
-        make_engine (`Callable[[], Engine]`): builds the Engine, on the same model and pool each time. The manager
-            builds a fresh one when idle after `renew_after` finished requests: the Engine keeps every request it
-            issued until then (`Engine.request`), and a new Engine on the same pool keeps its prefix cache.
+        make_engine (`Callable[[], Engine]`): builds the Engine, on the same model and pool each time.
         limits (`RequestLimits`): the model's and the pool's limits on one request.
-        renew_after (`int`, defaults to 256): finished requests after which an idle Engine is replaced.
+        renew_after (`int`, defaults to 256): with an Engine that keeps finished requests (no `pop_finished`), the
+            manager replaces it by a fresh one on the same pool (prefix cache kept) once idle with this many.
     """
 
     def __init__(self, make_engine: Callable[[], Engine], limits: RequestLimits, *, renew_after: int = 256):
@@ -69,7 +71,7 @@ class EngineManager(BaseGenerateManager):
         self.metrics = EngineMetrics(num_blocks=self.engine.pool.num_blocks)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, RequestStream] = {}  # Engine request id -> stream, Engine thread only
-        self._num_forgotten = 0  # finished requests the current Engine still keeps
+        self._num_kept = 0  # finished requests the Engine keeps (one without `pop_finished`)
         self._counts = {"generation_tokens": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0}
         self._replaced = {"prefix_hit_tokens": 0, "prefill_tokens": 0}  # the stats of the Engines replaced so far
         self._error: BaseException | None = None
@@ -142,20 +144,18 @@ class EngineManager(BaseGenerateManager):
     def _run(self) -> None:
         try:
             while True:
-                if not self.engine.has_unfinished():
-                    if self._num_forgotten >= self.renew_after:
-                        self._renew()
-                    if not self._drain(block=True):
-                        return
-                elif not self._drain(block=False):
+                idle = not self.engine.has_unfinished()
+                if idle and self._num_kept >= self.renew_after:
+                    self._renew()
+                if not self._drain(block=idle):
                     return
                 if self.engine.has_unfinished():
                     try:
                         self.engine.step()
-                    except Exception as error:  # a step that raises fails the requests it ran, not the server
+                    except Exception as error:  # the Engine could not pin the failure on one request
                         logger.exception("an Engine step failed; failing the requests in flight")
                         self._fail_live(f"the server failed to run this request: {error!r}")
-                    self._deliver()
+                self._deliver()
                 self._publish()
         except BaseException as error:
             self._error = error
@@ -177,12 +177,11 @@ class EngineManager(BaseGenerateManager):
                 self._add(stream)
             elif command == "abort":
                 self._abort(stream)
-            self._publish()
 
     def _add(self, stream: RequestStream) -> None:
         try:
             request_id = self.engine.add_request(stream.prompt_ids, stream.max_new_tokens, **stream.sampling)
-        except ValueError as error:
+        except (TypeError, ValueError) as error:
             self._post(stream, [], True, str(error), True)
             self._counts["num_failed"] += 1
             return
@@ -191,34 +190,41 @@ class EngineManager(BaseGenerateManager):
         if request.finished:  # refused at once: it could never fit the pool
             self._post(stream, [], True, request.error, True)
             self._counts["num_failed"] += 1
-            self._num_forgotten += 1
+            self._num_kept += 1
             return
         self._live[request_id] = stream
 
     def _abort(self, stream: RequestStream) -> None:
         if stream.engine_id is None or self._live.get(stream.engine_id) is not stream:
             return  # never added, or already finished
+        del self._live[stream.engine_id]
         self.engine.abort_request(stream.engine_id)
-        self._forget(stream.engine_id)
         self._counts["num_finished" if stream.stopped else "num_aborted"] += 1
 
     def _deliver(self) -> None:
-        """Hand every live request's new tokens to its stream; forget the finished ones."""
+        """Hand every live request's new tokens to its stream, and its end once it has finished."""
+        finished = {request.request_id: request for request in self._pop_finished()}
         for request_id, stream in list(self._live.items()):
-            request = self.engine.request(request_id)
+            request = finished.get(request_id) or self.engine.request(request_id)
             new_tokens = request.output_ids[stream.num_sent :]
             stream.num_sent += len(new_tokens)
             self._counts["generation_tokens"] += len(new_tokens)
-            if new_tokens or request.finished:
-                error = request.error if request.finish_reason == "error" else None
-                self._post(stream, new_tokens, request.finished, error, False)
+            if not (new_tokens or request.finished):
+                continue
+            error = request.error if request.finish_reason == "error" else None
+            self._post(stream, new_tokens, request.finished, error, False)
             if request.finished:
-                self._forget(request_id)
+                del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
 
-    def _forget(self, request_id: int) -> None:
-        del self._live[request_id]
-        self._num_forgotten += 1
+    def _pop_finished(self) -> list:
+        """The finished requests the Engine hands back, which it then forgets (`Engine.pop_finished`). An Engine
+        without `pop_finished` keeps them until the idle Engine is replaced (`_renew`)."""
+        pop_finished = getattr(self.engine, "pop_finished", None)
+        if pop_finished is None:
+            self._num_kept += sum(1 for request_id in self._live if self.engine.request(request_id).finished)
+            return []
+        return pop_finished()
 
     def _post(self, stream: RequestStream, tokens: list[int], finished: bool, error: str | None, invalid: bool):
         try:
@@ -227,13 +233,11 @@ class EngineManager(BaseGenerateManager):
             pass
 
     def _fail_live(self, message: str) -> None:
-        for request_id, stream in list(self._live.items()):
-            try:
-                self.engine.abort_request(request_id)
-            finally:
-                self._post(stream, [], True, message, False)
-                self._forget(request_id)
-                self._counts["num_failed"] += 1
+        live, self._live = self._live, {}
+        for request_id, stream in live.items():
+            self._post(stream, [], True, message, False)
+            self._counts["num_failed"] += 1
+            self.engine.abort_request(request_id)
 
     def _renew(self) -> None:
         """Replace the idle Engine (and with it every finished request it keeps) by a fresh one on the same pool."""
@@ -241,7 +245,7 @@ class EngineManager(BaseGenerateManager):
         self._replaced["prefix_hit_tokens"] += self.engine.stats.prefix_hit_tokens
         self._replaced["prefill_tokens"] += self.engine.stats.prefill_tokens
         self.engine = self._make_engine()
-        self._num_forgotten = 0
+        self._num_kept = 0
 
     def _publish(self) -> None:
         engine = self.engine
