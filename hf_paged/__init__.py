@@ -13,6 +13,7 @@ from .errors import (
     PoolTooLarge,
     RequestFailed,
     UnknownBackend,
+    UnsupportedModel,
 )
 from .registry import available_backends, create_cache, hookimpl
 from .storage import BlockAllocator, BlockPool, KVLayout
@@ -40,6 +41,7 @@ __all__ = [
     "RequestFailed",
     "SamplingParams",
     "UnknownBackend",
+    "UnsupportedModel",
     "available_backends",
     "create_cache",
     "enable",

@@ -60,3 +60,14 @@ class RequestFailed(RuntimeError):
     def __init__(self, errors: dict[int, str], outputs: list[list[int]]):
         self.errors, self.outputs = errors, outputs
         super().__init__("; ".join(f"input {index}: {message}" for index, message in errors.items()))
+
+
+class UnsupportedModel(NotImplementedError):
+    """hf_paged refuses a model it would run wrong (or not at all) on the path asked for, before computing anything.
+
+    `model_type` is the config's model type; `reason` says what the model does that the path cannot.
+    """
+
+    def __init__(self, model_type: str | None, reason: str, path: str = "hf_paged"):
+        self.model_type, self.reason, self.path = model_type, reason, path
+        super().__init__(f"{path} does not support model type {model_type!r}: {reason}")

@@ -17,13 +17,18 @@ The backend comes from `enable(model, backend=...)`, else `HF_PAGED_ATTENTION_BA
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from ..errors import UnsupportedModel
+from .decode_plan import DecodePlan
 from .kernels.dispatch import resolve_backend
-from .plan import BACKEND_ATTR, PAGED_ATTENTION, plan_of
+from .plan import BACKEND_ATTR, PAGED_ATTENTION, module_backend, plan_of
 
 
 def paged_attention_forward(
@@ -40,7 +45,19 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModel(_model_type(module), SINKS_REASON, "the hf_paged attention")
     plan = plan_of(key)
+    if softcap is not None:  # SDPA has no softcap: where a step would run SDPA, run softcap attention in torch
+        if plan is None:
+            return softcap_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap)
+        if isinstance(plan, DecodePlan) and (
+            module_backend(module, query.device) == "torch" or plan.kv_start(attention_mask) is None
+        ):
+            key, value = plan.gather()
+            if plan.ragged:
+                attention_mask = plan.length_mask(sliding_window)
+            return softcap_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap)
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
@@ -55,6 +72,34 @@ def paged_attention_forward(
         softcap=softcap,
         **kwargs,
     )
+
+
+def softcap_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    softcap: float,
+) -> tuple[torch.Tensor, None]:
+    """Attention with logits capped at `softcap` (`softcap * tanh(logits / softcap)`), in plain torch: query
+    [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim], attention_mask a boolean (True = attend)
+    or additive [B, 1, q_len, >= kv_len] mask -> ([B, q_len, heads, head_dim], None)."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    logits = torch.tanh(logits / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 def register() -> None:
@@ -74,9 +119,71 @@ def enable(model, backend: str | None = None):
     """
     if backend is not None:
         resolve_backend(backend, model.device)  # validate now: a bad value names the allowed ones
+    refuse_unsupported_attention(model)
     register()
     model.set_attn_implementation(PAGED_ATTENTION)
     for module in model.modules():
         if hasattr(module, "layer_idx"):
             setattr(module, BACKEND_ATTR, backend)
     return model
+
+
+# Models whose attention reads or changes K/V between `cache.update()` and the attention function: with a decode
+# plan, `update` returns an empty placeholder, so they would compute on nothing.
+KV_AFTER_UPDATE = {
+    "diffllama": "it splits V into two halves after cache.update()",
+    "jetmoe": "it repeats K/V per expert after cache.update()",
+    "doge": "it indexes the K/V that cache.update() returns (dynamic mask attention)",
+    "git": "it concatenates image K/V to what cache.update() returns",
+}
+SINKS_REASON = (
+    "its attention passes attention sinks (s_aux), which the hf_paged attention (SDPA for prefill, the paged kernels "
+    "for decode) does not apply"
+)
+INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+
+
+def refuse_unsupported_attention(model) -> None:
+    """Raise `UnsupportedModel` for a model the "hf_paged" attention would run wrong or not at all: attention code
+    of its own (it never looks the attention function up in transformers' `ALL_ATTENTION_FUNCTIONS`, so enable()
+    would change nothing), attention sinks, or K/V read after `cache.update()` (`KV_AFTER_UPDATE`)."""
+    model_type = _model_type(model)
+    if model_type in KV_AFTER_UPDATE:
+        raise UnsupportedModel(model_type, KV_AFTER_UPDATE[model_type], "hf_paged.enable")
+    attention_classes = {
+        type(module)
+        for module in model.modules()
+        if hasattr(module, "layer_idx") and "attention" in type(module).__name__.lower()
+    }
+    if not attention_classes:  # no module says it is an attention layer: look at every layer-indexed module
+        attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
+    if not any(INTERFACE_NAME in _class_source(cls) for cls in attention_classes):
+        names = sorted(cls.__name__ for cls in attention_classes) or ["(no layer-indexed module)"]
+        raise UnsupportedModel(
+            model_type,
+            f"its attention ({', '.join(names)}) is its own code, not transformers' attention interface, so the "
+            '"hf_paged" attention would never run',
+            "hf_paged.enable",
+        )
+    for module in model.modules():
+        if getattr(module, "sinks", None) is not None and "s_aux" in _class_source(type(module)):
+            raise UnsupportedModel(model_type, SINKS_REASON, "hf_paged.enable")
+
+
+@functools.cache
+def _class_source(cls: type) -> str:
+    """The source of `cls` and of its bases up to torch's `nn.Module` ("" where it cannot be read)."""
+    sources = []
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("torch."):
+            break
+        try:
+            sources.append(inspect.getsource(klass))
+        except (OSError, TypeError):
+            pass
+    return "\n".join(sources)
+
+
+def _model_type(module) -> str | None:
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None)

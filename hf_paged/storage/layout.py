@@ -12,6 +12,7 @@ import torch
 from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
+from ..errors import UnsupportedModel
 from .layer_groups import LayerGroups, derive_layer_groups
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
@@ -70,13 +71,17 @@ class KVLayout:
                 "checkpoint first (AutoModelForCausalLM.from_pretrained(path) or AutoConfig.from_pretrained(path))"
             )
         config = config.get_text_config(decoder=True)
+        refuse_unsupported(config)
         num_layers = config.num_hidden_layers
-        num_heads = config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        # A heterogeneous config (Gemma 4, dots) gives some layers other kv heads or head_dim: read each layer's.
+        layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        shapes = [
+            _kv_shape(config if layer_configs is None else layer_configs[i], layer_types[i]) for i in range(num_layers)
+        ]
         windows = _windows(layer_types, layer_kwargs)
-        return cls((num_kv_heads,) * num_layers, (head_dim,) * num_layers, tuple(layer_types), tuple(windows))
+        num_kv_heads, head_dims = zip(*shapes)
+        return cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows))
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what
@@ -86,15 +91,84 @@ class KVLayout:
 
 
 def sliding_windows(config) -> list[int | None]:
-    """Per layer: its sliding window (an int) or None for full attention. Raises for layer types PagedCache cannot
-    store (linear attention, convolution states, shared K/V), naming the supported ones."""
+    """Per layer: its sliding window (an int) or None for full attention. Raises `UnsupportedModel` for a model
+    PagedCache cannot store (see `refuse_unsupported`)."""
+    refuse_unsupported(config)
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    return _windows(layer_types, layer_kwargs)
+
+
+# Models whose forward uses a cache other than through `Cache.update`, by model type.
+NO_PAGED_CACHE = {
+    "xlnet": "it keeps its own memory (mems) and never stores K/V in a transformers Cache",
+    **dict.fromkeys(
+        ("mllama", "mllama_text_model"),
+        "its cross-attention layers read cache.layers[i].keys, which a paged layer does not have",
+    ),
+}
+
+
+def refuse_unsupported(config) -> None:
+    """Raise `UnsupportedModel`, naming the model type and the reason, for a (decoder text) config whose K/V a
+    PagedCache would store or return wrong: encoder-decoder models, layer types other than full / sliding / chunked
+    attention (linear attention, convolution states, shared K/V), and latent (MLA) caches."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in NO_PAGED_CACHE:
+        raise UnsupportedModel(model_type, NO_PAGED_CACHE[model_type], "PagedCache")
+    if _global_attr(config, "num_attention_heads") is None:
+        raise UnsupportedModel(
+            model_type, "its config names no attention heads: it caches no attention K/V", "PagedCache"
+        )
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModel(
+            model_type,
+            "encoder-decoder models keep a self-attention and a cross-attention cache (EncoderDecoderCache); "
+            "PagedCache is a decoder-only cache",
+            "PagedCache",
+        )
+    layer_types, _ = get_layer_types_and_kwargs(config)
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
-        raise NotImplementedError(
-            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}"
+        raise UnsupportedModel(
+            model_type,
+            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}",
+            "PagedCache",
         )
-    return _windows(layer_types, layer_kwargs)
+    kv_lora_rank = _global_attr(config, "kv_lora_rank")
+    if kv_lora_rank:
+        raise UnsupportedModel(
+            model_type,
+            f"multi-head latent attention ({kv_lora_rank = }) caches K and V of different widths, not kv heads x "
+            "head_dim; the pool stores K and V of one shape per layer",
+            "PagedCache",
+        )
+
+
+# Models whose sliding layers cache a multiple of the config's kv heads (their modeling code says so, not the config).
+SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
+
+
+def _kv_shape(config, layer_type: str) -> tuple[int, int]:
+    """(kv heads, head_dim) of the K/V one layer (of type `layer_type`) of this config caches."""
+    num_heads = config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    model_type = getattr(config, "model_type", None)
+    if layer_type in SLIDING_LAYER_TYPES:
+        num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(model_type, 1)
+    if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
+        num_kv_heads = num_heads  # Falcon's new decoder architecture caches K/V expanded to every query head
+    elif getattr(config, "multi_query", False):
+        num_kv_heads = 1  # multi-query attention (Falcon, GPTBigCode): one kv head whatever the kv-head count says
+    return num_kv_heads, head_dim
+
+
+def _global_attr(config, name: str):
+    """`config.<name>`, or None where the config lacks it or only has it per layer."""
+    try:
+        return getattr(config, name, None)
+    except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer attribute
+        return None
 
 
 def _windows(layer_types: list[str], layer_kwargs: list[dict]) -> list[int | None]:

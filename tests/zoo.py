@@ -1,0 +1,562 @@
+"""The zoo: a tiny random-weight model of every causal LM in transformers, run through each hf_paged path.
+
+Shared by `tests/test_zoo.py` and `python -m tests.zoo` (which writes the supported-models matrix of
+docs/models.md and the expectation table `tests/zoo_expected.json`).
+
+Every entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` gets a config from its config class by generic shrinking
+(`SHRINK`: only the attributes a config has) plus a small per-family override table (`OVERRIDES`). Each model runs
+in a forked child with a time limit, so a model that hangs or kills its process is classified, not fatal. In the
+child, each path of `PATHS` runs the same left-padded batch of 2 as the reference (the model's default cache,
+`DynamicCache`) and is classified by `classify`:
+
+    identical          ran; same greedy tokens and per-step scores (allclose, TOLERANCE) as the reference
+    silently wrong     ran; tokens or scores differ
+    silently bypassed  ran identical, but hf_paged was never used (no PagedCache.update, or the "hf_paged"
+                       attention function never called after enable())
+    refused            a typed hf_paged error (hf_paged.errors) or a NotImplementedError raised by hf_paged
+    raw error          anything else (a crash, a timeout, an error deep inside the model)
+    reference fails    the reference itself fails (or the model cannot be built)
+
+A new path (the Engine's, say) is one more entry of `PATHS`: a function `(model, inputs, counts) -> GenerateResult`
+that `run_architecture` calls after the others; the reference it compares with is named by its `reference` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+EXPECTED_PATH = ROOT / "tests" / "zoo_expected.json"
+DOCS_PATH = ROOT / "docs" / "models.md"
+
+VOCAB_SIZE = 128
+PAD_TOKEN_ID = 0
+PROMPT_LEN = 8
+MAX_NEW_TOKENS = 4
+NUM_BEAMS = 3
+# Scores of the same K/V through the same attention agree to float32 rounding; a real divergence is orders larger.
+TOLERANCE = dict(atol=1e-4, rtol=1e-4)
+
+MAX_PARAMETERS = 20_000_000
+
+OUTCOMES = ("identical", "silently wrong", "silently bypassed", "refused", "raw error", "reference fails")
+
+# Generic shrinking: each attribute is set only where the config class has it.
+SHRINK = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "dim", "n_embed", "embed_dim"), 64),
+    **dict.fromkeys(
+        ("intermediate_size", "n_inner", "ffn_dim", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim", "ffn_hidden_size"),
+        128,
+    ),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers"), 2),
+    **dict.fromkeys(
+        ("num_attention_heads", "n_head", "num_heads", "decoder_attention_heads", "encoder_attention_heads", "n_heads"),
+        4,
+    ),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim"), 16),
+    **dict.fromkeys(("max_position_embeddings", "n_positions", "n_ctx", "max_seq_len"), 256),
+    # MoE
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "num_experts_per_token"), 2),
+    **dict.fromkeys(("moe_intermediate_size", "expert_intermediate_size", "shared_expert_intermediate_size"), 32),
+    "n_shared_experts": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    # MLA
+    "kv_lora_rank": 32,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 16,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    # what random weights need for non-degenerate greedy output (see DESIGN.md)
+    "vocab_size": VOCAB_SIZE,
+    "vocab_size_per_layer_input": VOCAB_SIZE,
+    "dim_head": 16,
+    "hidden_size_per_layer_input": 16,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+    "eos_token_id": None,
+    "pad_token_id": PAD_TOKEN_ID,
+}
+
+# Per family, what generic shrinking gets wrong (applied after it).
+OVERRIDES: dict[str, dict] = {}
+
+
+# ------------------------------------------------------------------------------------------------- configs
+def architectures() -> dict[str, str]:
+    """model_type -> model class name, for every causal LM transformers knows."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return dict(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def _shrunk_kwargs(config) -> dict:
+    """The SHRINK attributes `config` (a default config instance) has, its layer pattern cut to one layer of each
+    type, and its sub-configs (vision, text, ...) shrunk the same way."""
+    defaults = config.to_dict()
+    kwargs = {key: value for key, value in SHRINK.items() if key in defaults}
+    layer_types = defaults.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        # The smallest stack that keeps the pattern: one layer of each type, in order of first appearance.
+        distinct = list(dict.fromkeys(layer_types))
+        kwargs["layer_types"] = distinct if len(distinct) > 1 else distinct * 2
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"):
+            if key in kwargs:
+                kwargs[key] = len(kwargs["layer_types"])
+    window = defaults.get("sliding_window")
+    if isinstance(window, int) and not isinstance(window, bool) and window > 8:
+        kwargs["sliding_window"] = 8  # below prompt + new tokens, so a sliding layer really slides
+    if isinstance(defaults.get("rotary_dim"), int):
+        kwargs["rotary_dim"] = 8
+    if defaults.get("kv_lora_rank"):  # MLA expands its latent to every head
+        kwargs["num_key_value_heads"] = SHRINK["num_attention_heads"]
+    for key in getattr(type(config), "sub_configs", None) or {}:
+        sub_config = getattr(config, key, None)
+        if hasattr(sub_config, "to_dict"):
+            kwargs[key] = {"model_type": sub_config.model_type, **_shrunk_kwargs(sub_config)}
+    return kwargs
+
+
+def tiny_config(model_type: str):
+    """The tiny config of `model_type`: generic shrinking, then `OVERRIDES[model_type]`."""
+    from transformers import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[model_type]
+    kwargs = _shrunk_kwargs(config_class())
+    kwargs.update(OVERRIDES.get(model_type, {}))
+    return config_class(**kwargs)
+
+
+def tiny_model(model_type: str, class_name: str):
+    """The tiny fp32 random-weight model of `model_type` (seed 0), in eval mode."""
+    import transformers
+
+    config = tiny_config(model_type)
+    model_class = getattr(transformers, class_name)
+    with torch.device("meta"):  # count first: a default left unshrunk can need gigabytes
+        num_parameters = sum(p.numel() for p in model_class(config).parameters())
+    if num_parameters > MAX_PARAMETERS:
+        raise ValueError(f"the tiny config still has {num_parameters / 1e6:.0f}M parameters; add an OVERRIDES entry")
+    torch.manual_seed(0)
+    return model_class(config).float().eval()
+
+
+def inputs(batch: int = 2, length: int = PROMPT_LEN) -> dict:
+    """A left-padded batch: row i has `i * 2` pad tokens; tokens drawn from `[1, VOCAB_SIZE)`."""
+    generator = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(1, VOCAB_SIZE, (batch, length), generator=generator)
+    attention_mask = torch.ones_like(input_ids)
+    for row in range(batch):
+        input_ids[row, : 2 * row] = PAD_TOKEN_ID
+        attention_mask[row, : 2 * row] = 0
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+# --------------------------------------------------------------------------------------------------- paths
+@dataclasses.dataclass
+class GenerateResult:
+    sequences: torch.Tensor  # [rows, seq_len] int64
+    scores: tuple[torch.Tensor, ...]  # one per new token, [rows, vocab] float32
+
+
+def generate(model, model_inputs: dict, **options) -> GenerateResult:
+    """Greedy `generate()` of MAX_NEW_TOKENS with its per-step scores; `options` go to `generate()`."""
+    out = model.generate(
+        **model_inputs,
+        max_new_tokens=MAX_NEW_TOKENS,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **options,
+    )
+    return GenerateResult(out.sequences, tuple(out.scores))
+
+
+def reference(model, model_inputs: dict, **options) -> GenerateResult:
+    """`generate()` with a `DynamicCache(config=model.config)` passed in, checked against the model's own default
+    cache: where the two differ (a model that mishandles any cache passed to it), the reference fails."""
+    from transformers import DynamicCache
+
+    result = generate(model, model_inputs, past_key_values=DynamicCache(config=model.config), **options)
+    difference = compare(result, generate(model, model_inputs, **options))
+    if difference is not None:
+        raise ReferenceMismatch(f"a DynamicCache passed to generate() differs from the default cache: {difference}")
+    return result
+
+
+class ReferenceMismatch(RuntimeError):
+    """generate() with a DynamicCache passed in differs from generate() with the model's default cache."""
+
+
+REFERENCES: dict[str, Callable] = {
+    "greedy": lambda model, model_inputs: reference(model, model_inputs),
+    "beams": lambda model, model_inputs: reference(model, model_inputs, num_beams=NUM_BEAMS),
+}
+
+
+@dataclasses.dataclass
+class Counts:
+    """How often hf_paged ran during one path (see `_instrument`)."""
+
+    updates: int = 0  # PagedCache.update calls
+    attention_calls: int = 0  # calls of the "hf_paged" attention function
+    plans: int = 0  # of those, calls that read K/V through a decode plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ZooPath:
+    """One way of running a model through hf_paged, compared with the reference named `reference`.
+
+    `run(model, model_inputs)` returns a GenerateResult; it may change the model (enable() does), so paths run in
+    the order of PATHS, each after the ones before it. `used(counts)` says whether hf_paged really ran.
+    """
+
+    name: str
+    title: str
+    run: Callable
+    reference: str
+    used: Callable[[Counts], bool]
+
+
+def _paged(model, model_inputs, **options) -> GenerateResult:
+    import hf_paged
+
+    return generate(model, model_inputs, past_key_values=hf_paged.create_cache("paged", model), **options)
+
+
+def _attention(model, model_inputs) -> GenerateResult:
+    import hf_paged
+
+    hf_paged.enable(model, backend="torch")
+    return _paged(model, model_inputs)
+
+
+PATHS: list[ZooPath] = [
+    ZooPath(
+        "paged",
+        'generate(past_key_values=create_cache("paged", model))',
+        _paged,
+        "greedy",
+        lambda counts: counts.updates > 0,
+    ),
+    ZooPath(
+        "beams",
+        f"same with num_beams={NUM_BEAMS}",
+        lambda model, model_inputs: _paged(model, model_inputs, num_beams=NUM_BEAMS),
+        "beams",
+        lambda counts: counts.updates > 0,
+    ),
+    ZooPath(
+        "attention",
+        'after hf_paged.enable(model) ("hf_paged" attention, torch backend)',
+        _attention,
+        "greedy",
+        lambda counts: counts.updates > 0 and counts.attention_calls > 0,
+    ),
+    # The Engine's path goes here: ZooPath("engine", ..., run=<Engine.generate wrapped to a GenerateResult>, ...).
+]
+
+
+# ---------------------------------------------------------------------------------------------- classifying
+def _instrument(counts: Counts) -> None:
+    """In a zoo child: count PagedCache.update calls and calls of the "hf_paged" attention function."""
+    from hf_paged.attention import interface, plan_of
+    from hf_paged.cache import PagedCache
+
+    update = PagedCache.update
+
+    def counted_update(self, *args, **kwargs):
+        counts.updates += 1
+        return update(self, *args, **kwargs)
+
+    attend = interface.paged_attention_forward
+
+    def counted_attention(module, query, key, *args, **kwargs):
+        counts.attention_calls += 1
+        counts.plans += plan_of(key) is not None
+        return attend(module, query, key, *args, **kwargs)
+
+    PagedCache.update = counted_update
+    # register() (called by enable()) registers whatever this module name holds.
+    interface.paged_attention_forward = counted_attention
+    interface.register()
+
+
+def classify_error(error: BaseException) -> tuple[str, str]:
+    """(outcome, detail) of a path that raised: `refused` for a typed hf_paged error or a NotImplementedError
+    raised inside hf_paged, `raw error` for anything else."""
+    import hf_paged
+    from hf_paged import errors
+
+    message = " ".join(str(error).split())
+    detail = f"{type(error).__name__}: {message}"
+    typed = isinstance(error, errors.UnsupportedModel)
+    frames = traceback.extract_tb(error.__traceback__)
+    package = str(Path(hf_paged.__file__).parent)
+    from_hf_paged = bool(frames) and frames[-1].filename.startswith(package)
+    if typed or (isinstance(error, NotImplementedError) and from_hf_paged):
+        return "refused", detail
+    where = f" ({Path(frames[-1].filename).name}:{frames[-1].lineno})" if frames else ""
+    return "raw error", detail[:300] + where
+
+
+def compare(got: GenerateResult, expected: GenerateResult) -> str | None:
+    """None when `got` matches `expected` (equal tokens, per-step scores allclose), else how it differs."""
+    if got.sequences.shape != expected.sequences.shape or not torch.equal(got.sequences, expected.sequences):
+        return f"tokens differ: {got.sequences.tolist()} vs {expected.sequences.tolist()}"
+    if len(got.scores) != len(expected.scores):
+        return f"{len(got.scores)} steps of scores vs {len(expected.scores)}"
+    for step, (a, b) in enumerate(zip(got.scores, expected.scores)):
+        if a.shape != b.shape or not torch.allclose(a, b, **TOLERANCE):
+            diff = (a - b).abs().nan_to_num(0).max().item() if a.shape == b.shape else float("nan")
+            return f"scores differ at step {step}: max |diff| {diff:.3g}"
+    return None
+
+
+def run_architecture(model_type: str, class_name: str, report: Callable[[str, dict], None]) -> None:
+    """Build the tiny model of `model_type` and run every path; `report(path_name, {"outcome", "detail"})` as each
+    finishes (so a parent learns what ran before a crash)."""
+    counts = Counts()
+    _instrument(counts)
+    try:
+        model = tiny_model(model_type, class_name)
+    except Exception as error:
+        for path in PATHS:
+            report(path.name, {"outcome": "reference fails", "detail": f"model not built: {_short(error)}"})
+        return
+    model_inputs = inputs()
+    references = {}
+    for name in dict.fromkeys(path.reference for path in PATHS):
+        try:
+            references[name] = REFERENCES[name](model, model_inputs)
+        except Exception as error:
+            references[name] = error
+    for path in PATHS:
+        reference = references[path.reference]
+        if isinstance(reference, Exception):
+            report(path.name, {"outcome": "reference fails", "detail": _short(reference)})
+            continue
+        counts.updates = counts.attention_calls = counts.plans = 0
+        try:
+            got = path.run(model, model_inputs)
+        except Exception as error:
+            outcome, detail = classify_error(error)
+            report(path.name, {"outcome": outcome, "detail": detail})
+            continue
+        difference = compare(got, reference)
+        if difference is not None:
+            report(path.name, {"outcome": "silently wrong", "detail": difference})
+        elif not path.used(counts):
+            report(path.name, {"outcome": "silently bypassed", "detail": f"hf_paged not used: {counts}"})
+        else:
+            report(path.name, {"outcome": "identical", "detail": ""})
+
+
+def _short(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:300]
+
+
+# ------------------------------------------------------------------------------------------- the forked runs
+def _child(connection, model_type: str, class_name: str) -> None:
+    if not os.environ.get("ZOO_VERBOSE"):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    try:
+        run_architecture(model_type, class_name, lambda name, result: connection.send((name, result)))
+    except Exception as error:  # a bug of the harness itself: reported on the paths not done
+        connection.send(("", {"outcome": "raw error", "detail": f"zoo harness: {_short(error)}"}))
+    connection.send(None)
+    connection.close()
+
+
+def run_zoo(
+    model_types: list[str] | None = None,
+    jobs: int = 2,
+    time_limit: float = 60.0,
+    progress: Callable[[str, dict], None] | None = None,
+) -> dict[str, dict[str, dict]]:
+    """model_type -> path name -> {"outcome", "detail"}, each architecture in its own forked process (at most
+    `jobs` at once, each killed after `time_limit` seconds)."""
+    import hf_paged  # noqa: F401  (imported once here, inherited by every child)
+
+    names = architectures()
+    pending = list(model_types if model_types is not None else names)
+    context = multiprocessing.get_context("fork")
+    running: dict[str, tuple] = {}
+    results: dict[str, dict[str, dict]] = {}
+    while pending or running:
+        while pending and len(running) < jobs:
+            model_type = pending.pop(0)
+            receiver, sender = context.Pipe(duplex=False)
+            process = context.Process(target=_child, args=(sender, model_type, names[model_type]), daemon=True)
+            process.start()
+            sender.close()
+            running[model_type] = (process, receiver, time.monotonic())
+            results[model_type] = {}
+        time.sleep(0.02)
+        for model_type, (process, receiver, started) in list(running.items()):
+            done, reason = _drain(receiver, results[model_type])
+            if not done and not process.is_alive():
+                done, reason = _drain(receiver, results[model_type])
+                reason = reason or f"the process died (exit code {process.exitcode})"
+                done = True
+            if not done and time.monotonic() - started > time_limit:
+                process.kill()
+                done, reason = True, f"timed out after {time_limit:.0f} s"
+            if done:
+                process.join()
+                receiver.close()
+                del running[model_type]
+                _fill_missing(results[model_type], reason)
+                if progress is not None:
+                    progress(model_type, results[model_type])
+    return {model_type: results[model_type] for model_type in (model_types or names)}
+
+
+def _drain(receiver, results: dict) -> tuple[bool, str | None]:
+    """Read what a child reported; (finished, None) once it sent its end marker."""
+    try:
+        while receiver.poll():
+            message = receiver.recv()
+            if message is None:
+                return True, None
+            name, result = message
+            if not name:  # the harness failed: the paths not reported fail with its message
+                return True, result["detail"]
+            results[name] = result
+    except (EOFError, OSError):
+        return True, "the process died"
+    return False, None
+
+
+def _fill_missing(results: dict, reason: str | None) -> None:
+    """The paths a dead or killed child never reported: the first one was running when it stopped."""
+    missing = [path.name for path in PATHS if path.name not in results]
+    if not missing:
+        return
+    if not results:  # it stopped while building the model or running the references
+        for name in missing:
+            results[name] = {"outcome": "reference fails", "detail": f"model or reference: {reason}"}
+        return
+    results[missing[0]] = {"outcome": "raw error", "detail": reason or "no result"}
+    for name in missing[1:]:
+        results[name] = {"outcome": "raw error", "detail": f"not run: {missing[0]} stopped the process"}
+
+
+# -------------------------------------------------------------------------------------------- the matrix
+def counts_by_path(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, int]]:
+    """path name -> outcome -> number of architectures."""
+    counts = {path.name: dict.fromkeys(OUTCOMES, 0) for path in PATHS}
+    for by_path in results.values():
+        for name, result in by_path.items():
+            counts[name][result["outcome"]] += 1
+    return counts
+
+
+def expectations(results: dict[str, dict[str, dict]]) -> dict[str, dict[str, str]]:
+    """model_type -> path name -> outcome: what tests/zoo_expected.json holds."""
+    return {model_type: {name: r["outcome"] for name, r in by_path.items()} for model_type, by_path in results.items()}
+
+
+def _cell(result: dict) -> str:
+    outcome, detail = result["outcome"], result["detail"]
+    if outcome == "identical":
+        return "identical"
+    reason = detail
+    if outcome == "refused":  # the UnsupportedModel message names the model type; keep its reason
+        reason = detail.split(": ", 2)[-1] if "does not support model type" in detail else detail
+    reason = reason.replace("|", "\\|").replace("`", "'")
+    return f"{outcome}: {reason[:160]}"
+
+
+def matrix_markdown(results: dict[str, dict[str, dict]], command: str) -> str:
+    """The generated part of docs/models.md: the counts per path and the architecture x path table."""
+    names = architectures()
+    counts = counts_by_path(results)
+    lines = [
+        f"Generated by `{command}` with transformers {_transformers_version()} and torch {torch.__version__} on CPU "
+        f"(fp32, a left-padded batch of 2, {PROMPT_LEN}-token prompts, {MAX_NEW_TOKENS} new tokens; tokens equal and "
+        f"per-step scores allclose with atol={TOLERANCE['atol']}, rtol={TOLERANCE['rtol']}).",
+        "",
+        "| path | " + " | ".join(OUTCOMES) + " |",
+        "|---|" + "---|" * len(OUTCOMES),
+    ]
+    for path in PATHS:
+        lines.append(f"| {path.title} | " + " | ".join(str(counts[path.name][o]) for o in OUTCOMES) + " |")
+    lines += ["", "| model type | class | " + " | ".join(path.name for path in PATHS) + " |"]
+    lines.append("|---|---|" + "---|" * len(PATHS))
+    for model_type in sorted(results):
+        cells = [_cell(results[model_type][path.name]) for path in PATHS]
+        lines.append(f"| {model_type} | {names.get(model_type, '?')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+BEGIN, END = "<!-- zoo matrix: begin (generated by python -m tests.zoo --write) -->", "<!-- zoo matrix: end -->"
+
+
+def write_docs(markdown: str, path: Path = DOCS_PATH) -> None:
+    """Replace the generated part of docs/models.md (between BEGIN and END) with `markdown`."""
+    text = path.read_text()
+    start, stop = text.index(BEGIN) + len(BEGIN), text.index(END)
+    path.write_text(text[:start] + "\n" + markdown + text[stop:])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.zoo", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=2, help="architectures run at once (default 2)")
+    parser.add_argument("--time-limit", type=float, default=120.0, help="seconds per architecture (default 120)")
+    parser.add_argument("--only", default="", help="comma-separated model types (default: all)")
+    parser.add_argument("--json", type=Path, help="write the full results (outcome and detail) here")
+    parser.add_argument(
+        "--write", action="store_true", help="update docs/models.md's matrix and tests/zoo_expected.json"
+    )
+    args = parser.parse_args(argv)
+    model_types = [name for name in args.only.split(",") if name] or None
+    started = time.monotonic()
+
+    def progress(model_type, by_path):
+        outcomes = ", ".join(f"{name}: {r['outcome']}" for name, r in by_path.items())
+        print(f"{model_type:28s} {outcomes}", file=sys.stderr, flush=True)
+
+    results = run_zoo(model_types, jobs=args.jobs, time_limit=args.time_limit, progress=progress)
+    print(f"{len(results)} architectures in {time.monotonic() - started:.0f} s", file=sys.stderr)
+    for name, counts in counts_by_path(results).items():
+        print(name, counts)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    if args.write:
+        if model_types is not None:
+            parser.error("--write needs the whole zoo (no --only)")
+        write_docs(matrix_markdown(results, "python -m tests.zoo --write"))
+        EXPECTED_PATH.write_text(json.dumps(expectations(results), indent=1, sort_keys=True) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
