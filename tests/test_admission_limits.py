@@ -151,4 +151,7 @@ def test_a_request_alone_fails_when_blocks_are_held_outside_the_engine():
     scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
     request = new_request(0, 10, 8)  # 17 tokens at its end: 5 blocks, 3 free
     drive(scheduler, [request], max_steps=20, num_held_outside=len(outside))
-    assert request.error == "request 0 cannot hold 13 tokens (10 prompt + 3 generated) even alone in a pool of 6 blocks"
+    assert request.error == (
+        "request 0 cannot hold 13 tokens (10 prompt + 3 generated) even alone: 3 of the pool's 6 blocks are held "
+        "outside this engine (a PagedCache on the same pool?); release them or give the engine a pool of its own"
+    )

@@ -108,8 +108,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch():
     prompts = random_prompts((6, 9, 4))
     engine, _ = tiny_engine("llama", 64, max_num_seqs=4)
     kwargs = dict(max_new_tokens=10, ignore_eos=True, temperature=0.9, top_k=20, top_p=0.9, seed=7)
-    together = engine.generate(prompts, **kwargs)
-    alone = [engine.generate([p], **kwargs)[0] for p in prompts]
+    together = engine.generate(prompts, **kwargs)  # prompt i draws from its own generator, seeded with 7 + i
+    alone = [engine.generate([p], **{**kwargs, "seed": 7 + i})[0] for i, p in enumerate(prompts)]
     assert together == alone
     assert len({tuple(out) for out in together}) == 3
     greedy = engine.generate(prompts, max_new_tokens=10, ignore_eos=True)

@@ -7,41 +7,30 @@ Each `step()` runs one forward over every scheduled request: the decode rows' ne
 packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
 padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches
 the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache).
+
+A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
+return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
+not what ever ran.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from ..attention import enable
 from ..errors import RequestFailed
 from ..storage import BlockPool, KVLayout, sliding_windows
+from .checkpoint import StepCheckpoint
+from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
+from .stats import EngineStats
 from .step_cache import StepCache
-
-
-@dataclass
-class EngineStats:
-    num_steps: int = 0
-    peak_running: int = 0
-    running_sum: int = 0  # sum over steps of the requests that ran, for the mean
-    num_preemptions: int = 0
-    num_aborted: int = 0  # requests stopped by `abort_request` before their end
-    prefix_hit_tokens: int = 0  # prompt tokens taken from the prefix cache instead of computed
-    prefill_tokens: int = 0  # input tokens computed before a request's first output (recomputation included)
-    decode_tokens: int = 0  # generated tokens fed back
-    used_blocks: list[int] = field(default_factory=list)  # pool blocks in use after each step
-
-    @property
-    def mean_running(self) -> float:
-        return self.running_sum / self.num_steps if self.num_steps else 0.0
 
 
 class Engine:
@@ -60,8 +49,11 @@ class Engine:
             once: a request waits while another computes blocks it would reuse, and admission counts a block that
             several running requests hold once, in a full-attention group or a sliding window (also the blocks a
             waiting request would take from the cache: it takes them when admitted). With layer groups, each group
-            caches its own blocks, and a sliding group needs only the blocks its window still sees for a hit. Turns
-            the pool's prefix cache on (a pool with prefix caching belongs to one model).
+            caches its own blocks, and a sliding group needs only the blocks its window still sees for a hit.
+            The cache lives in the pool: on a pool built without prefix caching that nothing uses yet (no block
+            held or cached), True turns the pool's prefix cache on (a pool with prefix caching belongs to one
+            model); on one in use it raises `ValueError` (build the pool with `enable_prefix_caching=True`). False
+            leaves a pool's prefix cache as it is and never reads or adds to it.
         decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
             only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
             the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
@@ -87,8 +79,7 @@ class Engine:
         backfill_window: int = 8,
     ):
         pool.check_compatible(KVLayout.from_config(model.config))
-        if enable_prefix_caching:
-            pool.allocator.enable_prefix_caching = True
+        _check_prefix_caching(pool, enable_prefix_caching)
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
         self.scheduler = Scheduler(
@@ -98,13 +89,19 @@ class Engine:
             decode_reserve_tokens=decode_reserve_tokens,
             backfill_window=backfill_window,
             sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)),
+            enable_prefix_caching=enable_prefix_caching,
         )
+        if enable_prefix_caching:
+            pool.allocator.enable_prefix_caching = True
+        self.limits = PromptLimits.from_model(model)
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
-        self._requests: dict[int, Request] = {}
+        self._requests: dict[int, Request] = {}  # issued and not handed back yet
+        self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
+        self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
+        self._num_issued = 0
         self._in_step = False
         self._deferred_aborts: list[Request] = []  # aborts asked for during a step, done when it ends
-        self._ids = itertools.count()
         generation_config = getattr(model, "generation_config", None)
         self._eos_token_id = getattr(generation_config, "eos_token_id", None)
         if isinstance(self._eos_token_id, list):
@@ -113,19 +110,42 @@ class Engine:
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
         """Queue a request; returns its id. `sampling`: SamplingParams fields (temperature, top_k, top_p, seed,
-        stop_token_ids, ignore_eos, eos_token_id; eos defaults to the model's generation config)."""
-        prompt_ids = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt_ids:
-            raise ValueError("a request needs at least one prompt token")
-        sampling.setdefault("eos_token_id", self._eos_token_id)
-        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator().manual_seed(params.seed)
-        request = Request(next(self._ids), prompt_ids, params, generator=generator)
-        self._requests[request.request_id] = request
-        self.scheduler.add(request)
-        return request.request_id
+        stop_token_ids, ignore_eos, eos_token_id; eos defaults to the model's generation config).
+
+        Raises `TypeError` for a misspelled keyword or a prompt that is not token ids, `ValueError` for bad values:
+        an empty prompt, a token id outside the model's vocabulary, a prompt longer than a learned-position model's
+        `max_position_embeddings` (GPT-2's `n_positions`). On such a model `max_new_tokens` is lowered to what its
+        positions hold, and the request finishes with "length" there; other models warn once past
+        `max_position_embeddings`, as `generate()` does.
+
+        The request stays in the engine until it is handed back: once it has finished, `pop_finished()` returns it
+        (and `request(request_id)` finds it until then).
+        """
+        prompt_ids = as_prompt(prompt_ids)
+        params = self._params(prompt_ids, max_new_tokens, sampling)
+        error = self.limits.prompt_error(prompt_ids)
+        if error is not None:
+            raise ValueError(error)
+        return self._queue(prompt_ids, params)
+
+    def pop_finished(self) -> list[Request]:
+        """The requests added with `add_request` that have finished since the last call, in the order they
+        finished (`finish_reason` "stop", "length", "abort" or "error"; `output_ids`, `error`, times), and forget
+        them: the engine keeps no finished request once it is handed back, so a serving loop that calls this after
+        each `step()` holds only the requests in flight. `request(request_id)` finds a request until then.
+        Requests of `generate()` / `stream()` calls are handed back by their call instead."""
+        finished = list(self._finished.values())
+        self._finished.clear()
+        for request in finished:
+            del self._requests[request.request_id]
+        return finished
+
+    def request(self, request_id: int) -> Request:
+        """The request `request_id` (unfinished, or finished and not handed back yet)."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(self._unknown(request_id))
+        return request
 
     def abort_request(self, request_id: int) -> bool:
         """Stop a request before its end (a client that went away), like vLLM's `abort_request`: a running request's
@@ -135,17 +155,174 @@ class Engine:
 
         Call it between steps, from the loop that calls `step()`; called during one (say, by a stream that the
         garbage collector closes while a forward runs), it takes effect when the step ends. Returns True when the
-        request was unfinished, False when it had already finished (nothing changes). Unlike vLLM, which ignores ids
-        it does not know, an id this engine never issued raises `ValueError`.
+        request was unfinished, False when it had already finished (nothing changes; also once it was handed back).
+        Unlike vLLM, which ignores ids it does not know, an id this engine never issued raises `ValueError`.
         """
         request = self._requests.get(request_id)
         if request is None:
-            issued = f"ids 0 to {len(self._requests) - 1}" if self._requests else "no ids yet"
-            raise ValueError(f"no request with id {request_id!r}: this engine has issued {issued}")
+            if self._was_issued(request_id):
+                return False
+            raise ValueError(self._unknown(request_id))
         if request.finished:
             return False
         self._abort([request])
         return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[tuple[int, int]]:
+        """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced.
+
+        A forward that raises is undone (`StepCheckpoint`): no request advances and the blocks the step gave out go
+        back, so the engine can be stepped again. Before that the step's rows are run again in halves: a row whose
+        forward raises alone while other rows run is its request's own failure, and that request finishes with
+        the error (`finish_reason` "error") while the others' rows are applied as usual; so does one whose forward
+        raised alone, nothing else succeeding, in its previous step too. When no row can be blamed, the exception
+        goes to the caller."""
+        self._in_step = True
+        try:
+            return self._step()
+        finally:
+            self._in_step = False
+            deferred, self._deferred_aborts = self._deferred_aborts, []
+            self._abort(deferred)
+
+    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling):
+        """Yield (input index, token id) as tokens are produced, in order per input, until every input has finished;
+        failed inputs raise `RequestFailed` at the end. Arguments as in `generate`. Tokens that other calls' steps
+        produce for these inputs (a `generate()` inside the loop, another stream) are yielded too. Closing the stream
+        early (`break` out of a `for` loop over `engine.stream(...)` itself, or `close()` on a stream kept in a
+        variable) or an exception from a step aborts the inputs still unfinished, so their blocks go back to the
+        pool. Requests added otherwise (`add_request`) share the steps and are left to their own loop. The stream's
+        requests leave the engine when it ends."""
+        request_ids = self._add_all(prompts, max_new_tokens, sampling)
+        requests = [self._requests[request_id] for request_id in request_ids]
+        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
+        yielded = [0] * len(requests)  # per input: tokens yielded so far
+
+        def new_tokens(indices):
+            for index in indices:
+                output = requests[index].output_ids
+                while yielded[index] < len(output):
+                    yielded[index] += 1
+                    yield index, output[yielded[index] - 1]
+
+        everyone = range(len(requests))
+        try:
+            num_steps = self.stats.num_steps
+            for events in self._steps_until_finished(requests):
+                # NOTE: read the counter before yielding: the caller may step the engine while this is suspended.
+                only_ours, num_steps = self.stats.num_steps == num_steps + 1, self.stats.num_steps
+                produced = dict.fromkeys(index_of[r] for r, _ in events if r in index_of) if only_ours else everyone
+                yield from new_tokens(produced)
+            yield from new_tokens(everyone)  # tokens of steps other calls ran since
+            errors = _errors(requests)
+        finally:
+            self._abort(requests)
+            self._release(request_ids)
+        if errors:
+            raise RequestFailed(errors, [request.output_ids for request in requests])
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling
+    ) -> list[list[int]]:
+        """Generated token ids per prompt, in input order. Steps until every input has finished; an exception from a
+        step aborts the inputs still unfinished. The call's requests leave the engine when it returns.
+
+        `prompts`: a list of prompts, each a list of token ids (or a 1-D tensor), or a 2-D tensor. `max_new_tokens`
+        and every sampling keyword of `add_request` take one value for all prompts or a list of one per prompt
+        (`stop_token_ids`: a list of lists). An int `seed` gives prompt i its own generator seeded with `seed + i`,
+        so identical prompts draw different samples and each reproduces alone; `seed=[...]` picks each seed.
+
+        A prompt the model cannot take (a token id outside its vocabulary, longer than its learned positions) fails
+        alone, as does one that can never fit the pool or whose forward or sampling fails: the others run, and
+        `RequestFailed` then names each failed input (index and reason) and carries every input's tokens. Wrong
+        arguments for the whole call (types, misspelled keywords, values out of range, an empty prompt) raise
+        `TypeError` / `ValueError` before anything runs.
+        """
+        request_ids = self._add_all(prompts, max_new_tokens, sampling)
+        requests = [self._requests[request_id] for request_id in request_ids]
+        try:
+            for _ in self._steps_until_finished(requests):
+                pass
+            errors = _errors(requests)
+        finally:
+            self._abort(requests)
+            self._release(request_ids)
+        outputs = [request.output_ids for request in requests]
+        if errors:
+            raise RequestFailed(errors, outputs)
+        return outputs
+
+    # -------------------------------------------------------------- requests
+    def _params(self, prompt_ids: list[int], max_new_tokens, sampling: dict) -> SamplingParams:
+        check_sampling_keywords(sampling)
+        if not prompt_ids:
+            raise ValueError("a request needs at least one prompt token")
+        sampling = dict(sampling)
+        sampling.setdefault("eos_token_id", self._eos_token_id)
+        if isinstance(sampling.get("stop_token_ids"), list):
+            sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+        params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        capped = self.limits.cap_new_tokens(len(prompt_ids), params.max_new_tokens)
+        if capped != params.max_new_tokens and capped >= 1:
+            params = dataclasses.replace(params, max_new_tokens=capped)
+        return params
+
+    def _queue(self, prompt_ids: list[int], params: SamplingParams, error: str | None = None) -> int:
+        """Issue a request id for `prompt_ids`; queue it, or finish it at once with `error`."""
+        generator = torch.Generator().manual_seed(params.seed) if params.seed is not None else None
+        request = Request(self._num_issued, prompt_ids, params, generator=generator)
+        self._num_issued += 1
+        self._requests[request.request_id] = request
+        if error is None:
+            self.scheduler.add(request)  # finishes it at once when it could never fit the pool
+        else:
+            request.error = f"request {request.request_id}: {error}"
+            request.finished, request.finish_time = True, time.perf_counter()
+        if request.finished:
+            self._note_finished(request)
+        return request.request_id
+
+    def _add_all(self, prompts, max_new_tokens, sampling) -> list[int]:
+        """Add every prompt of a generate/stream call, owned by the call. Arguments are checked for every prompt
+        before any is added; a prompt the model cannot take is added finished with its error. An interrupt while
+        adding aborts those added before it (their ids are used up, and they count as aborted)."""
+        prompts = as_prompts(prompts)
+        per_prompt = spread_over_prompts(len(prompts), max_new_tokens, sampling)
+        for prompt, kwargs in zip(prompts, per_prompt):
+            self._params(prompt, kwargs["max_new_tokens"], {k: v for k, v in kwargs.items() if k != "max_new_tokens"})
+        request_ids: list[int] = []
+        try:
+            for prompt, kwargs in zip(prompts, per_prompt):
+                error = self.limits.prompt_error(prompt)
+                if error is None:
+                    request_id = self.add_request(prompt, **kwargs)
+                else:
+                    new_tokens = kwargs.pop("max_new_tokens")
+                    request_id = self._queue(prompt, self._params(prompt, new_tokens, kwargs), error)
+                request_ids.append(request_id)
+                self._owned.add(request_id)
+                self._finished.pop(request_id, None)
+        except BaseException:
+            self._abort([self._requests[request_id] for request_id in request_ids])
+            self._release(request_ids)
+            raise
+        return request_ids
+
+    def _release(self, request_ids: list[int]) -> None:
+        """Hand back a call's requests: the engine forgets them."""
+        for request_id in request_ids:
+            self._owned.discard(request_id)
+            self._requests.pop(request_id, None)
+            self._finished.pop(request_id, None)
+
+    def _note_finished(self, request: Request) -> None:
+        if request.error is not None and not request.aborted:
+            self.stats.num_failed += 1
+        if request.request_id in self._requests and request.request_id not in self._owned:
+            self._finished[request.request_id] = request
 
     def _abort(self, requests: list[Request]) -> None:
         """Abort unfinished `requests` now, or when the step under way ends."""
@@ -156,146 +333,136 @@ class Engine:
         if requests:
             self.scheduler.abort(requests)
             self.stats.num_aborted += len(requests)
+            for request in requests:
+                self._note_finished(request)
 
-    def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+    def _was_issued(self, request_id) -> bool:
+        return isinstance(request_id, int) and 0 <= request_id < self._num_issued
 
-    def step(self) -> list[tuple[int, int]]:
-        """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced."""
-        self._in_step = True
-        try:
-            return self._step()
-        finally:
-            self._in_step = False
-            deferred, self._deferred_aborts = self._deferred_aborts, []
-            self._abort(deferred)
+    def _unknown(self, request_id) -> str:
+        if self._was_issued(request_id):
+            return (
+                f"request {request_id} has finished and was handed back (pop_finished, or the generate/stream call "
+                "that added it returned): the engine keeps no request after that"
+            )
+        issued = f"ids 0 to {self._num_issued - 1}" if self._num_issued else "no ids yet"
+        return f"no request with id {request_id!r}: this engine has issued {issued}"
 
-    def _step(self) -> list[tuple[int, int]]:
-        plan = self.scheduler.schedule()
-        rows = [(request, 1) for request in plan.decode] + plan.prefill
-        rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
-        events: list[tuple[int, int]] = []
-        if rows:
-            with torch.inference_mode():
-                logits = self._forward(rows)
-                # One device read per step, not one per row: every row's argmax, and the logits of the rows that
-                # sample (their generators live on the CPU), copied to the host together.
-                greedy_ids = logits.argmax(-1).tolist()
-                sampled = [
-                    row
-                    for row, (request, num_tokens) in enumerate(rows)
-                    if request.params.temperature > 0.0 and request.num_pending == num_tokens
-                ]
-                host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
-            for row, (request, num_tokens) in enumerate(rows):
-                if request.output_ids and request.num_pending == 1:  # feeding back its last output
-                    self.stats.decode_tokens += 1
-                else:  # prompt tokens, or a preempted request's recomputation: prefill work
-                    self.stats.prefill_tokens += num_tokens
-                request.num_computed += num_tokens
-                self.scheduler.cache_full_blocks(request)
-                if request.num_pending:
-                    continue  # a prefill chunk short of the end of its input: nothing to sample
-                if request.params.temperature == 0.0:
-                    token = greedy_ids[row]
-                else:
-                    try:
-                        token = sample(host_logits[row], request.params, request.generator)
-                    except RuntimeError as error:  # e.g. torch.multinomial on nan or inf probabilities
-                        # This request fails alone; the others' rows of the step are applied as usual.
-                        request.error = f"request {request.request_id} could not sample its next token: {error}"
-                        continue
-                events.append(self._append(request, token))
-        for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
-            self.scheduler.retire(request)
-        stats = self.stats
-        stats.num_steps += 1
-        stats.running_sum += len(rows)
-        stats.peak_running = max(stats.peak_running, len(rows))
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
-        stats.used_blocks.append(self.pool.num_used_blocks)
-        return events
-
-    def stream(self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling):
-        """Yield (input index, token id) as tokens are produced, in order per input, until every input has finished;
-        failed inputs raise `RequestFailed` at the end. Tokens that other calls' steps produce for these inputs (a
-        `generate()` inside the loop, another stream) are yielded too. Closing the stream early (`break` out of a
-        `for` loop over `engine.stream(...)` itself, or `close()` on a stream kept in a variable) or an exception
-        from a step aborts the inputs still unfinished, so their blocks go back to the pool. Requests added otherwise
-        (`add_request`) share the steps and are left to their own loop."""
-        request_ids = self._add_all(prompts, max_new_tokens, sampling)
-        index_of = {request_id: index for index, request_id in enumerate(request_ids)}
-        yielded = [0] * len(request_ids)  # per input: tokens yielded so far
-
-        def new_tokens(indices):
-            for index in indices:
-                output = self._requests[request_ids[index]].output_ids
-                while yielded[index] < len(output):
-                    yielded[index] += 1
-                    yield index, output[yielded[index] - 1]
-
-        everyone = range(len(request_ids))
-        try:
-            num_steps = self.stats.num_steps
-            for events in self._steps_until_finished(request_ids):
-                # NOTE: read the counter before yielding: the caller may step the engine while this is suspended.
-                only_ours, num_steps = self.stats.num_steps == num_steps + 1, self.stats.num_steps
-                produced = dict.fromkeys(index_of[r] for r, _ in events if r in index_of) if only_ours else everyone
-                yield from new_tokens(produced)
-            yield from new_tokens(everyone)  # tokens of steps other calls ran since
-        finally:
-            self._abort_unfinished(request_ids)
-        self._raise_failures(request_ids)
-
-    def generate(
-        self, prompts: Sequence[Sequence[int]], max_new_tokens: int | Sequence[int] = 16, **sampling
-    ) -> list[list[int]]:
-        """Generated token ids per prompt, in input order (`ignore_eos`, `temperature`, ... as in add_request). Steps
-        until every input has finished; an exception from a step aborts the inputs still unfinished."""
-        request_ids = self._add_all(prompts, max_new_tokens, sampling)
-        try:
-            for _ in self._steps_until_finished(request_ids):
-                pass
-        finally:
-            self._abort_unfinished(request_ids)
-        self._raise_failures(request_ids)
-        return [self._requests[request_id].output_ids for request_id in request_ids]
-
-    # -------------------------------------------------------------- internals
-    def _add_all(self, prompts, max_new_tokens, sampling) -> list[int]:
-        """Add every prompt; a bad one (empty, bad sampling values), or an interrupt, aborts those added before it
-        (their ids are used up, and they count as aborted)."""
-        if isinstance(max_new_tokens, int):
-            max_new_tokens = [max_new_tokens] * len(prompts)
-        if len(max_new_tokens) != len(prompts):
-            raise ValueError(f"max_new_tokens has {len(max_new_tokens)} entries for {len(prompts)} prompts")
-        request_ids: list[int] = []
-        try:
-            for prompt, num_new in zip(prompts, max_new_tokens):
-                request_ids.append(self.add_request(prompt, num_new, **sampling))
-        except BaseException:
-            self._abort_unfinished(request_ids)
-            raise
-        return request_ids
-
-    def _steps_until_finished(self, request_ids: list[int]):
-        """Step until every one of `request_ids` has finished; yields each step's events."""
+    def _steps_until_finished(self, requests: list[Request]):
+        """Step until every one of `requests` has finished; yields each step's events."""
         first = 0  # the requests before it have finished (for good), so each is checked until it has, then no more
         while True:
-            while first < len(request_ids) and self._requests[request_ids[first]].finished:
+            while first < len(requests) and requests[first].finished:
                 first += 1
-            if first == len(request_ids):
+            if first == len(requests):
                 return
             yield self.step()
 
-    def _abort_unfinished(self, request_ids: list[int]) -> None:
-        self._abort([self._requests[request_id] for request_id in request_ids])
+    # ----------------------------------------------------------------- step
+    def _step(self) -> list[tuple[int, int]]:
+        checkpoint = StepCheckpoint(self.scheduler)
+        try:
+            plan = self.scheduler.schedule()
+            rows = [(request, 1) for request in plan.decode] + plan.prefill
+            rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
+            results = self._run(rows, checkpoint) if rows else {}
+        except BaseException:
+            checkpoint.restore()
+            self.stats.num_failed_steps += 1
+            raise
+        if results is None:  # undone, but for the requests it failed
+            rows = []
+        events: list[tuple[int, int]] = []
+        for row, (request, num_tokens) in enumerate(rows):
+            result = results[row]
+            if isinstance(result, BaseException):
+                request.error = f"request {request.request_id} failed in the model's forward: {result!r}"
+                continue
+            request.num_failed_forwards = 0
+            if request.output_ids and request.num_pending == 1:  # feeding back its last output
+                self.stats.decode_tokens += 1
+            else:  # prompt tokens, or a preempted request's recomputation: prefill work
+                self.stats.prefill_tokens += num_tokens
+            request.num_computed += num_tokens
+            self.scheduler.cache_full_blocks(request)
+            if request.num_pending:
+                continue  # a prefill chunk short of the end of its input: nothing to sample
+            greedy_id, logits = result
+            if request.params.temperature == 0.0:
+                token = greedy_id
+            else:
+                try:
+                    token = sample(logits, request.params, request.generator)
+                except Exception as error:  # e.g. torch.multinomial on nan or inf probabilities
+                    # This request fails alone; the others' rows of the step are applied as usual.
+                    request.error = f"request {request.request_id} could not sample its next token: {error}"
+                    continue
+            events.append(self._append(request, token))
+        for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
+            self.scheduler.retire(request)
+        for request in checkpoint.saved:  # every request the step could have finished
+            if request.finished:
+                self._note_finished(request)
+        stats = self.stats
+        stats.record_step(len(rows), self.pool.num_used_blocks)
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+        return events
 
-    def _raise_failures(self, request_ids: list[int]) -> None:
-        errors = {i: self._requests[r].error for i, r in enumerate(request_ids) if self._requests[r].error}
-        if errors:
-            raise RequestFailed(errors, [self._requests[r].output_ids for r in request_ids])
+    def _run(self, rows: list[tuple[Request, int]], checkpoint: StepCheckpoint) -> dict | None:
+        """Each row's result: (greedy token id, host logits when it samples), or the exception its forward raised
+        alone. Runs every row in one forward; when that raises, runs them again in halves to find rows whose
+        forward raises alone (see `step`), and raises when none can be blamed. None: nothing ran, the step is
+        undone (`checkpoint`) and the requests blamed have finished with their error."""
+        try:
+            return self._results(rows, range(len(rows)))
+        except Exception as error:
+            first_error = error
+        results: dict = {}
+        self._isolate(rows, list(range(len(rows))), first_error, results)
+        failed = {row for row, result in results.items() if isinstance(result, BaseException)}
+        if not failed:  # every row ran in a smaller forward: nothing to blame
+            raise first_error
+        if len(failed) == len(rows):  # nothing ran: blame only rows that failed the same way before
+            blamed = [row for row in failed if rows[row][0].num_failed_forwards > 0]
+            for row in failed:
+                rows[row][0].num_failed_forwards += 1
+            if not blamed:
+                raise first_error
+            checkpoint.restore()  # the others are undone, the blamed ones finish with their error
+            for row in blamed:
+                request = rows[row][0]
+                request.error = f"request {request.request_id} failed in the model's forward: {results[row]!r}"
+            self.scheduler.remove([rows[row][0] for row in blamed])
+            return None
+        return results
+
+    def _isolate(self, rows: list[tuple[Request, int]], indices: list[int], error: Exception, results: dict) -> None:
+        """`indices`' forward together raised `error`: run each half alone, down to single rows."""
+        if len(indices) == 1:
+            results[indices[0]] = error
+            return
+        half = len(indices) // 2
+        for part in (indices[:half], indices[half:]):
+            try:
+                results.update(self._results([rows[i] for i in part], part))
+            except Exception as part_error:
+                self._isolate(rows, part, part_error, results)
+
+    def _results(self, rows: list[tuple[Request, int]], indices) -> dict:
+        """One forward over `rows`; {index: (greedy token id, host logits or None)}, keyed by `indices`."""
+        with torch.inference_mode():
+            logits = self._forward(rows)
+            # One device read per forward, not one per row: every row's argmax, and the logits of the rows that
+            # sample (their generators live on the CPU), copied to the host together.
+            greedy_ids = logits.argmax(-1).tolist()
+            sampled = [
+                row
+                for row, (request, num_tokens) in enumerate(rows)
+                if request.params.temperature > 0.0 and request.num_pending == num_tokens
+            ]
+            host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
+        return {index: (greedy_ids[row], host_logits.get(row)) for row, index in enumerate(indices)}
 
     def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns
@@ -337,5 +504,19 @@ class Engine:
             request.output_ids[-1]
         )
 
-    def request(self, request_id: int) -> Request:
-        return self._requests[request_id]
+
+def _check_prefix_caching(pool: BlockPool, enable_prefix_caching: bool) -> None:
+    allocator = pool.allocator
+    if not isinstance(enable_prefix_caching, bool):
+        raise ValueError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+    if enable_prefix_caching and not allocator.enable_prefix_caching and allocator.num_used_blocks:
+        raise ValueError(
+            f"enable_prefix_caching=True on a pool built without prefix caching whose blocks are in use "
+            f"({allocator.num_used_blocks} of {allocator.num_blocks} held, by a PagedCache or another engine): build "
+            "the pool with BlockPool.for_model(model, ..., enable_prefix_caching=True), or pass "
+            "enable_prefix_caching=False"
+        )
+
+
+def _errors(requests: list[Request]) -> dict[int, str]:
+    return {index: request.error for index, request in enumerate(requests) if request.error}

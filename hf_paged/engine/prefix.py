@@ -18,14 +18,16 @@ class PrefixReuse:
     and when a request should take its prefix (`waits`, `takes_at_admission`). Does nothing while the pool's
     prefix caching is off."""
 
-    def __init__(self, pool: BlockPool, blocks: BlockCounts):
+    def __init__(self, pool: BlockPool, blocks: BlockCounts, enabled: bool | None = None):
         self.pool = pool
         self.blocks = blocks
         self.num_hit_tokens = 0  # prompt tokens taken from the cache instead of computed
+        self._enabled = enabled  # None: whatever the pool's prefix caching is
 
     @property
     def enabled(self) -> bool:
-        return self.pool.allocator.enable_prefix_caching
+        """Whether lookups and registration happen: the pool keeps a prefix cache and its user has not opted out."""
+        return self.pool.allocator.enable_prefix_caching and self._enabled is not False
 
     def peek(self, request: Request) -> PrefixHit:
         """What a prefix lookup for `request` would take now, without taking it (see `PrefixHit`).
@@ -98,7 +100,7 @@ class PrefixReuse:
         """After a forward: remember every block of `request` that is now full of computed tokens, in every layer
         group (a sliding group's blocks before its table's first entry went back already and are not its own)."""
         allocator = self.pool.allocator
-        if not allocator.enable_prefix_caching:
+        if not self.enabled:
             return
         num_full = request.num_computed // self.blocks.block_size
         self.extend_hashes(request, num_full)

@@ -53,6 +53,8 @@ class Scheduler:
             running request's end, so no admitted request is preempted).
         sliding_windows (`list[int | None]`, *optional*): per layer, its sliding window or None (default: none).
         backfill_window (`int`, defaults to 8): waiting requests admission considers, in queue order.
+        enable_prefix_caching (`bool`, *optional*): False: never look up or register prefixes, even on a pool that
+            keeps a prefix cache (default: as the pool does).
     """
 
     # How admission counts each request; a subclass may count otherwise.
@@ -67,6 +69,7 @@ class Scheduler:
         decode_reserve_tokens: int | None = None,
         sliding_windows: list[int | None] | None = None,
         backfill_window: int = 8,
+        enable_prefix_caching: bool | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -96,7 +99,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.blocks = BlockCounts(pool.block_size, self.group_windows)
-        self.prefix = PrefixReuse(pool, self.blocks)
+        self.prefix = PrefixReuse(pool, self.blocks, enable_prefix_caching)
         self.growth_model = self.growth_model_class(
             self.blocks,
             self.prefix,
@@ -213,10 +216,16 @@ class Scheduler:
         running alone computes a smaller chunk when its next one does not fit (`_fit_chunk`), so this is only reached
         when blocks of the pool are held outside the engine (a `PagedCache` on the same pool).
         """
+        held_outside = self.pool.num_used_blocks - len(set(request.block_ids))
         request.error = (
             f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
-            f"({len(request.prompt_ids)} prompt + {len(request.output_ids)} generated) even alone in a pool of "
-            f"{self.pool.num_blocks} blocks"
+            f"({len(request.prompt_ids)} prompt + {len(request.output_ids)} generated) even alone: "
+            + (
+                f"{held_outside} of the pool's {self.pool.num_blocks} blocks are held outside this engine (a "
+                "PagedCache on the same pool?); release them or give the engine a pool of its own"
+                if held_outside
+                else f"the pool has {self.pool.num_blocks} blocks"
+            )
         )
         self.retire(request)
 
@@ -238,6 +247,14 @@ class Scheduler:
         ends no later. A request waiting for prompt blocks the aborted one was computing (`PrefixReuse.waits`) finds
         them out of the next step's `computing` and computes what the cache does not hold; its plan counted its
         prompt as fresh."""
+        self.remove(requests)
+        for request in requests:
+            request.aborted = True
+
+    def remove(self, requests: list[Request]) -> None:
+        """Finish unfinished `requests` now, wherever they are: a running one is retired (its blocks go back), a
+        waiting one leaves the queue (one pass over it for all of them). `abort` and a request failed by the engine
+        (its `error` set first) end this way."""
         assert not any(request.finished for request in requests), [r.request_id for r in requests if r.finished]
         leaving = set(requests)
         for request in [r for r in self.running if r in leaving]:
@@ -250,8 +267,6 @@ class Scheduler:
             now = time.perf_counter()
             for request in leaving:
                 request.finished, request.finish_time = True, now
-        for request in requests:
-            request.aborted = True
 
     def schedule(self) -> ScheduledStep:
         # Out-of-window blocks go back first, so admission sees them free and every running request holds at most
