@@ -65,7 +65,10 @@ def serve(args: argparse.Namespace) -> None:
         dtype=args.dtype,
         device=args.device or default_device(),
     )
-    app, manager = build_app(config)
+    try:
+        app, manager = build_app(config)
+    except (OSError, ValueError, NotImplementedError) as error:  # no such model, a pool too large, a model refused
+        sys.exit(f"hf-paged serve: cannot serve {config.model}: {error}")
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:
