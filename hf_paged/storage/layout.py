@@ -101,6 +101,7 @@ def sliding_windows(config) -> list[int | None]:
 # Models whose forward uses a cache other than through `Cache.update`, by model type.
 NO_PAGED_CACHE = {
     "xlnet": "it keeps its own memory (mems) and never stores K/V in a transformers Cache",
+    "reformer": "its LSH and local attention keep their own buckets and states, never K/V in a transformers Cache",
     **dict.fromkeys(
         ("mllama", "mllama_text_model"),
         "its cross-attention layers read cache.layers[i].keys, which a paged layer does not have",
@@ -115,7 +116,7 @@ def refuse_unsupported(config) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type in NO_PAGED_CACHE:
         raise UnsupportedModel(model_type, NO_PAGED_CACHE[model_type], "PagedCache")
-    if _global_attr(config, "num_attention_heads") is None:
+    if _global_attr(config, "num_attention_heads", per_layer=True) is None:
         raise UnsupportedModel(
             model_type, "its config names no attention heads: it caches no attention K/V", "PagedCache"
         )
@@ -163,12 +164,13 @@ def _kv_shape(config, layer_type: str) -> tuple[int, int]:
     return num_kv_heads, head_dim
 
 
-def _global_attr(config, name: str):
-    """`config.<name>`, or None where the config lacks it or only has it per layer."""
+def _global_attr(config, name: str, per_layer: bool = False):
+    """`config.<name>`, or None where the config lacks it. Where it is a per-layer attribute of a heterogeneous
+    config: layer 0's value with `per_layer`, else None."""
     try:
         return getattr(config, name, None)
     except Exception:  # transformers' AmbiguousGlobalPerLayerAttributeError: a per-layer attribute
-        return None
+        return getattr(config.per_layer_config[0], name, None) if per_layer else None
 
 
 def _windows(layer_types: list[str], layer_kwargs: list[dict]) -> list[int | None]:
