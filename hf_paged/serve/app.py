@@ -3,7 +3,6 @@ them, `/metrics`, OpenAI-style error bodies, and disconnects that abort their re
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass
 
@@ -59,15 +58,14 @@ def build_app(config: ServeConfig):
     pool = BlockPool.for_model(
         model, max_memory=config.max_memory, block_size=config.block_size, enable_prefix_caching=True
     )
-    make_engine = functools.partial(
-        Engine,
+    engine = Engine(
         model,
         pool,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=True,
     )
-    manager = EngineManager(make_engine, RequestLimits.for_model(model, pool))
+    manager = EngineManager(engine, RequestLimits.for_model(model, pool))
     state = PagedGenerationState(manager)
     handlers = {"model_manager": model_manager, "generation_state": state}
     app = build_server(

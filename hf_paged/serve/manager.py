@@ -7,7 +7,7 @@
     stream.cancel() (client gone) ───────── ("abort", stream) ►  engine.add_request / abort_request
                                                                  engine.step()
     stream.deliver(tokens, finished) ◄── call_soon_threadsafe ── each live request's new tokens
-                                                                 a finished request is forgotten
+                                                                 engine.pop_finished(): the Engine forgets them
 
 Only the Engine thread touches the Engine; handlers talk to it through the inbox, and it answers through the event
 loop. `metrics` is a snapshot the thread replaces after every step, read by `/metrics` on the event loop.
@@ -19,7 +19,6 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from transformers.cli.serving.utils import BaseGenerateManager, CBWorkerDeadError
@@ -57,23 +56,17 @@ class EngineManager(BaseGenerateManager):
     longer holds it, so a server that runs for days holds only the requests in flight.
 
     Args:
-        make_engine (`Callable[[], Engine]`): builds the Engine, on the same model and pool each time.
+        engine (`Engine`): the Engine; from then on only the manager's thread calls it.
         limits (`RequestLimits`): the model's and the pool's limits on one request.
-        renew_after (`int`, defaults to 256): with an Engine that keeps finished requests (no `pop_finished`), the
-            manager replaces it by a fresh one on the same pool (prefix cache kept) once idle with this many.
     """
 
-    def __init__(self, make_engine: Callable[[], Engine], limits: RequestLimits, *, renew_after: int = 256):
-        self._make_engine = make_engine
-        self.engine = make_engine()
+    def __init__(self, engine: Engine, limits: RequestLimits):
+        self.engine = engine
         self.limits = limits
-        self.renew_after = renew_after
         self.metrics = EngineMetrics(num_blocks=self.engine.pool.num_blocks)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, RequestStream] = {}  # Engine request id -> stream, Engine thread only
-        self._num_kept = 0  # finished requests the Engine keeps (one without `pop_finished`)
         self._counts = {"generation_tokens": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0}
-        self._replaced = {"prefix_hit_tokens": 0, "prefill_tokens": 0}  # the stats of the Engines replaced so far
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
@@ -144,10 +137,7 @@ class EngineManager(BaseGenerateManager):
     def _run(self) -> None:
         try:
             while True:
-                idle = not self.engine.has_unfinished()
-                if idle and self._num_kept >= self.renew_after:
-                    self._renew()
-                if not self._drain(block=idle):
+                if not self._drain(block=not self.engine.has_unfinished()):
                     return
                 if self.engine.has_unfinished():
                     try:
@@ -190,7 +180,6 @@ class EngineManager(BaseGenerateManager):
         if request.finished:  # refused at once: it could never fit the pool
             self._post(stream, [], True, request.error, True)
             self._counts["num_failed"] += 1
-            self._num_kept += 1
             return
         self._live[request_id] = stream
 
@@ -203,7 +192,7 @@ class EngineManager(BaseGenerateManager):
 
     def _deliver(self) -> None:
         """Hand every live request's new tokens to its stream, and its end once it has finished."""
-        finished = {request.request_id: request for request in self._pop_finished()}
+        finished = {request.request_id: request for request in self.engine.pop_finished()}
         for request_id, stream in list(self._live.items()):
             request = finished.get(request_id) or self.engine.request(request_id)
             new_tokens = request.output_ids[stream.num_sent :]
@@ -216,15 +205,6 @@ class EngineManager(BaseGenerateManager):
             if request.finished:
                 del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
-
-    def _pop_finished(self) -> list:
-        """The finished requests the Engine hands back, which it then forgets (`Engine.pop_finished`). An Engine
-        without `pop_finished` keeps them until the idle Engine is replaced (`_renew`)."""
-        pop_finished = getattr(self.engine, "pop_finished", None)
-        if pop_finished is None:
-            self._num_kept += sum(1 for request_id in self._live if self.engine.request(request_id).finished)
-            return []
-        return pop_finished()
 
     def _post(self, stream: RequestStream, tokens: list[int], finished: bool, error: str | None, invalid: bool):
         try:
@@ -239,14 +219,6 @@ class EngineManager(BaseGenerateManager):
             self._counts["num_failed"] += 1
             self.engine.abort_request(request_id)
 
-    def _renew(self) -> None:
-        """Replace the idle Engine (and with it every finished request it keeps) by a fresh one on the same pool."""
-        assert not self._live and not self.engine.has_unfinished()
-        self._replaced["prefix_hit_tokens"] += self.engine.stats.prefix_hit_tokens
-        self._replaced["prefill_tokens"] += self.engine.stats.prefill_tokens
-        self.engine = self._make_engine()
-        self._num_kept = 0
-
     def _publish(self) -> None:
         engine = self.engine
         # NOTE: the scheduler's queues are the only place the Engine shows how many requests run and wait.
@@ -255,7 +227,7 @@ class EngineManager(BaseGenerateManager):
             num_waiting=len(engine.scheduler.waiting),
             num_used_blocks=engine.pool.num_used_blocks,
             num_blocks=engine.pool.num_blocks,
-            prefix_hit_tokens=self._replaced["prefix_hit_tokens"] + engine.stats.prefix_hit_tokens,
-            prefill_tokens=self._replaced["prefill_tokens"] + engine.stats.prefill_tokens,
+            prefix_hit_tokens=engine.stats.prefix_hit_tokens,
+            prefill_tokens=engine.stats.prefill_tokens,
             **self._counts,
         )
