@@ -67,7 +67,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-# ---------------------------------------------------------------------------------------------------- the model
 def save_model(model_dir: Path) -> Path:
     """The embedded benchmark model's sizes, random weights (seed 0), and a BPE tokenizer of TOKENIZER_VOCAB tokens."""
     if (model_dir / "config.json").exists():
@@ -110,7 +109,6 @@ def num_blocks_for(model_dir: Path, max_memory: str) -> int:
     return BlockPool.for_model(config, max_memory=max_memory, block_size=BLOCK_SIZE, device="meta").num_blocks
 
 
-# -------------------------------------------------------------------------------------------------- the servers
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -174,7 +172,6 @@ class Server:
                 self.process.wait()
 
 
-# ------------------------------------------------------------------------------------------------------ aiperf
 def aiperf_command(args, model_dir: Path, url: str, concurrency: int, workload: Workload, out_dir: Path) -> list[str]:
     aiperf = args.aiperf or str(Path(sys.executable).parent / "aiperf")
     num_requests = max(workload.requests_per_concurrency * concurrency, 4)
@@ -255,7 +252,6 @@ def row_of(server: str, concurrency: int, result: dict) -> dict:
     }
 
 
-# ------------------------------------------------------------------------------------------------------ report
 def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 

@@ -71,7 +71,6 @@ class EngineManager(BaseGenerateManager):
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
 
-    # ------------------------------------------------ BaseGenerateManager
     def init_cb(self, model, gen_config) -> None:
         """Nothing to do: the Engine was built with the server."""
 
@@ -96,7 +95,7 @@ class EngineManager(BaseGenerateManager):
     def is_alive(self) -> bool:
         return self._thread.is_alive() and self._error is None
 
-    # ------------------------------------------------------- event loop
+    # Called on the event loop:
     def _submit(self, processor, inputs, gen_config, *, streaming: bool, response_parser=None) -> RequestStream:
         if not self.is_alive():
             raise CBWorkerDeadError(f"the hf-paged Engine thread has stopped: {self._error!r}")
@@ -133,7 +132,7 @@ class EngineManager(BaseGenerateManager):
     def _cancel(self, stream: RequestStream) -> None:
         self._inbox.put(("abort", stream))
 
-    # ----------------------------------------------------- Engine thread
+    # Run on the Engine thread:
     def _run(self) -> None:
         try:
             while True:

@@ -72,7 +72,6 @@ class RequestStream:
             for item in response_events_to_chunks(self._parser.initial_events):
                 self.queue.put_nowait(item)
 
-    # ------------------------------------------------------- handler side
     def cancel(self) -> None:
         """The client went away: stop the Engine request (its blocks go back to the pool)."""
         if not self._closed:
@@ -80,7 +79,6 @@ class RequestStream:
             self.result.cancel()
             self._on_cancel(self)
 
-    # -------------------------------------------------------- engine side
     def deliver(self, token_ids: list[int], finished: bool, error: str | None = None, invalid: bool = False) -> None:
         """New tokens of the request, whether it has finished, and why it failed (`invalid`: it could never run)."""
         if self._closed:
