@@ -71,3 +71,17 @@ class UnsupportedModel(NotImplementedError):
     def __init__(self, model_type: str | None, reason: str, path: str = "hf_paged"):
         self.model_type, self.reason, self.path = model_type, reason, path
         super().__init__(f"{path} does not support model type {model_type!r}: {reason}")
+
+
+class InvalidRequest(ValueError):
+    """A request the server refuses before it runs: answered with HTTP 400 and an OpenAI-style error body naming
+    `param`, the request field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        self.message, self.param = message, param
+        super().__init__(message)
+
+
+class ServeUnavailable(RuntimeError):
+    """`hf-paged serve` cannot start: serving packages are missing, or transformers' serving code lacks a seam the
+    server plugs into (the message names the supported transformers range)."""

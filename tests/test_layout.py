@@ -2,7 +2,8 @@
 
 Every import counts: module level, inside functions, and under `TYPE_CHECKING`. The layers, top to bottom:
 
-    hf_paged (public API)
+    hf_paged (public API), __main__ (the hf-paged command)
+    serve/       hf-paged serve: the Engine behind transformers' server
     engine/      request, scheduler, packed step, sampling
     cache/       PagedCache and its block tables
     attention/   the "hf_paged" attention, its plans, kernels/
@@ -18,7 +19,7 @@ import pytest
 PACKAGE_DIR = pathlib.Path(__file__).resolve().parent.parent / "hf_paged"
 
 # Lower rank = lower layer. A module may import its own layer and the layers below it.
-RANKS = {"errors": 0, "registry": 1, "storage": 1, "attention": 2, "cache": 3, "engine": 4}
+RANKS = {"errors": 0, "registry": 1, "storage": 1, "attention": 2, "cache": 3, "engine": 4, "serve": 5}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -421,8 +421,8 @@ def test_the_manager_forgets_what_it_has_handed_back(saved):
 
 
 def test_a_missing_serving_seam_fails_at_startup(monkeypatch):
+    from hf_paged.errors import ServeUnavailable
     from hf_paged.serve import compat
-    from hf_paged.serve.errors import ServeUnavailable
 
     compat.check_seams()  # the installed transformers has every seam
     seams = {**compat.SEAMS, "transformers.cli.serving.utils": {"GenerationState": ("get_engine",)}}

@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass
 
 from ..engine import Engine
+from ..errors import InvalidRequest
 from ..storage import BlockPool
-from .errors import InvalidRequest
 from .limits import RequestLimits
 from .manager import EngineManager
 

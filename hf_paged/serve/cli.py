@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .errors import ServeUnavailable
+from ..errors import ServeUnavailable
 
 
 def default_device() -> str:

@@ -13,7 +13,7 @@ import importlib
 import importlib.util
 import inspect
 
-from .errors import ServeUnavailable
+from ..errors import ServeUnavailable
 
 # The transformers releases whose serving code these seams were read from.
 SUPPORTED_TRANSFORMERS = ">=5.23,<5.25"

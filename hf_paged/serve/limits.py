@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.blocks import BlockCounts
+from ..errors import InvalidRequest
 from ..storage import BlockPool, group_windows, sliding_windows
-from .errors import InvalidRequest
 
 
 @dataclass(frozen=True)

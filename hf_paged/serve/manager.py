@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from transformers.cli.serving.utils import BaseGenerateManager, CBWorkerDeadError
 
 from ..engine import Engine, SamplingParams
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 from .limits import RequestLimits
 from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_strings
 from .stream import RequestStream

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 # Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
 EXTENSION_FIELDS = ("top_k", "ignore_eos")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
 
-from .errors import InvalidRequest
+from ..errors import InvalidRequest
 
 
 class RequestStream:
