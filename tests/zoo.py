@@ -96,6 +96,7 @@ SHRINK = {
 # Per family, what generic shrinking gets wrong (applied after it).
 OVERRIDES: dict[str, dict] = {
     "ernie4_5_moe": {"moe_k": 2, "moe_layer_end_index": 1},
+    "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "gemma3n_text": {  # two KV-sharing layers, each type produced by an earlier layer
         "num_hidden_layers": 4,
         "layer_types": ["sliding_attention", "full_attention"] * 2,
@@ -142,11 +143,22 @@ def _shrunk_kwargs(config) -> dict:
     return kwargs
 
 
-def tiny_config(model_type: str):
-    """The tiny config of `model_type`: generic shrinking, then `OVERRIDES[model_type]`."""
+def config_class_of(model_type: str):
+    """The config class the tiny config of `model_type` is built from: the mapping's, except where that is a
+    composite (multimodal) config and the causal-LM class takes another (its text or decoder config)."""
+    import transformers
     from transformers import CONFIG_MAPPING
 
     config_class = CONFIG_MAPPING[model_type]
+    model_config_class = getattr(transformers, architectures()[model_type]).config_class
+    if getattr(config_class, "sub_configs", None) and not issubclass(config_class, model_config_class):
+        return model_config_class
+    return config_class
+
+
+def tiny_config(model_type: str):
+    """The tiny config of `model_type`: generic shrinking, then `OVERRIDES[model_type]`."""
+    config_class = config_class_of(model_type)
     kwargs = _shrunk_kwargs(config_class())
     kwargs.update(OVERRIDES.get(model_type, {}))
     return config_class(**kwargs)

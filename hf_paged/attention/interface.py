@@ -158,11 +158,11 @@ def refuse_unsupported_attention(model) -> None:
     if not attention_classes:  # no module says it is an attention layer: look at every layer-indexed module
         attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
     if not any(INTERFACE_NAME in _class_source(cls) for cls in attention_classes):
-        names = sorted(cls.__name__ for cls in attention_classes) or ["(no layer-indexed module)"]
+        which = ", ".join(sorted(cls.__name__ for cls in attention_classes)) or "no module with a layer_idx"
         raise UnsupportedModel(
             model_type,
-            f"its attention ({', '.join(names)}) is its own code, not transformers' attention interface, so the "
-            '"hf_paged" attention would never run',
+            f'its attention ({which}) is its own code, not transformers\' attention interface, so the "hf_paged" '
+            "attention would never run",
             "hf_paged.enable",
         )
     for module in model.modules():
