@@ -5,7 +5,9 @@ per path equals the committed table `tests/zoo_expected.json`, so a change in wh
 After a change in support (or a transformers upgrade), regenerate the table and the matrix of docs/models.md with
 `python -m tests.zoo --write` and review the diff.
 
-`HF_PAGED_ZOO_JOBS` sets how many architectures run at once (default 2).
+The zoo run is one module-scoped fixture (each architecture in a forked child; `HF_PAGED_ZOO_JOBS` sets how many at
+once, default 2) shared by the two tests marked slow; the refusals and per-layer shapes it relies on are also
+checked directly, by fast tests at the end of this file.
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import json
 import os
 
 import pytest
+import torch
 import zoo
+from transformers import FalconConfig, Gemma4TextConfig, T5Config
 
-pytestmark = pytest.mark.slow
+import hf_paged
+from hf_paged import KVLayout, PagedCache, UnsupportedModel
 
 JOBS = int(os.environ.get("HF_PAGED_ZOO_JOBS", "2"))
 TIME_LIMIT = 120.0  # seconds per architecture; the slowest tiny model takes a few seconds alone
@@ -37,6 +42,7 @@ def test_expectations_list_every_architecture(expected):
     assert all(sorted(paths) == sorted(path.name for path in zoo.PATHS) for paths in expected.values())
 
 
+@pytest.mark.slow
 def test_never_silently_wrong_or_bypassed(results):
     silent = {
         f"{model_type} / {name}": f"{result['outcome']}: {result['detail']}"
@@ -47,6 +53,7 @@ def test_never_silently_wrong_or_bypassed(results):
     assert not silent, json.dumps(silent, indent=1)
 
 
+@pytest.mark.slow
 def test_outcomes_match_expectations(results, expected):
     changed = {
         f"{model_type} / {name}": f"expected {expected.get(model_type, {}).get(name)}, got {result['outcome']}: "
@@ -56,3 +63,58 @@ def test_outcomes_match_expectations(results, expected):
         if expected.get(model_type, {}).get(name) != result["outcome"]
     }
     assert not changed, "regenerate with python -m tests.zoo --write if intended:\n" + json.dumps(changed, indent=1)
+
+
+# The refusals and shapes the zoo relies on, checked directly (fast).
+
+
+def test_paged_cache_refuses_encoder_decoder_models():
+    with pytest.raises(UnsupportedModel, match="model type 't5': encoder-decoder"):
+        PagedCache(config=T5Config(d_model=64, num_layers=2, num_heads=4, d_kv=16, vocab_size=128))
+
+
+@pytest.mark.parametrize(
+    ("options", "num_kv_heads"),
+    [
+        (dict(multi_query=True, new_decoder_architecture=False), 1),  # Falcon-7B: one kv head
+        (dict(multi_query=False, new_decoder_architecture=False), 4),  # multi-head
+        (dict(new_decoder_architecture=True, num_kv_heads=2), 4),  # K/V expanded to every query head
+    ],
+)
+def test_falcon_kv_heads(options, num_kv_heads):
+    config = FalconConfig(hidden_size=64, num_attention_heads=4, num_hidden_layers=2, **options)
+    assert KVLayout.from_config(config).num_kv_heads == (num_kv_heads, num_kv_heads)
+
+
+def test_per_layer_head_dims_come_from_each_layers_config():
+    config = Gemma4TextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        global_head_dim=32,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=128,
+        vocab_size_per_layer_input=128,
+        hidden_size_per_layer_input=16,
+    )
+    layout = KVLayout.from_config(config)
+    assert layout.head_dims == (16, 32) and layout.num_kv_heads == (2, 2)
+
+
+def test_enable_refuses_attention_of_its_own():
+    model = zoo.tiny_model("bloom", "BloomForCausalLM")
+    with pytest.raises(
+        UnsupportedModel, match="model type 'bloom': its attention \\(BloomAttention\\) is its own code"
+    ):
+        hf_paged.enable(model)
+
+
+def test_the_attention_function_refuses_sinks():
+    model = zoo.tiny_model("llama", "LlamaForCausalLM")
+    query = key = value = torch.zeros(1, 4, 2, 16)
+    attention = model.model.layers[0].self_attn
+    with pytest.raises(UnsupportedModel, match="attention sinks"):
+        hf_paged.paged_attention_forward(attention, query, key, value, None, s_aux=torch.zeros(4))
