@@ -100,6 +100,7 @@ class Engine:
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
         self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
         self._num_issued = 0
+        self._num_attempts = 0  # steps run or tried (a step undone counts)
         self._in_step = False
         self._deferred_aborts: list[Request] = []  # aborts asked for during a step, done when it ends
         generation_config = getattr(model, "generation_config", None)
@@ -360,6 +361,7 @@ class Engine:
 
     # ----------------------------------------------------------------- step
     def _step(self) -> list[tuple[int, int]]:
+        self._num_attempts += 1
         checkpoint = StepCheckpoint(self.scheduler)
         try:
             plan = self.scheduler.schedule()
@@ -378,7 +380,6 @@ class Engine:
             if isinstance(result, BaseException):
                 request.error = f"request {request.request_id} failed in the model's forward: {result!r}"
                 continue
-            request.num_failed_forwards = 0
             if request.output_ids and request.num_pending == 1:  # feeding back its last output
                 self.stats.decode_tokens += 1
             else:  # prompt tokens, or a preempted request's recomputation: prefill work
@@ -423,10 +424,10 @@ class Engine:
         failed = {row for row, result in results.items() if isinstance(result, BaseException)}
         if not failed:  # every row ran in a smaller forward: nothing to blame
             raise first_error
-        if len(failed) == len(rows):  # nothing ran: blame only rows that failed the same way before
-            blamed = [row for row in failed if rows[row][0].num_failed_forwards > 0]
+        if len(failed) == len(rows):  # nothing ran: blame only rows that failed so in the step before too
+            blamed = [row for row in failed if rows[row][0].failed_alone_at == self._num_attempts - 1]
             for row in failed:
-                rows[row][0].num_failed_forwards += 1
+                rows[row][0].failed_alone_at = self._num_attempts
             if not blamed:
                 raise first_error
             checkpoint.restore()  # the others are undone, the blamed ones finish with their error

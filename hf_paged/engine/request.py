@@ -28,7 +28,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens found in the prefix cache at its last admission
     num_skips: int = 0  # admissions of later requests (backfill) while it waited first in line or near it
     error: str | None = None
-    num_failed_forwards: int = 0  # steps in a row whose forward raised for it alone, no other row succeeding
+    failed_alone_at: int | None = None  # the engine step whose forward last raised for it alone, none running
     finished: bool = False
     aborted: bool = False  # stopped by `Engine.abort_request` before its end
     arrival_time: float = field(default_factory=time.perf_counter)
