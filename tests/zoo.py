@@ -85,6 +85,7 @@ SHRINK = {
     # what random weights need for non-degenerate greedy output (see DESIGN.md)
     "vocab_size": VOCAB_SIZE,
     "vocab_size_per_layer_input": VOCAB_SIZE,
+    "unpadded_vocab_size": VOCAB_SIZE,
     "dim_head": 16,
     "emb_dim": 64,
     "hidden_size_per_layer_input": 16,
@@ -96,6 +97,7 @@ SHRINK = {
 
 # Per family, what generic shrinking gets wrong (applied after it).
 OVERRIDES: dict[str, dict] = {
+    "cohere_compass_text": {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10000.0}}},
     "ernie4_5_moe": {"moe_k": 2, "moe_layer_end_index": 1},
     "gpt_neo": {"attention_types": [[["global", "local"], 1]]},
     "gemma3n_text": {  # two KV-sharing layers, each type produced by an earlier layer
@@ -104,6 +106,11 @@ OVERRIDES: dict[str, dict] = {
         "num_kv_shared_layers": 2,
     },
     "mamba2": {"num_heads": 8, "head_dim": 16},  # hidden_size * expand == num_heads * head_dim
+    # hybrid models: one attention layer next to one mamba / recurrent layer
+    "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
+    "bamba": {"attn_layer_indices": [1]},
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 48]},
     "zaya": {"num_experts_per_tok": 1},
 }
