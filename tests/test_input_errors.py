@@ -117,3 +117,24 @@ def test_a_cache_built_from_the_pool_alone_releases_out_of_window_blocks(name):
         held.append(cache.held_blocks_per_group)
         cache.release()
     assert held[1] == held[0] and sum(held[0]) < sum(held[2])  # the sliding groups gave blocks back
+
+
+def test_a_prefix_caching_pool_serves_one_model(tmp_path):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    paths = []
+    for seed in (0, 1):
+        paths.append(tmp_path / f"model{seed}")
+        tiny_model("llama", seed=seed).save_pretrained(paths[-1])
+    first, second = (AutoModelForCausalLM.from_pretrained(path) for path in paths)
+    pool = BlockPool.for_model(first, num_blocks=8, block_size=4, enable_prefix_caching=True)
+    PagedCache(config=AutoConfig.from_pretrained(paths[0]), pool=pool)  # another config of the same checkpoint
+    with pytest.raises(PoolMismatch, match=rf"caches prefixes of {paths[0]}, not of {paths[1]}: .*its own BlockPool"):
+        PagedCache(config=second.config, pool=pool)
+    with pytest.raises(PoolMismatch, match="a prefix-caching pool serves one model"):
+        PagedCache.from_prefix(pool, random_prompt(9), second.config)
+    with pytest.raises(PoolMismatch, match="not of LlamaForCausalLM"):
+        pool.serve_model(tiny_model("llama", seed=1))
+    assert pool.num_used_blocks == 0
+    # Without prefix caching no block is ever found by another cache: models of one shape may share a pool.
+    PagedCache(config=second.config, pool=BlockPool.for_model(first, num_blocks=8, block_size=4))

@@ -91,6 +91,7 @@ class PagedCache(Cache):
             config = config.get_text_config(decoder=True)
             if pool is not None:
                 pool.check_compatible(layout)
+                pool.serve_model(config)
             windows = sliding_windows(config)
         else:
             layout = pool.layout

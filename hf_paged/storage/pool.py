@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import weakref
 
 import torch
 
@@ -153,6 +154,8 @@ class BlockPool:
         check_positive_int("num_blocks", num_blocks)
         self._check_fits(num_blocks)
         self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self._model_ref: weakref.ref | None = None  # the model this pool serves, once known (see `serve_model`)
+        self._model_name: str | None = None  # its checkpoint path or hub name, once known
         # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
         # index by layer). grow() replaces the tensors and refreshes the lists in place.
         self._key_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
@@ -182,7 +185,7 @@ class BlockPool:
         elif dtype is None:
             config_dtype = getattr(model_or_config, "dtype", None)
             dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
-        return cls(
+        pool = cls(
             KVLayout.from_config(model_or_config),
             num_blocks=num_blocks,
             max_memory=max_memory,
@@ -192,6 +195,34 @@ class BlockPool:
             enable_prefix_caching=enable_prefix_caching,
             group_layers=group_layers,
         )
+        pool.serve_model(model_or_config)
+        return pool
+
+    def serve_model(self, model_or_config) -> None:
+        """Record the model this pool serves (the model object when given, and its checkpoint's name), or raise
+        `PoolMismatch` for another one while prefix caching is on.
+
+        NOTE: cached blocks are found by token ids alone, so a second model of the same shapes on a prefix-caching
+        pool would read the first one's K/V. Two models count as different when both objects are known and differ,
+        or both have a checkpoint name (`config.name_or_path`) and the names differ; two configs of one checkpoint
+        are one model."""
+        model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
+        config = getattr(model_or_config, "config", model_or_config)
+        name = getattr(config, "name_or_path", None) or None
+        known = self._model_ref() if self._model_ref is not None else None
+        if self.allocator.enable_prefix_caching:
+            other_model = model is not None and known is not None and known is not model
+            other_name = name is not None and self._model_name is not None and name != self._model_name
+            if other_model or other_name:
+                raise PoolMismatch(
+                    f"this pool caches prefixes of {self._model_name or type(known).__name__}, not of "
+                    f"{name or type(model).__name__}: a prefix-caching pool serves one model (the cached K/V are "
+                    "found by token ids alone); give each model its own BlockPool"
+                )
+        if model is not None and known is None:
+            self._model_ref = weakref.ref(model)
+        if name is not None and self._model_name is None:
+            self._model_name = name
 
     def _check_fits(self, num_blocks: int) -> None:
         """Raise `PoolTooLarge` before allocating storage the device cannot hold."""
