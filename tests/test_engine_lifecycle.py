@@ -1,6 +1,7 @@
 """Engine under long-running use: requests leave once handed back, stats stay bounded, each prompt of a call
 samples on its own, and misuse gets typed errors naming the allowed values."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,6 +156,8 @@ def test_a_prompt_tensor_is_one_prompt_and_a_2d_tensor_is_many():
     expected = greedy_reference("llama", prompts, [3, 3])
     assert engine.generate(torch.tensor(prompts), max_new_tokens=3, ignore_eos=True) == expected
     assert engine.generate([torch.tensor(p) for p in prompts], max_new_tokens=3, ignore_eos=True) == expected
+    assert engine.generate([np.array(p) for p in prompts], max_new_tokens=3, ignore_eos=True) == expected
+    assert engine.generate([[np.int64(t) for t in p] for p in prompts], max_new_tokens=3, ignore_eos=True) == expected
     with pytest.raises(TypeError, match="must be 2-D"):
         engine.generate(torch.tensor(prompts[0]), max_new_tokens=3)
 

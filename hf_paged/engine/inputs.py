@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import numbers
+import operator
 import warnings
 from collections.abc import Sequence
 
@@ -89,20 +91,23 @@ class PromptLimits:
 
 
 def as_prompt(prompt) -> list[int]:
-    """One prompt's token ids as a list of ints: a sequence of ints or a 1-D integer tensor."""
-    if isinstance(prompt, torch.Tensor):
-        if prompt.dim() != 1 or prompt.is_floating_point():
-            raise TypeError(f"a prompt tensor must be 1-D token ids, got {prompt.dim()}-D {prompt.dtype}")
-        return prompt.tolist()
+    """One prompt's token ids as a list of ints: a sequence of integers or a 1-D integer tensor (or array)."""
+    if isinstance(prompt, torch.Tensor) or hasattr(prompt, "__array__"):
+        ndim, floating = getattr(prompt, "ndim", None), getattr(prompt, "dtype", None)
+        if ndim != 1 or (isinstance(prompt, torch.Tensor) and prompt.is_floating_point()):
+            raise TypeError(f"a prompt tensor must be 1-D token ids, got {ndim}-D {floating}")
+        prompt = prompt.tolist()
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
         raise TypeError(
             f"a prompt must be a list of token ids (ints), got {type(prompt).__name__} {_short(prompt)}; tokenize "
             "text first"
         )
-    if not all(isinstance(token, int) and not isinstance(token, bool) for token in prompt):
-        bad = next(token for token in prompt if not isinstance(token, int) or isinstance(token, bool))
-        raise TypeError(f"a prompt's token ids must be ints, got {type(bad).__name__} {_short(bad)}")
-    return list(prompt)
+    tokens = []
+    for token in prompt:
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            raise TypeError(f"a prompt's token ids must be ints, got {type(token).__name__} {_short(token)}")
+        tokens.append(operator.index(token))
+    return tokens
 
 
 def as_prompts(prompts) -> list[list[int]]:
@@ -119,7 +124,7 @@ def as_prompts(prompts) -> list[list[int]]:
             f"prompts must be a list of prompts, each a list of token ids, got {type(prompts).__name__} "
             f"{_short(prompts)}; tokenize text first"
         )
-    if prompts and all(isinstance(token, int) for token in prompts):
+    if prompts and all(isinstance(token, numbers.Integral) for token in prompts):
         raise TypeError(
             f"prompts must be a list of prompts, each a list of token ids; got one flat list of ints "
             f"{_short(prompts)}: for one prompt pass [{_short(prompts)}]"
