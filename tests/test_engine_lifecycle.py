@@ -207,3 +207,15 @@ def test_a_request_crowded_out_by_a_paged_cache_says_so():
         engine.generate(random_prompts((20,)), max_new_tokens=3)
     pool.allocator.free(held)
     assert pool.num_used_blocks == 0
+
+
+def test_a_prefix_caching_pool_serves_one_model():
+    """Cached K/V are found by token ids alone: a second model of the same shapes on the engine's prefix-caching pool
+    is refused."""
+    from hf_paged import PoolMismatch
+
+    engine, pool = tiny_engine()
+    other = tiny_model("llama", "hf_paged", seed=1)
+    with pytest.raises(PoolMismatch, match="a prefix-caching pool serves one model"):
+        Engine(other, pool)
+    Engine(engine.model, pool)  # the same model again: fine

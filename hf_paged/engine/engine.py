@@ -93,6 +93,7 @@ class Engine:
         )
         if enable_prefix_caching:
             pool.allocator.enable_prefix_caching = True
+        pool.serve_model(self.model)  # a prefix-caching pool serves one model: another one's raises PoolMismatch
         self.limits = PromptLimits.from_model(model)
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
