@@ -132,6 +132,7 @@ def soak(monkeypatch, num_requests: int, seed: int = 0) -> dict:
                 assert reason == "length" and len(request.output_ids) == new_tokens, (kind, request.error)
             if kind == "good" and len(checked) < CHECKED and rng.random() < 0.2:
                 checked.append((prompt, new_tokens, list(request.output_ids), reason == "abort"))
+        assert len(engine._requests) == len(in_flight)  # what is in flight, never what ran
         max_in_engine = max(max_in_engine, len(engine._requests))
         if counts["added"] >= tracing_from and not tracemalloc.is_tracing():
             tracemalloc.start()
@@ -146,7 +147,6 @@ def soak(monkeypatch, num_requests: int, seed: int = 0) -> dict:
     pool.allocator.check_invariants()
     assert engine._requests == {} and engine._finished == {} and engine._owned == set()
     assert not engine.scheduler.waiting and not engine.scheduler.running
-    assert max_in_engine <= 60  # what is in flight, never what ran
     assert counts["finished"] == counts["added"]
     stats = engine.stats
     assert stats.num_preemptions > 0 and stats.prefix_hit_tokens > 0
