@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench bench-full microbench
+.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve soak zoo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,48 @@ $(VENV)/.plot-installed: $(VENV)/.installed
 	$(PY) -m pip install --quiet -e '.[plot]'
 	touch $@
 
-# The main job: the benchmark on the embedded default model; writes SERVING_LOG.md and serving_plot_burst.png.
+# The main job: a quick run of the benchmark on the embedded default model (a few minutes on 2 CPU cores); writes
+# its report and plot to bench/results/quick/ (git-ignored), never over the committed full-run report.
 bench: setup $(VENV)/.plot-installed
-	$(PY) -m bench --quick
+	$(PY) -m bench --quick --out bench/results/quick
 
+# The full run: the committed SERVING_LOG.md and serving_plot_burst.png at the top of the repository.
 bench-full: setup $(VENV)/.plot-installed
-	$(PY) -m bench --full
+	$(PY) -m bench --full --out .
 
 # Hot-path microbenchmarks for real (allocator, cache update, decode attention reference).
 microbench: setup
 	$(PY) -m pytest -q tests/test_bench_hotpaths.py tests/test_bench_kernels.py --benchmark-only --benchmark-sort=name --benchmark-columns=min,median,mean,rounds
+
+# Everything that needs a CUDA GPU: tests/test_gpu.py and the kernel tests on CUDA tensors, bench/decode_attention.py
+# (fraction of HBM peak) and the serving harness in float32 and bfloat16, into bench/results/gpu/REPORT.md. Exits 1
+# if a step failed; without CUDA it runs nothing, says so, and exits 2.
+bench-gpu: setup $(VENV)/.plot-installed
+	$(PY) -m bench.gpu_report
+
+# Regenerates docs/kernels.md: registers, spills, shared memory and occupancy of every Triton kernel variant on
+# sm_80 and sm_90 (compiled here, no GPU needed).
+kernel-resources: setup
+	$(PY) -m bench.kernel_resources
+
+# The HTTP benchmark: transformers serve, transformers serve --continuous-batching and hf-paged serve, one after
+# another at the same KV budget, driven by aiperf. aiperf gets its own venv: it would change packages in $(VENV).
+AIPERF_VENV ?= .venv-aiperf
+$(AIPERF_VENV)/.installed:
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/pip install --quiet aiperf
+	touch $@
+
+bench-serve: setup $(AIPERF_VENV)/.installed
+	$(PY) -m bench.serve --quick --aiperf $(AIPERF_VENV)/bin/aiperf
+
+# The Engine's serving-loop soak (tests/test_engine_soak.py): tiny requests with aborts, bad requests, injected
+# forward failures, shared prompts and preemption; prints its numbers. SOAK_REQUESTS=N for another size.
+SOAK_REQUESTS ?= 100000
+soak: setup
+	HF_PAGED_SOAK_REQUESTS=$(SOAK_REQUESTS) $(PY) -m pytest -q -s --benchmark-disable tests/test_engine_soak.py
+
+# Every causal LM in transformers through PagedCache, beams and enable(); rewrites the matrix in docs/models.md and
+# tests/zoo_expected.json (review the diff).
+zoo: setup
+	$(PY) -m tests.zoo --write

@@ -1,9 +1,9 @@
 """`python -m bench`: the main job. Runs the serving benchmark, then the cache report, on the embedded default model
-(or `--model PATH`) and writes SERVING_LOG.md, a plot of the serving run next to it (needs matplotlib, the `plot`
-extra) and JSONs of raw results (bench/results/).
+(or `--model PATH`) and writes SERVING_LOG.md and a plot of the serving run (needs matplotlib, the `plot` extra) into
+`--out DIR`, and JSONs of raw results into bench/results/quick/ or bench/results/full/ (git-ignored).
 
-    python -m bench --quick        # under 5 minutes on 2 CPU cores
-    python -m bench --full         # the numbers committed in SERVING_LOG.md
+    python -m bench --quick        # a few minutes on 2 CPU cores; report in bench/results/quick/
+    python -m bench --full --out . # the numbers committed in SERVING_LOG.md at the top of the repository
     python -m bench --budgets 2,4 --backends dynamic,engine --serving-only
     python -m bench --workload poisson --rate 2     # also: shared-prefix, long, parallel-sampling
     python -m bench --layers mixed --serving-only   # the embedded sizes with sliding-window layers
@@ -27,10 +27,18 @@ from . import cache_report, serving, serving_report
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import LAYERS, LAYERS_HELP, embedded_model, load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
-from .runs import budgets_arg
+from .runs import STATIC_SLOT_TOKENS, budgets_arg
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+LOG_NAME = "SERVING_LOG.md"
+# Default KV budgets (multiples of one worst-case reservation) and StaticCache slot (tokens) per size. A static slot
+# is sized for the longest context a server accepts, a power of two above the workload's longest request (full: 1024
+# for 624 tokens; quick: 256 for 192), so the static baseline's smallest batch fits the smallest budget and every
+# backend is compared at the same K/V memory.
+BUDGETS = {"quick": [2.0, 4.0], "full": [2.0, 4.0, 8.0, 16.0]}
+STATIC_SLOTS = {"quick": 256, "full": STATIC_SLOT_TOKENS}
 EMBEDDED = {
     "full": "embedded Llama-style",
     "sliding": "embedded sizes, Mistral-style, every layer sliding (window 256)",
@@ -68,9 +76,19 @@ def parse_args(argv=None) -> argparse.Namespace:
         "row count up to 16 the faster of stock F.linear and weight-major W @ x.T, timed on this host "
         "at startup; see bench/linear.py)",
     )
-    parser.add_argument("--log", default=str(ROOT / "SERVING_LOG.md"), help="where to write the markdown report")
-    parser.add_argument("--json", default=str(ROOT / "bench" / "results" / "cache_report.json"))
-    parser.add_argument("--serving-json", default=str(ROOT / "bench" / "results" / "serving.json"))
+    parser.add_argument(
+        "--out",
+        default=None,
+        help=f"folder for the report ({LOG_NAME}) and its plot (default: bench/results/quick, or bench/results/full "
+        f"with --full; `make bench-full` passes `--out .`, the committed {LOG_NAME})",
+    )
+    parser.add_argument("--log", default=None, help=f"the markdown report's path (default: --out/{LOG_NAME})")
+    parser.add_argument(
+        "--json", default=None, help="the cache report's raw JSON (default: bench/results/SIZE/cache_report.json)"
+    )
+    parser.add_argument(
+        "--serving-json", default=None, help="the serving run's raw JSON (default: bench/results/SIZE/serving.json)"
+    )
     parser.add_argument(
         "--plot",
         default=None,
@@ -90,7 +108,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--budgets",
         type=budgets_arg,
         default=None,
-        help="KV budgets as multiples of one worst-case reservation (default quick 2,8; full 2,4,8,16)",
+        help="KV budgets as multiples of one worst-case reservation (default quick 2,4; full 2,4,8,16)",
+    )
+    parser.add_argument(
+        "--static-slot",
+        type=int,
+        default=None,
+        help="the static backend's StaticCache slot in tokens, at least one reservation (default quick 256, "
+        f"full {STATIC_SLOT_TOKENS})",
     )
     parser.add_argument(
         "--backends",
@@ -112,6 +137,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--rate applies to --workload poisson, not {args.workload}")
     if args.model is not None and args.layers != "full":
         parser.error(f"--layers {args.layers} applies to the embedded model; a checkpoint has its own layers")
+    if args.static_slot is not None and args.static_slot < 1:
+        parser.error(f"--static-slot must be a positive number of tokens, got {args.static_slot}")
+    args.size = "full" if args.full else "quick"
+    args.out = args.out or str(RESULTS / args.size)
+    args.log = args.log or str(Path(args.out) / LOG_NAME)
+    args.json = args.json or str(RESULTS / args.size / "cache_report.json")
+    args.serving_json = args.serving_json or str(RESULTS / args.size / "serving.json")
+    if args.size == "quick" and Path(args.log).resolve() == ROOT / LOG_NAME:
+        parser.error(f"a quick run does not overwrite the full run's {LOG_NAME}; pass another --out")
     return args
 
 
@@ -133,9 +167,18 @@ def main(argv=None) -> int:
     print(f"model: {args.model or EMBEDDED[args.layers]} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
-    budgets = args.budgets or ([2, 4, 8, 16] if args.full else [2, 8])
+    budgets = args.budgets or BUDGETS[args.size]
     repeats = args.repeats or 2
-    run = serving.run_serving(model, workload, budgets, args.backends, repeats=repeats, progress=not args.no_progress)
+    static_slot = args.static_slot or STATIC_SLOTS[args.size]
+    run = serving.run_serving(
+        model,
+        workload,
+        budgets,
+        args.backends,
+        repeats=repeats,
+        progress=not args.no_progress,
+        static_slot_tokens=static_slot,
+    )
     rows = serving_report.summarize_all(run)
     print(_serving_table(rows), flush=True)
     plot = draw_plot(rows, args, device)
@@ -148,7 +191,8 @@ def main(argv=None) -> int:
     command = "python -m bench " + " ".join(argv if argv is not None else sys.argv[1:])
     header = {
         "command": command.strip(),
-        "machine": f"{_cpu_name()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        "machine": f"{host()}, {torch.get_num_threads()} torch threads, {platform.platform()}",
         "device": device,
         "versions": (
             f"python {platform.python_version()}, torch {torch.__version__}, transformers {transformers.__version__}"
@@ -158,11 +202,13 @@ def main(argv=None) -> int:
         "linear": describe_linear(args.linear, weight_major_rows, calibration),
         "wall_seconds": round(time.time() - started, 1),
     }
-    results = {"header": header, **results}
+    title = f"Serving log: {args.size} run on {host()}, {time.strftime('%Y-%m-%d', time.gmtime(started))}"
+    results = {"title": title, "size": args.size, "header": header, **results}
     for path, content in ((args.serving_json, {"header": header, **served}), (args.json, _cache_part(results))):
         if content is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(content, indent=2))
+    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
     Path(args.log).write_text(render(results))
     print(f"wrote {args.log}, {args.serving_json}" + ("" if args.serving_only else f" and {args.json}"))
     return 0
@@ -193,15 +239,26 @@ def _serving_table(rows: list[dict]) -> str:
     return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
 
 
-def _cpu_name() -> str:
-    """The CPU's model name (/proc/cpuinfo on Linux; the machine type elsewhere): BLAS speed differs by host."""
+def host() -> str:
+    """The CPU's model name with its cores and hardware threads, e.g. "AMD EPYC (2 cores, 2 threads)" (/proc/cpuinfo
+    on Linux; the machine type and thread count elsewhere): CPU timings depend on all three."""
+    name, cores = None, set()
     try:
+        physical = None
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "model name" and name is None:
+                name = value
+            elif key == "physical id":
+                physical = value
+            elif key == "core id":
+                cores.add((physical, value))
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    name = name or platform.processor() or platform.machine()
+    threads = os.cpu_count()
+    counts = ([f"{len(cores)} cores"] if cores else []) + ([f"{threads} threads"] if threads else [])
+    return f"{name} ({', '.join(counts)})" if counts else name
 
 
 def _cache_part(results: dict) -> dict | None:
@@ -260,8 +317,16 @@ def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
 
 
 def render(results: dict) -> str:
-    """SERVING_LOG.md: the header, the serving sections (when run), then the cache report (when run)."""
-    lines = ["# Serving log", ""]
+    """SERVING_LOG.md: the title, the header, the serving sections (when run), then the cache report (when run).
+    A quick run says so under its title and points to the full run's report."""
+    lines = [f"# {results.get('title', 'Serving log')}", ""]
+    if results.get("size") == "quick":
+        lines += [
+            "A quick run (`python -m bench --quick`): the small workload sizes, a first look in a few minutes. The",
+            f"full run's report, at the sizes the project's results quote, is the committed {LOG_NAME} at the top of",
+            "the repository (`make bench-full`).",
+            "",
+        ]
     lines += [f"- {key}: `{value}`" for key, value in results["header"].items()]
     lines.append("")
     if "serving" in results:

@@ -2,25 +2,15 @@
 whichever of the two is faster on this host for each row count (`auto`, the default).
 
 Decode multiplies a few rows (one per sequence in the step) by each weight, and which BLAS path is faster for that
-depends on the host. On the AMD EPYC host of the first sessions (torch 2.13 with MKL), `F.linear(x, W)` = `x @ W.T`
-on 2-16 rows took 2-3x as long as the same product computed weight-major, `(W @ x.T).T`; at 1 row both took the
-matrix-vector path, which is as slow, and two columns (the row twice) take the fast one. Over the default model's
-43 weights (6 layers + LM head), one input of each row count, best of 5:
-
-    rows                  1     2     3     4     8    12    16    24    32
-    F.linear      ms     6.3   8.9  11.0  10.0  10.9  12.8  13.0  14.9  17.6
-    weight-major  ms     2.8   2.7   3.8   3.6   6.4  11.4   9.4  15.2  17.7
-
-On the Intel Xeon (AVX-512, AMX) host of a later session, the same measurement went the other way:
-
-    rows                  1     2     3     4     6     8    12    16    24    32
-    F.linear      ms     2.1   2.3   2.7   3.4   3.8   4.5   5.7   7.2   8.2   9.4
-    weight-major  ms     5.6   6.0   6.2   5.9   6.1   6.3   6.7   7.1   9.1   9.8
+depends on the host's CPU and BLAS. On some hosts (AMD EPYC with MKL), `F.linear(x, W)` = `x @ W.T` on 2-16 rows
+takes several times as long as the same product computed weight-major, `(W @ x.T).T`; at 1 row both take the
+matrix-vector path, which is as slow, and two columns (the row twice) take the fast one. On others (Intel Xeon with
+AVX-512 and AMX) stock `F.linear` is the faster way at small row counts, and the two meet near 16 rows.
 
 A fixed choice therefore slows every backend down on one host or the other, and the slower path mostly measures a
-BLAS dispatch, not memory. `auto` times both on this model (`calibrate`, about a second) and computes each row count
-the faster way, for every backend and the per-request references alike; the log's header records the choice.
-`--linear weight-major` / `--linear torch` force one; `make microbench` times the 3-row case
+BLAS dispatch, not memory. `auto` times both on this model (`calibrate`) and computes each row count the faster
+way, for every backend and the per-request references alike; the log's header records the choice and the timings
+behind it. `--linear weight-major` / `--linear torch` force one; `make microbench` times the 3-row case
 (`test_default_model_linears_three_rows`).
 
 Only CPU float32 weights change; from 17 rows on (prefill chunks) both ways cost about the same and `F.linear` runs.

@@ -5,7 +5,8 @@ output of the workload, in tokens (rounded up to whole blocks, so a paged row of
 bytes of one token. Backends:
 
     dynamic            static batches of `budget // reservation` requests through generate() + DynamicCache
-    static             the same with StaticCache slots of max(1024, reservation) tokens: fewer rows fit
+    static             the same with StaticCache slots of max(slot, reservation) tokens (`static_slot_tokens`,
+                       default 1024): fewer rows fit
     paged-generate     the same batches as dynamic, PagedCache on a BlockPool of the budget
     engine             hf_paged's continuous-batching Engine on a BlockPool of the budget
     engine-optimistic  (opt-in, not in the default list) the Engine with vLLM's admission: admit what fits now,
@@ -23,6 +24,7 @@ The runners live in `bench/static_batches.py` and `bench/continuous.py`; what th
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -168,21 +170,33 @@ class ServingRun:
     failures: dict[str, str] = field(default_factory=dict)  # "backend @ multiple" -> error, external runners only
     repeats: int = 1
     notes: list[str] = field(default_factory=list)
+    static_slot_tokens: int = STATIC_SLOT_TOKENS  # the static backend's slot, before max(slot, reservation)
 
 
 def run_serving(
-    model, workload: Workload, multiples, backends=None, *, repeats: int = 1, registry=None, progress: bool = True
+    model,
+    workload: Workload,
+    multiples,
+    backends=None,
+    *,
+    repeats: int = 1,
+    registry=None,
+    progress: bool = True,
+    static_slot_tokens: int = STATIC_SLOT_TOKENS,
 ) -> ServingRun:
     """Serve `workload` with every backend under every budget multiple (budgets outer, backends inner), `repeats`
     times interleaved so every backend sees the same machine noise; keeps the fastest run of each, with every
-    repeat's wall time in its `extra["repeat_walls_s"]` (the report's run-to-run spread)."""
+    repeat's wall time in its `extra["repeat_walls_s"]` (the report's run-to-run spread). The static backend's
+    slots hold max(`static_slot_tokens`, reservation) tokens."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     registry = registry if registry is not None else hf_registry.registry
     backends = list(backends) if backends is not None else default_backends(registry)
     runners = {}
     for name in backends:
-        if name in RUNNERS:
+        if name == "static":
+            runners[name] = functools.partial(run_static, slot_tokens=static_slot_tokens)
+        elif name in RUNNERS:
             runners[name] = RUNNERS[name]
         elif name in registry.available_backends():
             runners[name] = run_registry_backend(name, registry)
@@ -192,7 +206,7 @@ def run_serving(
     budgets = [Budget.for_workload(model, workload, m) for m in multiples]
     reference = reference_outputs(model, workload, progress=progress)
     warm_up(model, workload, runners)
-    run = ServingRun(workload, budgets, reference, [], repeats=repeats)
+    run = ServingRun(workload, budgets, reference, [], repeats=repeats, static_slot_tokens=static_slot_tokens)
     best: dict[tuple[str, float], RunResult] = {}
     walls: dict[tuple[str, float], list[float]] = {}  # every repeat's wall time, in run order
     jobs = [(budget, name) for _ in range(repeats) for budget in budgets for name in backends]

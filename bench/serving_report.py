@@ -90,6 +90,7 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
         "budget": f"{result.multiple:g}x",
         "backend": result.backend,
         "kv_budget_mib": budget.bytes / MIB,
+        "kv_budget_bytes": budget.bytes,
         "wall_s": result.wall_s,
         "output_tok_s": workload.num_output_tokens / result.wall_s,
         "requests_s": workload.num_requests / result.wall_s,
@@ -102,6 +103,7 @@ def summarize(result: RunResult, run: ServingRun) -> dict:
         "mean_live": result.mean_live,
         "concurrency_bound": concurrency_bound(workload, budget),
         "reserved_mib": result.reserved_bytes / MIB,
+        "reserved_bytes": result.reserved_bytes,
         "live_at_peak_mib": None if result.live_bytes_peak is None else result.live_bytes_peak / MIB,
         "utilization": None if result.live_bytes_peak is None else result.live_bytes_peak / result.reserved_bytes,
         "held_at_peak_mib": None if result.held_bytes_peak is None else result.held_bytes_peak / MIB,
@@ -151,6 +153,7 @@ def describe(run: ServingRun) -> dict:
         "num_sliding_layers": len(unit.windows),
         "full_bytes_per_token": unit.full_bytes_per_token,
         "budget_multiples": [b.multiple for b in run.budgets],
+        "static_slot_tokens": run.static_slot_tokens,
         "repeats": run.repeats,
         "failures": run.failures,
     }
@@ -224,14 +227,47 @@ def _fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def over_budget(row: dict) -> bool:
+    """Whether the backend reserved more K/V memory than its budget: then its row is not at matched memory."""
+    return row.get("reserved_bytes", 0) > row.get("kv_budget_bytes", float("inf"))
+
+
+def _backend_cell(row: dict) -> str:
+    return f"{row['backend']} (over budget)" if over_budget(row) else row["backend"]
+
+
+def over_budget_notes(rows: list[dict], facts: dict) -> list[str]:
+    """One line per row whose backend reserved more than the budget, with the bytes it needed."""
+    slot = max(facts.get("static_slot_tokens", STATIC_SLOT_TOKENS), facts["reservation_tokens"])
+    notes = []
+    for row in rows:
+        if not over_budget(row):
+            continue
+        smallest = row.get("extra", {}).get("batch_size") == 1
+        detail = ""
+        if smallest and row["backend"] == "static":
+            detail = f"; its smallest batch, one request in a StaticCache slot of {slot} tokens"
+        elif smallest:
+            detail = "; its smallest batch, one request"
+        notes.append(
+            f"`{row['backend']}` at {row['budget']} does not run inside the budget: it reserved "
+            f"{row['reserved_bytes']} bytes ({row['reserved_bytes'] / MIB:.2f} MiB{detail}) against the budget's "
+            f"{row['kv_budget_bytes']} bytes ({row['kv_budget_bytes'] / MIB:.2f} MiB), so its row is not at "
+            "matched memory."
+        )
+    return notes
+
+
 def render(serving: dict) -> list[str]:
     """The serving sections of SERVING_LOG.md, from `{"facts": describe(run), "rows": summarize_all(run), ...}`;
     optional keys: `notes` (lines) and `plot` (the PNG's path relative to the log, linked when given)."""
     facts, rows = serving["facts"], serving["rows"]
+    slot_setting = facts.get("static_slot_tokens", STATIC_SLOT_TOKENS)
+    slot = max(slot_setting, facts["reservation_tokens"])
     throughput = [
         [
             row["budget"],
-            row["backend"],
+            _backend_cell(row),
             _fmt(row["output_tok_s"], ".1f"),
             _fmt(row["tok_s_vs_dynamic"], ".2f"),
             _fmt(row["requests_s"], ".2f"),
@@ -248,7 +284,7 @@ def render(serving: dict) -> list[str]:
     memory = [
         [
             row["budget"],
-            row["backend"],
+            _backend_cell(row),
             _fmt(row["kv_budget_mib"], ".2f"),
             row["peak_concurrency"],
             _fmt(row["mean_concurrency"], ".1f"),
@@ -256,7 +292,7 @@ def render(serving: dict) -> list[str]:
             _fmt(row["mean_live"], ".1f"),
             _fmt(row["live_vs_dynamic"], ".2f"),
             _fmt(row["concurrency_of_bound"], ".2f"),
-            _fmt(row["reserved_mib"], ".2f"),
+            _fmt(row["reserved_mib"], ".2f") + (" > budget" if over_budget(row) else ""),
             _fmt(row["live_at_peak_mib"], ".2f"),
             _fmt(row["utilization"], ".2f"),
             _fmt(row["held_at_peak_mib"], ".2f"),
@@ -292,8 +328,9 @@ def render(serving: dict) -> list[str]:
         "- `dynamic`: static batches of `budget // reservation` requests in arrival order through `generate()` with",
         "  `DynamicCache` (sdpa), left-padded, `max_new_tokens` = the batch's longest output; tokens past a request's",
         "  own length are counted as `wasted`, not as output;",
-        f"- `static`: the same with `StaticCache` slots of max({STATIC_SLOT_TOKENS}, reservation) tokens, so",
-        "  `budget // slot` rows (at least 1, which can exceed the budget: see `reserved`);",
+        f"- `static`: the same with `StaticCache` slots of max({slot_setting}, reservation) = {slot} tokens (a slot is",
+        "  sized for the longest context a server accepts), so `budget // slot` rows (at least 1, which can exceed",
+        "  the budget: see `reserved`);",
         "- `paged-generate`: the dynamic batches with `PagedCache` on a `BlockPool` of exactly the budget",
         '  ("hf_paged" attention; on a sliding-window model, at least a batch\'s padded prompts whole, which',
         "  `generate()` computes in one forward: see `reserved`);",
@@ -360,10 +397,11 @@ def render(serving: dict) -> list[str]:
         "budget between chunks included) and those the step finished; a request admitted but not started, or",
         f"preempted and waiting to be recomputed, is not live. `{PEER}` counts each request's lifespan.",
         "`reserved`: K/V memory set aside (dynamic: batch x reservation; static: batch x slot; paged/engine/peer:",
-        "the pool). `live at peak`: K/V of real tokens (prompt + the",
-        "request's own outputs; no padding, no wasted tokens; a shared prefix block counted once) at the busiest",
-        "moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends, padding",
-        f"included). `-`: not observable (`{PEER}` keeps its cache internal).",
+        "the pool); a backend that reserved more than the budget is marked `(over budget)` in both tables, its",
+        "row is not at matched memory, and the notes give the bytes it needed. `live at peak`: K/V of real tokens",
+        "(prompt + the request's own outputs; no padding, no wasted tokens; a shared prefix block counted once) at",
+        "the busiest moment; utilization = live / reserved. `held at peak`: pool blocks in use (hf_paged backends,",
+        f"padding included). `-`: not observable (`{PEER}` keeps its cache internal).",
         "",
         "`of bound`: mean live over the memory bound on mean concurrency, budget bytes / mean K/V bytes a sequence",
         "holds while it runs (whole blocks, in a sliding-window layer those its window spans; `concurrency_bound` in",
@@ -461,7 +499,7 @@ def render(serving: dict) -> list[str]:
             f"first differences: {shown}{more}"
         )
     notes = [f"- `{key}` failed: {error}" for key, error in facts["failures"].items()]
-    notes += [f"- {note}" for note in serving.get("notes", [])]
+    notes += [f"- {note}" for note in over_budget_notes(rows, facts) + serving.get("notes", [])]
     if notes:
         lines += ["", "### Notes", "", *notes]
     lines.append("")

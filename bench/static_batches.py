@@ -147,8 +147,10 @@ def run_dynamic(model, workload: Workload, budget: Budget) -> RunResult:
     )
 
 
-def run_static(model, workload: Workload, budget: Budget) -> RunResult:
-    slot = max(STATIC_SLOT_TOKENS, budget.reservation_tokens)
+def run_static(model, workload: Workload, budget: Budget, *, slot_tokens: int = STATIC_SLOT_TOKENS) -> RunResult:
+    """StaticCache slots of max(`slot_tokens`, reservation) tokens: a slot is sized for the longest context a server
+    accepts, not for the workload at hand, so fewer rows fit the budget (at least one, which can exceed it)."""
+    slot = max(slot_tokens, budget.reservation_tokens)
     # StaticCache's sliding layers hold min(slot, window) tokens
     rows_bytes = workload.num_samples * budget.contiguous_bytes(slot, window_tokens=lambda window: window)
     batch = max(1, budget.bytes // rows_bytes)
