@@ -202,7 +202,8 @@ def main(argv=None) -> int:
         "linear": describe_linear(args.linear, weight_major_rows, calibration),
         "wall_seconds": round(time.time() - started, 1),
     }
-    title = f"Serving log: {args.size} run on {host()}, {time.strftime('%Y-%m-%d', time.gmtime(started))}"
+    accelerator = "" if model.device.type == "cpu" else f" with {device}"
+    title = f"Serving log: {args.size} run on {host()}{accelerator}, {time.strftime('%Y-%m-%d', time.gmtime(started))}"
     results = {"title": title, "size": args.size, "header": header, **results}
     for path, content in ((args.serving_json, {"header": header, **served}), (args.json, _cache_part(results))):
         if content is not None:
@@ -219,7 +220,9 @@ def draw_plot(rows: list[dict], args: argparse.Namespace, device: str) -> str | 
     the log's image link needs), or None when matplotlib is not installed."""
     log_dir = Path(args.log).resolve().parent
     path = Path(args.plot) if args.plot else log_dir / f"serving_plot_{args.workload}.png"
-    written = plot_serving(rows, path, title=f"Serving: {args.workload} workload on {device}")
+    size = getattr(args, "size", None)
+    run = f", {size} run" if size else ""
+    written = plot_serving(rows, path, title=f"Serving: {args.workload} workload on {device}{run}")
     print(f"wrote {written}" if written else NO_MATPLOTLIB, flush=True)
     return None if written is None else Path(os.path.relpath(written.resolve(), log_dir)).as_posix()
 

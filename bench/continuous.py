@@ -183,6 +183,9 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
     ):
         cache = getattr(getattr(manager, "batch_processor", None), "cache", None)
         reserved = int(cache.cache_tensor.numel() * cache.cache_tensor.element_size()) if cache is not None else 0
+        # Its cache tensor starts with scratch sectors that padding tokens write to, never given to a request.
+        capacity = getattr(cache, "num_sectors", 0) * getattr(cache, "bytes_per_sector", 0)
+        scratch = reserved - capacity if 0 < capacity <= reserved else 0
         start = time.perf_counter()
         for index, spec in enumerate(workload.requests):
             sleep_until(start + spec.arrival)
@@ -220,5 +223,5 @@ def run_peer(model, workload: Workload, budget: Budget) -> RunResult:
         mean_live=mean_span,
         reserved_bytes=reserved or num_blocks * budget.bytes_per_token * BLOCK_SIZE,
         live_bytes_peak=None,
-        extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE},
+        extra={"num_blocks": num_blocks, "page_size": BLOCK_SIZE, "scratch_bytes": scratch},
     )

@@ -19,7 +19,7 @@ from .workloads import Workload
 
 BLOCK_SIZE = 16
 PAD_TOKEN_ID = 0
-STATIC_SLOT_TOKENS = 1024
+STATIC_SLOT_TOKENS = 1024  # the static backend's default StaticCache slot (at least one reservation is used)
 ENGINE_MAX_NUM_SEQS = 256
 MAX_NUM_BATCHED_TOKENS = 512
 PEER = "hf-generate-batch"

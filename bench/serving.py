@@ -16,8 +16,9 @@ bytes of one token. Backends:
                        given as its `num_blocks` of `page_size` 16
     <plugin name>      any third-party cache backend: the dynamic batches on `create_cache(name, model)`
 
-A static batch always takes at least one request, so at a budget below one request's rows (parallel sampling) the
-static-batch backends reserve more than the budget; `RunResult.reserved_bytes` says how much.
+A static batch always takes at least one request, so at a budget below one request's rows (parallel sampling, or a
+StaticCache slot longer than the budget) the static-batch backends reserve more than the budget;
+`RunResult.reserved_bytes` says how much, and the report marks such a row `(over budget)`.
 Every run returns a `RunResult` (outputs and per-sequence times); `bench/serving_report.py` turns them into metrics.
 The runners live in `bench/static_batches.py` and `bench/continuous.py`; what they share, in `bench/runs.py`.
 """

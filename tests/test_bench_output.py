@@ -82,10 +82,8 @@ def test_full_title_and_host():
 
 
 def test_a_backend_over_its_budget_is_marked_in_its_row(model, workload):
-    def rows(slot_tokens):
-        run = serving.run_serving(
-            model, workload, [2], ["dynamic", "static"], progress=False, static_slot_tokens=slot_tokens
-        )
+    def rows(slot_tokens, backends=("dynamic", "static")):
+        run = serving.run_serving(model, workload, [2], backends, progress=False, static_slot_tokens=slot_tokens)
         rows = serving_report.summarize_all(run)
         return rows, "\n".join(serving_report.render({"facts": serving_report.describe(run), "rows": rows}))
 
@@ -100,6 +98,26 @@ def test_a_backend_over_its_budget_is_marked_in_its_row(model, workload):
     ) in text
     assert "slots of max(1024, reservation) = 1024 tokens" in text
     # A slot no longer than the reservation fits as many rows as dynamic's batch: matched memory, nothing marked.
-    (dynamic, static), text = rows(1)
+    # transformers' continuous batching adds scratch blocks for padding tokens to the budget's: in `reserved`, yet
+    # its K/V capacity is the budget's, so it is not marked.
+    (dynamic, static, peer), text = rows(1, ("dynamic", "static", serving.PEER))
     assert static["reserved_bytes"] <= static["kv_budget_bytes"]
+    assert peer["reserved_bytes"] - peer["extra"]["scratch_bytes"] <= peer["kv_budget_bytes"] < peer["reserved_bytes"]
     assert "(over budget) |" not in text and "> budget" not in text and "does not run inside" not in text
+
+
+def test_an_engine_slower_than_dynamic_under_other_load_is_called_disturbed():
+    def row(budget, backend, ratio, load):
+        return {"budget": budget, "backend": backend, "tok_s_vs_dynamic": ratio, "other_load": load}
+
+    rows = [
+        row("2x", "dynamic", 1.0, 0.9),
+        row("2x", "engine", 0.8, 0.01),  # slower while dynamic's run was disturbed
+        row("4x", "dynamic", 1.0, 0.01),
+        row("4x", "engine", 0.9, 0.02),  # slower on a quiet host: no excuse given
+        row("8x", "dynamic", 1.0, 0.9),
+        row("8x", "engine", 1.2, 0.9),  # faster: nothing to say
+    ]
+    [note] = serving_report.disturbed_notes(rows)
+    assert note.startswith("`engine` at 2x came out at 0.80x dynamic's tok/s") and "0.01 cores" in note
+    assert "0.90 during dynamic's" in note
