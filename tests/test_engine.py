@@ -151,14 +151,33 @@ def test_stream_yields_every_token_in_order_per_request():
     assert streamed == expected
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_max_pool_tokens_is_what_one_request_holds_alone(name):
+    """A request whose K/V (prompt + new tokens - 1: the last token is never fed back) reach `max_pool_tokens` is
+    queued; one token more and it finishes at once with its error."""
+    engine, pool = tiny_engine(name, 12)
+    limit = engine.max_pool_tokens
+    if name == "llama":
+        assert limit == pool.num_blocks // len(pool.layer_groups) * pool.block_size
+    fits = engine.add_request(random_prompts((limit - 3,))[0], max_new_tokens=4)
+    too_long = engine.add_request(random_prompts((limit - 2,))[0], max_new_tokens=4)
+    assert not engine.request(fits).finished
+    assert engine.request(too_long).finished and "the pool has 12" in engine.request(too_long).error
+    engine.abort_request(fits)
+
+
 def test_serving_loop_with_add_request_and_step():
     prompts = random_prompts((5, 8))
     engine, pool = tiny_engine("llama", 64)
     first = engine.add_request(prompts[0], max_new_tokens=4, ignore_eos=True)
     engine.step()  # the first request is running when the second arrives
     second = engine.add_request(prompts[1], max_new_tokens=4, ignore_eos=True)
+    assert (engine.num_running, engine.num_waiting) == (1, 1)
+    engine.step()
+    assert (engine.num_running, engine.num_waiting) == (2, 0)
     while engine.has_unfinished():
         engine.step()
+    assert engine.num_running == engine.num_waiting == 0
     assert [engine.request(first).output_ids, engine.request(second).output_ids] == greedy_reference(
         "llama", prompts, [4, 4]
     )

@@ -230,6 +230,57 @@ def test_greedy_completion_equals_generate(server, saved):
     assert response.choices[0].message.content == expected
 
 
+def test_responses_api_equals_generate(server, saved):
+    """`/v1/responses`: `instructions` become the system message, `input` the user's; greedy text as generate()'s,
+    streamed or not."""
+    messages = [
+        {"role": "system", "content": "you are a helpful assistant"},
+        {"role": "user", "content": "what is a block table ?"},
+    ]
+    expected = greedy_text(saved, chat_ids(saved, messages), 10)
+    response = server.client.responses.create(
+        model=server.model_dir,
+        instructions=messages[0]["content"],
+        input=messages[1]["content"],
+        max_output_tokens=10,
+        temperature=0,
+    )
+    assert response.output_text == expected
+    assert response.usage.output_tokens == 10 and response.usage.input_tokens == len(chat_ids(saved, messages))
+    stream = server.client.responses.create(
+        model=server.model_dir,
+        instructions=messages[0]["content"],
+        input=messages[1]["content"],
+        max_output_tokens=10,
+        temperature=0,
+        stream=True,
+    )
+    deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
+    assert "".join(deltas) == expected
+    assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+
+
+def test_a_multi_turn_chat_reuses_its_conversation(server, saved):
+    """Each turn sends the whole conversation again: the earlier turns' full blocks come from the prefix cache, and
+    every reply is generate()'s on the whole conversation."""
+    messages, previous_ids = [{"role": "system", "content": SYSTEM_PROMPT}], []
+    for question in ["hello world , what is a block table ?", "what is a paged cache ?", "and a shared prompt ?"]:
+        messages.append({"role": "user", "content": question})
+        prompt_ids = chat_ids(saved, messages)
+        hits_before = server.metrics()["hf_paged_prefix_cache_hit_tokens_total"]
+        response = server.client.chat.completions.create(
+            model=server.model_dir, messages=messages, max_tokens=8, temperature=0
+        )
+        reply = response.choices[0].message.content
+        assert reply == greedy_text(saved, prompt_ids, 8)
+        hits = server.wait_idle()["hf_paged_prefix_cache_hit_tokens_total"] - hits_before
+        if previous_ids:  # the previous turn's prompt starts this one: its full blocks are hits
+            assert prompt_ids[: len(previous_ids)] == previous_ids
+            assert hits >= len(previous_ids) // BLOCK_SIZE * BLOCK_SIZE > 0
+        previous_ids = prompt_ids
+        messages.append({"role": "assistant", "content": reply})
+
+
 def test_concurrent_streams_share_the_system_prompt(server, saved):
     questions = [f"{word} what is a block table ?" for word in SENTENCES[0].split() + SENTENCES[1].split()][:20]
     conversations = [[{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}] for q in questions]
@@ -386,7 +437,8 @@ def test_the_manager_forgets_what_it_has_handed_back(saved):
     tokenizer = saved[1]
     model = make_model(len(tokenizer))  # its own copy: the Engine switches a model's attention implementation
     pool = BlockPool.for_model(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=True)
-    manager = EngineManager(Engine(model, pool, max_num_seqs=4), RequestLimits.for_model(model, pool))
+    engine = Engine(model, pool, max_num_seqs=4)
+    manager = EngineManager(engine, RequestLimits.for_engine(engine))
     prompt_ids = tokenizer(" ".join(SENTENCES[:3]))["input_ids"]
     num_full_blocks = len(prompt_ids) // BLOCK_SIZE
 
@@ -429,3 +481,52 @@ def test_a_missing_serving_seam_fails_at_startup(monkeypatch):
     monkeypatch.setattr(compat, "SEAMS", seams)
     with pytest.raises(ServeUnavailable, match=r"transformers>=5\.23,<5\.25.*GenerationState\.get_engine"):
         compat.check_seams()
+
+
+def test_a_failing_step_is_retried_then_fails_only_the_requests_in_flight(saved, monkeypatch):
+    """In process: a step the Engine cannot pin on one request is tried again; `MAX_FAILED_STEPS` in a row fail the
+    requests in flight, and the Engine thread serves the next request."""
+    from transformers import GenerationConfig
+
+    from hf_paged import BlockPool, Engine
+    from hf_paged.serve.limits import RequestLimits
+    from hf_paged.serve.manager import EngineManager
+
+    tokenizer = saved[1]
+    model = make_model(len(tokenizer))
+    pool = BlockPool.for_model(model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, enable_prefix_caching=True)
+    engine = Engine(model, pool, max_num_seqs=4)
+    failures = {"left": 0}
+    step = engine.step
+
+    def flaky_step():
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("device lost")
+        return step()
+
+    monkeypatch.setattr(engine, "step", flaky_step)
+    manager = EngineManager(engine, RequestLimits.for_engine(engine))
+    prompt_ids = tokenizer(SENTENCES[0])["input_ids"]
+
+    async def ask():
+        return await manager.generate_non_streaming(
+            model, tokenizer, {"input_ids": prompt_ids}, GenerationConfig(max_new_tokens=4, do_sample=False), "r"
+        )
+
+    try:
+        expected = asyncio.run(ask())[2]
+        failures["left"] = EngineManager.MAX_FAILED_STEPS - 1
+        assert asyncio.run(ask())[2] == expected  # retried: the same tokens
+        failures["left"] = EngineManager.MAX_FAILED_STEPS
+        with pytest.raises(Exception, match="device lost"):
+            asyncio.run(ask())
+        assert manager.is_alive()
+        assert asyncio.run(ask())[2] == expected
+        deadline = time.monotonic() + 10
+        while manager.metrics.num_finished < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)  # the Engine thread publishes its metrics just after it answers
+        assert manager.metrics.num_failed == 1 and manager.metrics.num_finished == 3
+        assert engine.num_running == engine.num_waiting == pool.num_used_blocks == 0
+    finally:
+        manager.stop()

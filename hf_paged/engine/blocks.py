@@ -40,6 +40,16 @@ class BlockCounts:
         end_block = self.blocks_for(position + 1)
         return sum(end_block - self.first_needed_block(group, position) for group in range(len(self.group_windows)))
 
+    def max_tokens(self, num_blocks: int, max_positions: int | None = None) -> int | None:
+        """The most tokens whose K/V one request can hold running alone in `num_blocks` blocks (a query at each
+        position, `held_at`); None when it never runs out before `max_positions` (or, with no limit on positions,
+        at all: every layer slides, so what a request holds is bounded by its windows)."""
+        if all(window is None for window in self.group_windows):
+            return (num_blocks // len(self.group_windows)) * self.block_size
+        # NOTE: a sliding group's count rises and falls as the window crosses block boundaries, so scan.
+        end = max_positions if max_positions is not None else num_blocks * self.block_size
+        return next((position for position in range(end) if self.held_at(position) > num_blocks), None)
+
     def solo_need(self, request: Request) -> int:
         """The fewest blocks `request` runs in: alone, a step computing as few tokens as it must (a prefill chunk
         shrinks to what the pool holds when a request runs alone), so one query at each position.

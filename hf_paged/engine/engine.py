@@ -173,6 +173,23 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def num_running(self) -> int:
+        """Requests admitted and holding blocks (prefilling or decoding)."""
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests queued for admission (a preempted request included)."""
+        return len(self.scheduler.waiting)
+
+    @property
+    def max_pool_tokens(self) -> int | None:
+        """The most tokens (prompt and generated) whose K/V one request can hold running alone in the pool, up to
+        the model's `max_position_embeddings` (`limits.max_positions`); None when the pool never runs out first
+        (every layer slides). A request that needs more blocks than the pool has finishes at once with an error."""
+        return self.scheduler.blocks.max_tokens(self.pool.num_blocks, self.limits.max_positions)
+
     def step(self) -> list[tuple[int, int]]:
         """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced.
 

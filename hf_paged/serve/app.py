@@ -65,7 +65,7 @@ def build_app(config: ServeConfig):
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=True,
     )
-    manager = EngineManager(engine, RequestLimits.for_model(model, pool))
+    manager = EngineManager(engine, RequestLimits.for_engine(engine))
     state = PagedGenerationState(manager)
     handlers = {"model_manager": model_manager, "generation_state": state}
     app = build_server(

@@ -1,6 +1,7 @@
 """transformers' request handlers, completed with per-request sampling for the Engine.
 
-Each handler is transformers' own with two changes: its request check also accepts `top_k` and `ignore_eos` (vLLM's
+Each handler is transformers' own with two changes (and `/v1/responses` answers in one JSON body unless asked to
+stream, as OpenAI's API does): its request check also accepts `top_k` and `ignore_eos` (vLLM's
 extensions, which load generators such as guidellm send), and its generation config carries the request's options
 (`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it. The request's `seed` seeds that
 request alone instead of torch's global generator.
@@ -40,4 +41,8 @@ class PagedCompletionHandler(RequestOptionsMixin, CompletionHandler):
 
 
 class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
-    """`/v1/responses`."""
+    """`/v1/responses`. A request that does not set `stream` gets one JSON response, as OpenAI's API says (the
+    stock handler streams it)."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        return await super().handle_request({"stream": False, **body}, request_id)

@@ -8,10 +8,12 @@ names more than is left is refused.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..engine.blocks import BlockCounts
 from ..errors import InvalidRequest
-from ..storage import BlockPool, group_windows, sliding_windows
+
+if TYPE_CHECKING:
+    from ..engine import Engine
 
 
 @dataclass(frozen=True)
@@ -26,18 +28,8 @@ class RequestLimits:
     block_size: int
 
     @classmethod
-    def for_model(cls, model, pool: BlockPool) -> RequestLimits:
-        config = model.config.get_text_config(decoder=True)
-        max_model_len = getattr(config, "max_position_embeddings", None)
-        windows = group_windows(pool.layer_groups, sliding_windows(config))
-        counts = BlockCounts(pool.block_size, windows)
-        if all(window is None for window in windows):
-            max_kv_tokens = (pool.num_blocks // len(windows)) * pool.block_size
-        else:
-            # NOTE: a query at `position` holds `held_at(position)` blocks; sliding groups keep that bounded, so scan.
-            end = max_model_len or pool.num_blocks * pool.block_size
-            max_kv_tokens = next((p for p in range(end) if counts.held_at(p) > pool.num_blocks), None)
-        return cls(max_model_len, max_kv_tokens, pool.num_blocks, pool.block_size)
+    def for_engine(cls, engine: Engine) -> RequestLimits:
+        return cls(engine.limits.max_positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
 
     def max_new_tokens(self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str) -> int:
         """The tokens a request with this prompt may generate: `max_new_tokens`, or less when it was not `given` and

@@ -60,6 +60,8 @@ class EngineManager(BaseGenerateManager):
         limits (`RequestLimits`): the model's and the pool's limits on one request.
     """
 
+    MAX_FAILED_STEPS = 3
+
     def __init__(self, engine: Engine, limits: RequestLimits):
         self.engine = engine
         self.limits = limits
@@ -68,6 +70,7 @@ class EngineManager(BaseGenerateManager):
         self._live: dict[int, RequestStream] = {}  # Engine request id -> stream, Engine thread only
         self._counts = {"generation_tokens": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0}
         self._error: BaseException | None = None
+        self._num_failed_steps = 0  # Engine steps failed in a row
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._thread.start()
 
@@ -139,11 +142,7 @@ class EngineManager(BaseGenerateManager):
                 if not self._drain(block=not self.engine.has_unfinished()):
                     return
                 if self.engine.has_unfinished():
-                    try:
-                        self.engine.step()
-                    except Exception as error:  # the Engine could not pin the failure on one request
-                        logger.exception("an Engine step failed; failing the requests in flight")
-                        self._fail_live(f"the server failed to run this request: {error!r}")
+                    self._step()
                 self._deliver()
                 self._publish()
         except BaseException as error:
@@ -151,6 +150,23 @@ class EngineManager(BaseGenerateManager):
             logger.exception("the hf-paged Engine thread stopped")
             self._fail_live(f"the hf-paged Engine thread stopped: {error!r}")
             raise
+
+    def _step(self) -> None:
+        """One Engine step. A step that raises was undone by the Engine, which finishes a request whose forward
+        fails alone with its error (the others go on); a failure it cannot pin on one request is tried again, and
+        after `MAX_FAILED_STEPS` in a row the requests in flight fail, so the loop never spins on it."""
+        try:
+            self.engine.step()
+        except Exception as error:
+            self._num_failed_steps += 1
+            if self._num_failed_steps < self.MAX_FAILED_STEPS:
+                logger.warning("an Engine step failed (%d in a row); trying again: %r", self._num_failed_steps, error)
+                return
+            logger.exception("%d Engine steps failed in a row; failing the requests in flight", self._num_failed_steps)
+            self._num_failed_steps = 0
+            self._fail_live(f"the server failed to run this request: {error!r}")
+        else:
+            self._num_failed_steps = 0
 
     def _drain(self, block: bool) -> bool:
         """Apply the inbox's commands (waiting for one when `block`); False once asked to stop."""
@@ -220,10 +236,9 @@ class EngineManager(BaseGenerateManager):
 
     def _publish(self) -> None:
         engine = self.engine
-        # NOTE: the scheduler's queues are the only place the Engine shows how many requests run and wait.
         self.metrics = EngineMetrics(
-            num_running=len(engine.scheduler.running),
-            num_waiting=len(engine.scheduler.waiting),
+            num_running=engine.num_running,
+            num_waiting=engine.num_waiting,
             num_used_blocks=engine.pool.num_used_blocks,
             num_blocks=engine.pool.num_blocks,
             prefix_hit_tokens=engine.stats.prefix_hit_tokens,
