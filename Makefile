@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve soak zoo
+.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve bench-serve-quick soak zoo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -62,6 +62,9 @@ $(AIPERF_VENV)/.installed:
 	touch $@
 
 bench-serve: setup $(AIPERF_VENV)/.installed
+	$(PY) -m bench.serve --aiperf $(AIPERF_VENV)/bin/aiperf
+
+bench-serve-quick: setup $(AIPERF_VENV)/.installed
 	$(PY) -m bench.serve --quick --aiperf $(AIPERF_VENV)/bin/aiperf
 
 # The Engine's serving-loop soak (tests/test_engine_soak.py): tiny requests with aborts, bad requests, injected

@@ -28,6 +28,7 @@ from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import LAYERS, LAYERS_HELP, embedded_model, load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
 from .runs import STATIC_SLOT_TOKENS, budgets_arg
+from .serve import http_section, with_section
 from .workloads import WORKLOADS, make_workload
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,8 +210,11 @@ def main(argv=None) -> int:
         if content is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(content, indent=2))
-    Path(args.log).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.log).write_text(render(results))
+    log = Path(args.log)
+    log.parent.mkdir(parents=True, exist_ok=True)
+    text = render(results)
+    http = http_section(log.read_text()) if log.exists() else None  # `python -m bench.serve`'s table stays
+    log.write_text(text if http is None else with_section(text, http))
     print(f"wrote {args.log}, {args.serving_json}" + ("" if args.serving_only else f" and {args.json}"))
     return 0
 

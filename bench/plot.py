@@ -51,3 +51,42 @@ def plot_serving(rows: list[dict], path: str | Path, *, title: str) -> Path | No
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=120)
     return path
+
+
+# Log scales: the servers differ by more than an order of magnitude.
+HTTP_PANELS = (("output_tok_s", "output tok/s"), ("ttft_p99_ms", "TTFT p99 (ms)"), ("itl_p50_ms", "ITL p50 (ms)"))
+
+
+def plot_http(rows: list[dict], path: str | Path, *, title: str) -> Path | None:
+    """Three panels side by side, output tok/s, TTFT p99 and ITL p50 against concurrency, one line per server in the
+    rows' order. `rows`: `bench.serve.row_of` rows. Returns the PNG's path, or None without matplotlib."""
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return None
+    figure = Figure(figsize=(14, 4.2))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(HTTP_PANELS))
+    levels = sorted({row["concurrency"] for row in rows})
+    for server in dict.fromkeys(row["server"] for row in rows):
+        mine = sorted((row for row in rows if row["server"] == server), key=lambda row: row["concurrency"])
+        for axis, (key, _) in zip(axes, HTTP_PANELS):
+            points = [(row["concurrency"], row[key]) for row in mine if row[key]]
+            if points:
+                axis.plot(*zip(*points), marker="o", label=server)
+    for axis, (_, label) in zip(axes, HTTP_PANELS):
+        axis.set_xscale("log", base=2)
+        axis.set_xticks(levels, [str(level) for level in levels])
+        axis.minorticks_off()
+        axis.set_yscale("log")
+        axis.set_xlabel("concurrency (streams in flight)")
+        axis.set_ylabel(label)
+        axis.grid(True, alpha=0.3)
+    axes[0].legend()
+    figure.suptitle(title)
+    figure.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path

@@ -1,6 +1,6 @@
 """The HTTP benchmark: one workload against three OpenAI-compatible servers on localhost, one after another.
 
-    python -m bench.serve [--quick] [--concurrency 1 8 32] [--max-memory 128MiB] [--aiperf PATH]
+    python -m bench.serve [--quick] [--concurrency 1 8 16 32] [--max-memory 128MiB] [--aiperf PATH]
 
 Servers, each given the same KV budget (`--max-memory`):
 
@@ -15,6 +15,10 @@ whose prompts share one system prompt, with fixed prompt and output lengths. The
 requests/s, TTFT and ITL p50/p99, each server's ratio to hf-paged serve, and the CPU aiperf itself used (it shares
 the machine with the server). Before the load, one greedy request to each server checks that all three answer with
 the same text.
+
+A full run writes its table into SERVING_LOG.md (the section between `HTTP_BEGIN` and `HTTP_END`, which `python -m
+bench` keeps when it rewrites the log) and its plot beside it (`serving_plot_http.png`); a quick run writes
+`REPORT.md` and the plot under `--workdir`.
 """
 
 from __future__ import annotations
@@ -37,6 +41,9 @@ from pathlib import Path
 
 BLOCK_SIZE = 16
 TOKENIZER_VOCAB = 512
+HTTP_BEGIN = "<!-- bench.serve: begin -->"
+HTTP_END = "<!-- bench.serve: end -->"
+PLOT_NAME = "serving_plot_http.png"
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -53,7 +60,7 @@ class Workload:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 16, 32])
     parser.add_argument("--max-memory", default="128MiB", help="the KV budget every server gets (default: %(default)s)")
     parser.add_argument(
         "--quick", action="store_true", help="64-token prompts, 16 output tokens, one request per concurrency slot"
@@ -64,6 +71,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workdir", default="bench/results/serve", help="model, aiperf artifacts and the report")
     parser.add_argument("--aiperf", default=None, help="the aiperf command (default: aiperf beside this Python)")
     parser.add_argument("--port", type=int, default=0, help="the servers' port (default: a free one)")
+    parser.add_argument(
+        "--log", default="SERVING_LOG.md", help="the log a full run writes its section into (default: %(default)s)"
+    )
     return parser.parse_args(argv)
 
 
@@ -256,36 +266,72 @@ def fmt(value: float | None, digits: int = 1) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def render(rows: list[dict], args, workload: Workload, num_blocks: int, greedy: dict[str, str]) -> str:
+def render(
+    rows: list[dict], args, workload: Workload, num_blocks: int, greedy: dict[str, str], plot: str | None
+) -> str:
     lines = [
         "## HTTP serving: transformers serve vs hf-paged serve",
+        "",
+        f"- command: `python -m bench.serve{' --quick' if args.quick else ''} --concurrency "
+        f"{' '.join(map(str, args.concurrency))} --max-memory {args.max_memory}`",
+        f"- machine: `{host_description()}`",
+        f"- date: `{time.strftime('%Y-%m-%d', time.gmtime())}`",
         "",
         f"KV budget {args.max_memory} ({num_blocks} blocks of {BLOCK_SIZE} tokens for the continuous-batching "
         f"servers); streaming chat, {workload.system_prompt_tokens}-token shared system prompt + "
         f"{workload.prompt_tokens}-token prompts, {workload.output_tokens} output tokens; aiperf, "
         f"{workload.requests_per_concurrency} x concurrency "
-        "requests per level. Ratios: hf-paged serve over that server, same run.",
+        "requests per level; the servers run one after another. Ratios from the same run: hf-paged serve's output "
+        "tok/s over that server's, and that server's TTFT p99 over hf-paged serve's (above 1: hf-paged answers "
+        "sooner). aiperf CPU: the cores the load generator itself used on the same machine, averaged over its run.",
         "",
         "| server | concurrency | output tok/s | requests/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| aiperf CPU (cores) | hf-paged tok/s ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| aiperf CPU (cores) | hf-paged tok/s ratio | TTFT p99 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     paged = {row["concurrency"]: row for row in rows if row["server"] == "hf-paged"}
     for row in rows:
-        ours = paged.get(row["concurrency"])
-        ratio = None
-        if ours and row["output_tok_s"] and ours["output_tok_s"]:
-            ratio = ours["output_tok_s"] / row["output_tok_s"]
+        ours = paged.get(row["concurrency"]) or {}
         lines.append(
             f"| {row['server']} | {row['concurrency']} | {fmt(row['output_tok_s'])} | {fmt(row['requests_s'], 2)} "
             f"| {fmt(row['ttft_p50_ms'])} | {fmt(row['ttft_p99_ms'])} | {fmt(row['itl_p50_ms'])} "
-            f"| {fmt(row['itl_p99_ms'])} | {fmt(row['aiperf_cpu'], 2)} | {fmt(ratio, 2)}x |"
+            f"| {fmt(row['itl_p99_ms'])} | {fmt(row['aiperf_cpu'], 2)} "
+            f"| {fmt(ratio(ours.get('output_tok_s'), row['output_tok_s']), 2)}x "
+            f"| {fmt(ratio(row['ttft_p99_ms'], ours.get('ttft_p99_ms')), 2)}x |"
         )
     texts = set(greedy.values())
     lines += ["", f"Greedy answer to one prompt: {'identical on every server' if len(texts) == 1 else 'DIFFERS'}."]
     if len(texts) > 1:
         lines += [f"- {server}: {text!r}" for server, text in greedy.items()]
+    if plot is not None:
+        lines += ["", f"![HTTP serving: output tok/s, TTFT p99 and ITL p50 against concurrency]({plot})"]
     return "\n".join(lines) + "\n"
+
+
+def ratio(numerator: float | None, denominator: float | None) -> float | None:
+    return numerator / denominator if numerator and denominator else None
+
+
+def host_description() -> str:
+    from bench.__main__ import host
+
+    return f"{host()}, {os.cpu_count()} CPUs"
+
+
+def with_section(log: str, section: str) -> str:
+    """`log` with its HTTP section (between HTTP_BEGIN and HTTP_END) replaced by `section`, or `section` appended."""
+    block = f"{HTTP_BEGIN}\n{section.rstrip()}\n{HTTP_END}\n"
+    if HTTP_BEGIN in log and HTTP_END in log:
+        start, end = log.index(HTTP_BEGIN), log.index(HTTP_END) + len(HTTP_END)
+        return log[:start] + block.rstrip("\n") + log[end:]
+    return log.rstrip("\n") + "\n\n" + block
+
+
+def http_section(log: str) -> str | None:
+    """The HTTP section of `log` without its markers, or None."""
+    if HTTP_BEGIN not in log or HTTP_END not in log:
+        return None
+    return log[log.index(HTTP_BEGIN) + len(HTTP_BEGIN) : log.index(HTTP_END)].strip("\n") + "\n"
 
 
 def main(argv=None) -> int:
@@ -311,8 +357,17 @@ def main(argv=None) -> int:
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()
-    report = render(rows, args, workload, num_blocks, greedy)
-    (workdir / "REPORT.md").write_text(report)
+    from bench.plot import plot_http
+
+    if args.quick:
+        plot = plot_http(rows, workdir / PLOT_NAME, title="HTTP serving, quick run")
+        report = render(rows, args, workload, num_blocks, greedy, plot and PLOT_NAME)
+        (workdir / "REPORT.md").write_text(report)
+    else:
+        log = Path(args.log)
+        plot = plot_http(rows, log.parent / PLOT_NAME, title="HTTP serving")
+        report = render(rows, args, workload, num_blocks, greedy, plot and PLOT_NAME)
+        log.write_text(with_section(log.read_text() if log.exists() else "", report))
     print(report)
     return 0
 

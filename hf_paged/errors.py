@@ -73,6 +73,15 @@ class UnsupportedModel(NotImplementedError):
         super().__init__(f"{path} does not support model type {model_type!r}: {reason}")
 
 
+class UnknownRequest(ValueError):
+    """An Engine was asked about a request id it never issued."""
+
+
+class PositionLimitWarning(UserWarning):
+    """A request goes past the model's `max_position_embeddings` on a model whose positions are not a table (rotary,
+    ALiBi): it runs, as `generate()` lets it, but the model was not trained that far."""
+
+
 class InvalidRequest(ValueError):
     """A request the server refuses before it runs: answered with HTTP 400 and an OpenAI-style error body naming
     `param`, the request field at fault."""

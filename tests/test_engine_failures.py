@@ -6,6 +6,7 @@ import random
 import pytest
 
 from hf_paged import RequestFailed
+from hf_paged.errors import PositionLimitWarning
 from tests.models import greedy_reference, random_prompts, tiny_engine, tiny_model
 
 POISON_POSITION = 100  # a forward reaching this position raises (only the poisoned requests' prompts are that long)
@@ -100,7 +101,7 @@ def test_learned_positions_refuse_a_long_prompt_and_cap_new_tokens():
 def test_rotary_positions_past_the_config_warn_once():
     engine, _ = tiny_engine("llama", num_blocks=80)
     prompt = random_prompts((250,))[0]
-    with pytest.warns(UserWarning, match=r"past the model's max_position_embeddings \(256\)"):
+    with pytest.warns(PositionLimitWarning, match=r"past the model's max_position_embeddings \(256\)"):
         engine.add_request(prompt, max_new_tokens=20)
     with warnings_as_errors():
         engine.add_request(prompt, max_new_tokens=20)  # once per engine

@@ -7,6 +7,7 @@ import torch
 
 from hf_paged import BlockPool, Engine, RequestFailed
 from hf_paged.engine.stats import RECENT_STEPS
+from hf_paged.errors import UnknownRequest
 from tests.models import greedy_reference, random_prompts, tiny_engine, tiny_model
 
 
@@ -42,10 +43,10 @@ def test_a_serving_loop_takes_finished_requests_with_pop_finished():
             assert request.finish_reason == "length"
     assert [outputs[i] for i in ids] == greedy_reference("llama", prompts, [4, 4, 4])
     assert engine._requests == {} and engine.pop_finished() == []
-    with pytest.raises(ValueError, match=f"request {ids[0]} has finished and was handed back"):
+    with pytest.raises(UnknownRequest, match=f"request {ids[0]} has finished and was handed back"):
         engine.request(ids[0])
     assert engine.abort_request(ids[0]) is False  # finished, handed back: nothing to do
-    with pytest.raises(ValueError, match="no request with id 999: this engine has issued ids 0 to 4"):
+    with pytest.raises(UnknownRequest, match="no request with id 999: this engine has issued ids 0 to 4"):
         engine.request(999)
     assert pool.num_used_blocks == 0
 

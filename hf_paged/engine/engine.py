@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import RequestFailed
+from ..errors import RequestFailed, UnknownRequest
 from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
@@ -146,7 +146,7 @@ class Engine:
         """The request `request_id` (unfinished, or finished and not handed back yet)."""
         request = self._requests.get(request_id)
         if request is None:
-            raise ValueError(self._unknown(request_id))
+            raise UnknownRequest(self._unknown(request_id))
         return request
 
     def abort_request(self, request_id: int) -> bool:
@@ -158,13 +158,14 @@ class Engine:
         Call it between steps, from the loop that calls `step()`; called during one (say, by a stream that the
         garbage collector closes while a forward runs), it takes effect when the step ends. Returns True when the
         request was unfinished, False when it had already finished (nothing changes; also once it was handed back).
-        Unlike vLLM, which ignores ids it does not know, an id this engine never issued raises `ValueError`.
+        Unlike vLLM, which ignores ids it does not know, an id this engine never issued raises `UnknownRequest`
+        (a `ValueError`).
         """
         request = self._requests.get(request_id)
         if request is None:
             if self._was_issued(request_id):
                 return False
-            raise ValueError(self._unknown(request_id))
+            raise UnknownRequest(self._unknown(request_id))
         if request.finished:
             return False
         self._abort([request])

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..errors import PositionLimitWarning
 from .sampling import SamplingParams
 
 # The keywords `add_request` takes besides the prompt and `max_new_tokens`.
@@ -84,7 +85,7 @@ class PromptLimits:
                 f"a request of {num_prompt} prompt + {max_new_tokens} new tokens goes past the model's "
                 f"max_position_embeddings ({self.max_positions}); depending on the model, you may observe "
                 "exceptions, performance degradation, or nothing at all",
-                UserWarning,
+                PositionLimitWarning,
                 stacklevel=3,
             )
         return max_new_tokens
