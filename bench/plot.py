@@ -44,13 +44,7 @@ def plot_serving(rows: list[dict], path: str | Path, *, title: str) -> Path | No
         axis.set_ylabel(label)
         axis.set_ylim(bottom=0)
         axis.grid(True, alpha=0.3)
-    axes[0].legend()
-    figure.suptitle(title)
-    figure.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    return path
+    return save(figure, axes, title, path)
 
 
 # Log scales: the servers differ by more than an order of magnitude.
@@ -83,6 +77,11 @@ def plot_http(rows: list[dict], path: str | Path, *, title: str) -> Path | None:
         axis.set_xlabel("concurrency (streams in flight)")
         axis.set_ylabel(label)
         axis.grid(True, alpha=0.3)
+    return save(figure, axes, title, path)
+
+
+def save(figure, axes, title: str, path: str | Path) -> Path:
+    """Legend on the first panel, the title, and the PNG at `path`."""
     axes[0].legend()
     figure.suptitle(title)
     figure.tight_layout()

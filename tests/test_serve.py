@@ -238,23 +238,17 @@ def test_responses_api_equals_generate(server, saved):
         {"role": "user", "content": "what is a block table ?"},
     ]
     expected = greedy_text(saved, chat_ids(saved, messages), 10)
-    response = server.client.responses.create(
+    request = dict(
         model=server.model_dir,
         instructions=messages[0]["content"],
         input=messages[1]["content"],
         max_output_tokens=10,
         temperature=0,
     )
+    response = server.client.responses.create(**request)
     assert response.output_text == expected
     assert response.usage.output_tokens == 10 and response.usage.input_tokens == len(chat_ids(saved, messages))
-    stream = server.client.responses.create(
-        model=server.model_dir,
-        instructions=messages[0]["content"],
-        input=messages[1]["content"],
-        max_output_tokens=10,
-        temperature=0,
-        stream=True,
-    )
+    stream = server.client.responses.create(**request, stream=True)
     deltas = [event.delta for event in stream if event.type == "response.output_text.delta"]
     assert "".join(deltas) == expected
     assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
