@@ -172,6 +172,15 @@ class Server:
         with urllib.request.urlopen(request, timeout=600) as response:
             return json.load(response)["choices"][0]["message"]["content"]
 
+    def rss_mib(self) -> float | None:
+        """The server process's resident memory (Linux /proc), MiB."""
+        try:
+            status = Path(f"/proc/{self.process.pid}/status").read_text()
+        except OSError:
+            return None
+        kib = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), None)
+        return None if kib is None else kib / 1024
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.kill(self.process.pid, signal.SIGTERM)
@@ -283,11 +292,12 @@ def render(
         f"{workload.requests_per_concurrency} x concurrency "
         "requests per level; the servers run one after another. Ratios from the same run: hf-paged serve's output "
         "tok/s over that server's, and that server's TTFT p99 over hf-paged serve's (above 1: hf-paged answers "
-        "sooner). aiperf CPU: the cores the load generator itself used on the same machine, averaged over its run.",
+        "sooner). aiperf CPU: the cores the load generator itself used on the same machine, averaged over its run. "
+        "Server RSS: the server process's resident memory after the level (the levels run in order on one process).",
         "",
         "| server | concurrency | output tok/s | requests/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
-        "| aiperf CPU (cores) | hf-paged tok/s ratio | TTFT p99 ratio |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| aiperf CPU (cores) | server RSS MiB | hf-paged tok/s ratio | TTFT p99 ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     paged = {row["concurrency"]: row for row in rows if row["server"] == "hf-paged"}
     for row in rows:
@@ -295,7 +305,7 @@ def render(
         lines.append(
             f"| {row['server']} | {row['concurrency']} | {fmt(row['output_tok_s'])} | {fmt(row['requests_s'], 2)} "
             f"| {fmt(row['ttft_p50_ms'])} | {fmt(row['ttft_p99_ms'])} | {fmt(row['itl_p50_ms'])} "
-            f"| {fmt(row['itl_p99_ms'])} | {fmt(row['aiperf_cpu'], 2)} "
+            f"| {fmt(row['itl_p99_ms'])} | {fmt(row['aiperf_cpu'], 2)} | {fmt(row.get('rss_mib'), 0)} "
             f"| {fmt(ratio(ours.get('output_tok_s'), row['output_tok_s']), 2)}x "
             f"| {fmt(ratio(row['ttft_p99_ms'], ours.get('ttft_p99_ms')), 2)}x |"
         )
@@ -353,7 +363,7 @@ def main(argv=None) -> int:
                 out_dir = workdir / "aiperf" / f"{name}-c{concurrency}"
                 shutil.rmtree(out_dir, ignore_errors=True)
                 command = aiperf_command(args, model_dir, server.url, concurrency, workload, out_dir)
-                rows.append(row_of(name, concurrency, run_aiperf(command, out_dir)))
+                rows.append({**row_of(name, concurrency, run_aiperf(command, out_dir)), "rss_mib": server.rss_mib()})
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             server.stop()

@@ -20,6 +20,7 @@ def row(server: str, concurrency: int, tok_s: float, ttft_p99: float) -> dict:
         "itl_p50_ms": 1000 / tok_s,
         "itl_p99_ms": 2000 / tok_s,
         "aiperf_cpu": 0.25,
+        "rss_mib": 812.0,
     }
 
 
@@ -34,7 +35,7 @@ def test_the_table_gives_throughput_and_ttft_ratios_from_the_same_run():
     args = argparse.Namespace(quick=False, concurrency=[16], max_memory="128MiB")
     report = serve.render(ROWS, args, serve.Workload(), 512, {"a": "same", "b": "same"}, "plot.png")
     lines = {line.split(" | ")[0].lstrip("| "): line for line in report.splitlines() if line.startswith("| ")}
-    assert lines["transformers"].endswith("| 30.00x | 112.50x |")  # 300 / 10 tok/s; 90,000 / 800 ms
+    assert lines["transformers"].endswith("| 0.25 | 812 | 30.00x | 112.50x |")  # 300 / 10 tok/s; 90,000 / 800 ms
     assert lines["transformers-cb"].endswith("| 12.00x | 7.50x |")
     assert lines["hf-paged"].endswith("| 1.00x | 1.00x |")
     assert "identical on every server" in report and "](plot.png)" in report
