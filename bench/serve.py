@@ -1,6 +1,7 @@
 """The HTTP benchmark: one workload against three OpenAI-compatible servers on localhost, one after another.
 
-    python -m bench.serve [--quick] [--concurrency 1 8 16 32] [--max-memory 128MiB] [--aiperf PATH]
+    python -m bench.serve [--quick] [--concurrency 1 8 16 32] [--max-memory 128MiB] [--level-seconds 150]
+                          [--aiperf PATH]
 
 Servers, each given the same KV budget (`--max-memory`):
 
@@ -44,6 +45,7 @@ TOKENIZER_VOCAB = 512
 HTTP_BEGIN = "<!-- bench.serve: begin -->"
 HTTP_END = "<!-- bench.serve: end -->"
 PLOT_NAME = "serving_plot_http.png"
+GRACE_SECONDS = 30
 CHAT_TEMPLATE = (
     "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -70,6 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--workdir", default="bench/results/serve", help="model, aiperf artifacts and the report")
     parser.add_argument("--aiperf", default=None, help="the aiperf command (default: aiperf beside this Python)")
+    parser.add_argument(
+        "--level-seconds",
+        type=float,
+        default=150,
+        help="each concurrency level ends after this long (aiperf --benchmark-duration, plus a 30 s grace period "
+        "for answers in flight) if its requests have not all finished (default: %(default)s)",
+    )
     parser.add_argument("--port", type=int, default=0, help="the servers' port (default: a free one)")
     parser.add_argument(
         "--log", default="SERVING_LOG.md", help="the log a full run writes its section into (default: %(default)s)"
@@ -224,6 +233,10 @@ def aiperf_command(args, model_dir: Path, url: str, concurrency: int, workload: 
         "0",
         "--artifact-dir",
         str(out_dir),
+        "--benchmark-duration",
+        str(args.level_seconds),
+        "--benchmark-grace-period",
+        str(GRACE_SECONDS),
         "--ui-type",
         "none",
         "--no-server-metrics",
@@ -282,17 +295,21 @@ def render(
         "## HTTP serving: transformers serve vs hf-paged serve",
         "",
         f"- command: `python -m bench.serve{' --quick' if args.quick else ''} --concurrency "
-        f"{' '.join(map(str, args.concurrency))} --max-memory {args.max_memory}`",
+        f"{' '.join(map(str, args.concurrency))} --max-memory {args.max_memory} "
+        f"--level-seconds {args.level_seconds:g}`",
         f"- machine: `{host_description()}`",
         f"- date: `{time.strftime('%Y-%m-%d', time.gmtime())}`",
         "",
         f"KV budget {args.max_memory} ({num_blocks} blocks of {BLOCK_SIZE} tokens for the continuous-batching "
         f"servers); streaming chat, {workload.system_prompt_tokens}-token shared system prompt + "
         f"{workload.prompt_tokens}-token prompts, {workload.output_tokens} output tokens; aiperf, "
-        f"{workload.requests_per_concurrency} x concurrency "
-        "requests per level; the servers run one after another. Ratios from the same run: hf-paged serve's output "
-        "tok/s over that server's, and that server's TTFT p99 over hf-paged serve's (above 1: hf-paged answers "
-        "sooner). aiperf CPU: the cores the load generator itself used on the same machine, averaged over its run. "
+        f"{workload.requests_per_concurrency} x concurrency requests per level, or what finishes in "
+        f"{args.level_seconds:g} s (+{GRACE_SECONDS} s for answers in flight; a slow server's queued requests then "
+        "never count in its TTFT); the servers run one after another. aiperf counts output tokens by tokenizing the "
+        "text it gets back, the same way for every server (with random weights that is more tokens than the "
+        "server generated). Ratios from the same run: hf-paged serve's output tok/s over that server's, and that "
+        "server's TTFT p99 over hf-paged serve's (above 1: hf-paged answers sooner). aiperf CPU: the cores the "
+        "load generator itself used on the same machine, averaged over its run. "
         "Server RSS: the server process's resident memory after the level (the levels run in order on one process).",
         "",
         "| server | concurrency | output tok/s | requests/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms "
