@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve bench-serve-quick soak zoo
+.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve bench-serve-quick serve-soak soak zoo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,10 @@ bench-serve: setup $(AIPERF_VENV)/.installed
 
 bench-serve-quick: setup $(AIPERF_VENV)/.installed
 	$(PY) -m bench.serve --quick --aiperf $(AIPERF_VENV)/bin/aiperf
+
+# A long-running hf-paged serve: waves of mixed requests (streams, disconnects, refusals), its memory after each.
+serve-soak: setup
+	$(PY) -m bench.serve_soak
 
 # The Engine's serving-loop soak (tests/test_engine_soak.py): tiny requests with aborts, bad requests, injected
 # forward failures, shared prompts and preemption; prints its numbers. SOAK_REQUESTS=N for another size.

@@ -342,7 +342,7 @@ def ratio(numerator: float | None, denominator: float | None) -> float | None:
 def host_description() -> str:
     from bench.__main__ import host
 
-    return f"{host()}, {os.cpu_count()} CPUs"
+    return host()
 
 
 def with_section(log: str, section: str) -> str:
