@@ -78,7 +78,7 @@ class Engine:
         decode_reserve_tokens: int | None = None,
         backfill_window: int = 8,
     ):
-        pool.check_compatible(KVLayout.from_config(model.config))
+        pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
         _check_prefix_caching(pool, enable_prefix_caching)
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool

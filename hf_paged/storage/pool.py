@@ -34,6 +34,7 @@ from ..errors import PoolMismatch, PoolTooLarge
 from .allocator import BlockAllocator
 from .layer_groups import LayerGroups, group_of_layer, slot_of_layer
 from .layout import KVLayout
+from .sharding import agree_num_blocks, tp_process_group
 
 # K, M, G, T are powers of 1000 and Ki, Mi, Gi, Ti powers of 1024, as in Kubernetes and vLLM; a trailing B is optional.
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -92,7 +93,9 @@ class BlockPool:
         layout (`KVLayout`): per-layer kv heads and head_dim; `BlockPool.for_model` reads it from a config.
         num_blocks (`int`, *optional*): how many blocks. Exactly one of `num_blocks` and `max_memory` is needed.
         max_memory (`int` or `str`, *optional*): a byte budget for K and V of all layers ("512MiB", "2GB", 10**9);
-            the pool takes as many whole blocks as fit.
+            the pool takes as many whole blocks as fit. Under tensor parallelism (`layout.tp_size` > 1) it is the
+            budget of each rank, and the ranks take the smallest block count any of them fits (a collective: every
+            rank of `process_group` builds its pool together), so a block id means the same tokens on every rank.
         block_size (`int`, defaults to 16): tokens per block.
         dtype (`torch.dtype`, defaults to `torch.float32`): storage dtype; must match the model's K/V dtype.
         device (`torch.device` or `str`, defaults to `"cpu"`).
@@ -104,6 +107,8 @@ class BlockPool:
         group_layers (`bool`, defaults to `True`): split layers of different attention types into layer groups
             (`layout.layer_groups()`), so sliding-window layers can give back blocks that left their window. False
             forces one group of every layer (then nothing is released unless every layer slides).
+        process_group (*optional*): the tensor-parallel ranks that agree on the block count of a `max_memory`
+            pool; `BlockPool.for_model` takes the model's, and the default group is used otherwise.
 
     Attributes: `layer_groups` (tuple of layer-index tuples), `num_groups`, `num_slots` (layers per group, the
     storage tensors per K and V), `key_cache` / `value_cache` (one tensor per layer; aliased across groups).
@@ -121,6 +126,7 @@ class BlockPool:
         growable: bool = False,
         enable_prefix_caching: bool = False,
         group_layers: bool = True,
+        process_group=None,
     ):
         check_positive_int("block_size", block_size)
         if (num_blocks is None) == (max_memory is None):
@@ -147,6 +153,8 @@ class BlockPool:
         if max_memory is not None:
             budget = parse_memory(max_memory)
             num_blocks = budget // self.bytes_per_block
+            if layout.tp_size > 1:
+                num_blocks = agree_num_blocks(num_blocks, process_group)
             if num_blocks == 0:
                 raise ValueError(
                     f"max_memory={max_memory!r} ({budget} bytes) holds no block of {self.bytes_per_block} bytes"
@@ -176,17 +184,24 @@ class BlockPool:
         device: torch.device | str | None = None,
         enable_prefix_caching: bool = False,
         group_layers: bool = True,
+        tp_size: int | None = None,
     ) -> BlockPool:
         """Build a pool shaped for a model (or its config). dtype and device follow the model unless given; a model
-        that mixes attention types gets layer groups unless `group_layers=False` (see `BlockPool`)."""
+        that mixes attention types gets layer groups unless `group_layers=False` (see `BlockPool`).
+
+        A model loaded with a tensor-parallel plan gets this rank's kv heads (`KVLayout.from_config`) and, with
+        `max_memory`, the block count its ranks agree on (every rank must call this). A config alone takes
+        `tp_size`: the ranks its K/V heads are split over (default 1)."""
+        process_group = None
         if isinstance(model_or_config, torch.nn.Module):
+            process_group = tp_process_group(model_or_config)
             dtype = dtype if dtype is not None else model_or_config.dtype
             device = device if device is not None else model_or_config.device
         elif dtype is None:
             config_dtype = getattr(model_or_config, "dtype", None)
             dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
         pool = cls(
-            KVLayout.from_config(model_or_config),
+            KVLayout.from_config(model_or_config, tp_size=tp_size),
             num_blocks=num_blocks,
             max_memory=max_memory,
             block_size=block_size,
@@ -194,6 +209,7 @@ class BlockPool:
             device=device,
             enable_prefix_caching=enable_prefix_caching,
             group_layers=group_layers,
+            process_group=process_group,
         )
         pool.serve_model(model_or_config)
         return pool
@@ -281,7 +297,10 @@ class BlockPool:
     # ---------------------------------------------------------------- storage
     def check_compatible(self, layout: KVLayout) -> None:
         """Raise `PoolMismatch` unless this pool stores K/V of the given shape (layer types may differ: see
-        `KVLayout`; the pool's layer groups serve any model of its shapes)."""
+        `KVLayout`; the pool's layer groups serve any model of its shapes). A layout read from a config alone (every
+        head) fits a tensor-parallel pool that holds one rank's share of those heads."""
+        if layout.tp_size == 1 and self.layout.tp_size > 1 and _shards_evenly(layout, self.layout.tp_size):
+            layout = layout.shard(self.layout.tp_size)
         if layout != self.layout:
             built_heads = sorted(set(self.layout.num_kv_heads))
             raise PoolMismatch(
@@ -298,9 +317,16 @@ class BlockPool:
             )
         heads, dim = self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx]
         if key_states.shape[1] != heads or key_states.shape[-1] != dim:
+            hint = ""
+            if key_states.shape[1] < heads and heads % key_states.shape[1] == 0 and self.layout.tp_size == 1:
+                hint = (
+                    "; under tensor parallelism each rank holds a share of the kv heads: build the pool from the "
+                    "model (BlockPool.for_model(model)), or pass tp_size (PagedCache(config, tp_size=N), "
+                    "BlockPool.for_model(config, tp_size=N))"
+                )
             raise PoolMismatch(
                 f"layer {layer_idx}: pool holds {heads} kv heads x head_dim {dim}, key_states have "
-                f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)})"
+                f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)}){hint}"
             )
         if key_states.dtype != self.dtype or key_states.device != self.device:
             raise PoolMismatch(
@@ -339,3 +365,7 @@ class BlockPool:
             f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.layout.num_layers}, "
             f"groups={self.num_groups}, dtype={self.dtype}, device={self.device}, free={self.num_free_blocks})"
         )
+
+
+def _shards_evenly(layout: KVLayout, tp_size: int) -> bool:
+    return all(heads % tp_size == 0 for heads in layout.num_kv_heads)
