@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_paged import BlockPool, KVLayout, PagedCache, PoolMismatch
-from hf_paged.errors import UnsupportedModel
+from hf_paged.errors import ServeUnavailable, UnsupportedModel
 from hf_paged.storage.sharding import agree_num_blocks, kv_shard_factors
 from tests.models import tiny_model
 
@@ -73,3 +73,15 @@ def test_sharding_falls_back_to_the_plan_when_k_proj_is_no_dtensor():
 
 def test_agree_num_blocks_without_a_process_group_is_the_count_itself():
     assert agree_num_blocks(37) == 37
+
+
+def test_hf_paged_serve_refuses_a_torchrun_launch():
+    from hf_paged.__main__ import main, refuse_distributed_launch
+
+    refuse_distributed_launch({"WORLD_SIZE": "1"})
+    with pytest.raises(ServeUnavailable, match="runs in one process, got WORLD_SIZE=2"):
+        refuse_distributed_launch({"WORLD_SIZE": "2"})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("WORLD_SIZE", "2")
+        with pytest.raises(SystemExit, match="hf-paged: hf-paged serve runs in one process"):
+            main(["serve", "some/model"])
