@@ -198,14 +198,15 @@ class PagedCache(Cache):
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
-        slots = blocks.slots(writers if subset else None, num_past, num_tokens).flatten()
+        device = pool.devices[layer_idx]  # a pool split over devices: this layer's
+        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device).flatten()
         if subset:
             key_states, value_states = key_states[list(writers)], value_states[list(writers)]
         store_kv_rows(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
         layer.cumulative_length = num_tokens
 
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._runs_paged_attention():
+        if q_len == 1 and self._runs_paged_attention() and not pool.is_multi_device:
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
 
@@ -284,7 +285,8 @@ class PagedCache(Cache):
     def _gather_visible(self, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [first, num_tokens) of every row of layer `layer_idx`: two [B, kv_heads, num_tokens - first,
         head_dim] views into this cache's reused workspace, valid until the next gather (see `GatherWorkspace`)."""
-        return self._workspace.gather(self._tables.of_layer(layer_idx), layer_idx, first, num_tokens)
+        blocks = self._tables.of_layer(layer_idx)
+        return self._workspace.gather(blocks.on(blocks.pool.devices[layer_idx]), layer_idx, first, num_tokens)
 
     @property
     def workspace_bytes(self) -> int:

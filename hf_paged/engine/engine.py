@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import LockstepError, RequestFailed
+from ..errors import LockstepError, PoolMismatch, RequestFailed
 from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
@@ -85,6 +85,11 @@ class Engine:
         lockstep_timeout: float = 300.0,
     ):
         pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
+        if pool.is_multi_device:
+            raise PoolMismatch(
+                f"the Engine runs a pool on one device; this one places layers on {pool.devices} (a model split with "
+                "device_map): serve such a model with PagedCache and generate(), or load it on one device"
+            )
         _check_prefix_caching(pool, enable_prefix_caching)
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
