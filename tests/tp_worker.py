@@ -20,8 +20,7 @@ import torch
 import torch.distributed as dist
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from hf_paged import BlockPool, Engine, PagedCache, create_cache
-from hf_paged.errors import LockstepError
+from hf_paged import BlockPool, Engine, LockstepError, PagedCache, create_cache
 
 MODELS = ("llama", "mistral")
 PROMPTS = [[5, 17, 3, 99, 42, 7, 8, 61, 23], [11, 2, 90], [64, 33, 21, 70, 12, 9, 4, 100, 55, 31, 18, 6, 77]]
