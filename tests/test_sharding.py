@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from hf_paged import BlockPool, KVLayout, PagedCache, PoolMismatch
+from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PoolMismatch
 from hf_paged.errors import ServeUnavailable, UnsupportedModel
 from hf_paged.storage.sharding import agree_num_blocks, kv_shard_factors
 from tests.models import tiny_model
@@ -66,6 +66,10 @@ def test_sharding_falls_back_to_the_plan_when_k_proj_is_no_dtensor():
     assert layout.num_kv_heads == (1, 1) and layout.tp_size == 2
     with pytest.raises(ValueError, match="tp_size=4 but the model runs on 2 tensor-parallel rank"):
         KVLayout.from_config(model, tp_size=4)
+    # A pool built from the config alone holds every head: the Engine names the fix.
+    with pytest.raises(PoolMismatch, match=r"tensor parallel over 2 ranks\); build the pool from the model"):
+        Engine(model, BlockPool.for_model(model.config, num_blocks=8))
+    assert Engine(copy.deepcopy(model), BlockPool.for_model(model.config, num_blocks=8, tp_size=2), max_num_seqs=4)
     with pytest.raises(UnsupportedModel, match="layer 0 has 2 kv heads, which do not split over 4"):
         model._tp_size = 4
         kv_shard_factors(model, (2, 2))

@@ -323,10 +323,16 @@ class BlockPool:
             layout = layout.shard(self.layout.tp_size)
         if layout != self.layout:
             built_heads = sorted(set(self.layout.num_kv_heads))
+            hint = ""
+            if layout.tp_size > 1 and self.layout.tp_size == 1:
+                hint = (
+                    f" (one rank's share: the model runs tensor parallel over {layout.tp_size} ranks); build the pool "
+                    "from the model, BlockPool.for_model(model), or pass tp_size"
+                )
             raise PoolMismatch(
                 f"pool was built for {self.layout.num_layers} layers with kv heads {built_heads} "
                 f"and head_dim {sorted(set(self.layout.head_dims))}; the model has {layout.num_layers} layers with kv "
-                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}"
+                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}{hint}"
             )
 
     def check_states(self, layer_idx: int, key_states: torch.Tensor) -> None:
