@@ -58,21 +58,25 @@ def generate_checks(model, device: str, paged: bool) -> dict:
         "beams": dict(do_sample=False, num_beams=3, num_return_sequences=2),
         "samples": dict(do_sample=True, num_return_sequences=3, top_k=0),
     }
+    # Pools: a private one through create_cache("paged", model) or PagedCache(config=model.config) (the rank's share
+    # of the heads read from the first key_states), or the shared one of BlockPool.for_model(model).
     for name, kwargs in runs.items():
-        for shared in (False, True) if paged else (False,):
+        for pool_kind in ("create_cache", "config", "shared") if paged else ("dynamic",):
             if not paged:
                 cache = DynamicCache()
-            elif shared:
+            elif pool_kind == "shared":
                 cache = PagedCache(config=model.config, pool=pool)
+            elif pool_kind == "config":
+                cache = PagedCache(config=model.config, block_size=4)
             else:
                 cache = create_cache("paged", model, block_size=4)
             torch.manual_seed(0)
             tokens = model.generate(input_ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, **kwargs)
-            key = f"{name}{'_shared' if shared else ''}"
+            key = name if pool_kind in ("dynamic", "create_cache") else f"{name}/{pool_kind}"
             out[key] = tokens.tolist()
             if paged:
                 cache.release()
-                used[key] = (pool if shared else cache.pool).num_used_blocks
+                used[key] = cache.pool.num_used_blocks
     if not paged:
         return {"tokens": out}
     return {"tokens": out, "used_after": used, "num_kv_heads": list(pool.layout.num_kv_heads)}
