@@ -23,6 +23,7 @@ collective on a CPU (gloo) group with a timeout:
 
 from __future__ import annotations
 
+import weakref
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -46,6 +47,10 @@ class Lockstep:
         )
         self.rank = dist.get_rank(self.group)
         self.size = len(ranks)
+        # NOTE: each engine's group holds connections to every peer: give them back with the engine, not at exit
+        # (the process group may be gone by then, and destroying it there already closes this one).
+        self._finalizer = weakref.finalize(self, _destroy, self.group)
+        self._finalizer.atexit = False
 
     @classmethod
     def for_model(cls, model, timeout: float) -> Lockstep | None:
@@ -96,3 +101,12 @@ class Lockstep:
         if errors:
             raise LockstepError(errors)
         return gathered
+
+
+def _destroy(group) -> None:
+    """Destroy a lockstep group (local: no collective), unless the process group it belonged to is gone already."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group(group)
+        except (RuntimeError, ValueError):  # already destroyed with its parent
+            pass
