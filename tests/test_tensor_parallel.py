@@ -84,6 +84,11 @@ def test_an_error_on_one_rank_fails_the_call_on_every_rank(ranks):
     assert all(failure["after"] == [tokens[:4] for tokens in greedy[:2]] for failure in report(ranks, "llama/failure"))
 
 
+def test_an_engines_lockstep_group_goes_with_the_engine(ranks):
+    for groups in report(ranks, "llama/groups"):
+        assert groups["during"] == groups["before"] + 1 and groups["after"] == groups["before"], groups
+
+
 def test_no_rank_waits_past_the_lockstep_timeout(ranks):
     waiting = report(ranks, "llama/timeout")[0]
     assert waiting["raised"] == "LockstepError", waiting

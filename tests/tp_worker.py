@@ -9,6 +9,7 @@ compares. A check that raises is recorded by name, so one failure does not hide 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -131,6 +132,18 @@ def failure_checks(model, rank: int) -> dict:
     return result
 
 
+def group_checks(model) -> dict:
+    """Each engine's lockstep group goes away with the engine."""
+    from torch.distributed import distributed_c10d
+
+    before = len(distributed_c10d._world.pg_map)
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+    during = len(distributed_c10d._world.pg_map)
+    del engine
+    gc.collect()
+    return {"before": before, "during": during, "after": len(distributed_c10d._world.pg_map)}
+
+
 def timeout_checks(model, rank: int) -> dict:
     """Rank 1 never steps: rank 0 does not wait for it longer than the engine's lockstep timeout."""
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
@@ -178,6 +191,7 @@ def main() -> None:
         record(f"{name}/engine/tp", engine_checks, sharded, rank)
         if name == "llama":
             record(f"{name}/failure", failure_checks, sharded, rank)
+            record(f"{name}/groups", group_checks, sharded)
     record("llama/timeout", timeout_checks, sharded_llama, rank)  # last: it leaves the ranks out of step
     with open(os.path.join(args.out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
