@@ -7,6 +7,7 @@
     python -m bench --budgets 2,4 --backends dynamic,engine --serving-only
     python -m bench --workload poisson --rate 2     # also: shared-prefix, long, parallel-sampling
     python -m bench --layers mixed --serving-only   # the embedded sizes with sliding-window layers
+    python -m bench --tp 2 --serving-only           # a tensor-parallel model on 2 ranks (bench/parallel.py)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import torch
 import transformers
 from tabulate import tabulate
 
-from . import cache_report, serving, serving_report
+from . import cache_report, parallel, serving, serving_report
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import LAYERS, LAYERS_HELP, embedded_model, load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
@@ -133,7 +134,25 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="tensor-parallel ranks: relaunches itself under torchrun with the model loaded with tp_plan='auto' "
+        f"(serving only; backends {', '.join(parallel.TP_BACKENDS)}; see bench/parallel.py) (default: 1)",
+    )
     args = parser.parse_args(argv)
+    if args.tp < 1:
+        parser.error(f"--tp must be a positive number of ranks, got {args.tp}")
+    if args.tp > 1:
+        refused = [name for name in args.backends or [] if name not in parallel.TP_BACKENDS]
+        if refused:
+            parser.error(
+                f"--tp runs backends {', '.join(parallel.TP_BACKENDS)}; {', '.join(refused)} cannot run sharded"
+            )
+        args.backends = args.backends or list(parallel.TP_BACKENDS)
+        args.serving_only = True  # the cache report compares single-device caches
+        args.linear = "torch"  # weight-major linears replace the sharded layers' matmul
     if args.rate is not None and args.workload != "poisson":
         parser.error(f"--rate applies to --workload poisson, not {args.workload}")
     if args.model is not None and args.layers != "full":
@@ -156,7 +175,18 @@ def _names(text: str) -> list[str]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.model is not None:
+    rank = 0
+    if args.tp > 1:
+        if parallel.launched_ranks() == 1:
+            return parallel.relaunch(args.tp, list(argv if argv is not None else sys.argv[1:]))
+        rank = parallel.init_ranks(args.tp)
+        if rank != 0:  # rank 0 reports; the others run the same steps
+            args.no_progress = True
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (for the life of this rank's process)
+        dtype = DTYPES.get(args.dtype) or (torch.bfloat16 if torch.cuda.is_available() else None)
+        whole = None if args.model else embedded_model(args.layers, device="cpu", dtype=dtype)
+        model = parallel.load_sharded(args.model, whole, dtype)
+    elif args.model is not None:
         model = load_model(args.model, device=args.device, dtype=DTYPES.get(args.dtype))
     else:
         model = embedded_model(args.layers, device=args.device, dtype=DTYPES.get(args.dtype))
@@ -165,6 +195,8 @@ def main(argv=None) -> int:
     device = str(model.device) + (
         f" ({torch.cuda.get_device_name(model.device)})" if model.device.type == "cuda" else ""
     )
+    if args.tp > 1:
+        device += f", tensor parallel over {args.tp} ranks"
     print(f"model: {args.model or EMBEDDED[args.layers]} on {model.device}, {model.dtype}", flush=True)
 
     workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
@@ -180,6 +212,8 @@ def main(argv=None) -> int:
         progress=not args.no_progress,
         static_slot_tokens=static_slot,
     )
+    if rank != 0:
+        return 0
     rows = serving_report.summarize_all(run)
     print(_serving_table(rows), flush=True)
     plot = draw_plot(rows, args, device)

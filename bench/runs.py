@@ -105,7 +105,7 @@ class Budget:
 
     @classmethod
     def for_workload(cls, model, workload: Workload, multiple: float) -> Budget:
-        layout = KVLayout.from_config(model.config)
+        layout = KVLayout.from_config(model)  # a tensor-parallel model: one rank's share of the kv heads
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         layer_windows = sliding_windows(model.config)
         layer_bytes = [

@@ -6,6 +6,7 @@ from .engine import Engine, SamplingParams
 from .errors import (
     BackendOptionError,
     DuplicateBackend,
+    LockstepError,
     PluginLoadError,
     PluginLoadWarning,
     PoolExhausted,
@@ -31,6 +32,7 @@ __all__ = [
     "DuplicateBackend",
     "Engine",
     "KVLayout",
+    "LockstepError",
     "PagedCache",
     "PagedLayer",
     "PluginLoadError",

@@ -94,3 +94,15 @@ class InvalidRequest(ValueError):
 class ServeUnavailable(RuntimeError):
     """`hf-paged serve` cannot start: serving packages are missing, or transformers' serving code lacks a seam the
     server plugs into (the message names the supported transformers range)."""
+
+
+class LockstepError(RuntimeError):
+    """A tensor-parallel engine's ranks did not run a step alike: a rank raised, or ranks scheduled different rows.
+    Raised on every rank, so no rank goes on alone. `errors` maps rank -> what went wrong there."""
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = errors
+        super().__init__(
+            "tensor-parallel ranks left lockstep: "
+            + "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
+        )

@@ -284,11 +284,23 @@ class BlockTables:
                 allocator.cache_block(block_id, block_hash, group)
 
     # ---------------------------------------------------------------- metadata
-    def tables_tensor(self) -> torch.Tensor:
-        """`[B, num_table_blocks]` int64 on the pool's device; rebuilt only when a table changed."""
+    def tables_tensor(self, device: torch.device | None = None) -> torch.Tensor:
+        """`[B, num_table_blocks]` int64 on the pool's device (or `device`, for a layer of a pool split over
+        devices); rebuilt only when a table changed."""
         if self._tables_tensor is None:
             self._tables_tensor = torch.tensor(self.tables, dtype=torch.long, device=self.pool.device)
-        return self._tables_tensor
+        if device is None or device == self._tables_tensor.device:
+            return self._tables_tensor
+        key = ("tables", device)
+        tables = self._memo.get(key)
+        if tables is None:
+            tables = self._memo[key] = self._tables_tensor.to(device)
+        return tables
+
+    def on(self, device: torch.device) -> BlockTables | DeviceTables:
+        """These tables for a layer whose pool storage is on `device`: the index tensors of `gather_index` and
+        `slots` land there (a pool split over devices, `BlockPool.devices`)."""
+        return self if device == self.pool.device else DeviceTables(self, device)
 
     def step_metadata(self, num_tokens: int) -> dict:
         """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus a memo that
@@ -312,28 +324,32 @@ class BlockTables:
             self._memo[key] = step
         return step
 
-    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+    def gather_index(
+        self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int, device: torch.device | None = None
+    ) -> torch.Tensor:
         """`[B * num_heads * n]` int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]` pool view, in
         `[B, num_heads, n]` order, for logical blocks [first_block, end_block): one `index_select` then lands every
         row's blocks in `[B, num_heads, n * block_size, head_dim]` order. Memoized for the step's other layers."""
-        key = ("gather", first_block, end_block, num_heads, num_pool_blocks)
+        key = ("gather", first_block, end_block, num_heads, num_pool_blocks, device)
         index = self._memo.get(key)
         if index is None:
             assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
-            tables = self.tables_tensor()[:, first_block - self.base : end_block - self.base]
+            tables = self.tables_tensor(device)[:, first_block - self.base : end_block - self.base]
             index = head_major_index(tables, num_heads, num_pool_blocks)
             self._memo[key] = index
         return index
 
-    def slots(self, rows: tuple[int, ...] | None, start: int, end: int) -> torch.Tensor:
+    def slots(
+        self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
+    ) -> torch.Tensor:
         """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
 
         Memoized until the next table change, so all layers of one step share one tensor.
         """
-        key = (rows, start, end)
+        key = (rows, start, end, device)
         slots = self._memo.get(key)
         if slots is None:
-            tables = self.tables_tensor()
+            tables = self.tables_tensor(device)
             if rows is not None:
                 tables = tables[list(rows)]
             block_size = self.pool.block_size
@@ -341,6 +357,25 @@ class BlockTables:
             slots = tables[:, positions // block_size - self.base] * block_size + positions % block_size
             self._memo[key] = slots
         return slots
+
+
+class DeviceTables:
+    """`BlockTables` seen from a layer whose storage is on another device than the pool's first layer: what a
+    gather reads (`pool`, `num_rows`, `gather_index`), with index tensors on that device."""
+
+    def __init__(self, tables: BlockTables, device: torch.device):
+        self.tables, self.device = tables, device
+
+    @property
+    def pool(self):
+        return self.tables.pool
+
+    @property
+    def num_rows(self) -> int:
+        return self.tables.num_rows
+
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        return self.tables.gather_index(first_block, end_block, num_heads, num_pool_blocks, self.device)
 
 
 def head_major_index(tables: torch.Tensor, num_heads: int, num_pool_blocks: int) -> torch.Tensor:

@@ -45,6 +45,11 @@ class PagedCache(Cache):
         release_out_of_window (`bool`, defaults to `True`): in every layer group whose layers all slide, give back
             the blocks that fell out of the window, so a long generation holds about what DynamicCache does. A group
             with a full-attention layer keeps every block (a one-group pool of a Gemma-style model releases nothing).
+        tp_size (`int`, *optional*): under tensor parallelism, the ranks the config's kv heads are split over; the
+            cache then holds one rank's share. A private pool needs no `tp_size` inside an initialized process
+            group: its first `key_states` show the rank's share (`PagedCache(config=model.config)` works as is under
+            `torchrun` with `from_pretrained(path, tp_plan="auto")`); a shared pool has its own (`BlockPool.for_model`
+            reads the model's sharding).
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
     `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
@@ -75,6 +80,7 @@ class PagedCache(Cache):
         device: torch.device | str | None = None,
         share_rows: bool = True,
         release_out_of_window: bool = True,
+        tp_size: int | None = None,
     ):
         if config is None and pool is None:
             raise ValueError("PagedCache needs a model config, a BlockPool, or both: PagedCache(config=model.config)")
@@ -87,7 +93,7 @@ class PagedCache(Cache):
             raise TypeError(f"pool must be a BlockPool (BlockPool.for_model(model)), got {type(pool).__name__}")
         check_positive_int("block_size", block_size)
         if config is not None:
-            layout = KVLayout.from_config(config)
+            layout = KVLayout.from_config(config, tp_size=tp_size)
             config = config.get_text_config(decoder=True)
             if pool is not None:
                 pool.check_compatible(layout)
@@ -126,7 +132,8 @@ class PagedCache(Cache):
         """The pool holding this cache's blocks (None until the first update of a cache with a private pool)."""
         return self._tables.pool
 
-    def _init_pool(self, key_states: torch.Tensor, num_tokens: int) -> None:
+    def _init_pool(self, layer_idx: int, key_states: torch.Tensor, num_tokens: int) -> None:
+        self.layout = _rank_layout(self.layout, layer_idx, key_states.shape[1])
         num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * len(self.layer_groups), 4)
         pool = BlockPool(
             self.layout,
@@ -156,7 +163,7 @@ class PagedCache(Cache):
         num_past = layer.cumulative_length
         num_tokens = num_past + q_len
         if blocks.pool is None:
-            self._init_pool(key_states, num_tokens)
+            self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
         pool.check_states(layer_idx, key_states)
         if not layer.is_initialized:
@@ -191,14 +198,15 @@ class PagedCache(Cache):
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
-        slots = blocks.slots(writers if subset else None, num_past, num_tokens).flatten()
+        device = pool.devices[layer_idx]  # a pool split over devices: this layer's
+        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device).flatten()
         if subset:
             key_states, value_states = key_states[list(writers)], value_states[list(writers)]
         store_kv_rows(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
         layer.cumulative_length = num_tokens
 
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._runs_paged_attention():
+        if q_len == 1 and self._runs_paged_attention() and not pool.is_multi_device:
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
 
@@ -277,7 +285,8 @@ class PagedCache(Cache):
     def _gather_visible(self, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [first, num_tokens) of every row of layer `layer_idx`: two [B, kv_heads, num_tokens - first,
         head_dim] views into this cache's reused workspace, valid until the next gather (see `GatherWorkspace`)."""
-        return self._workspace.gather(self._tables.of_layer(layer_idx), layer_idx, first, num_tokens)
+        blocks = self._tables.of_layer(layer_idx)
+        return self._workspace.gather(blocks.on(blocks.pool.devices[layer_idx]), layer_idx, first, num_tokens)
 
     @property
     def workspace_bytes(self) -> int:
@@ -492,3 +501,19 @@ def _token_rows(token_ids) -> list[list[int]]:
     """[S] or [B, S] ids (tensor or nested lists) -> B lists of ints."""
     rows = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
     return [list(rows)] if not rows or not isinstance(rows[0], (list, tuple)) else [list(row) for row in rows]
+
+
+def _rank_layout(layout: KVLayout, layer_idx: int, num_kv_heads: int) -> KVLayout:
+    """`layout`, or one rank's share of it when a tensor-parallel model's first `key_states` (of layer `layer_idx`,
+    with `num_kv_heads` heads) show that each rank holds 1 / tp_size of the config's heads: inside an initialized
+    process group whose size tp_size divides. Anything else stays as it is (`check_states` raises `PoolMismatch`)."""
+    heads = layout.num_kv_heads[layer_idx]
+    if layout.tp_size != 1 or num_kv_heads >= heads or heads % num_kv_heads:
+        return layout
+    tp_size = heads // num_kv_heads
+    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+    if not distributed or torch.distributed.get_world_size() % tp_size:
+        return layout
+    if any(h % tp_size for h in layout.num_kv_heads):
+        return layout
+    return layout.shard(tp_size)

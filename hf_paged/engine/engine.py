@@ -22,10 +22,11 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import RequestFailed, UnknownRequest
+from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest
 from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
+from .lockstep import Lockstep
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -65,6 +66,10 @@ class Engine:
             When the first does not fit, the first of the others that does is admitted instead (backfill); a
             request passed over `Admission.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
             1: strict arrival order.
+        lockstep_timeout (`float`, defaults to 300): under tensor parallelism (a model loaded with a TP plan, one
+            engine per rank, every rank making the same calls), the seconds a rank waits for the others at a step's
+            agreement points before raising `LockstepError` (see lockstep.py: the ranks schedule the same rows and
+            apply rank 0's tokens, and an error on one rank fails the step on all). Ignored on one rank.
     """
 
     def __init__(
@@ -77,8 +82,14 @@ class Engine:
         enable_prefix_caching: bool = True,
         decode_reserve_tokens: int | None = None,
         backfill_window: int = 8,
+        lockstep_timeout: float = 300.0,
     ):
-        pool.check_compatible(KVLayout.from_config(model.config))
+        pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
+        if pool.is_multi_device:
+            raise PoolMismatch(
+                f"the Engine runs a pool on one device; this one places layers on {pool.devices} (a model split with "
+                "device_map): serve such a model with PagedCache and generate(), or load it on one device"
+            )
         _check_prefix_caching(pool, enable_prefix_caching)
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
@@ -106,6 +117,7 @@ class Engine:
         self._deferred_aborts: list[Request] = []  # aborts asked for during a step, done when it ends
         generation_config = getattr(model, "generation_config", None)
         self._eos_token_id = getattr(generation_config, "eos_token_id", None)
+        self._lockstep = Lockstep.for_model(model, lockstep_timeout)  # None on one rank
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
 
@@ -382,22 +394,33 @@ class Engine:
     def _step(self) -> list[tuple[int, int]]:
         self._num_attempts += 1
         checkpoint = StepCheckpoint(self.scheduler)
+        lockstep = self._lockstep
         try:
             plan = self.scheduler.schedule()
             rows = [(request, 1) for request in plan.decode] + plan.prefill
             rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
+            if lockstep is not None:
+                lockstep.agree_rows([(r.request_id, r.num_computed, n) for r, n in rows])
             results = self._run(rows, checkpoint) if rows else {}
-        except BaseException:
+            if results is None:  # undone, but for the requests it failed
+                rows = []
+            decisions = [
+                self._decide(request, num_tokens, results[row]) for row, (request, num_tokens) in enumerate(rows)
+            ]
+            if lockstep is not None:
+                decisions = lockstep.agree_tokens(decisions)  # rank 0's tokens, on every rank
+                if len(decisions) != len(rows):
+                    raise LockstepError({lockstep.rank: f"{len(rows)} rows, rank 0 decided {len(decisions)}"})
+        except BaseException as error:
             checkpoint.restore()
             self.stats.num_failed_steps += 1
+            if lockstep is not None and not isinstance(error, LockstepError):
+                raise lockstep.fail(error) from error
             raise
-        if results is None:  # undone, but for the requests it failed
-            rows = []
         events: list[tuple[int, int]] = []
-        for row, (request, num_tokens) in enumerate(rows):
-            result = results[row]
-            if isinstance(result, BaseException):
-                request.error = f"request {request.request_id} failed in the model's forward: {result!r}"
+        for (request, num_tokens), decision in zip(rows, decisions):
+            if isinstance(decision, str):
+                request.error = decision
                 continue
             if request.output_ids and request.num_pending == 1:  # feeding back its last output
                 self.stats.decode_tokens += 1
@@ -405,19 +428,8 @@ class Engine:
                 self.stats.prefill_tokens += num_tokens
             request.num_computed += num_tokens
             self.scheduler.cache_full_blocks(request)
-            if request.num_pending:
-                continue  # a prefill chunk short of the end of its input: nothing to sample
-            greedy_id, logits = result
-            if request.params.temperature == 0.0:
-                token = greedy_id
-            else:
-                try:
-                    token = sample(logits, request.params, request.generator)
-                except Exception as error:  # e.g. torch.multinomial on nan or inf probabilities
-                    # This request fails alone; the others' rows of the step are applied as usual.
-                    request.error = f"request {request.request_id} could not sample its next token: {error}"
-                    continue
-            events.append(self._append(request, token))
+            if decision is not None:  # None: a prefill chunk short of the end of its input, nothing sampled
+                events.append(self._append(request, decision))
         for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
             self.scheduler.retire(request)
         for request in checkpoint.saved:  # every request the step could have finished
@@ -428,6 +440,22 @@ class Engine:
         stats.num_preemptions = self.scheduler.num_preemptions
         stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         return events
+
+    def _decide(self, request: Request, num_tokens: int, result) -> int | str | None:
+        """What a step does with one row's `result` (see `_run`): the token it appends, the error it fails the
+        request with, or None for a prefill chunk short of the end of the input."""
+        if isinstance(result, BaseException):
+            return f"request {request.request_id} failed in the model's forward: {result!r}"
+        if request.num_pending > num_tokens:
+            return None
+        greedy_id, logits = result
+        if request.params.temperature == 0.0:
+            return greedy_id
+        try:
+            return sample(logits, request.params, request.generator)
+        except Exception as error:  # e.g. torch.multinomial on nan or inf probabilities
+            # This request fails alone; the others' rows of the step are applied as usual.
+            return f"request {request.request_id} could not sample its next token: {error}"
 
     def _run(self, rows: list[tuple[Request, int]], checkpoint: StepCheckpoint) -> dict | None:
         """Each row's result: (greedy token id, host logits when it samples), or the exception its forward raised

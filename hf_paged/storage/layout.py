@@ -14,6 +14,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..errors import UnsupportedModel
 from .layer_groups import LayerGroups, derive_layer_groups
+from .sharding import kv_shard_factors, model_tp_size
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES)
@@ -28,8 +29,11 @@ class KVLayout:
     sliding window, None for full attention; all None when not given) lets a cache built from the pool alone give
     back blocks that left a window, as a cache built from the config does.
 
-    NOTE: `layer_types` and `windows` are left out of equality. Two layouts are equal when they store the same
-    shapes, and any grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per
+    Under tensor parallelism (`tp_size` > 1 ranks run the model in lockstep; see sharding.py) `num_kv_heads` are
+    one rank's heads: `from_config(model)` reads them from the model's sharding.
+
+    NOTE: `layer_types`, `windows` and `tp_size` are left out of equality. Two layouts are equal when they store the
+    same shapes, and any grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per
     group of its pool and releases a group's blocks only when every layer of that group slides (by the cache's own
     config).
     """
@@ -38,6 +42,7 @@ class KVLayout:
     head_dims: tuple[int, ...]
     layer_types: tuple[str, ...] | None = field(default=None, compare=False)
     windows: tuple[int | None, ...] | None = field(default=None, compare=False)
+    tp_size: int = field(default=1, compare=False)
 
     def __post_init__(self):
         if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
@@ -52,6 +57,8 @@ class KVLayout:
         if len(windows) != self.num_layers:
             raise ValueError(f"windows needs one entry per layer ({self.num_layers}), got {len(windows)}")
         object.__setattr__(self, "windows", windows)
+        if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size <= 0:
+            raise ValueError(f"tp_size must be a positive int, got {self.tp_size!r}")
 
     @property
     def num_layers(self) -> int:
@@ -62,13 +69,25 @@ class KVLayout:
         return derive_layer_groups(self.layer_types, list(zip(self.num_kv_heads, self.head_dims)))
 
     @classmethod
-    def from_config(cls, config) -> KVLayout:
-        """Read the decoder's layer count, kv heads and head_dim from a transformers config (or a model)."""
+    def from_config(cls, config, *, tp_size: int | None = None) -> KVLayout:
+        """Read the decoder's layer count, kv heads and head_dim from a transformers config or a model.
+
+        Given a model loaded with a tensor-parallel plan (`from_pretrained(path, tp_plan="auto")`), the kv heads are
+        this rank's share (see `sharding.kv_shard_factors`). A config alone knows nothing of sharding: pass
+        `tp_size` (the ranks its K/V projections are split over) to get one rank's heads; the default is 1 (every
+        head on this process).
+        """
+        model = config if isinstance(config, torch.nn.Module) else None
         config = getattr(config, "config", config)  # a model: use its config
         if not isinstance(config, PreTrainedConfig):
             raise TypeError(
                 f"expected a transformers model or its config, got {type(config).__name__} {config!r:.80}; load a "
                 "checkpoint first (AutoModelForCausalLM.from_pretrained(path) or AutoConfig.from_pretrained(path))"
+            )
+        if model is not None and tp_size is not None and tp_size != model_tp_size(model):
+            raise ValueError(
+                f"tp_size={tp_size!r} but the model runs on {model_tp_size(model)} tensor-parallel rank(s); leave "
+                "tp_size out when giving a model (it is read from the model's sharding)"
             )
         config = config.get_text_config(decoder=True)
         refuse_unsupported(config)
@@ -81,7 +100,36 @@ class KVLayout:
         ]
         windows = _windows(layer_types, layer_kwargs)
         num_kv_heads, head_dims = zip(*shapes)
-        return cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows))
+        layout = cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows))
+        if model is not None:
+            return layout.shard(kv_shard_factors(model, layout.num_kv_heads), model_tp_size(model))
+        return layout if tp_size is None else layout.shard(tp_size)
+
+    def shard(self, factors: int | tuple[int, ...], tp_size: int | None = None) -> KVLayout:
+        """One rank's layout when each layer's kv heads are split over `factors` ranks (an int: every layer alike;
+        a layer whose heads the plan replicates has factor 1) out of `tp_size` (defaults to the largest factor).
+        Raises `ValueError` when a layer's heads do not split evenly."""
+        if isinstance(factors, int) and not isinstance(factors, bool):
+            factors = (factors,) * self.num_layers
+        if len(factors) != self.num_layers or any(isinstance(f, bool) or not isinstance(f, int) for f in factors):
+            raise ValueError(f"need one int factor per layer ({self.num_layers}), got {factors!r}")
+        uneven = [(i, h, f) for i, (h, f) in enumerate(zip(self.num_kv_heads, factors)) if f <= 0 or h % f]
+        if uneven:
+            layer_idx, heads, factor = uneven[0]
+            raise ValueError(
+                f"layer {layer_idx} has {heads} kv heads, which do not split over tp_size={factor} ranks; "
+                f"the kv heads per layer are {sorted(set(self.num_kv_heads))}"
+            )
+        tp_size = max(factors) if tp_size is None else tp_size
+        if self.tp_size != 1:
+            raise ValueError(f"this layout already holds one rank's heads of {self.tp_size} ranks")
+        return KVLayout(
+            tuple(h // f for h, f in zip(self.num_kv_heads, factors)),
+            self.head_dims,
+            self.layer_types,
+            self.windows,
+            tp_size,
+        )
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what

@@ -34,6 +34,7 @@ from ..errors import PoolMismatch, PoolTooLarge
 from .allocator import BlockAllocator
 from .layer_groups import LayerGroups, group_of_layer, slot_of_layer
 from .layout import KVLayout
+from .sharding import agree_num_blocks, tp_process_group
 
 # K, M, G, T are powers of 1000 and Ki, Mi, Gi, Ti powers of 1024, as in Kubernetes and vLLM; a trailing B is optional.
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -92,10 +93,15 @@ class BlockPool:
         layout (`KVLayout`): per-layer kv heads and head_dim; `BlockPool.for_model` reads it from a config.
         num_blocks (`int`, *optional*): how many blocks. Exactly one of `num_blocks` and `max_memory` is needed.
         max_memory (`int` or `str`, *optional*): a byte budget for K and V of all layers ("512MiB", "2GB", 10**9);
-            the pool takes as many whole blocks as fit.
+            the pool takes as many whole blocks as fit. Under tensor parallelism (`layout.tp_size` > 1) it is the
+            budget of each rank, and the ranks take the smallest block count any of them fits (a collective: every
+            rank of `process_group` builds its pool together), so a block id means the same tokens on every rank.
         block_size (`int`, defaults to 16): tokens per block.
         dtype (`torch.dtype`, defaults to `torch.float32`): storage dtype; must match the model's K/V dtype.
-        device (`torch.device` or `str`, defaults to `"cpu"`).
+        device (`torch.device` or `str`, or one per layer, defaults to `"cpu"`): one per layer places each layer's
+            storage on its own device (a model split over devices with `device_map="auto"`; `BlockPool.for_model`
+            reads them from the model). Layers of other groups share a slot's tensor only on one device: when a
+            slot's layers are on different devices, the pool keeps one group of every layer.
         growable (`bool`, defaults to `False`): let `grow` enlarge the pool; used by a `PagedCache`'s private pool.
         enable_prefix_caching (`bool`, defaults to `False`): remember full blocks by a hash chain over their token
             ids (`PagedCache.release(token_ids=...)`) so `PagedCache.from_prefix` can reuse them. A pool with prefix
@@ -104,6 +110,8 @@ class BlockPool:
         group_layers (`bool`, defaults to `True`): split layers of different attention types into layer groups
             (`layout.layer_groups()`), so sliding-window layers can give back blocks that left their window. False
             forces one group of every layer (then nothing is released unless every layer slides).
+        process_group (*optional*): the tensor-parallel ranks that agree on the block count of a `max_memory`
+            pool; `BlockPool.for_model` takes the model's, and the default group is used otherwise.
 
     Attributes: `layer_groups` (tuple of layer-index tuples), `num_groups`, `num_slots` (layers per group, the
     storage tensors per K and V), `key_cache` / `value_cache` (one tensor per layer; aliased across groups).
@@ -121,6 +129,7 @@ class BlockPool:
         growable: bool = False,
         enable_prefix_caching: bool = False,
         group_layers: bool = True,
+        process_group=None,
     ):
         check_positive_int("block_size", block_size)
         if (num_blocks is None) == (max_memory is None):
@@ -131,22 +140,27 @@ class BlockPool:
         self.layout = layout
         self.block_size = block_size
         self.dtype = resolve_dtype(dtype) or torch.float32
-        self.device = torch.device(device if device is not None else "cpu")
-        if self.device.type == "cuda" and self.device.index is None:  # "cuda" is the current device: name it, as
-            self.device = torch.device("cuda", torch.cuda.current_device())  # tensors do, so device checks match
+        # Per layer: where its storage lives. `device` is layer 0's: where step metadata (block tables) is built.
+        self.devices = _layer_devices(device, layout.num_layers)
+        self.device = self.devices[0]
         self.growable = growable
         self.layer_groups: LayerGroups = layout.layer_groups() if group_layers else (tuple(range(layout.num_layers)),)
+        if not _slots_share_devices(self.layer_groups, self.devices):
+            self.layer_groups = (tuple(range(layout.num_layers)),)
         self.group_of_layer = group_of_layer(self.layer_groups)
         self.slot_of_layer = slot_of_layer(self.layer_groups)
         self.num_slots = max(len(group) for group in self.layer_groups)
         # slot -> (kv heads, head_dim) of the layers using it; derive_layer_groups guarantees they agree.
         full_group = next(group for group in self.layer_groups if len(group) == self.num_slots)
         self._slot_shapes = [(layout.num_kv_heads[i], layout.head_dims[i]) for i in full_group]
+        self._slot_devices = [self.devices[i] for i in full_group]
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self.bytes_per_block = 2 * block_size * itemsize * sum(h * d for h, d in self._slot_shapes)
         if max_memory is not None:
             budget = parse_memory(max_memory)
             num_blocks = budget // self.bytes_per_block
+            if layout.tp_size > 1:
+                num_blocks = agree_num_blocks(num_blocks, process_group)
             if num_blocks == 0:
                 raise ValueError(
                     f"max_memory={max_memory!r} ({budget} bytes) holds no block of {self.bytes_per_block} bytes"
@@ -176,17 +190,28 @@ class BlockPool:
         device: torch.device | str | None = None,
         enable_prefix_caching: bool = False,
         group_layers: bool = True,
+        tp_size: int | None = None,
     ) -> BlockPool:
         """Build a pool shaped for a model (or its config). dtype and device follow the model unless given; a model
-        that mixes attention types gets layer groups unless `group_layers=False` (see `BlockPool`)."""
+        that mixes attention types gets layer groups unless `group_layers=False` (see `BlockPool`).
+
+        A model split over devices (`from_pretrained(..., device_map="auto")`) gets each layer's storage on the
+        device its attention runs on (`attention_devices`). A model loaded with a tensor-parallel plan gets this
+        rank's kv heads (`KVLayout.from_config`) and, with `max_memory`, the block count its ranks agree on (every
+        rank must call this). A config alone takes `tp_size`: the ranks its K/V heads are split over (default 1)."""
+        layout = KVLayout.from_config(model_or_config, tp_size=tp_size)
+        process_group = None
         if isinstance(model_or_config, torch.nn.Module):
+            process_group = tp_process_group(model_or_config)
             dtype = dtype if dtype is not None else model_or_config.dtype
-            device = device if device is not None else model_or_config.device
+            if device is None:
+                devices = attention_devices(model_or_config)
+                device = devices if devices and len(devices) == layout.num_layers else model_or_config.device
         elif dtype is None:
             config_dtype = getattr(model_or_config, "dtype", None)
             dtype = config_dtype if isinstance(config_dtype, torch.dtype) else None
         pool = cls(
-            KVLayout.from_config(model_or_config),
+            layout,
             num_blocks=num_blocks,
             max_memory=max_memory,
             block_size=block_size,
@@ -194,6 +219,7 @@ class BlockPool:
             device=device,
             enable_prefix_caching=enable_prefix_caching,
             group_layers=group_layers,
+            process_group=process_group,
         )
         pool.serve_model(model_or_config)
         return pool
@@ -225,14 +251,19 @@ class BlockPool:
             self._model_name = name
 
     def _check_fits(self, num_blocks: int) -> None:
-        """Raise `PoolTooLarge` before allocating storage the device cannot hold."""
-        capacity = device_capacity(self.device)
-        if capacity is not None and num_blocks * self.bytes_per_block > capacity:
-            raise PoolTooLarge(num_blocks, self.bytes_per_block, capacity, str(self.device))
+        """Raise `PoolTooLarge` before allocating storage a device cannot hold."""
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        for device in dict.fromkeys(self._slot_devices):
+            shapes = [shape for shape, on in zip(self._slot_shapes, self._slot_devices) if on == device]
+            bytes_per_block = 2 * self.block_size * itemsize * sum(h * d for h, d in shapes)
+            capacity = device_capacity(device)
+            if capacity is not None and num_blocks * bytes_per_block > capacity:
+                raise PoolTooLarge(num_blocks, bytes_per_block, capacity, str(device))
 
     def _new_storage(self, num_blocks: int, slot: int) -> torch.Tensor:
         num_kv_heads, head_dim = self._slot_shapes[slot]
-        return torch.zeros((num_kv_heads, num_blocks, self.block_size, head_dim), dtype=self.dtype, device=self.device)
+        shape = (num_kv_heads, num_blocks, self.block_size, head_dim)
+        return torch.zeros(shape, dtype=self.dtype, device=self._slot_devices[slot])
 
     def _alias_layers(self) -> None:
         """Point every layer's entry of `key_cache` / `value_cache` at its slot's tensor (in place)."""
@@ -240,6 +271,11 @@ class BlockPool:
         self.value_cache[:] = [self._value_slots[slot] for slot in self.slot_of_layer]
 
     # ----------------------------------------------------------------- groups
+    @property
+    def is_multi_device(self) -> bool:
+        """Whether layers' storage lives on more than one device (a model split with `device_map`)."""
+        return len(set(self.devices)) > 1
+
     @property
     def num_groups(self) -> int:
         """Layer groups; each needs its own block table per sequence (1 for a uniform model)."""
@@ -281,13 +317,22 @@ class BlockPool:
     # ---------------------------------------------------------------- storage
     def check_compatible(self, layout: KVLayout) -> None:
         """Raise `PoolMismatch` unless this pool stores K/V of the given shape (layer types may differ: see
-        `KVLayout`; the pool's layer groups serve any model of its shapes)."""
+        `KVLayout`; the pool's layer groups serve any model of its shapes). A layout read from a config alone (every
+        head) fits a tensor-parallel pool that holds one rank's share of those heads."""
+        if layout.tp_size == 1 and self.layout.tp_size > 1 and _shards_evenly(layout, self.layout.tp_size):
+            layout = layout.shard(self.layout.tp_size)
         if layout != self.layout:
             built_heads = sorted(set(self.layout.num_kv_heads))
+            hint = ""
+            if layout.tp_size > 1 and self.layout.tp_size == 1:
+                hint = (
+                    f" (one rank's share: the model runs tensor parallel over {layout.tp_size} ranks); build the pool "
+                    "from the model, BlockPool.for_model(model), or pass tp_size"
+                )
             raise PoolMismatch(
                 f"pool was built for {self.layout.num_layers} layers with kv heads {built_heads} "
                 f"and head_dim {sorted(set(self.layout.head_dims))}; the model has {layout.num_layers} layers with kv "
-                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}"
+                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}{hint}"
             )
 
     def check_states(self, layer_idx: int, key_states: torch.Tensor) -> None:
@@ -298,14 +343,24 @@ class BlockPool:
             )
         heads, dim = self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx]
         if key_states.shape[1] != heads or key_states.shape[-1] != dim:
+            hint = ""
+            if key_states.shape[1] < heads and heads % key_states.shape[1] == 0 and self.layout.tp_size == 1:
+                hint = (
+                    "; under tensor parallelism each rank holds a share of the kv heads: build the pool from the "
+                    "model (BlockPool.for_model(model)), or pass tp_size (PagedCache(config, tp_size=N), "
+                    "BlockPool.for_model(config, tp_size=N))"
+                )
             raise PoolMismatch(
                 f"layer {layer_idx}: pool holds {heads} kv heads x head_dim {dim}, key_states have "
-                f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)})"
+                f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)}){hint}"
             )
-        if key_states.dtype != self.dtype or key_states.device != self.device:
+        device = self.devices[layer_idx]
+        if key_states.dtype != self.dtype or key_states.device != device:
+            where = f"layer {layer_idx} on {device}" if self.is_multi_device else str(device)
             raise PoolMismatch(
-                f"pool stores {self.dtype} on {self.device}, key_states are {key_states.dtype} on "
-                f"{key_states.device}; build the pool with dtype/device of the model (BlockPool.for_model(model))"
+                f"pool stores {self.dtype} on {where}, key_states are {key_states.dtype} on "
+                f"{key_states.device}; build the pool with dtype/device of the model (BlockPool.for_model(model), "
+                "which also places each layer of a model split over devices with device_map on its own device)"
             )
 
     def copy_blocks(self, src_block_ids: list[int], dst_block_ids: list[int]) -> None:
@@ -313,9 +368,9 @@ class BlockPool:
         copy-on-write."""
         if not src_block_ids:
             return
-        src = torch.tensor(src_block_ids, device=self.device)
-        dst = torch.tensor(dst_block_ids, device=self.device)
         for cache in (*self._key_slots, *self._value_slots):
+            src = torch.tensor(src_block_ids, device=cache.device)
+            dst = torch.tensor(dst_block_ids, device=cache.device)
             cache.index_copy_(1, dst, cache.index_select(1, src))
 
     @staticmethod
@@ -337,5 +392,63 @@ class BlockPool:
     def __repr__(self) -> str:
         return (
             f"BlockPool(num_blocks={self.num_blocks}, block_size={self.block_size}, layers={self.layout.num_layers}, "
-            f"groups={self.num_groups}, dtype={self.dtype}, device={self.device}, free={self.num_free_blocks})"
+            f"groups={self.num_groups}, dtype={self.dtype}, device={_describe(self.devices)}, "
+            f"free={self.num_free_blocks})"
         )
+
+
+def _shards_evenly(layout: KVLayout, tp_size: int) -> bool:
+    return all(heads % tp_size == 0 for heads in layout.num_kv_heads)
+
+
+def _device(device) -> torch.device:
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current device: name it, as tensors do,
+        device = torch.device("cuda", torch.cuda.current_device())  # so device checks match
+    return device
+
+
+def _layer_devices(device, num_layers: int) -> tuple[torch.device, ...]:
+    if isinstance(device, (list, tuple)):
+        if len(device) != num_layers:
+            raise ValueError(f"device needs one entry per layer ({num_layers}) when given as a list, got {len(device)}")
+        return tuple(_device(d) for d in device)
+    return (_device(device),) * num_layers
+
+
+def _slots_share_devices(groups: LayerGroups, devices: tuple[torch.device, ...]) -> bool:
+    """Whether the layers at each slot position of `groups` (which alias one tensor) are on one device."""
+    num_slots = max(len(group) for group in groups)
+    return all(len({devices[group[slot]] for group in groups if slot < len(group)}) == 1 for slot in range(num_slots))
+
+
+def _describe(devices: tuple[torch.device, ...]) -> str:
+    distinct = list(dict.fromkeys(str(device) for device in devices))
+    return distinct[0] if len(distinct) == 1 else f"[{', '.join(str(device) for device in devices)}]"
+
+
+def attention_devices(model: torch.nn.Module) -> list[torch.device] | None:
+    """Per layer: the device its attention (the module of that `layer_idx`, `layer.self_attn`) runs on; None when
+    no attention module names every layer. That is the execution device of the nearest accelerate hook above or on
+    it when `device_map` dispatched the model (an offloaded layer runs on another device than its weights' home),
+    else the device of its parameters: where its `key_states` are."""
+    hooked: dict[str, torch.device] = {}  # module name -> execution device of its accelerate hook
+    devices: dict[int, torch.device] = {}
+    for name, module in model.named_modules():
+        execution_device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if execution_device is not None:
+            hooked[name] = _device(execution_device)
+        layer_idx = getattr(module, "layer_idx", None)
+        # The attention module itself: a decoder layer may carry its index too.
+        if not isinstance(layer_idx, int) or layer_idx in devices or "Attention" not in type(module).__name__:
+            continue
+        owners = [owner for owner in hooked if owner == "" or name == owner or name.startswith(owner + ".")]
+        if owners:
+            devices[layer_idx] = hooked[max(owners, key=len)]
+            continue
+        parameter = next(module.parameters(), None)
+        if parameter is not None and parameter.device.type != "meta":
+            devices[layer_idx] = parameter.device
+    if not devices or sorted(devices) != list(range(len(devices))):
+        return None
+    return [devices[layer_idx] for layer_idx in range(len(devices))]
