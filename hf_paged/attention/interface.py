@@ -143,13 +143,14 @@ SINKS_REASON = (
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
 
 
-def refuse_unsupported_attention(model) -> None:
+def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
     """Raise `UnsupportedModel` for a model the "hf_paged" attention would run wrong or not at all: attention code
     of its own (it never looks the attention function up in transformers' `ALL_ATTENTION_FUNCTIONS`, so enable()
-    would change nothing), attention sinks, or K/V read after `cache.update()` (`KV_AFTER_UPDATE`)."""
+    would change nothing), attention sinks, or K/V read after `cache.update()` (`KV_AFTER_UPDATE`). `path` names
+    the caller in the error (the Engine runs the same check)."""
     model_type = _model_type(model)
     if model_type in KV_AFTER_UPDATE:
-        raise UnsupportedModel(model_type, KV_AFTER_UPDATE[model_type], "hf_paged.enable")
+        raise UnsupportedModel(model_type, KV_AFTER_UPDATE[model_type], path)
     attention_classes = {
         type(module)
         for module in model.modules()
@@ -163,11 +164,11 @@ def refuse_unsupported_attention(model) -> None:
             model_type,
             f'its attention ({which}) is its own code, not transformers\' attention interface, so the "hf_paged" '
             "attention would never run",
-            "hf_paged.enable",
+            path,
         )
     for module in model.modules():
         if getattr(module, "sinks", None) is not None and "s_aux" in _class_source(type(module)):
-            raise UnsupportedModel(model_type, SINKS_REASON, "hf_paged.enable")
+            raise UnsupportedModel(model_type, SINKS_REASON, path)
 
 
 @functools.cache

@@ -31,6 +31,7 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
+from .support import refuse_unsupported_engine
 
 
 class Engine:
@@ -78,6 +79,7 @@ class Engine:
         decode_reserve_tokens: int | None = None,
         backfill_window: int = 8,
     ):
+        refuse_unsupported_engine(model)  # before anything: a model the packed step would run wrong
         pool.check_compatible(KVLayout.from_config(model.config))
         _check_prefix_caching(pool, enable_prefix_caching)
         self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model

@@ -32,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
+from ..attention.interface import softcap_attention_forward
 from ..cache.block_tables import head_major_index
 from ..storage import BlockPool
 
@@ -98,21 +99,35 @@ class StepPlan:
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
             key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
             first = cache.first_position(self.layer_idx, row)
-            mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
-            chunk, _ = sdpa_attention_forward(
-                module, query[:, :, start : start + q_len], key, value, mask, sliding_window=sliding_window, **kwargs
-            )
+            chunk_query = query[:, :, start : start + q_len]
+            if kwargs.get("softcap") is not None:  # SDPA has no softcap: the torch attention, with an explicit mask
+                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device, explicit=True)
+                chunk, _ = _softcap_attention(chunk_query, key, value, mask, kwargs)
+            else:
+                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
+                chunk, _ = sdpa_attention_forward(
+                    module, chunk_query, key, value, mask, sliding_window=sliding_window, **kwargs
+                )
             out[0, start : start + q_len] = chunk[0]  # [q_len, heads, D]
         return out, None
 
 
-def _chunk_mask(seq_len: int, q_len: int, sliding_window: int | None, first: int, device) -> torch.Tensor | None:
+def _softcap_attention(query, key, value, mask, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """`softcap_attention_forward` with the attention function's keywords (softcap, scaling, dropout)."""
+    return softcap_attention_forward(
+        query, key, value, mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"), kwargs["softcap"]
+    )
+
+
+def _chunk_mask(
+    seq_len: int, q_len: int, sliding_window: int | None, first: int, device, explicit: bool = False
+) -> torch.Tensor | None:
     """[1, 1, q_len, seq_len + q_len - first] bool for keys from position `first` on: query i (position seq_len + i)
     sees the key at position p when p <= seq_len + i (and, with a window, p > seq_len + i - sliding_window). None
     where sdpa's own mask would be skipped for plain causal attention (no cached keys, the whole chunk inside the
-    window), as `generate()` does for a batch-1 prompt."""
+    window), as `generate()` does for a batch-1 prompt, unless `explicit` (an attention without SDPA's `is_causal`)."""
     kv_len = seq_len + q_len
-    if seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
+    if not explicit and seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
         return None
     query_positions = torch.arange(seq_len, kv_len, device=device)[:, None]
     key_positions = torch.arange(first, kv_len, device=device)[None, :]
@@ -273,6 +288,8 @@ class StepCache(Cache):
                 group.length_masks,
                 max_len=max(group.host_seq_lens[: self.num_decode]),
             )
+            if kwargs.get("softcap") is not None:
+                return _softcap_attention(query, key, value, mask, kwargs)[0]
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         pool = self.pool
         if group.decode_tables is None:

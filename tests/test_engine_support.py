@@ -1,0 +1,86 @@
+"""The Engine's up-front refusals (hf_paged/engine/support.py) and the packed-step fixes the zoo relies on, checked
+directly on tiny zoo models (fast): each refusal is an `UnsupportedModel` from `Engine(...)`, before any step,
+naming the model type and the reason; a model the Engine serves gives each prompt what generate() gives it alone."""
+
+from __future__ import annotations
+
+import pytest
+import zoo
+
+import hf_paged
+from hf_paged import BlockPool, Engine, UnsupportedModel
+
+
+def engine_of(model_type: str, **config) -> Engine:
+    model = zoo.tiny_model(model_type, zoo.architectures()[model_type])
+    for key, value in config.items():
+        setattr(model.config, key, value)
+    return Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("bart", "BartForCausalLM.forward takes no position_ids"),
+        ("pegasus", "PegasusForCausalLM.forward takes no position_ids"),
+        ("whisper", "WhisperForCausalLM.forward takes no logits_to_keep"),
+        ("llama4_text", "chunked attention \\(attention_chunk_size = 4\\)"),
+        ("moshi", "layer 0 slides \\(window 8\\) but its attention \\(MoshiAttention\\) does not pass sliding_window"),
+        ("gemma4_unified", "its vision tokens attend bidirectionally"),
+        ("bloom", "its attention \\(BloomAttention\\) is its own code"),
+        ("gpt_oss", "its attention passes attention sinks"),
+        ("diffllama", "it splits V into two halves after cache.update"),
+    ],
+)
+def test_engine_refuses_up_front(model_type, reason):
+    with pytest.raises(UnsupportedModel, match=f"Engine does not support model type '{model_type}': {reason}"):
+        engine_of(model_type)
+
+
+def test_engine_refuses_non_causal_attention():
+    # A BERT-style model left as an encoder (is_decoder=False) attends bidirectionally.
+    model = zoo.tiny_model("bert", "BertLMHeadModel")
+    for module in model.modules():
+        if hasattr(module, "is_causal"):
+            module.is_causal = False
+    with pytest.raises(UnsupportedModel, match="'bert': its attention is not causal \\(is_causal=False on BertSelf"):
+        Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+
+
+def test_a_refused_model_is_left_as_it_was():
+    model = zoo.tiny_model("bart", "BartForCausalLM")
+    implementation = model.config._attn_implementation
+    with pytest.raises(UnsupportedModel):
+        Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+    assert model.config._attn_implementation == implementation
+
+
+def test_encoder_layers_of_a_multimodal_model_are_not_judged():
+    # Its audio encoder's attention is bidirectional; its decoder (a Qwen3) is what the Engine runs.
+    model = zoo.tiny_model("moss_transcribe_diarize", zoo.architectures()["moss_transcribe_diarize"])
+    assert any(getattr(module, "is_causal", None) is False for module in model.modules())
+    hf_paged.engine.support.refuse_unsupported_engine(model)
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma", "llama", "mistral", "bert"])
+def test_engine_equals_generate_of_each_prompt_alone(model_type):
+    """Softcap (gemma2, vaultgemma) in the packed step's prefill chunks and decode rows; sliding windows; a BERT-style
+    decoder. Tokens and raw logits per step, prompts prefilled in chunks and packed with decode rows (zoo shapes)."""
+    model = zoo.tiny_model(model_type, zoo.architectures()[model_type])
+    model_inputs = zoo.inputs()
+    expected = zoo.single_reference(model, model_inputs)
+    got = zoo._engine(model, model_inputs)
+    assert zoo.compare(got, expected) is None
+    assert got.sequences.shape == (2, zoo.MAX_NEW_TOKENS)
+
+
+def test_softcap_is_applied_in_the_packed_step():
+    # Without the softcap the same model computes other logits: the check above would see a missing softcap.
+    model = zoo.tiny_model("gemma2", "Gemma2ForCausalLM")
+    model_inputs = zoo.inputs()
+    expected = zoo.single_reference(model, model_inputs)
+    model.config.attn_logit_softcapping = None
+    for module in model.modules():
+        if hasattr(module, "attn_logit_softcapping"):
+            module.attn_logit_softcapping = None
+    assert zoo.compare(zoo._engine(model, model_inputs), expected) is not None
