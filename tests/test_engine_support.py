@@ -24,11 +24,9 @@ def engine_of(model_type: str, **config) -> Engine:
         ("bart", "BartForCausalLM.forward takes no position_ids"),
         ("pegasus", "PegasusForCausalLM.forward takes no position_ids"),
         ("whisper", "WhisperForCausalLM.forward takes no logits_to_keep"),
-        ("llama4_text", "chunked attention \\(attention_chunk_size = 4\\)"),
         ("moshi", "layer 0 slides \\(window 8\\) but its attention \\(MoshiAttention\\) does not pass sliding_window"),
         ("gemma4_unified", "its vision tokens attend bidirectionally"),
         ("bloom", "its attention \\(BloomAttention\\) is its own code"),
-        ("gpt_oss", "its attention passes attention sinks"),
         ("diffllama", "it splits V into two halves after cache.update"),
     ],
 )
@@ -62,16 +60,31 @@ def test_encoder_layers_of_a_multimodal_model_are_not_judged():
     hf_paged.engine.support.refuse_unsupported_engine(model)
 
 
-@pytest.mark.parametrize("model_type", ["gemma2", "vaultgemma", "llama", "mistral", "bert"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma2", "vaultgemma", "gpt_oss", "granite_swa", "llama4_text", "llama", "mistral", "bert"]
+)
 def test_engine_equals_generate_of_each_prompt_alone(model_type):
-    """Softcap (gemma2, vaultgemma) in the packed step's prefill chunks and decode rows; sliding windows; a BERT-style
-    decoder. Tokens and raw logits per step, prompts prefilled in chunks and packed with decode rows (zoo shapes)."""
+    """Softcap (gemma2, vaultgemma) and attention sinks (gpt_oss, granite_swa) in the packed step's prefill chunks
+    and decode rows, chunked attention (llama4_text, chunks of 4 positions), sliding windows, a BERT-style decoder.
+    Tokens and raw logits per step, prompts prefilled in chunks and packed with decode rows (zoo shapes)."""
     model = zoo.tiny_model(model_type, zoo.architectures()[model_type])
     model_inputs = zoo.inputs()
     expected = zoo.single_reference(model, model_inputs)
     got = zoo._engine(model, model_inputs)
     assert zoo.compare(got, expected) is None
     assert got.sequences.shape == (2, zoo.MAX_NEW_TOKENS)
+
+
+def test_chunks_are_masked_in_the_packed_step():
+    # Chunks of 4 positions, prompts of 8 and 6 tokens. Llama 4 passes no window to the attention function: without
+    # the step's chunk mask every row would see all the keys it holds, and differ from step 0.
+    model = zoo.tiny_model("llama4_text", "Llama4ForCausalLM")
+    model_inputs = zoo.inputs()
+    expected = zoo.single_reference(model, model_inputs)
+    assert model.config.attention_chunk_size == 4
+    assert zoo.compare(zoo._engine(model, model_inputs), expected) is None
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+    assert engine._chunk_sizes == [4 if t == "chunked_attention" else None for t in model.config.layer_types]
 
 
 def test_softcap_is_applied_in_the_packed_step():

@@ -31,7 +31,7 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
-from .support import refuse_unsupported_engine
+from .support import chunk_sizes, refuse_unsupported_engine
 
 
 class Engine:
@@ -99,6 +99,7 @@ class Engine:
         self.limits = PromptLimits.from_model(model)
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
+        self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
         self._requests: dict[int, Request] = {}  # issued and not handed back yet
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
         self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
@@ -478,6 +479,7 @@ class Engine:
             [request.num_computed for request, _ in rows],
             [num_tokens for _, num_tokens in rows],
             first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
+            chunk_sizes=self._chunk_sizes,
             workspace=self._workspace,
         )
         token_ids = [

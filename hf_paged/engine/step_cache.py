@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
-from ..attention.interface import softcap_attention_forward
+from ..attention.interface import torch_attention_forward
 from ..cache.block_tables import head_major_index
 from ..storage import BlockPool
 
@@ -84,6 +84,9 @@ class StepPlan:
         """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None). `attention_mask` is
         ignored: each row's keys are described by its lengths, and each prefill chunk builds its own causal mask."""
         cache = self.cache
+        chunk_size = cache.chunk_sizes[self.layer_idx]
+        if chunk_size is not None:
+            return cache.attend_chunked(module, self.layer_idx, query, chunk_size, **kwargs), None
         num_decode = cache.num_decode
         decoded = None
         if num_decode:
@@ -100,9 +103,9 @@ class StepPlan:
             key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
             first = cache.first_position(self.layer_idx, row)
             chunk_query = query[:, :, start : start + q_len]
-            if kwargs.get("softcap") is not None:  # SDPA has no softcap: the torch attention, with an explicit mask
+            if _needs_torch_attention(kwargs):  # SDPA has no softcap or sinks: the torch attention, explicit mask
                 mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device, explicit=True)
-                chunk, _ = _softcap_attention(chunk_query, key, value, mask, kwargs)
+                chunk, _ = _torch_attention(chunk_query, key, value, mask, kwargs)
             else:
                 mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
                 chunk, _ = sdpa_attention_forward(
@@ -112,10 +115,22 @@ class StepPlan:
         return out, None
 
 
-def _softcap_attention(query, key, value, mask, kwargs: dict) -> tuple[torch.Tensor, None]:
-    """`softcap_attention_forward` with the attention function's keywords (softcap, scaling, dropout)."""
-    return softcap_attention_forward(
-        query, key, value, mask, kwargs.get("dropout", 0.0), kwargs.get("scaling"), kwargs["softcap"]
+def _needs_torch_attention(kwargs: dict) -> bool:
+    """The attention function's keywords ask for what SDPA does not do: a softcap or attention sinks (`s_aux`)."""
+    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+
+
+def _torch_attention(query, key, value, mask, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """`torch_attention_forward` with the attention function's keywords (softcap, s_aux, scaling, dropout)."""
+    return torch_attention_forward(
+        query,
+        key,
+        value,
+        mask,
+        kwargs.get("dropout", 0.0),
+        kwargs.get("scaling"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
     )
 
 
@@ -164,6 +179,9 @@ class StepCache(Cache):
         q_lens (`list[int]`): new tokens per row; decode rows (1) come before prefill chunks (more than 1).
         first_blocks (`list[list[int]]`, *optional*): `first_blocks[g][b]`, blocks released before row b's table in
             group g (sliding groups); default none.
+        chunk_sizes (`list[int | None]`, *optional*): per layer, the chunk of a chunked-attention layer (Llama 4's
+            `attention_chunk_size`: a query sees the keys of its own chunk of positions, up to itself) or None;
+            default none. The model passes no window for these layers: its mask makes the chunks.
         workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
     """
 
@@ -175,6 +193,7 @@ class StepCache(Cache):
         q_lens: list[int],
         *,
         first_blocks: list[list[int]] | None = None,
+        chunk_sizes: list[int | None] | None = None,
         workspace: dict | None = None,
     ):
         num_rows = len(seq_lens)
@@ -201,6 +220,7 @@ class StepCache(Cache):
         if any(q != 1 for q in q_lens[: self.num_decode]):
             raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
         self.pool = pool
+        self.chunk_sizes = [None] * pool.layout.num_layers if chunk_sizes is None else list(chunk_sizes)
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
@@ -280,7 +300,8 @@ class StepCache(Cache):
         "auto", resolved for the query's device.
         """
         group = self._groups[self.pool.group_of_layer[layer_idx]]
-        if module_backend(module, query.device) == "torch":
+        # The paged kernels apply no attention sinks: rows with sinks take the torch path too.
+        if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None:
             key, value = self._gather(layer_idx, 0, self.num_decode)
             mask = length_mask(
                 group.seq_lens[: self.num_decode],
@@ -288,8 +309,8 @@ class StepCache(Cache):
                 group.length_masks,
                 max_len=max(group.host_seq_lens[: self.num_decode]),
             )
-            if kwargs.get("softcap") is not None:
-                return _softcap_attention(query, key, value, mask, kwargs)[0]
+            if _needs_torch_attention(kwargs):
+                return _torch_attention(query, key, value, mask, kwargs)[0]
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         pool = self.pool
         if group.decode_tables is None:
@@ -306,6 +327,29 @@ class StepCache(Cache):
             length_masks=group.length_masks,
         )
         return plan.attend(module, query, None, **kwargs)[0]
+
+    def attend_chunked(
+        self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, chunk_size: int, **kwargs
+    ) -> torch.Tensor:
+        """Chunked attention over every row of the step, one row at a time: query [1, heads, num_tokens, head_dim]
+        -> [1, num_tokens, heads, head_dim]. The query at position q sees the keys at positions p with
+        q // chunk_size * chunk_size <= p <= q (the sliding group of these layers keeps at least that much)."""
+        kwargs.pop("sliding_window", None)
+        _, num_heads, num_tokens, head_dim = query.shape
+        out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        for row, (start, q_len, seq_len) in enumerate(zip(self.starts, self.q_lens, self.seq_lens)):
+            key, value = self.gather_row(layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
+            first = self.first_position(layer_idx, row)
+            query_positions = torch.arange(seq_len, seq_len + q_len, device=query.device)[:, None]
+            key_positions = torch.arange(first, seq_len + q_len, device=query.device)[None, :]
+            visible = (key_positions <= query_positions) & (key_positions >= query_positions // chunk_size * chunk_size)
+            row_query = query[:, :, start : start + q_len]
+            if _needs_torch_attention(kwargs):
+                attended, _ = _torch_attention(row_query, key, value, visible[None, None], kwargs)
+            else:
+                attended, _ = sdpa_attention_forward(module, row_query, key, value, visible[None, None], **kwargs)
+            out[0, start : start + q_len] = attended[0]  # [q_len, heads, D]
+        return out
 
     def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s held keys and values, cached and new: two [1, kv_heads, keys, head_dim] tensors, from

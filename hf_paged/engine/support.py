@@ -7,13 +7,12 @@ length or sliding-window mask per decode row; the model's own mask is not read).
 assumptions would compute the packed step wrong without any error, so `refuse_unsupported_engine` raises
 `UnsupportedModel` (path "Engine", naming the model type and the reason) before anything runs:
 
-- attention that does not go through transformers' attention interface, attention sinks, or K/V read after
-  `cache.update()` (the checks of `hf_paged.enable`, which the Engine relies on);
+- attention that does not go through transformers' attention interface, or K/V read after `cache.update()` (the
+  checks of `hf_paged.enable`, which the Engine relies on);
 - a forward that takes no `position_ids` (positions would come from the cache length: every packed row after the
   first gets the wrong ones) or no `logits_to_keep` (the Engine would read the wrong positions);
 - attention that is not causal (`is_causal=False` on an attention module, or `use_bidirectional_attention`: a
   packed prefill chunk is causal);
-- chunked attention (Llama 4's `attention_chunk_size`: the step masks sliding windows, not chunks);
 - a sliding window the attention modules do not pass to the attention function (the window comes from the model's
   mask or the cache's truncation, neither of which the packed step reads).
 
@@ -24,6 +23,8 @@ way.
 from __future__ import annotations
 
 import inspect
+
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..attention.interface import _class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
@@ -43,8 +44,7 @@ def refuse_unsupported_engine(model) -> None:
         _position_ids_reason(model)
         or _logits_to_keep_reason(model)
         or _non_causal_reason(decoder)
-        or _bidirectional_reason(config)
-        or _chunked_reason(config)
+        or _bidirectional_reason(model, config)
         or _window_reason(decoder, config)
     )
     model_type = getattr(model.config, "model_type", None)
@@ -117,9 +117,9 @@ def _non_causal_reason(model) -> str | None:
     )
 
 
-def _bidirectional_reason(config) -> str | None:
+def _bidirectional_reason(model, config) -> str | None:
     mode = getattr(config, "use_bidirectional_attention", None)
-    if not mode:
+    if not mode or (mode == "vision" and config is model.config):  # a text-only model has no vision tokens
         return None
     which = "its vision tokens attend" if mode == "vision" else "it attends"
     return (
@@ -128,24 +128,24 @@ def _bidirectional_reason(config) -> str | None:
     )
 
 
-def _chunked_reason(config) -> str | None:
-    layer_types = getattr(config, "layer_types", None) or []
-    if "chunked_attention" not in layer_types:
-        return None
-    chunk = getattr(config, "attention_chunk_size", None)
-    return (
-        f"chunked attention (attention_chunk_size = {chunk}): a chunked layer attends within fixed chunks of "
-        "positions, while the Engine's step masks a sliding window"
-    )
+def chunk_sizes(config) -> list[int | None]:
+    """Per layer of a (decoder text) config: the chunk of a chunked-attention layer, else None."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    return [
+        kwargs["sliding_window"] if layer_type == "chunked_attention" else None
+        for layer_type, kwargs in zip(layer_types, layer_kwargs)
+    ]
 
 
 def _window_reason(model, config) -> str | None:
     """A sliding layer must hand its window to the attention function (`sliding_window=`): the Engine masks the
     window there, from that argument, and reads neither the model's mask nor a truncated cache."""
-    windows = sliding_windows(config)
+    windows, chunks = sliding_windows(config), chunk_sizes(config)
     for module in _attention_modules(model):
         layer_idx = module.layer_idx
         if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(windows) or windows[layer_idx] is None:
+            continue
+        if chunks[layer_idx] is not None:  # chunked attention: the step masks the chunks itself (StepCache)
             continue
         if "sliding_window" not in _class_source(type(module)):
             return (
