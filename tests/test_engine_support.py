@@ -5,6 +5,7 @@ naming the model type and the reason; a model the Engine serves gives each promp
 from __future__ import annotations
 
 import pytest
+import torch
 import zoo
 
 import hf_paged
@@ -97,3 +98,29 @@ def test_softcap_is_applied_in_the_packed_step():
         if hasattr(module, "attn_logit_softcapping"):
             module.attn_logit_softcapping = None
     assert zoo.compare(zoo._engine(model, model_inputs), expected) is not None
+
+
+def test_a_forward_that_never_stores_kv_in_the_step_is_refused():
+    # Dory's forward takes its cache as `cache` only: a cache passed as past_key_values= would go unused while the
+    # model runs on a DynamicCache of its own. The Engine passes the keyword the forward takes...
+    model = zoo.tiny_model("dory", "DoryForCausalLM")
+    model.config.n_recurrent_loops = 1  # no looped cache layers
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+    assert engine._cache_keyword == "cache"
+    assert len(engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
+    # ... and a step whose forward stores nothing raises instead of returning what the model's own cache gave.
+    engine._cache_keyword = "past_key_values"
+    with pytest.raises(UnsupportedModel, match="'dory': its forward never stored K/V in the Engine's cache"):
+        engine.generate([[1, 2, 3]], max_new_tokens=2)
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_a_write_to_a_layer_the_pool_does_not_hold_is_refused():
+    from hf_paged.engine import StepCache
+
+    model = zoo.tiny_model("llama", "LlamaForCausalLM")
+    pool = BlockPool.for_model(model, num_blocks=4, block_size=4)
+    cache = StepCache(pool, [[[0]]], [0], [2], model_type="llama")
+    states = torch.zeros(1, 2, 2, 16)
+    with pytest.raises(UnsupportedModel, match="'llama': it writes cache layer 2, while the pool holds its 2 layers"):
+        cache.update(states, states, 2)

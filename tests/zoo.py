@@ -119,6 +119,17 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 48]},
     "zaya": {"num_experts_per_tok": 1},
+    "xmod": {"default_language": "en_XX"},  # its forward needs a language adapter to run
+    # DBRX's attention reads attn_config.rope_theta, which its attention config does not define, and clamps by clip_qkv
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # Dory loops its middle layers: one input, one looped and one output layer
+    "dory": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
 }
 
 

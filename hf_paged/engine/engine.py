@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import RequestFailed
+from ..errors import RequestFailed, UnsupportedModel
 from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
@@ -31,7 +31,7 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
-from .support import chunk_sizes, refuse_unsupported_engine
+from .support import cache_keyword, chunk_sizes, refuse_unsupported_engine
 
 
 class Engine:
@@ -100,6 +100,7 @@ class Engine:
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
         self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
+        self._cache_keyword = cache_keyword(model)
         self._requests: dict[int, Request] = {}  # issued and not handed back yet
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
         self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
@@ -421,6 +422,8 @@ class Engine:
         undone (`checkpoint`) and the requests blamed have finished with their error."""
         try:
             return self._results(rows, range(len(rows)))
+        except UnsupportedModel:  # the model's, not a row's: no row is to blame
+            raise
         except Exception as error:
             first_error = error
         results: dict = {}
@@ -481,6 +484,7 @@ class Engine:
             first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
             chunk_sizes=self._chunk_sizes,
             workspace=self._workspace,
+            model_type=getattr(self.model.config, "model_type", None),
         )
         token_ids = [
             token
@@ -491,10 +495,16 @@ class Engine:
         out = self.model(
             input_ids=torch.tensor([token_ids], device=device),
             position_ids=cache.position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
+            **{self._cache_keyword: cache},
         )
+        if cache.num_updates == 0:  # the model ran on a cache of its own: what it computed is not this step's
+            raise UnsupportedModel(
+                getattr(self.model.config, "model_type", None),
+                f"its forward never stored K/V in the Engine's cache (passed as {self._cache_keyword}=)",
+                "Engine",
+            )
         return out.logits[0]
 
     def _append(self, request: Request, token: int) -> tuple[int, int]:

@@ -34,6 +34,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
 from ..attention.interface import torch_attention_forward
 from ..cache.block_tables import head_major_index
+from ..errors import UnsupportedModel
 from ..storage import BlockPool
 
 
@@ -183,6 +184,8 @@ class StepCache(Cache):
             `attention_chunk_size`: a query sees the keys of its own chunk of positions, up to itself) or None;
             default none. The model passes no window for these layers: its mask makes the chunks.
         workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
+        model_type (`str`, *optional*): the model's type, named by the `UnsupportedModel` an update of a layer the
+            pool does not hold raises.
     """
 
     def __init__(
@@ -195,6 +198,7 @@ class StepCache(Cache):
         first_blocks: list[list[int]] | None = None,
         chunk_sizes: list[int | None] | None = None,
         workspace: dict | None = None,
+        model_type: str | None = None,
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
@@ -220,6 +224,8 @@ class StepCache(Cache):
         if any(q != 1 for q in q_lens[: self.num_decode]):
             raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
         self.pool = pool
+        self.model_type = model_type
+        self.num_updates = 0  # update calls so far (the Engine checks that a forward stored its K/V)
         self.chunk_sizes = [None] * pool.layout.num_layers if chunk_sizes is None else list(chunk_sizes)
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
@@ -276,7 +282,15 @@ class StepCache(Cache):
         """key/value_states [1, kv_heads, num_tokens, head_dim] -> an empty [1, kv_heads, 0, head_dim] placeholder
         carrying the step's `StepPlan` (twice, as keys and values); attention does the rest."""
         pool = self.pool
+        if not 0 <= layer_idx < pool.layout.num_layers:
+            raise UnsupportedModel(
+                self.model_type,
+                f"it writes cache layer {layer_idx}, while the pool holds its {pool.layout.num_layers} layers (a model "
+                "that adds cache layers of its own, such as a copy per loop of looped layers)",
+                "Engine",
+            )
         pool.check_states(layer_idx, key_states)
+        self.num_updates += 1
         group = self._groups[pool.group_of_layer[layer_idx]]
         store_kv_rows(
             pool.key_cache[layer_idx],

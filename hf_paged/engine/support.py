@@ -14,7 +14,12 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
 - attention that is not causal (`is_causal=False` on an attention module, or `use_bidirectional_attention`: a
   packed prefill chunk is causal);
 - a sliding window the attention modules do not pass to the attention function (the window comes from the model's
-  mask or the cache's truncation, neither of which the packed step reads).
+  mask or the cache's truncation, neither of which the packed step reads);
+- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks).
+
+Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
+step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
+`UnsupportedModel` from the step.
 
 The rules read the model's classes and modules, not a list of model types, so a new architecture is judged the same
 way.
@@ -45,6 +50,7 @@ def refuse_unsupported_engine(model) -> None:
         or _logits_to_keep_reason(model)
         or _non_causal_reason(decoder)
         or _bidirectional_reason(model, config)
+        or _loop_reason(config)
         or _window_reason(decoder, config)
     )
     model_type = getattr(model.config, "model_type", None)
@@ -125,6 +131,23 @@ def _bidirectional_reason(model, config) -> str | None:
     return (
         f"{which} bidirectionally (use_bidirectional_attention = {mode!r}), through a mask the model builds from "
         "absolute positions: the Engine's packed prefill attends causally"
+    )
+
+
+def cache_keyword(model) -> str:
+    """The keyword the model's forward takes its cache by: `cache` (transformers 5's name) where the forward names
+    it, else `past_key_values`. A forward that takes `cache` but has no alias for the old name would put a
+    `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
+    return "cache" if _takes(model.forward, "cache") else "past_key_values"
+
+
+def _loop_reason(config) -> str | None:
+    loops = getattr(config, "n_recurrent_loops", None)
+    if not isinstance(loops, int) or loops <= 1:
+        return None
+    return (
+        f"it loops its middle layers (n_recurrent_loops = {loops}), and each loop writes cache layers of its own "
+        "beyond the model's layers, which the pool does not hold"
     )
 
 
