@@ -38,9 +38,12 @@ class Engine:
     """Serve many requests from one `BlockPool` with any model that works with `PagedCache`.
 
     Args:
-        model: a transformers causal LM (decoder-only, full or sliding-window attention layers). Each request
-            holds one block table per layer group of the pool; a group whose layers all slide gives back the blocks
-            that left the window, so sliding-window models hold about a window of K/V per request.
+        model: a transformers causal LM (decoder-only, full, sliding-window or chunked attention layers). Each
+            request holds one block table per layer group of the pool; a group whose layers all slide gives back the
+            blocks that left the window, so sliding-window models hold about a window of K/V per request. A model
+            the packed step would run wrong raises `UnsupportedModel` here, naming its type and the reason
+            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, non-causal attention, attention
+            outside transformers' attention interface, ...); the model is left as it was.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
@@ -499,7 +502,9 @@ class Engine:
             logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
             **{self._cache_keyword: cache},
         )
-        if cache.num_updates == 0:  # the model ran on a cache of its own: what it computed is not this step's
+        # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch
+        # module, bench/replay.py's, computes no attention at all).
+        if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
             raise UnsupportedModel(
                 getattr(self.model.config, "model_type", None),
                 f"its forward never stored K/V in the Engine's cache (passed as {self._cache_keyword}=)",

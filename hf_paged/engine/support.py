@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import inspect
 
+import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..attention.interface import _class_source, refuse_unsupported_attention
@@ -39,7 +40,11 @@ PATH = "Engine"
 
 
 def refuse_unsupported_engine(model) -> None:
-    """Raise `UnsupportedModel` for a model the Engine's packed step would run wrong (see the module docstring)."""
+    """Raise `UnsupportedModel` for a model the Engine's packed step would run wrong (see the module docstring).
+    A stand-in that is not a torch module (bench/replay.py's, which returns logits without attention) is not
+    judged."""
+    if not isinstance(model, torch.nn.Module):
+        return
     refuse_unsupported_attention(model, path=PATH)
     config = model.config.get_text_config(decoder=True)
     # The decoder's attention layers only: a multimodal model's encoders (bidirectional, with layer indices of their
@@ -138,7 +143,8 @@ def cache_keyword(model) -> str:
     """The keyword the model's forward takes its cache by: `cache` (transformers 5's name) where the forward names
     it, else `past_key_values`. A forward that takes `cache` but has no alias for the old name would put a
     `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
-    return "cache" if _takes(model.forward, "cache") else "past_key_values"
+    forward = getattr(model, "forward", None)
+    return "cache" if forward is not None and _takes(forward, "cache") else "past_key_values"
 
 
 def _loop_reason(config) -> str | None:
