@@ -112,9 +112,35 @@ def test_enable_refuses_attention_of_its_own():
         hf_paged.enable(model)
 
 
-def test_the_attention_function_refuses_sinks():
-    model = zoo.tiny_model("llama", "LlamaForCausalLM")
-    query = key = value = torch.zeros(1, 4, 2, 16)
+def test_the_attention_function_applies_sinks_as_transformers_does():
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    model = zoo.tiny_model("gpt_oss", "GptOssForCausalLM")
     attention = model.model.layers[0].self_attn
-    with pytest.raises(UnsupportedModel, match="attention sinks"):
-        hf_paged.paged_attention_forward(attention, query, key, value, None, s_aux=torch.zeros(4))
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(2, 4, 5, 16, generator=generator)
+    key, value = torch.randn(2, 2, 7, 16, generator=generator), torch.randn(2, 2, 7, 16, generator=generator)
+    mask = torch.zeros(2, 1, 5, 7)
+    mask[0, :, :, :3] = torch.finfo(torch.float32).min  # row 0 left-padded
+    expected, _ = eager_attention_forward(attention, query, key, value, mask, scaling=0.25)
+    got, _ = hf_paged.paged_attention_forward(attention, query, key, value, mask, scaling=0.25, s_aux=attention.sinks)
+    torch.testing.assert_close(got, expected)
+    without_sinks, _ = hf_paged.paged_attention_forward(attention, query, key, value, mask, scaling=0.25)
+    assert not torch.allclose(without_sinks, expected, atol=1e-3)
+
+
+def test_torch_attention_without_a_mask_is_causal_like_sdpa():
+    # Where transformers skips the mask (SDPA's is_causal), the torch attention of softcap and sinks masks itself.
+    from hf_paged.attention.interface import torch_attention_forward
+
+    generator = torch.Generator().manual_seed(0)
+    query = torch.randn(1, 4, 3, 16, generator=generator)
+    key, value = torch.randn(1, 2, 5, 16, generator=generator), torch.randn(1, 2, 5, 16, generator=generator)
+    causal = torch.ones(3, 5, dtype=torch.bool).tril(2)[None, None]  # 2 cached keys, then the 3 queries
+    expected, _ = torch_attention_forward(query, key, value, causal, softcap=5.0)
+    got, _ = torch_attention_forward(query, key, value, None, softcap=5.0, is_causal=True)
+    torch.testing.assert_close(got, expected)
+    sdpa = torch.nn.functional.scaled_dot_product_attention(query, key, value, causal, enable_gqa=True)
+    torch.testing.assert_close(
+        torch_attention_forward(query, key, value, None, is_causal=True)[0], sdpa.transpose(1, 2)
+    )

@@ -17,14 +17,20 @@ child, each path of `PATHS` runs the same left-padded batch of 2 as the referenc
     raw error          anything else (a crash, a timeout, an error deep inside the model)
     reference fails    the reference itself fails (or the model cannot be built)
 
-A new path (the Engine's, say) is one more entry of `PATHS`: a function `(model, inputs, counts) -> GenerateResult`
-that `run_architecture` calls after the others; the reference it compares with is named by its `reference` field.
+The Engine's path runs each prompt of the batch (its unpadded tokens) through `Engine.generate` in one engine, with
+a small token budget per step and small blocks so that prefill chunks, packed prompts and decode rows share steps,
+and compares every request with `generate()` of that prompt alone (batch 1, `DynamicCache`): the same greedy tokens
+and, per step, the same raw logits (the Engine applies no logits processors).
+
+A new path is one more entry of `PATHS`: a function `(model, inputs) -> GenerateResult` that `run_architecture`
+calls after the others; the reference it compares with is named by its `reference` field.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import inspect
 import json
 import multiprocessing
 import os
@@ -113,6 +119,17 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 48]},
     "zaya": {"num_experts_per_tok": 1},
+    "xmod": {"default_language": "en_XX"},  # its forward needs a language adapter to run
+    # DBRX's attention reads attn_config.rope_theta, which its attention config does not define, and clamps by clip_qkv
+    "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # Dory loops its middle layers: one input, one looped and one output layer
+    "dory": {
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "num_hidden_layers": 3,
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
 }
 
 
@@ -140,6 +157,9 @@ def _shrunk_kwargs(config) -> dict:
     window = defaults.get("sliding_window")
     if isinstance(window, int) and not isinstance(window, bool) and window > 8:
         kwargs["sliding_window"] = 8  # below prompt + new tokens, so a sliding layer really slides
+    chunk = defaults.get("attention_chunk_size")
+    if isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 4:
+        kwargs["attention_chunk_size"] = 4  # inside the prompt, so a chunked layer really starts a new chunk
     if isinstance(defaults.get("rotary_dim"), int):
         kwargs["rotary_dim"] = 8
     if defaults.get("kv_lora_rank"):  # MLA expands its latent to every head
@@ -167,9 +187,18 @@ def config_class_of(model_type: str):
 def tiny_config(model_type: str):
     """The tiny config of `model_type`: generic shrinking, then `OVERRIDES[model_type]`."""
     config_class = config_class_of(model_type)
-    kwargs = _shrunk_kwargs(config_class())
+    config = config_class()
+    kwargs = _shrunk_kwargs(config)
+    if getattr(config, "is_decoder", None) is False and "is_decoder=True" in _source(architectures()[model_type]):
+        kwargs["is_decoder"] = True  # a BERT-style encoder is a causal LM only as a decoder (its class says so)
     kwargs.update(OVERRIDES.get(model_type, {}))
     return config_class(**kwargs)
+
+
+def _source(class_name: str) -> str:
+    import transformers
+
+    return inspect.getsource(getattr(transformers, class_name))
 
 
 def tiny_model(model_type: str, class_name: str):
@@ -233,9 +262,51 @@ class ReferenceMismatch(RuntimeError):
     """generate() with a DynamicCache passed in differs from generate() with the model's default cache."""
 
 
+def prompts_of(model_inputs: dict) -> list[list[int]]:
+    """Each row's prompt without its padding."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(model_inputs["input_ids"], model_inputs["attention_mask"])]
+
+
+def single_reference(model, model_inputs: dict) -> GenerateResult:
+    """Each prompt alone (batch 1, no padding) through greedy `generate()` with a `DynamicCache`, checked against
+    the model's default cache as in `reference`: [rows, MAX_NEW_TOKENS] new tokens and, per step, [rows, vocab]
+    raw logits (`output_logits`: what the Engine's greedy choice reads)."""
+    from transformers import DynamicCache
+
+    def run(input_ids, **options) -> GenerateResult:
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=MAX_NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **options,
+        )
+        return GenerateResult(out.sequences[:, input_ids.shape[1] :], tuple(out.logits))
+
+    rows = []
+    for prompt in prompts_of(model_inputs):
+        input_ids = torch.tensor([prompt])
+        result = run(input_ids, past_key_values=DynamicCache(config=model.config))
+        difference = compare(result, run(input_ids))
+        if difference is not None:
+            raise ReferenceMismatch(f"a DynamicCache passed to generate() differs from the default cache: {difference}")
+        rows.append(result)
+    return _stack(rows)
+
+
+def _stack(rows: list[GenerateResult]) -> GenerateResult:
+    """One GenerateResult of `rows` (each one row of the same number of steps)."""
+    sequences = torch.cat([row.sequences for row in rows])
+    scores = tuple(torch.cat(step) for step in zip(*(row.scores for row in rows)))
+    return GenerateResult(sequences, scores)
+
+
 REFERENCES: dict[str, Callable] = {
     "greedy": lambda model, model_inputs: reference(model, model_inputs),
     "beams": lambda model, model_inputs: reference(model, model_inputs, num_beams=NUM_BEAMS),
+    "single": single_reference,
 }
 
 
@@ -244,6 +315,7 @@ class Counts:
     """How often hf_paged ran during one path (see `_instrument`)."""
 
     updates: int = 0  # PagedCache.update calls
+    step_updates: int = 0  # StepCache.update calls (the Engine's)
     attention_calls: int = 0  # calls of the "hf_paged" attention function
     plans: int = 0  # of those, calls that read K/V through a decode plan
 
@@ -276,6 +348,40 @@ def _attention(model, model_inputs) -> GenerateResult:
     return _paged(model, model_inputs)
 
 
+# The Engine's shapes: blocks of 4 tokens (a prompt spans several, a sliding window of 8 releases some) and 6
+# tokens per step, so prompts are prefilled in chunks over cached tokens, packed two to a step, and share steps
+# with decode rows.
+ENGINE_OPTIONS = dict(max_num_seqs=2, max_num_batched_tokens=6)
+ENGINE_BLOCK_SIZE = 4
+
+
+def _engine(model, model_inputs) -> GenerateResult:
+    """Every prompt of `model_inputs` through one Engine's `generate()`; per step, each request's raw logits."""
+    from hf_paged import BlockPool, Engine
+
+    class ScoredEngine(Engine):
+        """An Engine that keeps the logits each request's next token was chosen from."""
+
+        def _forward(self, rows):
+            logits = super()._forward(rows)
+            for (request, num_tokens), row_logits in zip(rows, logits):
+                if request.num_pending == num_tokens:  # the row ends its input: its logits pick a token
+                    scores.setdefault(request.request_id, []).append(row_logits.float().clone())
+            return logits
+
+    scores: dict[int, list[torch.Tensor]] = {}
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=ENGINE_BLOCK_SIZE)
+    engine = ScoredEngine(model, pool, **ENGINE_OPTIONS)
+    outputs = engine.generate(prompts_of(model_inputs), max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)
+    # generate() issues request ids 0, 1, ... in input order on a new engine.
+    steps = [scores.get(request_id, []) for request_id in range(len(outputs))]
+    if any(len(output) != MAX_NEW_TOKENS or len(step) != MAX_NEW_TOKENS for output, step in zip(outputs, steps)):
+        return GenerateResult(torch.tensor([output[:1] for output in outputs]), ())  # compare() names the miss
+    return _stack(
+        [GenerateResult(torch.tensor([output]), tuple(s[None] for s in step)) for output, step in zip(outputs, steps)]
+    )
+
+
 PATHS: list[ZooPath] = [
     ZooPath(
         "paged",
@@ -298,7 +404,13 @@ PATHS: list[ZooPath] = [
         "greedy",
         lambda counts: counts.updates > 0 and counts.attention_calls > 0,
     ),
-    # The Engine's path goes here: ZooPath("engine", ..., run=<Engine.generate wrapped to a GenerateResult>, ...).
+    ZooPath(
+        "engine",
+        "Engine.generate (each prompt vs generate() of it alone)",
+        _engine,
+        "single",
+        lambda counts: counts.step_updates > 0 and counts.attention_calls > 0,
+    ),
 ]
 
 
@@ -307,12 +419,17 @@ def _instrument(counts: Counts) -> None:
     """In a zoo child: count PagedCache.update calls and calls of the "hf_paged" attention function."""
     from hf_paged.attention import interface, plan_of
     from hf_paged.cache import PagedCache
+    from hf_paged.engine import StepCache
 
-    update = PagedCache.update
+    update, step_update = PagedCache.update, StepCache.update
 
     def counted_update(self, *args, **kwargs):
         counts.updates += 1
         return update(self, *args, **kwargs)
+
+    def counted_step_update(self, *args, **kwargs):
+        counts.step_updates += 1
+        return step_update(self, *args, **kwargs)
 
     attend = interface.paged_attention_forward
 
@@ -322,6 +439,7 @@ def _instrument(counts: Counts) -> None:
         return attend(module, query, key, *args, **kwargs)
 
     PagedCache.update = counted_update
+    StepCache.update = counted_step_update
     # register() (called by enable()) registers whatever this module name holds.
     interface.paged_attention_forward = counted_attention
     interface.register()
@@ -386,7 +504,7 @@ def run_architecture(model_type: str, class_name: str, report: Callable[[str, di
         if isinstance(reference, Exception):
             report(path.name, {"outcome": "reference fails", "detail": _short(reference)})
             continue
-        counts.updates = counts.attention_calls = counts.plans = 0
+        counts.updates = counts.step_updates = counts.attention_calls = counts.plans = 0
         try:
             got = path.run(model, model_inputs)
         except Exception as error:

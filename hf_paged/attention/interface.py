@@ -45,19 +45,23 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
-    if kwargs.get("s_aux") is not None:
-        raise UnsupportedModel(_model_type(module), SINKS_REASON, "the hf_paged attention")
     plan = plan_of(key)
-    if softcap is not None:  # SDPA has no softcap: where a step would run SDPA, run softcap attention in torch
+    sinks = kwargs.get("s_aux")
+    if softcap is not None or sinks is not None:
+        # SDPA has neither a softcap nor attention sinks: where a step would run SDPA, run the torch attention. The
+        # paged kernels apply a softcap, not sinks: a decode step with sinks gathers its K/V.
+        extra = dict(softcap=softcap, sinks=sinks, is_causal=getattr(module, "is_causal", True))
         if plan is None:
-            return softcap_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap)
+            return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
         if isinstance(plan, DecodePlan) and (
-            module_backend(module, query.device) == "torch" or plan.kv_start(attention_mask) is None
+            sinks is not None
+            or module_backend(module, query.device) == "torch"
+            or plan.kv_start(attention_mask) is None
         ):
             key, value = plan.gather()
             if plan.ragged:
                 attention_mask = plan.length_mask(sliding_window)
-            return softcap_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap)
+            return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
@@ -83,21 +87,56 @@ def softcap_attention_forward(
     scaling: float | None,
     softcap: float,
 ) -> tuple[torch.Tensor, None]:
-    """Attention with logits capped at `softcap` (`softcap * tanh(logits / softcap)`), in plain torch: query
-    [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim], attention_mask a boolean (True = attend)
-    or additive [B, 1, q_len, >= kv_len] mask -> ([B, q_len, heads, head_dim], None)."""
+    """`torch_attention_forward` with a softcap and an explicit mask (None: every key visible)."""
+    return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap=softcap)
+
+
+def torch_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """Attention in plain torch, for what SDPA does not do: query [B, heads, q_len, head_dim], key/value
+    [B, kv_heads, kv_len, head_dim] -> ([B, q_len, heads, head_dim], None).
+
+    Args:
+        attention_mask: a boolean (True = attend) or additive [B, 1, q_len, >= kv_len] mask. None: every key is
+            visible, or with `is_causal` (and q_len > 1) query i sees the keys up to position kv_len - q_len + i,
+            as SDPA's `is_causal` where transformers skips building the mask.
+        softcap: logits capped at `softcap` (`softcap * tanh(logits / softcap)`).
+        sinks: [heads] attention sinks (transformers' `s_aux`): one more logit per head joins the softmax, and its
+            share of the weight is dropped (GPT-OSS; Granite's sigmoid form is the same).
+    """
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     logits = torch.matmul(query, key.transpose(2, 3)) * scaling
-    logits = torch.tanh(logits / softcap) * softcap
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    q_len, kv_len = logits.shape[-2], logits.shape[-1]
     if attention_mask is not None:
-        mask = attention_mask[:, :, :, : key.shape[-2]]
+        mask = attention_mask[:, :, :, :kv_len]
         if mask.dtype == torch.bool:
             logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
         else:
             logits = logits + mask
-    weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    elif is_causal and q_len > 1:
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=logits.device).tril(kv_len - q_len)
+        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(logits.shape[0], -1, q_len, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
     weights = torch.nn.functional.dropout(weights, p=dropout)
     return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
@@ -136,20 +175,17 @@ KV_AFTER_UPDATE = {
     "doge": "it indexes the K/V that cache.update() returns (dynamic mask attention)",
     "git": "it concatenates image K/V to what cache.update() returns",
 }
-SINKS_REASON = (
-    "its attention passes attention sinks (s_aux), which the hf_paged attention (SDPA for prefill, the paged kernels "
-    "for decode) does not apply"
-)
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
 
 
-def refuse_unsupported_attention(model) -> None:
+def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
     """Raise `UnsupportedModel` for a model the "hf_paged" attention would run wrong or not at all: attention code
     of its own (it never looks the attention function up in transformers' `ALL_ATTENTION_FUNCTIONS`, so enable()
-    would change nothing), attention sinks, or K/V read after `cache.update()` (`KV_AFTER_UPDATE`)."""
+    would change nothing), or K/V read after `cache.update()` (`KV_AFTER_UPDATE`). `path` names the caller in the
+    error (the Engine runs the same check)."""
     model_type = _model_type(model)
     if model_type in KV_AFTER_UPDATE:
-        raise UnsupportedModel(model_type, KV_AFTER_UPDATE[model_type], "hf_paged.enable")
+        raise UnsupportedModel(model_type, KV_AFTER_UPDATE[model_type], path)
     attention_classes = {
         type(module)
         for module in model.modules()
@@ -163,11 +199,8 @@ def refuse_unsupported_attention(model) -> None:
             model_type,
             f'its attention ({which}) is its own code, not transformers\' attention interface, so the "hf_paged" '
             "attention would never run",
-            "hf_paged.enable",
+            path,
         )
-    for module in model.modules():
-        if getattr(module, "sinks", None) is not None and "s_aux" in _class_source(type(module)):
-            raise UnsupportedModel(model_type, SINKS_REASON, "hf_paged.enable")
 
 
 @functools.cache

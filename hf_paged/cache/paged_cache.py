@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_kv_rows
-from ..errors import PoolExhausted, PoolMismatch
+from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
 from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import GatherWorkspace
@@ -152,6 +152,14 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
         `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        if layer_idx >= self.layout.num_layers and len(self.layers) > self.layout.num_layers:
+            raise UnsupportedModel(
+                getattr(self._config, "model_type", None),
+                f"it adds cache layers of its own ({len(self.layers)} for its {self.layout.num_layers} layers, such as "
+                f"a copy per loop of looped layers) and writes layer {layer_idx}; a PagedCache holds blocks for the "
+                "model's layers only",
+                "PagedCache",
+            )
         if layer_idx >= len(self.layers):
             raise PoolMismatch(
                 f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers; build it from the "

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest
+from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest, UnsupportedModel
 from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
@@ -32,15 +32,19 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
+from .support import cache_keyword, chunk_sizes, refuse_unsupported_engine
 
 
 class Engine:
     """Serve many requests from one `BlockPool` with any model that works with `PagedCache`.
 
     Args:
-        model: a transformers causal LM (decoder-only, full or sliding-window attention layers). Each request
-            holds one block table per layer group of the pool; a group whose layers all slide gives back the blocks
-            that left the window, so sliding-window models hold about a window of K/V per request.
+        model: a transformers causal LM (decoder-only, full, sliding-window or chunked attention layers). Each
+            request holds one block table per layer group of the pool; a group whose layers all slide gives back the
+            blocks that left the window, so sliding-window models hold about a window of K/V per request. A model
+            the packed step would run wrong raises `UnsupportedModel` here, naming its type and the reason
+            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, non-causal attention, attention
+            outside transformers' attention interface, ...); the model is left as it was.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
@@ -84,6 +88,7 @@ class Engine:
         backfill_window: int = 8,
         lockstep_timeout: float = 300.0,
     ):
+        refuse_unsupported_engine(model)  # before anything: a model the packed step would run wrong
         pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
         if pool.is_multi_device:
             raise PoolMismatch(
@@ -108,6 +113,8 @@ class Engine:
         self.limits = PromptLimits.from_model(model)
         self.stats = EngineStats()
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
+        self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
+        self._cache_keyword = cache_keyword(model)
         self._requests: dict[int, Request] = {}  # issued and not handed back yet
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
         self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
@@ -464,6 +471,8 @@ class Engine:
         undone (`checkpoint`) and the requests blamed have finished with their error."""
         try:
             return self._results(rows, range(len(rows)))
+        except UnsupportedModel:  # the model's, not a row's: no row is to blame
+            raise
         except Exception as error:
             first_error = error
         results: dict = {}
@@ -522,7 +531,9 @@ class Engine:
             [request.num_computed for request, _ in rows],
             [num_tokens for _, num_tokens in rows],
             first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
+            chunk_sizes=self._chunk_sizes,
             workspace=self._workspace,
+            model_type=getattr(self.model.config, "model_type", None),
         )
         token_ids = [
             token
@@ -533,10 +544,18 @@ class Engine:
         out = self.model(
             input_ids=torch.tensor([token_ids], device=device),
             position_ids=cache.position_ids,
-            past_key_values=cache,
             use_cache=True,
             logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
+            **{self._cache_keyword: cache},
         )
+        # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch
+        # module, bench/replay.py's, computes no attention at all).
+        if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
+            raise UnsupportedModel(
+                getattr(self.model.config, "model_type", None),
+                f"its forward never stored K/V in the Engine's cache (passed as {self._cache_keyword}=)",
+                "Engine",
+            )
         return out.logits[0]
 
     def _append(self, request: Request, token: int) -> tuple[int, int]:

@@ -32,7 +32,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
+from ..attention.interface import torch_attention_forward
 from ..cache.block_tables import head_major_index
+from ..errors import UnsupportedModel
 from ..storage import BlockPool
 
 
@@ -83,6 +85,9 @@ class StepPlan:
         """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None). `attention_mask` is
         ignored: each row's keys are described by its lengths, and each prefill chunk builds its own causal mask."""
         cache = self.cache
+        chunk_size = cache.chunk_sizes[self.layer_idx]
+        if chunk_size is not None:
+            return cache.attend_chunked(module, self.layer_idx, query, chunk_size, **kwargs), None
         num_decode = cache.num_decode
         decoded = None
         if num_decode:
@@ -98,21 +103,47 @@ class StepPlan:
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
             key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
             first = cache.first_position(self.layer_idx, row)
-            mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
-            chunk, _ = sdpa_attention_forward(
-                module, query[:, :, start : start + q_len], key, value, mask, sliding_window=sliding_window, **kwargs
-            )
+            chunk_query = query[:, :, start : start + q_len]
+            if _needs_torch_attention(kwargs):  # SDPA has no softcap or sinks: the torch attention, explicit mask
+                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device, explicit=True)
+                chunk, _ = _torch_attention(chunk_query, key, value, mask, kwargs)
+            else:
+                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
+                chunk, _ = sdpa_attention_forward(
+                    module, chunk_query, key, value, mask, sliding_window=sliding_window, **kwargs
+                )
             out[0, start : start + q_len] = chunk[0]  # [q_len, heads, D]
         return out, None
 
 
-def _chunk_mask(seq_len: int, q_len: int, sliding_window: int | None, first: int, device) -> torch.Tensor | None:
+def _needs_torch_attention(kwargs: dict) -> bool:
+    """The attention function's keywords ask for what SDPA does not do: a softcap or attention sinks (`s_aux`)."""
+    return kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None
+
+
+def _torch_attention(query, key, value, mask, kwargs: dict) -> tuple[torch.Tensor, None]:
+    """`torch_attention_forward` with the attention function's keywords (softcap, s_aux, scaling, dropout)."""
+    return torch_attention_forward(
+        query,
+        key,
+        value,
+        mask,
+        kwargs.get("dropout", 0.0),
+        kwargs.get("scaling"),
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+    )
+
+
+def _chunk_mask(
+    seq_len: int, q_len: int, sliding_window: int | None, first: int, device, explicit: bool = False
+) -> torch.Tensor | None:
     """[1, 1, q_len, seq_len + q_len - first] bool for keys from position `first` on: query i (position seq_len + i)
     sees the key at position p when p <= seq_len + i (and, with a window, p > seq_len + i - sliding_window). None
     where sdpa's own mask would be skipped for plain causal attention (no cached keys, the whole chunk inside the
-    window), as `generate()` does for a batch-1 prompt."""
+    window), as `generate()` does for a batch-1 prompt, unless `explicit` (an attention without SDPA's `is_causal`)."""
     kv_len = seq_len + q_len
-    if seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
+    if not explicit and seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
         return None
     query_positions = torch.arange(seq_len, kv_len, device=device)[:, None]
     key_positions = torch.arange(first, kv_len, device=device)[None, :]
@@ -149,7 +180,12 @@ class StepCache(Cache):
         q_lens (`list[int]`): new tokens per row; decode rows (1) come before prefill chunks (more than 1).
         first_blocks (`list[list[int]]`, *optional*): `first_blocks[g][b]`, blocks released before row b's table in
             group g (sliding groups); default none.
+        chunk_sizes (`list[int | None]`, *optional*): per layer, the chunk of a chunked-attention layer (Llama 4's
+            `attention_chunk_size`: a query sees the keys of its own chunk of positions, up to itself) or None;
+            default none. The model passes no window for these layers: its mask makes the chunks.
         workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
+        model_type (`str`, *optional*): the model's type, named by the `UnsupportedModel` an update of a layer the
+            pool does not hold raises.
     """
 
     def __init__(
@@ -160,7 +196,9 @@ class StepCache(Cache):
         q_lens: list[int],
         *,
         first_blocks: list[list[int]] | None = None,
+        chunk_sizes: list[int | None] | None = None,
         workspace: dict | None = None,
+        model_type: str | None = None,
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
@@ -186,6 +224,9 @@ class StepCache(Cache):
         if any(q != 1 for q in q_lens[: self.num_decode]):
             raise ValueError(f"decode rows (q_len 1) must come before prefill chunks, got q_lens {q_lens}")
         self.pool = pool
+        self.model_type = model_type
+        self.num_updates = 0  # update calls so far (the Engine checks that a forward stored its K/V)
+        self.chunk_sizes = [None] * pool.layout.num_layers if chunk_sizes is None else list(chunk_sizes)
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
@@ -241,7 +282,15 @@ class StepCache(Cache):
         """key/value_states [1, kv_heads, num_tokens, head_dim] -> an empty [1, kv_heads, 0, head_dim] placeholder
         carrying the step's `StepPlan` (twice, as keys and values); attention does the rest."""
         pool = self.pool
+        if not 0 <= layer_idx < pool.layout.num_layers:
+            raise UnsupportedModel(
+                self.model_type,
+                f"it writes cache layer {layer_idx}, while the pool holds its {pool.layout.num_layers} layers (a model "
+                "that adds cache layers of its own, such as a copy per loop of looped layers)",
+                "Engine",
+            )
         pool.check_states(layer_idx, key_states)
+        self.num_updates += 1
         group = self._groups[pool.group_of_layer[layer_idx]]
         store_kv_rows(
             pool.key_cache[layer_idx],
@@ -265,7 +314,8 @@ class StepCache(Cache):
         "auto", resolved for the query's device.
         """
         group = self._groups[self.pool.group_of_layer[layer_idx]]
-        if module_backend(module, query.device) == "torch":
+        # The paged kernels apply no attention sinks: rows with sinks take the torch path too.
+        if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None:
             key, value = self._gather(layer_idx, 0, self.num_decode)
             mask = length_mask(
                 group.seq_lens[: self.num_decode],
@@ -273,6 +323,8 @@ class StepCache(Cache):
                 group.length_masks,
                 max_len=max(group.host_seq_lens[: self.num_decode]),
             )
+            if _needs_torch_attention(kwargs):
+                return _torch_attention(query, key, value, mask, kwargs)[0]
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         pool = self.pool
         if group.decode_tables is None:
@@ -289,6 +341,29 @@ class StepCache(Cache):
             length_masks=group.length_masks,
         )
         return plan.attend(module, query, None, **kwargs)[0]
+
+    def attend_chunked(
+        self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, chunk_size: int, **kwargs
+    ) -> torch.Tensor:
+        """Chunked attention over every row of the step, one row at a time: query [1, heads, num_tokens, head_dim]
+        -> [1, num_tokens, heads, head_dim]. The query at position q sees the keys at positions p with
+        q // chunk_size * chunk_size <= p <= q (the sliding group of these layers keeps at least that much)."""
+        kwargs.pop("sliding_window", None)
+        _, num_heads, num_tokens, head_dim = query.shape
+        out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        for row, (start, q_len, seq_len) in enumerate(zip(self.starts, self.q_lens, self.seq_lens)):
+            key, value = self.gather_row(layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
+            first = self.first_position(layer_idx, row)
+            query_positions = torch.arange(seq_len, seq_len + q_len, device=query.device)[:, None]
+            key_positions = torch.arange(first, seq_len + q_len, device=query.device)[None, :]
+            visible = (key_positions <= query_positions) & (key_positions >= query_positions // chunk_size * chunk_size)
+            row_query = query[:, :, start : start + q_len]
+            if _needs_torch_attention(kwargs):
+                attended, _ = _torch_attention(row_query, key, value, visible[None, None], kwargs)
+            else:
+                attended, _ = sdpa_attention_forward(module, row_query, key, value, visible[None, None], **kwargs)
+            out[0, start : start + q_len] = attended[0]  # [q_len, heads, D]
+        return out
 
     def gather_row(self, layer_idx: int, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s held keys and values, cached and new: two [1, kv_heads, keys, head_dim] tensors, from

@@ -1,0 +1,185 @@
+"""Which models the Engine serves: the up-front refusals of `Engine.__init__`.
+
+The Engine packs every scheduled request's new tokens into one `[1, num_tokens]` sequence (see `StepCache`), gives
+the model each token's position (`position_ids`), reads the logits of each row's last token only
+(`logits_to_keep`), and computes attention itself per row (`StepPlan.attend`: a causal mask per prefill chunk, a
+length or sliding-window mask per decode row; the model's own mask is not read). A model that breaks one of these
+assumptions would compute the packed step wrong without any error, so `refuse_unsupported_engine` raises
+`UnsupportedModel` (path "Engine", naming the model type and the reason) before anything runs:
+
+- attention that does not go through transformers' attention interface, or K/V read after `cache.update()` (the
+  checks of `hf_paged.enable`, which the Engine relies on);
+- a forward that takes no `position_ids` (positions would come from the cache length: every packed row after the
+  first gets the wrong ones) or no `logits_to_keep` (the Engine would read the wrong positions);
+- attention that is not causal (`is_causal=False` on an attention module, or `use_bidirectional_attention`: a
+  packed prefill chunk is causal);
+- a sliding window the attention modules do not pass to the attention function (the window comes from the model's
+  mask or the cache's truncation, neither of which the packed step reads);
+- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks).
+
+Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
+step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
+`UnsupportedModel` from the step.
+
+The rules read the model's classes and modules, not a list of model types, so a new architecture is judged the same
+way.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from ..attention.interface import _class_source, refuse_unsupported_attention
+from ..errors import UnsupportedModel
+from ..storage import sliding_windows
+
+PATH = "Engine"
+
+
+def refuse_unsupported_engine(model) -> None:
+    """Raise `UnsupportedModel` for a model the Engine's packed step would run wrong (see the module docstring).
+    A stand-in that is not a torch module (bench/replay.py's, which returns logits without attention) is not
+    judged."""
+    if not isinstance(model, torch.nn.Module):
+        return
+    refuse_unsupported_attention(model, path=PATH)
+    config = model.config.get_text_config(decoder=True)
+    # The decoder's attention layers only: a multimodal model's encoders (bidirectional, with layer indices of their
+    # own) never see the packed step.
+    decoder = _decoder(model) or model
+    reason = (
+        _position_ids_reason(model)
+        or _logits_to_keep_reason(model)
+        or _non_causal_reason(decoder)
+        or _bidirectional_reason(model, config)
+        or _loop_reason(config)
+        or _window_reason(decoder, config)
+    )
+    model_type = getattr(model.config, "model_type", None)
+    if reason is not None:
+        raise UnsupportedModel(model_type, reason, PATH)
+
+
+def _parameters(forward) -> dict[str, inspect.Parameter]:
+    try:
+        return dict(inspect.signature(forward).parameters)
+    except (TypeError, ValueError):
+        return {}
+
+
+def _takes(forward, name: str) -> bool:
+    return name in _parameters(forward)
+
+
+def _passes_keywords(forward) -> bool:
+    return any(p.kind is inspect.Parameter.VAR_KEYWORD for p in _parameters(forward).values())
+
+
+def _position_ids_reason(model) -> str | None:
+    """A forward that takes `position_ids`, or passes its keywords on to a decoder whose forward does."""
+    if _takes(model.forward, "position_ids"):
+        return None
+    decoder = _decoder(model)
+    if decoder is not None and _passes_keywords(model.forward) and _takes(decoder.forward, "position_ids"):
+        return None
+    return (
+        f"{type(model).__name__}.forward takes no position_ids: positions come from the cache length, so every "
+        "request packed after the first in a step would get the wrong positions"
+    )
+
+
+def _decoder(model):
+    get_decoder = getattr(model, "get_decoder", None)
+    try:
+        decoder = get_decoder() if get_decoder is not None else None
+    except Exception:  # a model whose get_decoder cannot find its decoder
+        return None
+    return decoder if decoder is not model else None
+
+
+def _logits_to_keep_reason(model) -> str | None:
+    if _takes(model.forward, "logits_to_keep"):
+        return None
+    return (
+        f"{type(model).__name__}.forward takes no logits_to_keep: the Engine reads each request's next-token logits "
+        "at its own last token of the packed step, which this model would not select"
+    )
+
+
+def _attention_modules(model) -> list:
+    """The model's attention layers: modules with a `layer_idx` whose class name says attention."""
+    return [
+        module
+        for module in model.modules()
+        if hasattr(module, "layer_idx") and "attention" in type(module).__name__.lower()
+    ]
+
+
+def _non_causal_reason(model) -> str | None:
+    non_causal = sorted({type(m).__name__ for m in _attention_modules(model) if getattr(m, "is_causal", True) is False})
+    if not non_causal:
+        return None
+    return (
+        f"its attention is not causal (is_causal=False on {', '.join(non_causal)}): the Engine's packed prefill "
+        "attends causally, so it would not compute what this model computes"
+    )
+
+
+def _bidirectional_reason(model, config) -> str | None:
+    mode = getattr(config, "use_bidirectional_attention", None)
+    if not mode or (mode == "vision" and config is model.config):  # a text-only model has no vision tokens
+        return None
+    which = "its vision tokens attend" if mode == "vision" else "it attends"
+    return (
+        f"{which} bidirectionally (use_bidirectional_attention = {mode!r}), through a mask the model builds from "
+        "absolute positions: the Engine's packed prefill attends causally"
+    )
+
+
+def cache_keyword(model) -> str:
+    """The keyword the model's forward takes its cache by: `cache` (transformers 5's name) where the forward names
+    it, else `past_key_values`. A forward that takes `cache` but has no alias for the old name would put a
+    `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
+    forward = getattr(model, "forward", None)
+    return "cache" if forward is not None and _takes(forward, "cache") else "past_key_values"
+
+
+def _loop_reason(config) -> str | None:
+    loops = getattr(config, "n_recurrent_loops", None)
+    if not isinstance(loops, int) or loops <= 1:
+        return None
+    return (
+        f"it loops its middle layers (n_recurrent_loops = {loops}), and each loop writes cache layers of its own "
+        "beyond the model's layers, which the pool does not hold"
+    )
+
+
+def chunk_sizes(config) -> list[int | None]:
+    """Per layer of a (decoder text) config: the chunk of a chunked-attention layer, else None."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    return [
+        kwargs["sliding_window"] if layer_type == "chunked_attention" else None
+        for layer_type, kwargs in zip(layer_types, layer_kwargs)
+    ]
+
+
+def _window_reason(model, config) -> str | None:
+    """A sliding layer must hand its window to the attention function (`sliding_window=`): the Engine masks the
+    window there, from that argument, and reads neither the model's mask nor a truncated cache."""
+    windows, chunks = sliding_windows(config), chunk_sizes(config)
+    for module in _attention_modules(model):
+        layer_idx = module.layer_idx
+        if not isinstance(layer_idx, int) or not 0 <= layer_idx < len(windows) or windows[layer_idx] is None:
+            continue
+        if chunks[layer_idx] is not None:  # chunked attention: the step masks the chunks itself (StepCache)
+            continue
+        if "sliding_window" not in _class_source(type(module)):
+            return (
+                f"layer {layer_idx} slides (window {windows[layer_idx]}) but its attention "
+                f"({type(module).__name__}) does not pass sliding_window to the attention function: the window "
+                "comes from the model's mask or the cache's truncation, neither of which the Engine's step reads"
+            )
+    return None
