@@ -59,7 +59,18 @@ class BlockTables:
         return {block_id for table in self.tables for block_id in table}
 
     def has_groups(self) -> bool:
-        return any(leader != row for row, leader in enumerate(self.leaders))
+        """Whether some row follows another (memoized until the next table change)."""
+        grouped = self._memo.get("grouped")
+        if grouped is None:
+            grouped = self._memo["grouped"] = any(leader != row for row, leader in enumerate(self.leaders))
+        return grouped
+
+    def writers(self) -> tuple[int, ...]:
+        """The rows that store K/V: each row group's leader, ascending (memoized until the next table change)."""
+        writers = self._memo.get("writers")
+        if writers is None:
+            writers = self._memo["writers"] = tuple(sorted(set(self.leaders)))
+        return writers
 
     # --------------------------------------------------------------- lifecycle
     def start(self, leaders: list[int]) -> None:
@@ -308,6 +319,7 @@ class BlockTables:
                 ),
                 "position_offset": position_offset,
                 "kv_starts": {},
+                "backends": {},
             }
             self._memo[key] = step
         return step
@@ -324,6 +336,31 @@ class BlockTables:
             index = head_major_index(tables, num_heads, num_pool_blocks)
             self._memo[key] = index
         return index
+
+    def writer_index(self) -> torch.Tensor:
+        """`writers()` as an int64 tensor on the pool's device (memoized until the next table change)."""
+        index = self._memo.get("writer_index")
+        if index is None:
+            index = self._memo["writer_index"] = torch.tensor(self.writers(), device=self.pool.device)
+        return index
+
+    def consecutive_run(self, first_block: int, end_block: int) -> tuple[int, int] | None:
+        """`(first_id, row_step)` when row b holds logical blocks [first_block, end_block) as the consecutive pool
+        blocks `first_id + row_step * b + i` (row_step >= 0; 0 for one row), else None. The rows' K/V are then one
+        strided view of the pool (gather.py). Memoized for the step's other layers."""
+        key = ("run", first_block, end_block)
+        if key in self._memo:
+            return self._memo[key]
+        run = None
+        lo, hi = first_block - self.base, end_block - self.base
+        if self.tables and 0 <= lo < hi <= self.num_table_blocks:
+            starts = [table[lo] for table in self.tables]
+            row_step = starts[1] - starts[0] if len(starts) > 1 else 0
+            if all(start == starts[0] + row_step * row for row, start in enumerate(starts)) and row_step >= 0:
+                if all(table[lo:hi] == list(range(table[lo], table[lo] + hi - lo)) for table in self.tables):
+                    run = (starts[0], row_step)
+        self._memo[key] = run
+        return run
 
     def slots(self, rows: tuple[int, ...] | None, start: int, end: int) -> torch.Tensor:
         """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
