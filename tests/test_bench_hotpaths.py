@@ -52,7 +52,7 @@ def _filled_cache(batch_size: int, context: int, num_layers: int = 4, fragmented
     pool = BlockPool(layout, num_blocks=2 * batch_size * (context // 16 + 4), block_size=16)
     cache, other = PagedCache(pool=pool), PagedCache(pool=pool)
     states = torch.randn(batch_size, 4, context, 64)
-    chunks = states.split(16, dim=2) if fragmented else [states]
+    chunks = states.split(16, dim=2) if fragmented else [states]  # the last chunk may be short
     for chunk in chunks:
         for target in (cache, other) if fragmented else (cache,):
             for layer_idx in range(num_layers):
@@ -62,12 +62,14 @@ def _filled_cache(batch_size: int, context: int, num_layers: int = 4, fragmented
 
 @pytest.mark.parametrize(
     "batch_size, context, fragmented",
-    [(1, 512, False), (1, 512, True), (1, 4096, False), (16, 512, False)],
-    ids=["1x512-consecutive", "1x512-fragmented", "1x4096-consecutive", "16x512"],
+    [(1, 500, False), (1, 500, True), (1, 4090, False), (16, 500, True)],
+    ids=["1x500-consecutive", "1x500-fragmented", "1x4090-consecutive", "16x500-fragmented"],
 )
 def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
     """One decode step of every layer: store one token per row, return the whole context (a view of the pool for
-    one row in consecutive blocks, else a gather)."""
+    rows in consecutive blocks, else a gather). The context leaves room in its last block, so every round
+    writes the same block (a round that took a block would give it back at the crop, and the next round would get
+    another one from the free queue)."""
     cache, num_layers = _filled_cache(batch_size, context, fragmented=fragmented)
     step = torch.randn(batch_size, 4, 1, 64)
 
@@ -81,7 +83,7 @@ def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
     assert keys.shape == (batch_size, 4, context + 1, 64)
     assert torch.equal(keys[:, :, -1], step[:, :, 0])
     is_view = keys.untyped_storage().data_ptr() == cache.pool.key_cache[num_layers - 1].untyped_storage().data_ptr()
-    assert is_view == (batch_size == 1 and not fragmented)
+    assert is_view == (not fragmented)
     cache.release()
 
 
