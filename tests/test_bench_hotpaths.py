@@ -62,12 +62,12 @@ def _filled_cache(batch_size: int, context: int, num_layers: int = 4, fragmented
 
 @pytest.mark.parametrize(
     "batch_size, context, fragmented",
-    [(1, 500, False), (1, 500, True), (1, 4090, False), (16, 500, True)],
-    ids=["1x500-consecutive", "1x500-fragmented", "1x4090-consecutive", "16x500-fragmented"],
+    [(1, 500, False), (1, 500, True), (1, 4090, False), (16, 500, False)],
+    ids=["1x500-consecutive", "1x500-fragmented", "1x4090-consecutive", "16x500"],
 )
 def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
     """One decode step of every layer: store one token per row, return the whole context (a view of the pool for
-    rows in consecutive blocks, else a gather). The context leaves room in its last block, so every round
+    one row in consecutive blocks, else a gather). The context leaves room in its last block, so every round
     writes the same block (a round that took a block would give it back at the crop, and the next round would get
     another one from the free queue)."""
     cache, num_layers = _filled_cache(batch_size, context, fragmented=fragmented)
@@ -83,7 +83,7 @@ def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
     assert keys.shape == (batch_size, 4, context + 1, 64)
     assert torch.equal(keys[:, :, -1], step[:, :, 0])
     is_view = keys.untyped_storage().data_ptr() == cache.pool.key_cache[num_layers - 1].untyped_storage().data_ptr()
-    assert is_view == (not fragmented)
+    assert is_view == (batch_size == 1 and not fragmented)
     cache.release()
 
 

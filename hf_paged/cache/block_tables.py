@@ -344,21 +344,20 @@ class BlockTables:
             index = self._memo["writer_index"] = torch.tensor(self.writers(), device=self.pool.device)
         return index
 
-    def consecutive_run(self, first_block: int, end_block: int) -> tuple[int, int] | None:
-        """`(first_id, row_step)` when row b holds logical blocks [first_block, end_block) as the consecutive pool
-        blocks `first_id + row_step * b + i` (row_step >= 0; 0 for one row), else None. The rows' K/V are then one
-        strided view of the pool (gather.py). Memoized for the step's other layers."""
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        """The pool block id of logical block `first_block` when the tables hold ONE row whose logical blocks
+        [first_block, end_block) are consecutive pool blocks, else None: that row's K/V are then one strided view of
+        the pool (gather.py). Several rows are never one view: a view's batch and head dimensions could not be merged
+        (models reshape K/V to `[B * heads, kv_len, head_dim]` with `.view`). Memoized for the step's other layers."""
         key = ("run", first_block, end_block)
         if key in self._memo:
             return self._memo[key]
         run = None
         lo, hi = first_block - self.base, end_block - self.base
-        if self.tables and 0 <= lo < hi <= self.num_table_blocks:
-            starts = [table[lo] for table in self.tables]
-            row_step = starts[1] - starts[0] if len(starts) > 1 else 0
-            if all(start == starts[0] + row_step * row for row, start in enumerate(starts)) and row_step >= 0:
-                if all(table[lo:hi] == list(range(table[lo], table[lo] + hi - lo)) for table in self.tables):
-                    run = (starts[0], row_step)
+        if len(self.tables) == 1 and 0 <= lo < hi <= self.num_table_blocks:
+            table = self.tables[0]
+            if table[hi - 1] - table[lo] == hi - 1 - lo and table[lo:hi] == list(range(table[lo], table[hi - 1] + 1)):
+                run = table[lo]
         self._memo[key] = run
         return run
 

@@ -3,8 +3,8 @@
 This is the sdpa / eager path (and the decode fallback of the "hf_paged" attention): attention wants
 `[B, kv_heads, kv_len, head_dim]` K/V, the pool holds them in blocks named by a layer group's block tables. Two ways:
 
-- zero-copy: when every row's blocks are consecutive pool blocks and the rows start equally far apart (one row
-  generating alone in its pool, the usual batch-1 `generate()`), the K/V are one strided view of the pool;
+- zero-copy: when the cache holds one row whose blocks are consecutive pool blocks (one row generating alone in its
+  pool, the usual batch-1 `generate()`), the K/V are one strided view of the pool;
 - otherwise one `index_select` per K and V into a `GatherWorkspace`, a grow-only buffer shared by the caches of one
   pool within one thread (`workspace_for`).
 """
@@ -50,22 +50,20 @@ def visible_kv(blocks: BlockTables, layer_idx: int, first: int, num_tokens: int)
     run = blocks.consecutive_run(first_block, end_block)
     if run is not None and key_cache.stride(1) == block_size * key_cache.stride(2):  # blocks of a head contiguous
         return tuple(
-            _run_view(cache, run, blocks.num_rows, end_block - first_block)[:, :, start:stop]
+            _run_view(cache, run, end_block - first_block)[:, :, start:stop]
             for cache in (pool.key_cache[layer_idx], pool.value_cache[layer_idx])
         )
     return workspace_for(pool).gather(blocks, layer_idx, first_block, end_block, start, stop)
 
 
-def _run_view(cache: torch.Tensor, run: tuple[int, int], num_rows: int, num_blocks: int) -> torch.Tensor:
-    """`[B, kv_heads, num_blocks * block_size, head_dim]` view of a head-major pool tensor `cache`
-    ([kv_heads, num_pool_blocks, block_size, head_dim], blocks contiguous) where row b holds the consecutive blocks
-    from `run[0] + b * run[1]`."""
-    first_id, row_step = run
+def _run_view(cache: torch.Tensor, first_id: int, num_blocks: int) -> torch.Tensor:
+    """`[1, kv_heads, num_blocks * block_size, head_dim]` view of a head-major pool tensor `cache` ([kv_heads,
+    num_pool_blocks, block_size, head_dim], blocks contiguous) over the consecutive blocks from `first_id`."""
     num_heads, _, block_size, head_dim = cache.shape
     head_stride, block_stride, token_stride, _ = cache.stride()
     return cache.as_strided(
-        (num_rows, num_heads, num_blocks * block_size, head_dim),
-        (row_step * block_stride, head_stride, token_stride, 1),
+        (1, num_heads, num_blocks * block_size, head_dim),
+        (num_heads * head_stride, head_stride, token_stride, 1),
         cache.storage_offset() + first_id * block_stride,
     )
 

@@ -49,10 +49,10 @@ class PagedCache(Cache):
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
     `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
     only the window, exactly like `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's
-    own `key_states`/`value_states`. Later steps return views: of the pool when each row's blocks are consecutive
-    pool blocks (one row in a private pool), else of a gather workspace that the caches of one pool share within a
-    thread. They are valid until the next `update` of a cache of that pool in that thread (attention consumes them
-    at once).
+    own `key_states`/`value_states`. Later steps return views: of the pool when the cache holds one row whose blocks
+    are consecutive pool blocks (one row in a private pool), else of a gather workspace that the caches of one pool
+    share within a thread. They are valid until the next `update` of a cache of that pool in that thread (attention
+    consumes them at once).
 
     Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
     garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
