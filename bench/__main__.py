@@ -132,7 +132,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         default=None,
         help="serving runs per backend and budget, interleaved; the fastest is kept (default 2)",
     )
-    parser.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
+    only = parser.add_mutually_exclusive_group()
+    only.add_argument("--serving-only", action="store_true", help="skip the cache report (the log then lacks it)")
+    only.add_argument(
+        "--cache-only", action="store_true", help="only the cache report (PagedCache under generate()), no serving run"
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     parser.add_argument(
         "--tp",
@@ -166,6 +170,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.serving_json = args.serving_json or str(RESULTS / args.size / "serving.json")
     if args.size == "quick" and Path(args.log).resolve() == ROOT / LOG_NAME:
         parser.error(f"a quick run does not overwrite the full run's {LOG_NAME}; pass another --out")
+    if args.cache_only and Path(args.log).resolve() == ROOT / LOG_NAME:
+        parser.error(f"a --cache-only run does not overwrite {LOG_NAME} (it has no serving run); pass another --log")
     return args
 
 
@@ -199,27 +205,11 @@ def main(argv=None) -> int:
         device += f", tensor parallel over {args.tp} ranks"
     print(f"model: {args.model or EMBEDDED[args.layers]} on {model.device}, {model.dtype}", flush=True)
 
-    workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
-    budgets = args.budgets or BUDGETS[args.size]
-    repeats = args.repeats or 2
-    static_slot = args.static_slot or STATIC_SLOTS[args.size]
-    run = serving.run_serving(
-        model,
-        workload,
-        budgets,
-        args.backends,
-        repeats=repeats,
-        progress=not args.no_progress,
-        static_slot_tokens=static_slot,
-    )
-    if rank != 0:
+    results = {}
+    if not args.cache_only:
+        results["serving"] = run_serving_part(model, args, device, rank)
+    if rank != 0:  # the other tensor-parallel ranks ran the same steps; rank 0 reports
         return 0
-    rows = serving_report.summarize_all(run)
-    print(_serving_table(rows), flush=True)
-    plot = draw_plot(rows, args, device)
-    notes = run.notes + ([] if plot else [NO_MATPLOTLIB])
-    served = {"facts": serving_report.describe(run), "rows": rows, "notes": notes, "plot": plot}
-    results = {"serving": served}
     if not args.serving_only:
         results.update(run_cache_report(model, args, weight_major_rows))
 
@@ -240,7 +230,8 @@ def main(argv=None) -> int:
     accelerator = "" if model.device.type == "cpu" else f" with {device}"
     title = f"Serving log: {args.size} run on {host()}{accelerator}, {time.strftime('%Y-%m-%d', time.gmtime(started))}"
     results = {"title": title, "size": args.size, "header": header, **results}
-    for path, content in ((args.serving_json, {"header": header, **served}), (args.json, _cache_part(results))):
+    served = {"header": header, **results["serving"]} if "serving" in results else None
+    for path, content in ((args.serving_json, served), (args.json, _cache_part(results))):
         if content is not None:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             Path(path).write_text(json.dumps(content, indent=2))
@@ -249,8 +240,34 @@ def main(argv=None) -> int:
     text = render(results)
     http = http_section(log.read_text()) if log.exists() else None  # `python -m bench.serve`'s table stays
     log.write_text(text if http is None else with_section(text, http))
-    print(f"wrote {args.log}, {args.serving_json}" + ("" if args.serving_only else f" and {args.json}"))
+    written = [args.log] + ([] if args.cache_only else [args.serving_json]) + ([] if args.serving_only else [args.json])
+    print("wrote " + ", ".join(written))
     return 0
+
+
+def run_serving_part(model, args, device: str, rank: int = 0) -> dict | None:
+    """The serving benchmark on `args.workload` at every budget, its table printed and its plot drawn; None on a
+    tensor-parallel rank other than 0, which runs the same steps and reports nothing."""
+    workload = make_workload(args.workload, vocab_size=model.config.vocab_size, full=args.full, rate=args.rate)
+    budgets = args.budgets or BUDGETS[args.size]
+    repeats = args.repeats or 2
+    static_slot = args.static_slot or STATIC_SLOTS[args.size]
+    run = serving.run_serving(
+        model,
+        workload,
+        budgets,
+        args.backends,
+        repeats=repeats,
+        progress=not args.no_progress,
+        static_slot_tokens=static_slot,
+    )
+    if rank != 0:
+        return None
+    rows = serving_report.summarize_all(run)
+    print(_serving_table(rows), flush=True)
+    plot = draw_plot(rows, args, device)
+    notes = run.notes + ([] if plot else [NO_MATPLOTLIB])
+    return {"facts": serving_report.describe(run), "rows": rows, "notes": notes, "plot": plot}
 
 
 def draw_plot(rows: list[dict], args: argparse.Namespace, device: str) -> str | None:
@@ -316,7 +333,7 @@ def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
             max_new_tokens=64,
             contexts=[512, 4096],
             num_steps=32,
-            repeats=3,
+            repeats=5,
             sliding_prompt_len=3584,
             sliding_new_tokens=512,
         )
@@ -351,7 +368,11 @@ def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
     ]
     print(tabulate(sliding, headers="keys", floatfmt=".3f"), flush=True)
     speed = cache_report.decode_speed(
-        model, batch_sizes=[1, 16], contexts=sizes["contexts"], num_steps=sizes["num_steps"], repeats=sizes["repeats"]
+        model,
+        batch_sizes=[1, 4, 16],
+        contexts=sizes["contexts"],
+        num_steps=sizes["num_steps"],
+        repeats=sizes["repeats"],
     )
     print(tabulate(speed, headers="keys", floatfmt=".2f"), flush=True)
     return {"demo": demo, "kv_bytes_held": memory, "sliding_window_bytes": sliding, "decode_speed": speed}
@@ -420,8 +441,11 @@ def render_cache_report(results: dict) -> list[str]:
         "### Decode speed, generate() with each cache on the same pre-filled context",
         "",
         "Contexts are pre-filled with random K/V (identical for both caches) so only decode steps are timed;",
-        "tok/s is the best of interleaved repeats, ratio = paged / dynamic from the same run. This path",
-        "gathers K/V from the pool every step (sdpa/eager); the Triton kernel path is separate.",
+        "tok/s is the best of interleaved rounds (every round runs each variant once, in turn), ratio = best",
+        "paged / best dynamic, spread = the lowest and highest per-round ratio. `paged+sdpa` returns each row's",
+        "K/V from `PagedCache.update`: a strided view of the pool where the row's blocks are consecutive (one",
+        "row in a private pool, batch 1 here), else a gather into the shared workspace. `paged+hf_paged` runs",
+        "the registered attention: on CUDA the Triton kernel reads the pool, on CPU it is the same K/V and SDPA.",
         "",
         tabulate(results["decode_speed"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",

@@ -141,17 +141,22 @@ DECODE_VARIANTS = (
 def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int = 2) -> list[dict]:
     """generate() decode tok/s per variant on the same pre-filled context, interleaved, best of `repeats`.
 
-    "paged+sdpa" gathers each row's K/V in `PagedCache.update`; "paged+hf_paged" runs the registered attention
-    (backend "auto": the Triton kernel on CUDA, gather + SDPA on CPU).
+    "paged+sdpa" returns each row's K/V from `PagedCache.update` (a strided view of the pool when the row's blocks
+    are consecutive, as for one row in a private pool; else a gather); "paged+hf_paged" runs the registered
+    attention (backend "auto": the Triton kernel on CUDA, the same K/V and SDPA on CPU). Every round runs each
+    variant once, in turn, so all see the same machine noise; a ratio's spread is the lowest and highest of the
+    per-round ratios (paged over dynamic within one round).
     """
     original = model.config._attn_implementation
     rows = []
+    baseline = DECODE_VARIANTS[0][0]
     for batch_size in batch_sizes:
         for context in contexts:
             input_ids = torch.randint(2, model.config.vocab_size, (batch_size, context), device=model.device)
-            best: dict[str, float] = {}
+            rounds: list[dict[str, float]] = []
             outputs = {}
             for _ in range(repeats):  # interleaved repeats: every variant sees the same machine noise
+                tok_s = {}
                 for label, make_cache, attention in DECODE_VARIANTS:
                     model.set_attn_implementation(attention)
                     cache = _prefilled(make_cache(model.config), model, batch_size, context - 1, seed=context)
@@ -165,18 +170,20 @@ def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int =
                         logits_processor=LogitsProcessorList([clock]),
                     )
                     # The first step is the 1-token "prefill"; the rest are pure decode steps.
-                    tok_s = batch_size * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
-                    best[label] = max(best.get(label, 0.0), tok_s)
+                    tok_s[label] = batch_size * (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
                     if isinstance(cache, PagedCache):
                         cache.release()
                     del cache
+                rounds.append(tok_s)
             model.set_attn_implementation(original)
-            baseline = DECODE_VARIANTS[0][0]
+            best = {label: max(tok_s[label] for tok_s in rounds) for label, _, _ in DECODE_VARIANTS}
             row = {"batch": batch_size, "context": context}
             for label, _, _ in DECODE_VARIANTS:
                 row[f"{label} tok/s"] = best[label]
             for label, _, _ in DECODE_VARIANTS[1:]:
                 row[f"{label} / {baseline}"] = best[label] / best[baseline]
+                per_round = [tok_s[label] / tok_s[baseline] for tok_s in rounds]
+                row[f"{label} spread"] = f"{min(per_round):.3f}-{max(per_round):.3f}"
             row["identical"] = all(torch.equal(outputs[baseline], out) for out in outputs.values())
             rows.append(row)
     return rows

@@ -8,7 +8,9 @@ Each still asserts its result, so a broken hot path fails here too.
 
 import pytest
 import torch
+from transformers import DynamicCache
 
+from bench.cache_report import DECODE_VARIANTS, _prefilled
 from bench.linear import weight_major_linear
 from bench.models import load_model
 from hf_paged import BlockAllocator, BlockPool, KVLayout, PagedCache
@@ -43,20 +45,32 @@ def test_fork_and_copy_on_write(benchmark):
     assert allocator.num_used_blocks == 64
 
 
-def _filled_cache(batch_size: int, context: int, num_layers: int = 4):
+def _filled_cache(batch_size: int, context: int, num_layers: int = 4, fragmented: bool = False):
+    """A cache of `batch_size` rows of `context` tokens. `fragmented`: another cache of the pool took every other
+    block, so no row's blocks are consecutive and every step gathers (else one row is a view of the pool)."""
     layout = KVLayout((4,) * num_layers, (64,) * num_layers)
-    pool = BlockPool(layout, num_blocks=batch_size * (context // 16 + 4), block_size=16)
-    cache = PagedCache(pool=pool)
+    pool = BlockPool(layout, num_blocks=2 * batch_size * (context // 16 + 4), block_size=16)
+    cache, other = PagedCache(pool=pool), PagedCache(pool=pool)
     states = torch.randn(batch_size, 4, context, 64)
-    for layer_idx in range(num_layers):
-        cache.update(states, states, layer_idx)
+    chunks = states.split(16, dim=2) if fragmented else [states]  # the last chunk may be short
+    for chunk in chunks:
+        for target in (cache, other) if fragmented else (cache,):
+            for layer_idx in range(num_layers):
+                target.update(chunk, chunk, layer_idx)
     return cache, num_layers
 
 
-@pytest.mark.parametrize("batch_size, context", [(1, 512), (16, 512)])
-def test_cache_update_decode_step(benchmark, batch_size, context):
-    """One decode step of every layer: store one token per row, gather the whole context."""
-    cache, num_layers = _filled_cache(batch_size, context)
+@pytest.mark.parametrize(
+    "batch_size, context, fragmented",
+    [(1, 500, False), (1, 500, True), (1, 4090, False), (16, 500, False)],
+    ids=["1x500-consecutive", "1x500-fragmented", "1x4090-consecutive", "16x500"],
+)
+def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
+    """One decode step of every layer: store one token per row, return the whole context (a view of the pool for
+    one row in consecutive blocks, else a gather). The context leaves room in its last block, so every round
+    writes the same block (a round that took a block would give it back at the crop, and the next round would get
+    another one from the free queue)."""
+    cache, num_layers = _filled_cache(batch_size, context, fragmented=fragmented)
     step = torch.randn(batch_size, 4, 1, 64)
 
     def decode_step():
@@ -68,7 +82,40 @@ def test_cache_update_decode_step(benchmark, batch_size, context):
     keys = benchmark(decode_step)
     assert keys.shape == (batch_size, 4, context + 1, 64)
     assert torch.equal(keys[:, :, -1], step[:, :, 0])
+    is_view = keys.untyped_storage().data_ptr() == cache.pool.key_cache[num_layers - 1].untyped_storage().data_ptr()
+    assert is_view == (batch_size == 1 and not fragmented)
     cache.release()
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return load_model(device="cpu")
+
+
+@pytest.mark.parametrize("variant", ["dynamic+sdpa", "paged+sdpa", "paged+hf_paged"])
+def test_default_model_decode_step_batch1(benchmark, default_model, variant):
+    """One batch-1 decode step of the benchmark's default model after a 512-token context (the cache report's
+    decode speed, one step): DynamicCache + sdpa against PagedCache + sdpa and + the "hf_paged" attention. Every
+    variant's logits equal DynamicCache's."""
+    model = default_model
+    label, make_cache, attention = next(v for v in DECODE_VARIANTS if v[0] == variant)
+    token, position = torch.tensor([[5]]), torch.tensor([[512]])
+
+    @torch.inference_mode()
+    def step(cache):
+        logits = model(input_ids=token, past_key_values=cache, position_ids=position, use_cache=True).logits
+        cache.crop(-1)  # keep the context fixed across rounds
+        return logits
+
+    original = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa")
+        expected = step(_prefilled(DynamicCache(config=model.config), model, 1, 512, seed=0))
+        model.set_attn_implementation(attention)
+        cache = _prefilled(make_cache(model.config), model, 1, 512, seed=0)
+        assert torch.equal(benchmark(step, cache), expected)
+    finally:
+        model.set_attn_implementation(original)
 
 
 ONE_GROUP = ["full_attention"] * 6
@@ -139,8 +186,8 @@ def test_scheduler_backfill_scan_while_blocked(benchmark):
 
 
 @pytest.fixture(scope="module")
-def default_model_linears():
-    return [m for m in load_model(device="cpu").modules() if isinstance(m, torch.nn.Linear)]
+def default_model_linears(default_model):
+    return [m for m in default_model.modules() if isinstance(m, torch.nn.Linear)]
 
 
 @pytest.mark.parametrize("linear", ["torch", "weight-major"])

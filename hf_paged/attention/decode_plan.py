@@ -16,7 +16,7 @@ import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kernels import paged_decode_attention
-from .plan import module_backend
+from .plan import BACKEND_ATTR, module_backend
 
 
 @dataclass
@@ -40,6 +40,7 @@ class DecodePlan:
     ragged: bool = False
     length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
+    _backends: dict = field(default_factory=dict)  # a module's backend setting -> resolved; shared likewise
 
     def attend(
         self,
@@ -54,7 +55,7 @@ class DecodePlan:
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
-        backend = module_backend(module, query.device)
+        backend = self.backend(module, query.device)
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
         if backend == "torch" or kv_start is None:
             # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
@@ -77,6 +78,14 @@ class DecodePlan:
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    def backend(self, module: torch.nn.Module, device: torch.device) -> str:
+        """`module_backend(module, device)`, resolved once per step for every module with the same setting."""
+        setting = getattr(module, BACKEND_ATTR, None)
+        backend = self._backends.get(setting)
+        if backend is None:
+            backend = self._backends[setting] = module_backend(module, device)
+        return backend
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).

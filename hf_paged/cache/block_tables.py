@@ -59,7 +59,18 @@ class BlockTables:
         return {block_id for table in self.tables for block_id in table}
 
     def has_groups(self) -> bool:
-        return any(leader != row for row, leader in enumerate(self.leaders))
+        """Whether some row follows another (memoized until the next table change)."""
+        grouped = self._memo.get("grouped")
+        if grouped is None:
+            grouped = self._memo["grouped"] = any(leader != row for row, leader in enumerate(self.leaders))
+        return grouped
+
+    def writers(self) -> tuple[int, ...]:
+        """The rows that store K/V: each row group's leader, ascending (memoized until the next table change)."""
+        writers = self._memo.get("writers")
+        if writers is None:
+            writers = self._memo["writers"] = tuple(sorted(set(self.leaders)))
+        return writers
 
     # --------------------------------------------------------------- lifecycle
     def start(self, leaders: list[int]) -> None:
@@ -320,6 +331,7 @@ class BlockTables:
                 ),
                 "position_offset": position_offset,
                 "kv_starts": {},
+                "backends": {},
             }
             self._memo[key] = step
         return step
@@ -338,6 +350,32 @@ class BlockTables:
             index = head_major_index(tables, num_heads, num_pool_blocks)
             self._memo[key] = index
         return index
+
+    def writer_index(self, device: torch.device | None = None) -> torch.Tensor:
+        """`writers()` as an int64 tensor on `device` (the pool's by default; memoized until the next table
+        change)."""
+        key = ("writer_index", device)
+        index = self._memo.get(key)
+        if index is None:
+            index = self._memo[key] = torch.tensor(self.writers(), device=device or self.pool.device)
+        return index
+
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        """The pool block id of logical block `first_block` when the tables hold ONE row whose logical blocks
+        [first_block, end_block) are consecutive pool blocks, else None: that row's K/V are then one strided view of
+        the pool (gather.py). Several rows are never one view: a view's batch and head dimensions could not be merged
+        (models reshape K/V to `[B * heads, kv_len, head_dim]` with `.view`). Memoized for the step's other layers."""
+        key = ("run", first_block, end_block)
+        if key in self._memo:
+            return self._memo[key]
+        run = None
+        lo, hi = first_block - self.base, end_block - self.base
+        if len(self.tables) == 1 and 0 <= lo < hi <= self.num_table_blocks:
+            table = self.tables[0]
+            if table[hi - 1] - table[lo] == hi - 1 - lo and table[lo:hi] == list(range(table[lo], table[hi - 1] + 1)):
+                run = table[lo]
+        self._memo[key] = run
+        return run
 
     def slots(
         self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
@@ -376,6 +414,9 @@ class DeviceTables:
 
     def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
         return self.tables.gather_index(first_block, end_block, num_heads, num_pool_blocks, self.device)
+
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        return self.tables.consecutive_run(first_block, end_block)
 
 
 def head_major_index(tables: torch.Tensor, num_heads: int, num_pool_blocks: int) -> torch.Tensor:

@@ -1,40 +1,107 @@
-"""GatherWorkspace: one layer's visible K/V gathered from the pool into grow-only buffers that a cache reuses.
+"""One layer's visible K/V as the contiguous-per-row `[B, kv_heads, kv_len, head_dim]` tensors attention wants.
 
-This is the sdpa / eager path (and the decode fallback of the "hf_paged" attention): attention wants contiguous
-`[B, kv_heads, kv_len, head_dim]` K/V, the pool holds them in blocks named by a layer group's block tables.
+This is the sdpa / eager path (and the decode fallback of the "hf_paged" attention): attention wants
+`[B, kv_heads, kv_len, head_dim]` K/V, the pool holds them in blocks named by a layer group's block tables. Two ways:
+
+- zero-copy: when the cache holds one row whose blocks are consecutive pool blocks (one row generating alone in its
+  pool, the usual batch-1 `generate()`), the K/V are one strided view of the pool;
+- otherwise one `index_select` per K and V into a `GatherWorkspace`, a grow-only buffer shared by the caches of one
+  pool within one thread (`workspace_for`).
 """
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
-from .block_tables import BlockTables
+from .block_tables import BlockTables, DeviceTables
+
+# pool -> threading.local holding that thread's GatherWorkspace for the pool (dropped with the pool).
+_WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_WORKSPACES_LOCK = threading.Lock()
+
+
+def workspace_for(pool) -> GatherWorkspace:
+    """The gather workspace the caches of `pool` share in the calling thread.
+
+    Sharing is safe because a gather's views are consumed by attention before the same thread updates any cache
+    again; caches of one pool in different threads get different workspaces."""
+    with _WORKSPACES_LOCK:
+        local = _WORKSPACES.get(pool)
+        if local is None:
+            local = _WORKSPACES[pool] = threading.local()
+    workspace = getattr(local, "workspace", None)
+    if workspace is None:
+        workspace = local.workspace = GatherWorkspace()
+    return workspace
+
+
+def visible_kv(
+    blocks: BlockTables | DeviceTables, layer_idx: int, first: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions [first, num_tokens) of every row of `blocks` (the tables of `layer_idx`'s layer group): two
+    `[B, kv_heads, num_tokens - first, head_dim]` tensors, views of the pool when the rows' blocks allow it, else of
+    the pool's shared gather workspace. Valid until the next update of a cache of the same pool in this thread."""
+    pool = blocks.pool
+    block_size = pool.block_size
+    first_block, end_block = first // block_size, -(-num_tokens // block_size)
+    start, stop = first - first_block * block_size, num_tokens - first_block * block_size
+    key_cache = pool.key_cache[layer_idx]
+    run = blocks.consecutive_run(first_block, end_block)
+    if run is not None and key_cache.stride(1) == block_size * key_cache.stride(2):  # blocks of a head contiguous
+        return tuple(
+            _run_view(cache, run, end_block - first_block)[:, :, start:stop]
+            for cache in (pool.key_cache[layer_idx], pool.value_cache[layer_idx])
+        )
+    return workspace_for(pool).gather(blocks, layer_idx, first_block, end_block, start, stop)
+
+
+def _run_view(cache: torch.Tensor, first_id: int, num_blocks: int) -> torch.Tensor:
+    """`[1, kv_heads, num_blocks * block_size, head_dim]` view of a head-major pool tensor `cache` ([kv_heads,
+    num_pool_blocks, block_size, head_dim], blocks contiguous) over the consecutive blocks from `first_id`."""
+    num_heads, _, block_size, head_dim = cache.shape
+    head_stride, block_stride, token_stride, _ = cache.stride()
+    return cache.as_strided(
+        (1, num_heads, num_blocks * block_size, head_dim),
+        (num_heads * head_stride, head_stride, token_stride, 1),
+        cache.storage_offset() + first_id * block_stride,
+    )
 
 
 class GatherWorkspace:
-    """Grow-only K and V buffers (25% headroom, so a growing sequence rarely reallocates).
+    """Grow-only K and V buffers sized to the largest gather so far, in whole blocks per row: at most the visible K/V
+    of the largest step's one layer plus the partly filled block of each row.
 
     NOTE: what `gather` returns are views into these buffers, overwritten by the next `gather`. Attention consumes
-    them at once, and reusing the buffer is what makes the gather cheaper than DynamicCache's `torch.cat`, which pays
-    for a fresh allocation every layer and step (docs/benchmarks.md has the measurement).
+    them at once; reusing the buffer spares the fresh allocation that DynamicCache's `torch.cat` pays every layer
+    and step. A first prefill never gathers (`PagedCache.update` returns the step's own K/V), so the buffers are
+    sized by decode steps and by prefills after cached tokens.
     """
 
     def __init__(self):
         self._buffers: dict[str, torch.Tensor] = {}
 
     def gather(
-        self, blocks: BlockTables, layer_idx: int, first: int, num_tokens: int
+        self,
+        blocks: BlockTables | DeviceTables,
+        layer_idx: int,
+        first_block: int,
+        end_block: int,
+        start: int,
+        stop: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Positions [first, num_tokens) of every row of `blocks` (the tables of `layer_idx`'s layer group) from
-        that layer's pool storage: two [B, kv_heads, num_tokens - first, head_dim] views."""
+        """Logical blocks [first_block, end_block) of every row of `blocks` from layer `layer_idx`'s pool storage,
+        then tokens [start, stop) of them: two `[B, kv_heads, stop - start, head_dim]` views."""
         pool = blocks.pool
-        num_heads, num_pool_blocks, block_size, head_dim = pool.key_cache[layer_idx].shape
-        first_block, end_block = first // block_size, -(-num_tokens // block_size)
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
         index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
-        start, stop = first - first_block * block_size, num_tokens - first_block * block_size
+        shape = (index.numel(), block_size, head_dim)
         gathered = []
-        for name, cache in (("keys", pool.key_cache[layer_idx]), ("values", pool.value_cache[layer_idx])):
-            out = self._view(name, (index.numel(), block_size, head_dim), cache)
+        for name, cache in (("keys", key_cache), ("values", value_cache)):
+            out = self._view(name, shape, cache)
             torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
             gathered.append(out.view(blocks.num_rows, num_heads, -1, head_dim)[:, :, start:stop])
         return gathered[0], gathered[1]
@@ -43,8 +110,8 @@ class GatherWorkspace:
         numel = shape[0] * shape[1] * shape[2]
         buffer = self._buffers.get(name)
         if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
-            buffer = like.new_empty(numel + numel // 4)
-            self._buffers[name] = buffer
+            self._buffers.pop(name, None)  # drop the old buffer before allocating the new one
+            buffer = self._buffers[name] = like.new_empty(numel)
         return buffer[:numel].view(shape)
 
     def clear(self) -> None:

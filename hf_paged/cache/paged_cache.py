@@ -19,11 +19,11 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_kv_rows
+from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_backend, store_kv_rows
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
 from ..storage.pool import check_positive_int, resolve_dtype
-from .gather import GatherWorkspace
+from .gather import visible_kv, workspace_for
 from .group_tables import GroupTables
 from .layer import PagedLayer
 
@@ -53,8 +53,11 @@ class PagedCache(Cache):
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
     `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
-    only the window, exactly like `DynamicSlidingWindowLayer`). Unlike DynamicCache's, the returned tensors are
-    views into a reused gather buffer, valid until the next `update` (attention consumes them at once).
+    only the window, exactly like `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's
+    own `key_states`/`value_states`. Later steps return views: of the pool when the cache holds one row whose blocks
+    are consecutive pool blocks (one row in a private pool), else of a gather workspace that the caches of one pool
+    share within a thread. They are valid until the next `update` of a cache of that pool in that thread (attention
+    consumes them at once).
 
     Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
     garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
@@ -114,7 +117,9 @@ class PagedCache(Cache):
         self._tables = GroupTables(self.layer_groups, pool)
         # NOTE: `_blocks` is group 0's tables: the only ones of a uniform model (tests read its row groups).
         self._blocks = self._tables.groups[0]
-        self._workspace = GatherWorkspace()
+        # Resolved at every step's layer 0 (`_start_step`) for the step's other layers.
+        self._paged_attention, self._store_backend = False, None
+        self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
@@ -177,8 +182,8 @@ class PagedCache(Cache):
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
-        if layer_idx == 0 and self._sliding_groups:
-            self._release_out_of_window()
+        if layer_idx == 0:
+            self._start_step(pool)
         starting = blocks.num_rows == 0
         if starting:
             blocks.start_rows(key_states, value_states, self.share_rows)
@@ -194,7 +199,7 @@ class PagedCache(Cache):
         # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
         # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
         # several layer groups, the groups that already stored this step are rolled back too (see _undo_step).
-        writers = tuple(sorted(set(blocks.leaders)))
+        writers = blocks.writers()
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
         except PoolExhausted:
@@ -208,15 +213,36 @@ class PagedCache(Cache):
         subset = len(writers) < batch_size
         device = pool.devices[layer_idx]  # a pool split over devices: this layer's
         slots = blocks.slots(writers if subset else None, num_past, num_tokens, device).flatten()
+        stored_keys, stored_values = key_states, value_states
         if subset:
-            key_states, value_states = key_states[list(writers)], value_states[list(writers)]
-        store_kv_rows(pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots)
+            rows = blocks.writer_index(device)
+            stored_keys, stored_values = key_states[rows], value_states[rows]
+        store_kv_rows(
+            pool.key_cache[layer_idx],
+            pool.value_cache[layer_idx],
+            stored_keys,
+            stored_values,
+            slots,
+            backend=store_backend(device) if pool.is_multi_device else self._store_backend,
+        )
         layer.cumulative_length = num_tokens
 
+        if num_past == 0:
+            # A first prefill: the visible K/V are exactly this step's (a sliding layer returns them all, as
+            # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
+            return key_states, value_states
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._runs_paged_attention() and not pool.is_multi_device:
+        if q_len == 1 and self._paged_attention and not pool.is_multi_device:
             return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
+
+    def _start_step(self, pool: BlockPool) -> None:
+        """At layer 0's update: release what left the sliding windows, and resolve once for the step's layers what
+        every layer would otherwise look up again (the attention implementation, the store backend)."""
+        if self._sliding_groups:
+            self._release_out_of_window()
+        self._paged_attention = self._runs_paged_attention()
+        self._store_backend = store_backend(pool.device)
 
     def _check_layer_count(self, layer_idx: int) -> None:
         """A model's forward updates every layer of its cache: one that came back to layer 0 after updating more
@@ -292,32 +318,51 @@ class PagedCache(Cache):
 
     def _gather_visible(self, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions [first, num_tokens) of every row of layer `layer_idx`: two [B, kv_heads, num_tokens - first,
-        head_dim] views into this cache's reused workspace, valid until the next gather (see `GatherWorkspace`)."""
+        head_dim] views of the pool, or of the gather workspace the caches of its pool share in this thread; valid
+        until the next update of a cache of that pool in this thread (see gather.py). On a pool split over devices,
+        with index tensors on the layer's device."""
         blocks = self._tables.of_layer(layer_idx)
-        return self._workspace.gather(blocks.on(blocks.pool.devices[layer_idx]), layer_idx, first, num_tokens)
+        return visible_kv(blocks.on(blocks.pool.devices[layer_idx]), layer_idx, first, num_tokens)
 
     @property
     def workspace_bytes(self) -> int:
-        """Bytes of the gather workspace (transient K/V of one layer; not pool memory)."""
-        return self._workspace.nbytes
+        """Bytes of the gather workspace this cache uses (transient K/V of one layer, not pool memory), shared with
+        the other caches of its pool in this thread; 0 before the first gather."""
+        pool = self.pool
+        return 0 if pool is None else workspace_for(pool).nbytes
 
     def _decode_placeholders(self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int):
         blocks = self._tables.of_layer(layer_idx)
-        pool = blocks.pool
         step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
+        key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
         plan = DecodePlan(
-            key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
-            value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
+            key_cache=key_cache,
+            value_cache=value_cache,
             block_tables=step["block_tables"],
             seq_lens=step["seq_lens"],
             kv_offset=first,
             position_offset=step["position_offset"],
             gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
             _kv_starts=step["kv_starts"],
+            _backends=step["backends"],
         )
         batch_size, num_heads, _, head_dim = key_states.shape
         placeholder = attach_plan(key_states.new_empty(batch_size, num_heads, 0, head_dim), plan)
         return placeholder, placeholder
+
+    def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
+        only when the pool's tensors changed (a private pool grew)."""
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        views = self._nhd_memo.get(layer_idx)
+        if views is None or views[0] is not key_cache or views[1] is not value_cache:
+            views = self._nhd_memo[layer_idx] = (
+                key_cache,
+                value_cache,
+                pool.nhd_view(key_cache),
+                pool.nhd_view(value_cache),
+            )
+        return views[2], views[3]
 
     # ------------------------------------------------------------- lifecycle
     @classmethod
@@ -367,7 +412,8 @@ class PagedCache(Cache):
                 self._cache_rows(token_ids, attention_mask)
         finally:  # the blocks go back even when the token ids were refused
             self._tables.release()
-            self._workspace.clear()
+            if self.pool is not None:
+                workspace_for(self.pool).clear()
             self._last_layer_updated = 0
             for layer in self.layers:
                 layer.cumulative_length = 0
