@@ -154,6 +154,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             parser.error(
                 f"--tp runs backends {', '.join(parallel.TP_BACKENDS)}; {', '.join(refused)} cannot run sharded"
             )
+        if args.cache_only:
+            parser.error("--tp runs the serving benchmark only: the cache report compares single-device caches")
         args.backends = args.backends or list(parallel.TP_BACKENDS)
         args.serving_only = True  # the cache report compares single-device caches
         args.linear = "torch"  # weight-major linears replace the sharded layers' matmul

@@ -19,6 +19,7 @@ def test_tp_runs_the_sharded_backends_serving_only():
     [
         (["--tp", "2", "--backends", "engine,static"], "static cannot run sharded"),
         (["--tp", "0"], "--tp must be a positive number of ranks, got 0"),
+        (["--tp", "2", "--cache-only"], "--tp runs the serving benchmark only"),
     ],
 )
 def test_tp_refuses_what_cannot_run_sharded(argv, message, capsys):

@@ -83,3 +83,28 @@ def test_branch_of_an_empty_cache_is_empty():
     pool = BlockPool.for_model(model, num_blocks=8, block_size=BLOCK_SIZE)
     branch = copy.deepcopy(PagedCache(config=model.config, pool=pool))
     assert branch.get_seq_length() == 0 and branch.block_tables == [] and pool.num_used_blocks == 0
+
+
+def test_a_cropped_parent_rewriting_a_block_its_branch_holds_copies_it_first():
+    """Fork, then crop the parent back inside its last block (no block dropped) and write that position again: the
+    write copies the block the branch still reads instead of writing into it."""
+    from hf_paged import KVLayout
+
+    pool = BlockPool(KVLayout((2,), (4,)), num_blocks=32, block_size=BLOCK_SIZE)
+    generator = torch.Generator().manual_seed(0)
+
+    def states(num_tokens):
+        return torch.randn(1, 2, num_tokens, 4, generator=generator)
+
+    parent, reference = PagedCache(pool=pool), DynamicCache()
+    for new in (states(6), states(1)):  # position 6 written: the write plan for [6, 7) is remembered
+        parent.update(new, new, 0)
+        reference.update(new, new, 0)
+    branch = copy.deepcopy(parent)
+    parent.crop(-1)  # back to 6 tokens, inside the last block: no block dropped
+    rewritten = states(1)
+    parent.update(rewritten, rewritten, 0)
+    after = states(1)
+    keys, _ = branch.update(after, after, 0)
+    assert torch.equal(keys, reference.update(after, after, 0)[0])
+    assert parent.block_tables[0][-1] != branch.block_tables[0][-1]  # the parent wrote into a copy

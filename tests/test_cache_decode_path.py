@@ -156,3 +156,16 @@ def test_kv_bytes_held_with_workspace_on_a_1024_token_prompt():
     # Before: the first prefill was gathered into a workspace with 25% headroom (0.373 at the benchmark's model).
     assert samples["ratio_with_workspace"] < 0.373
     assert rows["num_beams=4"]["ratio_with_workspace"] < 0.454
+
+
+def test_the_workspace_keeps_one_buffer_per_device_of_a_split_pool():
+    """Layers of a pool split over devices gather in turn: each device keeps its buffer instead of the two
+    reallocating each other's every step ("meta" stands in for a second device)."""
+    from hf_paged.cache.gather import GatherWorkspace
+
+    workspace = GatherWorkspace()
+    on_cpu, on_meta = torch.empty(1), torch.empty(1, device="meta")
+    first = workspace._view("keys", (2, 4, 4), on_cpu)
+    workspace._view("keys", (2, 4, 4), on_meta)
+    assert workspace._view("keys", (2, 4, 4), on_cpu).data_ptr() == first.data_ptr()
+    assert workspace.nbytes == 2 * (2 * 4 * 4) * on_cpu.element_size()

@@ -226,6 +226,9 @@ class BlockTables:
         """Drop the blocks past the first `num_tokens` tokens of every row."""
         keep = -(-num_tokens // self.pool.block_size) - self.base
         if keep >= self.num_table_blocks:
+            # No block dropped, but positions past `num_tokens` will be written again: plan those writes anew (a
+            # block may have gained a holder since, e.g. a branch of this cache, and must then be copied first).
+            self._changed()
             return
         if keep < 0:
             raise RuntimeError(
@@ -272,6 +275,7 @@ class BlockTables:
         if self.pool is not None and self.tables:
             self.pool.allocator.incref(block_id for table in self.tables for block_id in table)
         self._changed()
+        other._changed()  # its blocks have another holder now: its next write to them copies first
 
     # ---------------------------------------------------------------- metadata
     def adopt(self, block_ids: list[int], base: int = 0) -> None:

@@ -81,7 +81,7 @@ class GatherWorkspace:
     """
 
     def __init__(self):
-        self._buffers: dict[str, torch.Tensor] = {}
+        self._buffers: dict[tuple, torch.Tensor] = {}  # (name, device, dtype) -> buffer
 
     def gather(
         self,
@@ -107,11 +107,13 @@ class GatherWorkspace:
         return gathered[0], gathered[1]
 
     def _view(self, name: str, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
+        """A `shape` view of the buffer `name` for `like`'s device and dtype (one per device of a split pool)."""
         numel = shape[0] * shape[1] * shape[2]
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
-            self._buffers.pop(name, None)  # drop the old buffer before allocating the new one
-            buffer = self._buffers[name] = like.new_empty(numel)
+        key = (name, like.device, like.dtype)
+        buffer = self._buffers.get(key)
+        if buffer is None or buffer.numel() < numel:
+            self._buffers.pop(key, None)  # drop the old buffer before allocating the new one
+            buffer = self._buffers[key] = like.new_empty(numel)
         return buffer[:numel].view(shape)
 
     def clear(self) -> None:
