@@ -178,9 +178,17 @@ def refuse_unsupported(config) -> None:
     layer_types, _ = get_layer_types_and_kwargs(config)
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
+        # transformers marks a layer that caches nothing of its own "dummy": one that reads another layer's K/V (KV
+        # sharing: Gemma 3n), or an MLP-only layer.
+        why = (
+            " ('dummy': layers that cache nothing of their own, such as KV-sharing layers that read another layer's "
+            "K/V, or MLP-only layers)"
+            if "dummy" in unsupported
+            else ""
+        )
         raise UnsupportedModel(
             model_type,
-            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}",
+            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}{why}",
             "PagedCache",
         )
     kv_lora_rank = _global_attr(config, "kv_lora_rank")
