@@ -240,3 +240,41 @@ def test_a_failure_no_row_reproduces_goes_to_the_caller(monkeypatch):
     _run(engine)
     assert [engine.request(i).output_ids for i in ids] == greedy_reference("llama", prompts, [5, 5, 5])
     assert pool.num_used_blocks == 0
+
+
+def test_a_step_undone_after_sampling_draws_the_same_seeded_tokens_again():
+    """A step that fails after its rows sampled (a lockstep agreement that raises) is undone with its requests'
+    generators, so seeded requests produce the tokens of a run in which nothing failed."""
+    from hf_paged.errors import LockstepError
+
+    prompts = random_prompts((5, 9))
+    reference, _ = tiny_engine("llama", 64)
+    expected = reference.generate(prompts, max_new_tokens=6, temperature=1.0, seed=[3, 4], ignore_eos=True)
+
+    class FailingOnce:
+        rank, failures = 0, 0
+
+        def agree_rows(self, rows):
+            pass
+
+        def agree_tokens(self, decisions):
+            self.failures += 1
+            if self.failures in (1, 3):  # the first prefill and a decode step
+                raise LockstepError({0: "no agreement"})
+            return decisions
+
+    engine, pool = tiny_engine("llama", 64)
+    engine._lockstep = FailingOnce()
+    ids = [
+        engine.add_request(p, max_new_tokens=6, temperature=1.0, seed=s, ignore_eos=True)
+        for p, s in zip(prompts, [3, 4])
+    ]
+    raised = 0
+    while engine.has_unfinished():
+        try:
+            engine.step()
+        except LockstepError:
+            raised += 1
+    assert raised == 2
+    assert [engine.request(i).output_ids for i in ids] == expected
+    assert pool.num_used_blocks == 0

@@ -402,6 +402,7 @@ class Engine:
         self._num_attempts += 1
         checkpoint = StepCheckpoint(self.scheduler)
         lockstep = self._lockstep
+        generators: list[tuple[torch.Generator, torch.Tensor]] = []  # seeded samplers' states before this step
         try:
             plan = self.scheduler.schedule()
             rows = [(request, 1) for request in plan.decode] + plan.prefill
@@ -411,6 +412,8 @@ class Engine:
             results = self._run(rows, checkpoint) if rows else {}
             if results is None:  # undone, but for the requests it failed
                 rows = []
+            # A step undone after sampling (a lockstep agreement that fails) must draw the same tokens when run again.
+            generators = [(r.generator, r.generator.get_state()) for r, _ in rows if r.generator is not None]
             decisions = [
                 self._decide(request, num_tokens, results[row]) for row, (request, num_tokens) in enumerate(rows)
             ]
@@ -420,6 +423,8 @@ class Engine:
                     raise LockstepError({lockstep.rank: f"{len(rows)} rows, rank 0 decided {len(decisions)}"})
         except BaseException as error:
             checkpoint.restore()
+            for generator, state in generators:
+                generator.set_state(state)
             self.stats.num_failed_steps += 1
             if lockstep is not None and not isinstance(error, LockstepError):
                 raise lockstep.fail(error) from error
