@@ -7,7 +7,18 @@ import `hf_paged.attention.kernels.triton_*`. `setdefault`: an explicit `TRITON_
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture
+def one_torch_thread():
+    """One intra-op thread for the test: steps of a tiny model are too small to share, and tests that run threads of
+    their own (or a server beside them) would oversubscribe a 2-core machine."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

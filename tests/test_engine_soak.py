@@ -16,7 +16,6 @@ import time
 import tracemalloc
 
 import pytest
-import torch
 
 from tests.models import VOCAB_SIZE, greedy_reference, random_prompts, tiny_engine
 
@@ -173,15 +172,6 @@ def soak(monkeypatch, num_requests: int, seed: int = 0) -> dict:
     )
 
 
-@pytest.fixture
-def one_thread():
-    """Steps of a tiny model are too small to share between threads: on a busy machine, threads only wait."""
-    num_threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(num_threads)
-
-
-def test_serving_loop_soak(monkeypatch, one_thread):
+def test_serving_loop_soak(monkeypatch, one_torch_thread):
     summary = soak(monkeypatch, NUM_REQUESTS)
     print(f"\nsoak: {summary}")

@@ -55,15 +55,6 @@ def _assert_pool_clean(pool: BlockPool) -> None:
     pool.allocator.check_invariants()
 
 
-@pytest.fixture
-def one_intra_op_thread():
-    """Threads bring the parallelism; one intra-op thread each keeps 2 cores from being oversubscribed."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def _run_threads(model, pool: BlockPool, prompts) -> list[list[torch.Tensor | PoolExhausted]]:
     """Every thread runs its calls in order, each in its own `with PagedCache`; a PoolExhausted is its result."""
 
@@ -81,7 +72,7 @@ def _run_threads(model, pool: BlockPool, prompts) -> list[list[torch.Tensor | Po
         return list(executor.map(worker, range(NUM_THREADS)))
 
 
-def test_threads_sharing_one_pool_match_dynamic_cache(one_intra_op_thread):
+def test_threads_sharing_one_pool_match_dynamic_cache(one_torch_thread):
     model = tiny_model("llama")
     prompts = _prompts()
     expected = [[_generate(model, DynamicCache(config=model.config), p) for p in row] for row in prompts]
@@ -97,7 +88,7 @@ def test_threads_sharing_one_pool_match_dynamic_cache(one_intra_op_thread):
     _assert_pool_clean(pool)
 
 
-def test_threads_on_a_small_pool_fail_alone(one_intra_op_thread):
+def test_threads_on_a_small_pool_fail_alone(one_torch_thread):
     """Calls that run out raise PoolExhausted; the calls beside them still match DynamicCache exactly.
 
     Thread 0's prompts never fit, so at least its calls run out; the others fit alone but not three at a time,
