@@ -16,6 +16,7 @@ not what ever ran.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Sequence
 
@@ -203,7 +204,7 @@ class Engine:
         """Requests queued for admission (a preempted request included)."""
         return len(self.scheduler.waiting)
 
-    @property
+    @functools.cached_property
     def max_pool_tokens(self) -> int | None:
         """The most tokens (prompt and generated) whose K/V one request can hold running alone in the pool, up to
         the model's `max_position_embeddings` (`limits.max_positions`); None when the pool never runs out first
@@ -412,8 +413,13 @@ class Engine:
             results = self._run(rows, checkpoint) if rows else {}
             if results is None:  # undone, but for the requests it failed
                 rows = []
-            # A step undone after sampling (a lockstep agreement that fails) must draw the same tokens when run again.
-            generators = [(r.generator, r.generator.get_state()) for r, _ in rows if r.generator is not None]
+            # A step undone after sampling (a lockstep agreement that fails) must draw the same tokens when run again:
+            # keep the states of the generators this step draws from (rows that reach the end of their input).
+            generators = [
+                (r.generator, r.generator.get_state())
+                for r, n in rows
+                if r.generator is not None and r.params.temperature > 0.0 and r.num_pending == n
+            ]
             decisions = [
                 self._decide(request, num_tokens, results[row]) for row, (request, num_tokens) in enumerate(rows)
             ]
