@@ -25,6 +25,7 @@ import transformers
 from tabulate import tabulate
 
 from . import cache_report, parallel, serving, serving_report
+from .host import host
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
 from .models import LAYERS, LAYERS_HELP, embedded_model, load_model, mixed_window_model, sliding_window_model
 from .plot import plot_serving
@@ -297,28 +298,6 @@ def _serving_table(rows: list[dict]) -> str:
         "num_agree",
     ]
     return tabulate([{key: row[key] for key in keys} for row in rows], headers="keys", floatfmt=".2f")
-
-
-def host() -> str:
-    """The CPU's model name with its cores and hardware threads, e.g. "AMD EPYC (2 cores, 2 threads)" (/proc/cpuinfo
-    on Linux; the machine type and thread count elsewhere): CPU timings depend on all three."""
-    name, cores = None, set()
-    try:
-        physical = None
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "model name" and name is None:
-                name = value
-            elif key == "physical id":
-                physical = value
-            elif key == "core id":
-                cores.add((physical, value))
-    except OSError:
-        pass
-    name = name or platform.processor() or platform.machine()
-    threads = os.cpu_count()
-    counts = ([f"{len(cores)} cores"] if cores else []) + ([f"{threads} threads"] if threads else [])
-    return f"{name} ({', '.join(counts)})" if counts else name
 
 
 def _cache_part(results: dict) -> dict | None:

@@ -40,6 +40,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.host import host
+
 BLOCK_SIZE = 16
 TOKENIZER_VOCAB = 512
 HTTP_BEGIN = "<!-- bench.serve: begin -->"
@@ -297,7 +299,7 @@ def render(
         f"- command: `python -m bench.serve{' --quick' if args.quick else ''} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --max-memory {args.max_memory} "
         f"--level-seconds {args.level_seconds:g}`",
-        f"- machine: `{host_description()}`",
+        f"- machine: `{host()}`",
         f"- date: `{time.strftime('%Y-%m-%d', time.gmtime())}`",
         "",
         f"KV budget {args.max_memory} ({num_blocks} blocks of {BLOCK_SIZE} tokens for the continuous-batching "
@@ -337,12 +339,6 @@ def render(
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:
     return numerator / denominator if numerator and denominator else None
-
-
-def host_description() -> str:
-    from bench.__main__ import host
-
-    return host()
 
 
 def with_section(log: str, section: str) -> str:
