@@ -121,7 +121,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
             backfill_window=backfill_window,
-            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)),
+            # The per-request step keeps every block: a prompt chunk sees the whole prompt before it.
+            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)) if packed else None,
             enable_prefix_caching=enable_prefix_caching,
         )
         if enable_prefix_caching:

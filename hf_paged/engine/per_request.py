@@ -16,9 +16,16 @@ and the new ones), gathered from the pool. So the model's own mask, its position
 that reads K/V see what `generate()` of that request alone shows them, and the attention is the model's own
 (sdpa, eager, or code of its own).
 
+Sliding layers: `generate()` computes a prompt in one forward, so every prompt token sees all the prompt before it
+(through the model's own mask; some models, such as Moshi, take no window from their mask at all), and a sliding
+layer's cache keeps only its window after that. So a prompt chunk here attends as a full layer, and each generated
+token fed back through a sliding layer's window; the Engine keeps every block of a per-request model (no block
+leaves a window), so a chunk finds the whole prompt before it.
+
 The cost: one forward per scheduled request, so a step gets no batching gain (each decode row is a batch-1
-forward). Everything else is the Engine's: scheduling, blocks, prefix caching, chunked prefill, preemption,
-sampling, aborts, failure isolation (a row that raises fails alone, without the halving of the packed step).
+forward), and a sliding model holds all its blocks. Everything else is the Engine's: scheduling, blocks, prefix
+caching, chunked prefill, preemption, sampling, aborts, failure isolation (a row that raises fails alone, without
+the halving of the packed step).
 """
 
 from __future__ import annotations
@@ -128,15 +135,29 @@ class PerRequestStep:
         return torch.stack([self._forward_row(request, num_tokens) for request, num_tokens in rows])
 
     def _forward_row(self, request: Request, num_tokens: int) -> torch.Tensor:
-        """One request's forward over its next `num_tokens` tokens -> [vocab] logits at the last of them."""
-        seq_len = request.num_computed
+        """One request's next `num_tokens` tokens -> [vocab] logits at the last of them: its prompt tokens in one
+        forward, then each generated token fed back (a preempted request's recomputation) in one of its own."""
+        start, end = request.num_computed, request.num_computed + num_tokens
+        prompt_end = min(end, len(request.prompt_ids))
+        if start < prompt_end:
+            logits = self._forward(request, start, prompt_end - start, prompt=True)
+        for position in range(max(start, prompt_end), end):
+            logits = self._forward(request, position, 1, prompt=False)
+        return logits
+
+    def _forward(self, request: Request, seq_len: int, num_tokens: int, prompt: bool) -> torch.Tensor:
+        """A forward over `num_tokens` of the request's tokens after `seq_len` cached ones -> [vocab] logits at the
+        last. A prompt chunk sees every prompt token before it, as one forward over the whole prompt does
+        (`generate()` truncates a sliding layer's cache only after it); a generated token sees what its sliding
+        layers keep after the tokens before it."""
+        windows = [None] * len(self._windows) if prompt else self._windows
         cache = RowCache(
             self.pool,
             request.block_tables,
             request.first_blocks,
             seq_len,
             num_tokens,
-            self._windows,
+            windows,
             workspace=self._workspace,
             model_type=self._model_type,
         )
@@ -171,20 +192,19 @@ PROBE_CHUNKS = (4, 3, 1)
 
 
 def check_chunked_prompt(model, cache_keyword: str) -> None:
-    """Raise `UnsupportedModel` unless a short prompt computed in chunks over a `DynamicCache` (`PROBE_CHUNKS`, as
-    `run_row` calls the model) gives the logits of one forward over it, each chunk adding its own tokens to the
-    cache. The Engine splits prompts into chunks and reuses cached prefixes; a model whose tokens see later ones,
-    that asserts one new token over a cache, or that stores K/V of tokens of its own fails this. The tolerance
-    only absorbs the rounding of different sequence lengths in half precision."""
+    """Raise `UnsupportedModel` unless a short prompt computed in chunks over a `DynamicCache` of full layers
+    (`PROBE_CHUNKS`, as `run_row` calls the model) gives the logits of one forward over it, each chunk adding its
+    own tokens to the cache. The Engine splits prompts into chunks and reuses cached prefixes; a model whose tokens
+    see later ones, that asserts one new token over a cache, or that stores K/V of tokens of its own fails this.
+    The tolerance only absorbs the rounding of different sequence lengths in half precision."""
     config = model.config.get_text_config(decoder=True)
     num_tokens = sum(PROBE_CHUNKS)
     token_ids = [(7 * i + 1) % config.vocab_size for i in range(num_tokens)]
     reason = None
     with torch.inference_mode():
         try:
-            whole = run_row(model, token_ids, 0, {cache_keyword: DynamicCache(config=model.config)})
-            whole = whole.logits[0, -num_tokens:].float()
-            cache, chunks, start = DynamicCache(config=model.config), [], 0
+            whole = run_row(model, token_ids, 0, {cache_keyword: DynamicCache()}).logits[0, -num_tokens:].float()
+            cache, chunks, start = DynamicCache(), [], 0
             for size in PROBE_CHUNKS:
                 out = run_row(model, token_ids[start : start + size], start, {cache_keyword: cache})
                 chunks.append(out.logits[0, -size:].float())
