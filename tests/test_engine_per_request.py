@@ -177,9 +177,10 @@ def test_a_model_with_is_causal_false_and_a_causal_mask_is_served(models):
     ]
 
 
-def test_row_cache_returns_what_dynamic_cache_returns(models):
-    """Every layer's update after a prefix in another request's blocks: the same K/V as a DynamicCache, through a
-    sliding window whose first blocks were released."""
+@pytest.mark.parametrize("consecutive", [True, False])
+def test_row_cache_returns_what_dynamic_cache_returns(models, consecutive):
+    """Every layer's update: the same K/V as a DynamicCache, through a sliding window whose first blocks were
+    released; a view of the pool where the row's blocks are consecutive, else a gather."""
     from hf_paged.engine.per_request import RowCache
     from hf_paged.storage import sliding_windows
 
@@ -190,7 +191,7 @@ def test_row_cache_returns_what_dynamic_cache_returns(models):
     num_layers, heads, head_dim = len(windows), pool.layout.num_kv_heads[0], pool.layout.head_dims[0]
     reference_cache = DynamicCache(config=model.config)
     generator = torch.Generator().manual_seed(0)
-    seq_len, table = 0, list(range(16))
+    seq_len, table = 0, list(range(16)) if consecutive else [5, 2, 9, 0, 14, 7, 3, 11]
     for q_len in (6, 5, 1, 1):
         keys = [torch.randn(1, heads, q_len, head_dim, generator=generator) for _ in range(num_layers)]
         # The sliding group keeps the blocks from the one the window starts in (positions seq_len - 7 ...).
@@ -200,6 +201,9 @@ def test_row_cache_returns_what_dynamic_cache_returns(models):
             got = cache.update(keys[layer_idx], -keys[layer_idx], layer_idx)
             expected = reference_cache.update(keys[layer_idx], -keys[layer_idx], layer_idx)
             assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+            if seq_len:  # a first prefill returns the forward's own K/V
+                pool_storage = pool.key_cache[layer_idx].untyped_storage().data_ptr()
+                assert (got[0].untyped_storage().data_ptr() == pool_storage) == consecutive
             assert cache.layers[layer_idx].get_mask_sizes(q_len) == reference_cache.layers[layer_idx].get_mask_sizes(
                 q_len
             )

@@ -133,7 +133,7 @@ class Engine:
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
         self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
         self._cache_keyword = cache_keyword(model)
-        self._per_request = None if packed else PerRequestStep(model, pool, self._cache_keyword, self._workspace)
+        self._per_request = None if packed else PerRequestStep(model, pool, self._cache_keyword)
         if not packed:
             logger.warning(
                 "Engine: model type %r runs one forward per scheduled request (no batching gain), with its own "

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicCache
 
+from ..cache.block_tables import head_major_index
+from ..cache.gather import visible_kv
 from ..cache.layer import PagedLayer
 from ..errors import UnsupportedModel
 from ..storage import BlockPool, sliding_windows
@@ -53,12 +55,12 @@ class RowCache(Cache):
         q_len (`int`): tokens this forward adds.
         windows (`list[int | None]`): per layer, its sliding window (None: full attention), as `DynamicCache` makes
             its layers (`sliding_windows(config)`).
-        workspace (`dict`, *optional*): gather buffers shared across forwards.
         model_type (`str`, *optional*): named by the `UnsupportedModel` a write to a layer the pool lacks raises.
 
     `update(key_states, value_states, layer_idx)` takes `[1, kv_heads, q_len, head_dim]` and returns
     `[1, kv_heads, kv_len, head_dim]`: the new K/V themselves when nothing is cached, else the layer's visible K/V
-    from the pool (views of the gather workspace, valid until the next update).
+    from the pool: a view of the pool where the row's blocks are consecutive, else of the pool's gather workspace
+    (`cache/gather.py`), valid until the next update.
     """
 
     def __init__(
@@ -70,20 +72,19 @@ class RowCache(Cache):
         q_len: int,
         windows: list[int | None],
         *,
-        workspace: dict | None = None,
         model_type: str | None = None,
     ):
-        # NOTE: the one-row StepCache stores the new tokens in their slots and gathers the row's blocks.
+        # NOTE: the one-row StepCache stores the new tokens in their slots (and checks the layer and shapes).
         self._step = StepCache(
             pool,
             [[table] for table in block_tables],
             [seq_len],
             [q_len],
             first_blocks=[[first] for first in first_blocks],
-            workspace=workspace,
             model_type=model_type,
         )
         self.seq_len, self.q_len = seq_len, q_len
+        self._tables = [_RowTables(pool, table, first) for table, first in zip(block_tables, first_blocks)]
         layers = [PagedLayer(self, layer_idx, window) for layer_idx, window in enumerate(windows)]
         for layer in layers:
             layer.cumulative_length = seq_len
@@ -104,14 +105,43 @@ class RowCache(Cache):
         layer.cumulative_length = self.seq_len + self.q_len
         if self.seq_len == 0:  # a first prefill: the visible K/V are this forward's
             return key_states, value_states
-        keys, values = self._step.gather_row(layer_idx, 0)  # from the first held position to the last new token
-        skip = layer.first_visible(self.seq_len) - self._step.first_position(layer_idx, 0)
-        return keys[:, :, skip:], values[:, :, skip:]
+        # A view of the pool where the row's blocks are consecutive, else a gather into the pool's workspace.
+        tables = self._tables[self._step.pool.group_of_layer[layer_idx]]
+        return visible_kv(tables, layer_idx, layer.first_visible(self.seq_len), self.seq_len + self.q_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         if layer_idx >= len(self.layers):
             return 0
         return self.layers[layer_idx].cumulative_length
+
+
+class _RowTables:
+    """One row's block table in one layer group, as `visible_kv` reads it: `table[i]` holds logical block
+    `base + i` (the blocks before `base` were released)."""
+
+    num_rows = 1
+
+    def __init__(self, pool: BlockPool, table: list[int], base: int):
+        self.pool, self.table, self.base = pool, table, base
+        self._memo: dict[tuple, torch.Tensor | int | None] = {}  # for the forward's other layers
+
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        """The pool block id of logical block `first_block` when blocks [first_block, end_block) are consecutive."""
+        key = ("run", first_block, end_block)
+        if key not in self._memo:
+            run = self.table[first_block - self.base : end_block - self.base]
+            self._memo[key] = run[0] if run == list(range(run[0], run[0] + len(run))) else None
+        return self._memo[key]
+
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        """[num_heads * n] rows of the `[num_heads * num_pool_blocks, block_size, head_dim]` pool view."""
+        assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
+        key = ("gather", first_block, end_block, num_heads, num_pool_blocks)
+        if key not in self._memo:
+            run = self.table[first_block - self.base : end_block - self.base]
+            tables = torch.tensor([run], device=self.pool.device)
+            self._memo[key] = head_major_index(tables, num_heads, num_pool_blocks)
+        return self._memo[key]
 
 
 class PerRequestStep:
@@ -121,12 +151,11 @@ class PerRequestStep:
         model: the transformers causal LM, with its own attention implementation.
         pool (`BlockPool`): the Engine's pool.
         cache_keyword (`str`): the keyword the model's forward takes its cache by.
-        workspace (`dict`): gather buffers shared with the Engine's steps.
     """
 
-    def __init__(self, model, pool: BlockPool, cache_keyword: str, workspace: dict):
+    def __init__(self, model, pool: BlockPool, cache_keyword: str):
         self.model, self.pool = model, pool
-        self._cache_keyword, self._workspace = cache_keyword, workspace
+        self._cache_keyword = cache_keyword
         self._windows = sliding_windows(model.config.get_text_config(decoder=True))
         self._model_type = getattr(model.config, "model_type", None)
 
@@ -158,7 +187,6 @@ class PerRequestStep:
             seq_len,
             num_tokens,
             windows,
-            workspace=self._workspace,
             model_type=self._model_type,
         )
         token_ids = request.token_ids[seq_len : seq_len + num_tokens]
