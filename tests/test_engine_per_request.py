@@ -209,3 +209,20 @@ def test_row_cache_returns_what_dynamic_cache_returns(models, consecutive):
             )
         seq_len += q_len
         assert cache.get_seq_length() == reference_cache.get_seq_length() == seq_len
+
+
+def test_a_packed_model_run_per_request_gives_the_packed_tokens(monkeypatch):
+    """The per-request step on a model the packed step runs (Llama, sdpa): the same tokens, prompts in chunks next
+    to decode rows, a prefix-cache hit."""
+    import hf_paged.engine.engine as engine_module
+
+    model = zoo.tiny_model("llama", "LlamaForCausalLM")
+    packed = engine_of(model)
+    expected = packed.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)
+    model.set_attn_implementation("sdpa")
+    monkeypatch.setattr(engine_module, "choose_step_mode", lambda model: ("per-request", "chosen by the test"))
+    engine = engine_of(model)
+    assert (engine.step_mode, engine.model.config._attn_implementation) == ("per-request", "sdpa")
+    assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None) == expected
+    assert engine.stats.prefix_hit_tokens == 8
+    assert engine.pool.num_used_blocks == 0
