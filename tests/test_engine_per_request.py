@@ -74,7 +74,8 @@ def test_per_request_step_equals_dynamic_cache_of_each_prompt_alone(models, mode
     outputs = engine.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)
     assert outputs == [reference(model, prompt) for prompt in PROMPTS]
     stats = engine.stats
-    assert stats.prefix_hit_tokens == 8  # the third prompt reused the first's two blocks
+    # The third prompt reused the first's two blocks; a sliding model (moshi) caches no prefix.
+    assert stats.prefix_hit_tokens == (0 if model_type == "moshi" else 8)
     assert stats.num_steps < sum(len(p) for p in PROMPTS)  # steps held several rows (chunks and decode rows)
     assert engine.pool.num_used_blocks == 0
 
@@ -225,4 +226,20 @@ def test_a_packed_model_run_per_request_gives_the_packed_tokens(monkeypatch):
     assert (engine.step_mode, engine.model.config._attn_implementation) == ("per-request", "sdpa")
     assert engine.generate(PROMPTS, max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None) == expected
     assert engine.stats.prefix_hit_tokens == 8
+    assert engine.pool.num_used_blocks == 0
+
+
+def test_a_sliding_model_continues_a_conversation_as_generate_does(models, caplog):
+    """Moshi's window comes from its cache: generate() computes a prompt over the whole prompt, a generated token
+    through the window. A second turn whose prompt holds the first turn's output gets what generate() gives it
+    alone: the per-request step of a sliding model caches no prefix (and says so)."""
+    model = models("moshi")
+    with caplog.at_level("WARNING", logger="hf_paged.engine.engine"):
+        engine = engine_of(model)
+    assert "prefix caching is off" in caplog.text
+    first = engine.generate([PROMPTS[0]], max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)[0]
+    second_prompt = PROMPTS[0] + first + [4, 5, 6]
+    second = engine.generate([second_prompt], max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)[0]
+    assert second == reference(model, second_prompt)
+    assert engine.stats.prefix_hit_tokens == 0
     assert engine.pool.num_used_blocks == 0

@@ -6,7 +6,9 @@
 Each `step()` runs one forward over every scheduled request: the decode rows' next tokens and the prefill chunks
 packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
 padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches
-the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache).
+the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache). A model
+the packed step cannot run gets one forward per scheduled request instead, with its own attention (`step_mode`
+"per-request", per_request.py).
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
 return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
@@ -29,7 +31,7 @@ from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
-from .per_request import PerRequestStep, check_chunked_prompt
+from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
@@ -46,12 +48,13 @@ class Engine:
     Args:
         model: a transformers causal LM (decoder-only, full, sliding-window or chunked attention layers). Each
             request holds one block table per layer group of the pool; a group whose layers all slide gives back the
-            blocks that left the window, so sliding-window models hold about a window of K/V per request. A model
-            the packed step would run wrong (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`,
-            attention outside transformers' attention interface, K/V read after `cache.update()`, ...) runs one
-            forward per scheduled request instead (`step_mode` "per-request", `engine/per_request.py`: no batching
-            gain); one neither step serves (looped layers, attention that is not causal over a prompt, ...) raises
-            `UnsupportedModel` here, naming its type and the reason, and is left as it was.
+            blocks that left the window, so sliding-window models hold about a window of K/V per request (in the
+            packed step; the per-request step keeps every block). A model the packed step would run wrong
+            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, attention outside transformers'
+            attention interface, K/V read after `cache.update()`, ...) runs one forward per scheduled request
+            instead (`step_mode` "per-request", `engine/per_request.py`: no batching gain); one neither step serves
+            (looped layers, attention that is not causal over a prompt, ...) raises `UnsupportedModel` here, naming
+            its type and the reason, and is left as it was.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
@@ -104,8 +107,12 @@ class Engine:
         # Before anything: a model neither step serves raises.
         self.step_mode, self.step_mode_reason = choose_step_mode(model)
         packed = self.step_mode == PACKED
+        notes = [self.step_mode_reason]
         if not packed:
             check_chunked_prompt(model, cache_keyword(model))
+            if enable_prefix_caching and (note := prefix_caching_reason(model)) is not None:
+                enable_prefix_caching = False
+                notes.append(note)
         pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
         if pool.is_multi_device:
             raise PoolMismatch(
@@ -139,7 +146,7 @@ class Engine:
                 "Engine: model type %r runs one forward per scheduled request (no batching gain), with its own "
                 "attention: %s",
                 getattr(model.config, "model_type", None),
-                self.step_mode_reason,
+                "; ".join(notes),
             )
         self._requests: dict[int, Request] = {}  # issued and not handed back yet
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`

@@ -20,12 +20,14 @@ Sliding layers: `generate()` computes a prompt in one forward, so every prompt t
 (through the model's own mask; some models, such as Moshi, take no window from their mask at all), and a sliding
 layer's cache keeps only its window after that. So a prompt chunk here attends as a full layer, and each generated
 token fed back through a sliding layer's window; the Engine keeps every block of a per-request model (no block
-leaves a window), so a chunk finds the whole prompt before it.
+leaves a window), so a chunk finds the whole prompt before it. A request's output blocks are then not what another
+request's prompt holding that output computes: the Engine turns prefix caching off for such a model
+(`prefix_caching_reason`).
 
 The cost: one forward per scheduled request, so a step gets no batching gain (each decode row is a batch-1
-forward), and a sliding model holds all its blocks. Everything else is the Engine's: scheduling, blocks, prefix
-caching, chunked prefill, preemption, sampling, aborts, failure isolation (a row that raises fails alone, without
-the halving of the packed step).
+forward), and a sliding model holds all its blocks and caches no prefix. Everything else is the Engine's:
+scheduling, blocks, prefix caching, chunked prefill, preemption, sampling, aborts, failure isolation (a row that
+raises fails alone, without the halving of the packed step).
 """
 
 from __future__ import annotations
@@ -213,6 +215,19 @@ def run_row(model, token_ids: list[int], seq_len: int, cache: dict, last_only: b
     if last_only and takes(model.forward, "logits_to_keep"):
         inputs["logits_to_keep"] = 1
     return model(input_ids=torch.tensor([token_ids], device=device), **inputs)
+
+
+def prefix_caching_reason(model) -> str | None:
+    """Why the per-request step turns prefix caching off for `model`, else None: a sliding layer computes a
+    generated token through its window and a prompt token over the whole prompt before it (as `generate()` does),
+    so the blocks of one request's output are not what another request's prompt would compute."""
+    windows = sliding_windows(model.config.get_text_config(decoder=True))
+    if all(window is None for window in windows):
+        return None
+    return (
+        "prefix caching is off: its sliding layers see a generated token's window but a prompt token's whole prompt, "
+        "so one request's output blocks are no prefix of another's prompt"
+    )
 
 
 # A prompt's first chunk, a chunk over cached tokens, a decode token.

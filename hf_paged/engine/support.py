@@ -152,13 +152,8 @@ def _attention_modules(model) -> list:
     ]
 
 
-def _non_causal_modules(model) -> list[str]:
-    """The class names of the attention layers of `model` with `is_causal=False`."""
-    return sorted({type(m).__name__ for m in _attention_modules(model) if getattr(m, "is_causal", True) is False})
-
-
 def _non_causal_reason(model) -> str | None:
-    non_causal = _non_causal_modules(model)
+    non_causal = sorted({type(m).__name__ for m in _attention_modules(model) if getattr(m, "is_causal", True) is False})
     if not non_causal:
         return None
     return (
