@@ -4,6 +4,8 @@ naming the model type and the reason; a model the Engine serves gives each promp
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import zoo
@@ -31,23 +33,53 @@ def engine_of(model_type: str, **config) -> Engine:
         ("diffllama", "it splits V into two halves after cache.update"),
     ],
 )
-def test_engine_refuses_up_front(model_type, reason):
+def test_what_the_packed_step_cannot_run_is_served_per_request(model_type, reason):
+    engine = engine_of(model_type)
+    assert engine.step_mode == "per-request"
+    assert re.match(reason, engine.step_mode_reason)
+
+
+def test_a_model_the_packed_step_runs_is_packed():
+    engine = engine_of("llama")
+    assert (engine.step_mode, engine.step_mode_reason) == ("packed", None)
+    assert engine.model.config._attn_implementation == "hf_paged"
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [
+        ("prophetnet", "computing a prompt in chunks over cached tokens raises AssertionError: At the moment"),
+        ("xlm", "computing a prompt in chunks over cached tokens raises AssertionError"),
+        ("cpmant", "computing a prompt in chunks over cached tokens raises RuntimeError"),
+    ],
+)
+def test_neither_step_serves_a_prompt_that_cannot_be_chunked(model_type, reason):
     with pytest.raises(UnsupportedModel, match=f"Engine does not support model type '{model_type}': {reason}"):
         engine_of(model_type)
 
 
+def test_engine_refuses_bidirectional_attention():
+    model = zoo.tiny_model("gemma4_unified", zoo.architectures()["gemma4_unified"])
+    model.config.get_text_config(decoder=True).use_bidirectional_attention = "all"
+    with pytest.raises(UnsupportedModel, match="'gemma4_unified': it attends bidirectionally \\(use_bidirectional"):
+        Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+
+
 def test_engine_refuses_non_causal_attention():
-    # A BERT-style model left as an encoder (is_decoder=False) attends bidirectionally.
+    # A BERT-style model whose attention modules say is_causal=False: sdpa skips the causal mask, so each prompt
+    # token sees the later ones. The packed step names the modules; the per-request step's probe sees the logits.
     model = zoo.tiny_model("bert", "BertLMHeadModel")
     for module in model.modules():
         if hasattr(module, "is_causal"):
             module.is_causal = False
-    with pytest.raises(UnsupportedModel, match="'bert': its attention is not causal \\(is_causal=False on BertSelf"):
+    with pytest.raises(UnsupportedModel, match="'bert': its logits differ when a prompt is computed in chunks"):
         Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
+    with pytest.raises(UnsupportedModel, match="'bert': its attention is not causal \\(is_causal=False on BertSelf"):
+        hf_paged.engine.support.refuse_unsupported_engine(model)
 
 
 def test_a_refused_model_is_left_as_it_was():
-    model = zoo.tiny_model("bart", "BartForCausalLM")
+    model = zoo.tiny_model("xlm", "XLMWithLMHeadModel")
     implementation = model.config._attn_implementation
     with pytest.raises(UnsupportedModel):
         Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))

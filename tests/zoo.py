@@ -29,6 +29,7 @@ calls after the others; the reference it compares with is named by its `referenc
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import inspect
 import json
@@ -270,7 +271,7 @@ def prompts_of(model_inputs: dict) -> list[list[int]]:
 def single_reference(model, model_inputs: dict) -> GenerateResult:
     """Each prompt alone (batch 1, no padding) through greedy `generate()` with a `DynamicCache`, checked against
     the model's default cache as in `reference`: [rows, MAX_NEW_TOKENS] new tokens and, per step, [rows, vocab]
-    raw logits (`output_logits`: what the Engine's greedy choice reads)."""
+    raw logits (`output_logits`: what the Engine's greedy choice reads), with no logits processor."""
     from transformers import DynamicCache
 
     def run(input_ids, **options) -> GenerateResult:
@@ -285,15 +286,30 @@ def single_reference(model, model_inputs: dict) -> GenerateResult:
         )
         return GenerateResult(out.sequences[:, input_ids.shape[1] :], tuple(out.logits))
 
+    # The Engine applies no logits processors: none that the model's generation config turns on either (BART's
+    # forced eos at the last step). generate() fills a None it is passed from the model's config, so the model's
+    # generation config itself goes without them here.
+    saved = copy.deepcopy(model.generation_config)
+    for name in NO_PROCESSORS:
+        setattr(model.generation_config, name, None)
     rows = []
-    for prompt in prompts_of(model_inputs):
-        input_ids = torch.tensor([prompt])
-        result = run(input_ids, past_key_values=DynamicCache(config=model.config))
-        difference = compare(result, run(input_ids))
-        if difference is not None:
-            raise ReferenceMismatch(f"a DynamicCache passed to generate() differs from the default cache: {difference}")
-        rows.append(result)
+    try:
+        for prompt in prompts_of(model_inputs):
+            input_ids = torch.tensor([prompt])
+            result = run(input_ids, past_key_values=DynamicCache(config=model.config))
+            difference = compare(result, run(input_ids))
+            if difference is not None:
+                raise ReferenceMismatch(
+                    f"a DynamicCache passed to generate() differs from the default cache: {difference}"
+                )
+            rows.append(result)
+    finally:
+        model.generation_config = saved
     return _stack(rows)
+
+
+# Logits processors a model's generation config can turn on that the Engine does not apply.
+NO_PROCESSORS = ("forced_bos_token_id", "forced_eos_token_id", "suppress_tokens", "begin_suppress_tokens")
 
 
 def _stack(rows: list[GenerateResult]) -> GenerateResult:
@@ -316,6 +332,7 @@ class Counts:
 
     updates: int = 0  # PagedCache.update calls
     step_updates: int = 0  # StepCache.update calls (the Engine's)
+    row_updates: int = 0  # RowCache.update calls (the Engine's per-request step, with the model's own attention)
     attention_calls: int = 0  # calls of the "hf_paged" attention function
     plans: int = 0  # of those, calls that read K/V through a decode plan
 
@@ -409,7 +426,8 @@ PATHS: list[ZooPath] = [
         "Engine.generate (each prompt vs generate() of it alone)",
         _engine,
         "single",
-        lambda counts: counts.step_updates > 0 and counts.attention_calls > 0,
+        # The packed step attends through "hf_paged"; the per-request step through the model's own attention.
+        lambda counts: counts.step_updates > 0 and (counts.attention_calls > 0 or counts.row_updates > 0),
     ),
 ]
 
@@ -420,8 +438,9 @@ def _instrument(counts: Counts) -> None:
     from hf_paged.attention import interface, plan_of
     from hf_paged.cache import PagedCache
     from hf_paged.engine import StepCache
+    from hf_paged.engine.per_request import RowCache
 
-    update, step_update = PagedCache.update, StepCache.update
+    update, step_update, row_update = PagedCache.update, StepCache.update, RowCache.update
 
     def counted_update(self, *args, **kwargs):
         counts.updates += 1
@@ -430,6 +449,10 @@ def _instrument(counts: Counts) -> None:
     def counted_step_update(self, *args, **kwargs):
         counts.step_updates += 1
         return step_update(self, *args, **kwargs)
+
+    def counted_row_update(self, *args, **kwargs):
+        counts.row_updates += 1
+        return row_update(self, *args, **kwargs)
 
     attend = interface.paged_attention_forward
 
@@ -440,6 +463,7 @@ def _instrument(counts: Counts) -> None:
 
     PagedCache.update = counted_update
     StepCache.update = counted_step_update
+    RowCache.update = counted_row_update
     # register() (called by enable()) registers whatever this module name holds.
     interface.paged_attention_forward = counted_attention
     interface.register()
@@ -504,7 +528,7 @@ def run_architecture(model_type: str, class_name: str, report: Callable[[str, di
         if isinstance(reference, Exception):
             report(path.name, {"outcome": "reference fails", "detail": _short(reference)})
             continue
-        counts.updates = counts.step_updates = counts.attention_calls = counts.plans = 0
+        counts.updates = counts.step_updates = counts.row_updates = counts.attention_calls = counts.plans = 0
         try:
             got = path.run(model, model_inputs)
         except Exception as error:

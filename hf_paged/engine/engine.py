@@ -6,7 +6,9 @@
 Each `step()` runs one forward over every scheduled request: the decode rows' next tokens and the prefill chunks
 packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
 padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches
-the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache).
+the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache). A model
+the packed step cannot run gets one forward per scheduled request instead, with its own attention (`step_mode`
+"per-request", per_request.py).
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
 return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import time
 from collections.abc import Sequence
 
@@ -28,12 +31,15 @@ from ..storage import BlockPool, KVLayout, sliding_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
+from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
-from .support import cache_keyword, chunk_sizes, refuse_unsupported_engine
+from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
+
+logger = logging.getLogger(__name__)
 
 
 class Engine:
@@ -42,10 +48,13 @@ class Engine:
     Args:
         model: a transformers causal LM (decoder-only, full, sliding-window or chunked attention layers). Each
             request holds one block table per layer group of the pool; a group whose layers all slide gives back the
-            blocks that left the window, so sliding-window models hold about a window of K/V per request. A model
-            the packed step would run wrong raises `UnsupportedModel` here, naming its type and the reason
-            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, non-causal attention, attention
-            outside transformers' attention interface, ...); the model is left as it was.
+            blocks that left the window, so sliding-window models hold about a window of K/V per request (in the
+            packed step; the per-request step keeps every block). A model the packed step would run wrong
+            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, attention outside transformers'
+            attention interface, K/V read after `cache.update()`, ...) runs one forward per scheduled request
+            instead (`step_mode` "per-request", `engine/per_request.py`: no batching gain); one neither step serves
+            (looped layers, attention that is not causal over a prompt, ...) raises `UnsupportedModel` here, naming
+            its type and the reason, and is left as it was.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
         max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
@@ -75,6 +84,12 @@ class Engine:
             engine per rank, every rank making the same calls), the seconds a rank waits for the others at a step's
             agreement points before raising `LockstepError` (see lockstep.py: the ranks schedule the same rows and
             apply rank 0's tokens, and an error on one rank fails the step on all). Ignored on one rank.
+
+    Attributes:
+        step_mode (`str`): "packed" (every step is one forward over all its rows, attention through "hf_paged") or
+            "per-request" (each row of a step is a forward of its own, batch 1, with the model's own attention),
+            chosen once here from the model's classes.
+        step_mode_reason (`str` or None): why the packed step cannot run the model (None when it can).
     """
 
     def __init__(
@@ -89,7 +104,15 @@ class Engine:
         backfill_window: int = 8,
         lockstep_timeout: float = 300.0,
     ):
-        refuse_unsupported_engine(model)  # before anything: a model the packed step would run wrong
+        # Before anything: a model neither step serves raises.
+        self.step_mode, self.step_mode_reason = choose_step_mode(model)
+        packed = self.step_mode == PACKED
+        notes = [self.step_mode_reason]
+        if not packed:
+            check_chunked_prompt(model, cache_keyword(model))
+            if enable_prefix_caching and (note := prefix_caching_reason(model)) is not None:
+                enable_prefix_caching = False
+                notes.append(note)
         pool.check_compatible(KVLayout.from_config(model))  # a tensor-parallel model: this rank's kv heads
         if pool.is_multi_device:
             raise PoolMismatch(
@@ -97,7 +120,7 @@ class Engine:
                 "device_map): serve such a model with PagedCache and generate(), or load it on one device"
             )
         _check_prefix_caching(pool, enable_prefix_caching)
-        self.model = enable(model) if model.config._attn_implementation != "hf_paged" else model
+        self.model = enable(model) if packed and model.config._attn_implementation != "hf_paged" else model
         self.pool = pool
         self.scheduler = Scheduler(
             pool,
@@ -105,7 +128,8 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
             backfill_window=backfill_window,
-            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)),
+            # The per-request step keeps every block: a prompt chunk sees the whole prompt before it.
+            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)) if packed else None,
             enable_prefix_caching=enable_prefix_caching,
         )
         if enable_prefix_caching:
@@ -116,6 +140,14 @@ class Engine:
         self._workspace: dict = {}  # StepCache gather buffers, reused across steps
         self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
         self._cache_keyword = cache_keyword(model)
+        self._per_request = None if packed else PerRequestStep(model, pool, self._cache_keyword)
+        if not packed:
+            logger.warning(
+                "Engine: model type %r runs one forward per scheduled request (no batching gain), with its own "
+                "attention: %s",
+                getattr(model.config, "model_type", None),
+                "; ".join(notes),
+            )
         self._requests: dict[int, Request] = {}  # issued and not handed back yet
         self._finished: dict[int, Request] = {}  # finished requests of add_request, for `pop_finished`
         self._owned: set[int] = set()  # requests of generate()/stream() calls, handed back by the call
@@ -479,15 +511,28 @@ class Engine:
         """Each row's result: (greedy token id, host logits when it samples), or the exception its forward raised
         alone. Runs every row in one forward; when that raises, runs them again in halves to find rows whose
         forward raises alone (see `step`), and raises when none can be blamed. None: nothing ran, the step is
-        undone (`checkpoint`) and the requests blamed have finished with their error."""
-        try:
-            return self._results(rows, range(len(rows)))
-        except UnsupportedModel:  # the model's, not a row's: no row is to blame
-            raise
-        except Exception as error:
-            first_error = error
+        undone (`checkpoint`) and the requests blamed have finished with their error. The per-request step runs
+        each row alone already: a row that raises is one whose forward raises alone."""
         results: dict = {}
-        self._isolate(rows, list(range(len(rows))), first_error, results)
+        first_error = None
+        if self._per_request is not None:
+            for row in range(len(rows)):
+                try:
+                    results.update(self._results([rows[row]], [row]))
+                except UnsupportedModel:  # the model's, not a row's: no row is to blame
+                    raise
+                except Exception as error:
+                    results[row], first_error = error, first_error or error
+            if first_error is None:
+                return results
+        else:
+            try:
+                return self._results(rows, range(len(rows)))
+            except UnsupportedModel:
+                raise
+            except Exception as error:
+                first_error = error
+            self._isolate(rows, list(range(len(rows))), first_error, results)
         failed = {row for row, result in results.items() if isinstance(result, BaseException)}
         if not failed:  # every row ran in a smaller forward: nothing to blame
             raise first_error
@@ -534,7 +579,9 @@ class Engine:
 
     def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns
-        [len(rows), vocab] logits at each row's last new token."""
+        [len(rows), vocab] logits at each row's last new token. The per-request step runs one forward per row."""
+        if self._per_request is not None:
+            return self._per_request.forward(rows)
         groups = range(self.pool.num_groups)
         cache = StepCache(
             self.pool,

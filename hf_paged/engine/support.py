@@ -1,4 +1,8 @@
-"""Which models the Engine serves: the up-front refusals of `Engine.__init__`.
+"""Which models the Engine serves, and how: the packed step, the per-request step, or an up-front refusal.
+
+`choose_step_mode(model)` decides once, in `Engine.__init__`: "packed" when the packed step computes the model right,
+"per-request" (with the reason the packed step cannot) when only the per-request step does (`per_request.py`), else
+`UnsupportedModel` naming the model type and the reason.
 
 The Engine packs every scheduled request's new tokens into one `[1, num_tokens]` sequence (see `StepCache`), gives
 the model each token's position (`position_ids`), reads the logits of each row's last token only
@@ -21,6 +25,16 @@ Two checks run with every step instead, for what the classes do not show: a forw
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
 `UnsupportedModel` from the step.
 
+The per-request step runs each scheduled request in a forward of its own (batch 1, the model's own attention and
+mask, positions from the cache length, the logits of its last token), so it serves every model above but those
+whose prompt cannot be computed in chunks over cached tokens: the Engine splits prompts into chunks and reuses
+cached prefixes. Looped layers and `use_bidirectional_attention` = True / "all" are refused here (both steps);
+"vision" is causal for the Engine, which passes token ids only (no vision inputs). What the config does not show
+(`is_causal=False` modules without a causal mask of their own, a forward that asserts one new token over a cache,
+one that stores K/V of tokens of its own) is found by `per_request.check_chunked_prompt`, which the Engine runs
+before serving a model per request: a short prompt in chunks over a `DynamicCache` must give the logits of one
+forward.
+
 The rules read the model's classes and modules, not a list of model types, so a new architecture is judged the same
 way.
 """
@@ -37,6 +51,25 @@ from ..errors import UnsupportedModel
 from ..storage import sliding_windows
 
 PATH = "Engine"
+PACKED, PER_REQUEST = "packed", "per-request"
+
+
+def choose_step_mode(model) -> tuple[str, str | None]:
+    """How the Engine runs `model`: `("packed", None)`, or `("per-request", why the packed step cannot)`; raises
+    `UnsupportedModel` for a model neither step serves (see the module docstring)."""
+    try:
+        refuse_unsupported_engine(model)
+    except UnsupportedModel as error:
+        if error.path != PATH:
+            raise
+        packed_reason = error.reason
+    else:
+        return PACKED, None
+    config = model.config.get_text_config(decoder=True)
+    reason = _loop_reason(config) or _prompt_order_reason(config)
+    if reason is not None:
+        raise UnsupportedModel(getattr(model.config, "model_type", None), reason, PATH)
+    return PER_REQUEST, packed_reason
 
 
 def refuse_unsupported_engine(model) -> None:
@@ -70,7 +103,8 @@ def _parameters(forward) -> dict[str, inspect.Parameter]:
         return {}
 
 
-def _takes(forward, name: str) -> bool:
+def takes(forward, name: str) -> bool:
+    """Whether `forward`'s signature names the argument `name`."""
     return name in _parameters(forward)
 
 
@@ -80,10 +114,10 @@ def _passes_keywords(forward) -> bool:
 
 def _position_ids_reason(model) -> str | None:
     """A forward that takes `position_ids`, or passes its keywords on to a decoder whose forward does."""
-    if _takes(model.forward, "position_ids"):
+    if takes(model.forward, "position_ids"):
         return None
     decoder = _decoder(model)
-    if decoder is not None and _passes_keywords(model.forward) and _takes(decoder.forward, "position_ids"):
+    if decoder is not None and _passes_keywords(model.forward) and takes(decoder.forward, "position_ids"):
         return None
     return (
         f"{type(model).__name__}.forward takes no position_ids: positions come from the cache length, so every "
@@ -101,7 +135,7 @@ def _decoder(model):
 
 
 def _logits_to_keep_reason(model) -> str | None:
-    if _takes(model.forward, "logits_to_keep"):
+    if takes(model.forward, "logits_to_keep"):
         return None
     return (
         f"{type(model).__name__}.forward takes no logits_to_keep: the Engine reads each request's next-token logits "
@@ -144,7 +178,7 @@ def cache_keyword(model) -> str:
     it, else `past_key_values`. A forward that takes `cache` but has no alias for the old name would put a
     `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
     forward = getattr(model, "forward", None)
-    return "cache" if forward is not None and _takes(forward, "cache") else "past_key_values"
+    return "cache" if forward is not None and takes(forward, "cache") else "past_key_values"
 
 
 def _loop_reason(config) -> str | None:
@@ -183,3 +217,14 @@ def _window_reason(model, config) -> str | None:
                 "comes from the model's mask or the cache's truncation, neither of which the Engine's step reads"
             )
     return None
+
+
+def _prompt_order_reason(config) -> str | None:
+    """Why a token of a prompt would see tokens after it (the config says so), else None."""
+    mode = getattr(config, "use_bidirectional_attention", None)
+    if not mode or mode == "vision":
+        return None
+    return (
+        f"it attends bidirectionally (use_bidirectional_attention = {mode!r}): the Engine computes a prompt in chunks "
+        "and reuses cached prefixes, so a token must not see the tokens after it"
+    )
