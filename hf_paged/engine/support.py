@@ -15,7 +15,9 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
   packed prefill chunk is causal);
 - a sliding window the attention modules do not pass to the attention function (the window comes from the model's
   mask or the cache's truncation, neither of which the packed step reads);
-- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks).
+- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
+- hybrid models (linear-attention, mamba or conv layers): each request has a recurrent or conv state the pool does
+  not hold (they run with `PagedCache` under `generate()`).
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
@@ -35,6 +37,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..attention.interface import _class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
 from ..storage import sliding_windows
+from ..storage.hybrid import holds_state
 
 PATH = "Engine"
 
@@ -51,7 +54,8 @@ def refuse_unsupported_engine(model) -> None:
     # own) never see the packed step.
     decoder = _decoder(model) or model
     reason = (
-        _position_ids_reason(model)
+        _recurrent_state_reason(config)
+        or _position_ids_reason(model)
         or _logits_to_keep_reason(model)
         or _non_causal_reason(decoder)
         or _bidirectional_reason(model, config)
@@ -145,6 +149,18 @@ def cache_keyword(model) -> str:
     `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
     forward = getattr(model, "forward", None)
     return "cache" if forward is not None and _takes(forward, "cache") else "past_key_values"
+
+
+def _recurrent_state_reason(config) -> str | None:
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    state_layers = [layer_idx for layer_idx, layer_type in enumerate(layer_types) if holds_state(layer_type)]
+    if not state_layers:
+        return None
+    return (
+        f"it is a hybrid model: its layers {state_layers} keep a per-request recurrent or convolution state "
+        f"(layer types {sorted({layer_types[i] for i in state_layers})}), which the paged pool does not hold and a "
+        "packed step does not carry; run it with generate(past_key_values=PagedCache(config=model.config))"
+    )
 
 
 def _loop_reason(config) -> str | None:
