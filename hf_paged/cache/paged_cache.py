@@ -29,7 +29,6 @@ from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import visible_kv, workspace_for
 from .group_tables import GroupTables
 from .hybrid import HybridStates, decoder_layers
-from .layer import PagedLayer
 
 
 class PagedCache(Cache):

@@ -48,21 +48,23 @@ def refuse_unsupported_engine(model) -> None:
     judged."""
     if not isinstance(model, torch.nn.Module):
         return
-    refuse_unsupported_attention(model, path=PATH)
     config = model.config.get_text_config(decoder=True)
+    model_type = getattr(model.config, "model_type", None)
+    state_reason = _recurrent_state_reason(config)  # first: whatever else the model does, the pool lacks its states
+    if state_reason is not None:
+        raise UnsupportedModel(model_type, state_reason, PATH)
+    refuse_unsupported_attention(model, path=PATH)
     # The decoder's attention layers only: a multimodal model's encoders (bidirectional, with layer indices of their
     # own) never see the packed step.
     decoder = _decoder(model) or model
     reason = (
-        _recurrent_state_reason(config)
-        or _position_ids_reason(model)
+        _position_ids_reason(model)
         or _logits_to_keep_reason(model)
         or _non_causal_reason(decoder)
         or _bidirectional_reason(model, config)
         or _loop_reason(config)
         or _window_reason(decoder, config)
     )
-    model_type = getattr(model.config, "model_type", None)
     if reason is not None:
         raise UnsupportedModel(model_type, reason, PATH)
 

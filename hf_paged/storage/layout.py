@@ -100,7 +100,6 @@ class KVLayout:
             )
         config = config.get_text_config(decoder=True)
         refuse_unsupported(config)
-        num_layers = config.num_hidden_layers
         # A heterogeneous config (Gemma 4, dots) gives some layers other kv heads or head_dim: read each layer's.
         layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
         kv_layers, layer_types, layer_kwargs = _kv_layers(config)
@@ -251,6 +250,9 @@ def _kv_shape(config, layer_type: str) -> tuple[int, int]:
     model_type = getattr(config, "model_type", None)
     if layer_type in SLIDING_LAYER_TYPES:
         num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(model_type, 1)
+        # Sliding layers with shapes of their own (Inkling's "hybrid_sliding" layers)
+        num_kv_heads = getattr(config, "swa_num_key_value_heads", None) or num_kv_heads
+        head_dim = getattr(config, "swa_head_dim", None) or head_dim
     if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
         num_kv_heads = num_heads  # Falcon's new decoder architecture caches K/V expanded to every query head
     elif getattr(config, "multi_query", False):
