@@ -17,6 +17,7 @@ import functools
 
 import pytest
 import torch
+import transformers
 import zoo
 from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, LinearAttentionLayer
@@ -27,11 +28,20 @@ from hf_paged.cache.hybrid import PagedHybridLayer
 
 MODEL_TYPES = ("qwen3_next", "jamba", "lfm2", "falcon_h1", "nemotron_h", "recurrent_gemma")
 NEW_TOKENS = 6
+# Mamba-2 mixers the zoo leaves at their default sizes (hundreds of heads and state dims): seconds per generate().
+SMALLER = {
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
+}
 
 
 @functools.cache
 def tiny(model_type: str):
-    return zoo.tiny_model(model_type, zoo.architectures()[model_type])
+    """The zoo's tiny model of `model_type` (seed 0), with `SMALLER` mixers."""
+    config_class = zoo.config_class_of(model_type)
+    kwargs = zoo._shrunk_kwargs(config_class()) | zoo.OVERRIDES.get(model_type, {}) | SMALLER.get(model_type, {})
+    torch.manual_seed(0)
+    return getattr(transformers, zoo.architectures()[model_type])(config_class(**kwargs)).float().eval()
 
 
 def run(model, cache, model_inputs=None, **options):
