@@ -23,8 +23,9 @@ from transformers import DynamicCache
 from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 
 import hf_paged
-from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PagedLayer, UnsupportedModel
+from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PagedLayer, PoolExhausted, UnsupportedModel
 from hf_paged.cache.hybrid import PagedHybridLayer
+from hf_paged.errors import IncompleteStep
 
 MODEL_TYPES = ("qwen3_next", "jamba", "lfm2", "falcon_h1", "nemotron_h", "recurrent_gemma")
 NEW_TOKENS = 6
@@ -262,3 +263,23 @@ def test_enable_refuses_per_query_attention_sinks():
     model = zoo.tiny_model("inkling2_text", zoo.architectures()["inkling2_text"])
     with pytest.raises(UnsupportedModel, match="'inkling2_text'.*sinks"):
         hf_paged.enable(model)
+
+
+def test_a_step_stopped_by_pool_exhausted_leaves_the_cache_good_for_release_only():
+    """The states of the layers before the failing attention layer advanced: running the step again would advance
+    them twice, so the cache refuses every update until release()."""
+    model = tiny("qwen3_next")
+    pool = BlockPool.for_model(model, num_blocks=2, block_size=4)  # 8 tokens: the prompt, not one more
+    cache = PagedCache(config=model.config, pool=pool)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+        with pytest.raises(PoolExhausted):
+            model(torch.tensor([[5]]), past_key_values=cache)
+        with pytest.raises(IncompleteStep, match="'qwen3_next'.*release"):
+            model(torch.tensor([[5]]), past_key_values=cache)
+    cache.release()
+    assert pool.num_used_blocks == 0
+    short = {"input_ids": prompt[:, :5], "attention_mask": torch.ones_like(prompt[:, :5])}
+    got = model.generate(**short, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, model.generate(**short, max_new_tokens=3, do_sample=False))

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
-from ..errors import UnsupportedModel
+from ..errors import IncompleteStep, UnsupportedModel
 from ..storage.hybrid import HYBRID_LAYER_TYPES
 from .layer import PagedLayer
 
@@ -101,9 +101,24 @@ class HybridStates:
         self.layers = [layer for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.layer_indices = [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
         self.model_type = model_type
+        self.incomplete = False  # a step stopped part-way, after some states advanced (see `check_complete`)
 
     def __bool__(self) -> bool:
         return bool(self.layers)
+
+    def stop_step(self) -> None:
+        """A step stopped part-way (`PoolExhausted`): the state layers before the failing layer advanced, and running
+        the step again would advance them twice, so every update raises `IncompleteStep` until `clear()`."""
+        self.incomplete = bool(self.layers)
+
+    def check_complete(self) -> None:
+        """Raise `IncompleteStep` after a step that stopped part-way (`incomplete`), until `clear()`."""
+        if self.incomplete:
+            raise IncompleteStep(
+                f"a forward of this {self.model_type!r} cache stopped part-way (PoolExhausted) after layers "
+                f"{self.layer_indices} may have advanced their states; release() it and start again (more blocks: "
+                "BlockPool num_blocks or max_memory)"
+            )
 
     def refuse_prefix_reuse(self, call: str) -> None:
         """Raise `UnsupportedModel` when the cache keeps states: `call` (`from_prefix`, `release(token_ids=...)`)
@@ -153,6 +168,7 @@ class HybridStates:
 
     def clear(self) -> None:
         """Forget every state (release): the next forward starts them again, with any batch size."""
+        self.incomplete = False
         for layer in self.layers:
             record_past = layer.record_past
             LinearAttentionLayer.__init__(layer, number_of_states=layer.number_of_states)

@@ -181,6 +181,7 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
         `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        self._states.check_complete()
         num_decoder_layers = len(self._pool_layers)
         if layer_idx >= num_decoder_layers and len(self.layers) > num_decoder_layers:
             raise UnsupportedModel(
@@ -232,7 +233,8 @@ class PagedCache(Cache):
             blocks.verify_row_groups(key_states, value_states)
         # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
         # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
-        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step).
+        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step). A
+        # hybrid model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep).
         writers = blocks.writers()
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
@@ -241,6 +243,7 @@ class PagedCache(Cache):
                 blocks.release()
             self._undo_step(layer_idx, num_past)
             self._last_layer_updated = 0  # the step starts again at layer 0
+            self._states.stop_step()
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
