@@ -33,16 +33,19 @@ NEW_TOKENS = 6
 SMALLER = {
     "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
     "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
+    "inkling_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
 }
 
 
-@functools.cache
-def tiny(model_type: str):
+def build(model_type: str):
     """The zoo's tiny model of `model_type` (seed 0), with `SMALLER` mixers."""
     config_class = zoo.config_class_of(model_type)
     kwargs = zoo._shrunk_kwargs(config_class()) | zoo.OVERRIDES.get(model_type, {}) | SMALLER.get(model_type, {})
     torch.manual_seed(0)
     return getattr(transformers, zoo.architectures()[model_type])(config_class(**kwargs)).float().eval()
+
+
+tiny = functools.cache(build)  # shared by the tests: never changed (enable() gets a model of its own)
 
 
 def run(model, cache, model_inputs=None, **options):
@@ -283,3 +286,12 @@ def test_a_step_stopped_by_pool_exhausted_leaves_the_cache_good_for_release_only
     short = {"input_ids": prompt[:, :5], "attention_mask": torch.ones_like(prompt[:, :5])}
     got = model.generate(**short, past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, model.generate(**short, max_new_tokens=3, do_sample=False))
+
+
+def test_paged_decode_applies_a_position_bias():
+    """Inkling passes its relative logits as `position_bias`: a decode step through the Triton kernel (interpreted
+    on CPU) would drop it, so such a step gathers its K/V and runs SDPA, which adds it."""
+    model = build("inkling_text")  # its own: enable() changes it
+    expected = run(model, DynamicCache(config=model.config))
+    hf_paged.enable(model, backend="triton")
+    assert_same(run(model, PagedCache(config=model.config)), expected)
