@@ -106,3 +106,9 @@ class LockstepError(RuntimeError):
             "tensor-parallel ranks left lockstep: "
             + "; ".join(f"rank {rank}: {message}" for rank, message in sorted(errors.items()))
         )
+
+
+class IncompleteStep(RuntimeError):
+    """A hybrid model's forward stopped part-way (`PoolExhausted` at an attention layer) after earlier layers had
+    advanced their recurrent or conv states: running the step again would apply it twice to those states, so the cache
+    is only good for `release()`."""

@@ -117,6 +117,8 @@ OVERRIDES: dict[str, dict] = {
     "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1},
     "bamba": {"attn_layer_indices": [1]},
     "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    # LFM2's default tiny stack is all attention (full_attn_idxs covers every layer): one conv layer, one attention
+    **dict.fromkeys(("lfm2", "lfm2_moe"), {"layer_types": ["conv", "full_attention"]}),
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 48]},
     "zaya": {"num_experts_per_tok": 1},

@@ -57,8 +57,9 @@ class DecodePlan:
         """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
         backend = self.backend(module, query.device)
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
-        if backend == "torch" or kv_start is None:
-            # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
+        if backend == "torch" or kv_start is None or kwargs.get("position_bias") is not None:
+            # The torch path, masks that are not "left padding then causal", and an additive position bias (Inkling's
+            # relative logits, which SDPA adds and the kernel does not): gather once, plain SDPA.
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self.length_mask(sliding_window)

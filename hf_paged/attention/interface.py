@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import re
 
 import torch
 from transformers import AttentionInterface
@@ -176,6 +177,11 @@ KV_AFTER_UPDATE = {
     "git": "it concatenates image K/V to what cache.update() returns",
 }
 INTERFACE_NAME = "ALL_ATTENTION_FUNCTIONS"
+# Keyword arguments a model passes to the attention function that neither SDPA nor the "hf_paged" attention applies.
+UNAPPLIED_ATTENTION_KWARGS = {
+    "sinks": "it passes per-query attention sinks (sinks=) to the attention function, which the hf_paged attention "
+    "does not apply",
+}
 
 
 def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
@@ -201,6 +207,21 @@ def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
             "attention would never run",
             path,
         )
+    for name, reason in UNAPPLIED_ATTENTION_KWARGS.items():
+        if any(name in _attention_call_keywords(_class_source(cls)) for cls in attention_classes):
+            raise UnsupportedModel(model_type, reason, path)
+
+
+def _attention_call_keywords(source: str) -> set[str]:
+    """The keyword names of every `attention_interface(...)` call in `source`."""
+    keywords = set()
+    for match in re.finditer(r"attention_interface\(", source):
+        depth, end = 1, match.end()
+        while depth and end < len(source):
+            depth += {"(": 1, ")": -1}.get(source[end], 0)
+            end += 1
+        keywords.update(re.findall(r"^\s*(\w+)\s*=", source[match.end() : end], re.MULTILINE))
+    return keywords
 
 
 @functools.cache

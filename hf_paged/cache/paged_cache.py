@@ -10,6 +10,9 @@ Layer groups (storage/layer_groups.py): the cache keeps one `BlockTables` per la
 `l` uses its group's tables. A group whose layers all slide gives back the blocks that left the window at the start
 of each step; a group with a full-attention layer keeps every block. Mistral (all sliding) is one sliding group;
 Gemma2/3 get sliding groups and full groups, so a long generation holds about what DynamicCache holds.
+
+Hybrid models (cache/hybrid.py): only the decoder layers holding K/V are pool layers; linear-attention, mamba and
+conv layers keep their states in transformers' own cache layer classes, in `layers` next to the paged ones.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_backend, store_kv_rows
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
@@ -25,7 +28,7 @@ from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_
 from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import visible_kv, workspace_for
 from .group_tables import GroupTables
-from .layer import PagedLayer
+from .hybrid import HybridStates, decoder_layers
 
 
 class PagedCache(Cache):
@@ -61,6 +64,12 @@ class PagedCache(Cache):
 
     Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
     garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
+
+    Hybrid models (Qwen3-Next, Jamba, Bamba, Falcon-H1, LFM2, ...): the pool holds the K/V of the attention layers
+    only (`layout.kv_layers`: the decoder layer of each pool layer); the linear-attention, mamba and conv states stay
+    in transformers' own cache layers (`layers[i]` is a `LinearAttentionLayer` as in `DynamicCache`), reordered with
+    the block tables by beam search. Such a cache needs `config`; prefix reuse (`from_prefix`,
+    `release(token_ids=...)`) raises `UnsupportedModel`, since a recurrent state cannot be rebuilt from blocks.
 
     Example:
 
@@ -102,9 +111,17 @@ class PagedCache(Cache):
                 pool.check_compatible(layout)
                 pool.serve_model(config)
             windows = sliding_windows(config)
+            layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         else:
             layout = pool.layout
             windows = list(layout.windows)  # the windows of the model the pool was built for
+            if layout.kv_layers != tuple(range(layout.num_layers)):
+                raise ValueError(
+                    f"this pool holds K/V of decoder layers {list(layout.kv_layers)} only (a hybrid model's attention "
+                    "layers): a PagedCache on it needs the model's config for its other layers, "
+                    "PagedCache(config=model.config, pool=pool)"
+                )
+            layer_types, layer_kwargs = list(layout.layer_types), [{}] * layout.num_layers
         self.layout = layout
         self._config = config
         self.block_size = pool.block_size if pool is not None else block_size
@@ -122,7 +139,14 @@ class PagedCache(Cache):
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
-        layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
+        # `layers`: one per decoder layer (what transformers indexes); `_paged_layers`: one per pool layer, the
+        # PagedLayers of the decoder layers holding K/V (all layers but a hybrid model's state and MLP-only ones).
+        layers, self._paged_layers = decoder_layers(self, layer_types, layer_kwargs, layout.kv_layers, windows)
+        # decoder layer -> its pool layer, None for a layer without K/V
+        self._pool_layers = [None] * len(layers)
+        for pool_layer, layer_idx in enumerate(layout.kv_layers):
+            self._pool_layers[layer_idx] = pool_layer
+        self._states = HybridStates(layers, getattr(config, "model_type", None))
         super().__init__(layers=layers)
         # Per group, the window of a group whose every layer slides and gives back blocks that left the window (all
         # of them for Mistral), None for a group that keeps every block.
@@ -157,10 +181,12 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
         `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
-        if layer_idx >= self.layout.num_layers and len(self.layers) > self.layout.num_layers:
+        self._states.check_complete()
+        num_decoder_layers = len(self._pool_layers)
+        if layer_idx >= num_decoder_layers and len(self.layers) > num_decoder_layers:
             raise UnsupportedModel(
                 getattr(self._config, "model_type", None),
-                f"it adds cache layers of its own ({len(self.layers)} for its {self.layout.num_layers} layers, such as "
+                f"it adds cache layers of its own ({len(self.layers)} for its {num_decoder_layers} layers, such as "
                 f"a copy per loop of looped layers) and writes layer {layer_idx}; a PagedCache holds blocks for the "
                 "model's layers only",
                 "PagedCache",
@@ -170,7 +196,16 @@ class PagedCache(Cache):
                 f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers; build it from the "
                 "config of the model it runs with: PagedCache(config=model.config)"
             )
-        layer = self.layers[layer_idx]
+        if self._pool_layers[layer_idx] is None:
+            raise UnsupportedModel(
+                getattr(self._config, "model_type", None),
+                f"it writes K/V to layer {layer_idx}, whose config layer type caches none (a "
+                f"{type(self.layers[layer_idx]).__name__}); a PagedCache holds K/V of the attention layers only",
+                "PagedCache",
+            )
+        # From here on, `layer_idx` is the pool layer (the same number unless the model is hybrid).
+        layer_idx = self._pool_layers[layer_idx]
+        layer = self._paged_layers[layer_idx]
         blocks = self._tables.of_layer(layer_idx)
         batch_size, _, q_len, _ = key_states.shape
         num_past = layer.cumulative_length
@@ -198,7 +233,8 @@ class PagedCache(Cache):
             blocks.verify_row_groups(key_states, value_states)
         # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
         # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
-        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step).
+        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step). A
+        # hybrid model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep).
         writers = blocks.writers()
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
@@ -207,6 +243,7 @@ class PagedCache(Cache):
                 blocks.release()
             self._undo_step(layer_idx, num_past)
             self._last_layer_updated = 0  # the step starts again at layer 0
+            self._states.stop_step()
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
@@ -251,9 +288,9 @@ class PagedCache(Cache):
             self._last_layer_updated = max(self._last_layer_updated, layer_idx)
             return
         last, self._last_layer_updated = self._last_layer_updated, 0
-        if 0 < last < len(self.layers) - 1:
+        if 0 < last < len(self._paged_layers) - 1:
             raise PoolMismatch(
-                f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self.layers)} "
+                f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self._paged_layers)} "
                 "layers: build it from the config of the model it runs with, PagedCache(config=model.config) (or an "
                 "earlier forward stopped part-way: only release() is valid then)"
             )
@@ -272,14 +309,14 @@ class PagedCache(Cache):
         """
         failing = self._tables.of_layer(layer_idx)
         advanced = [
-            layer
-            for layer in self.layers[:layer_idx]
-            if layer.cumulative_length > num_past and self._tables.of_layer(layer.layer_idx) is not failing
+            (pool_layer, layer)
+            for pool_layer, layer in enumerate(self._paged_layers[:layer_idx])
+            if layer.cumulative_length > num_past and self._tables.of_layer(pool_layer) is not failing
         ]
         touched: list = []  # the BlockTables of the advanced layers' groups, each once
-        for layer in advanced:
+        for pool_layer, layer in advanced:
             layer.cumulative_length = num_past
-            tables = self._tables.of_layer(layer.layer_idx)
+            tables = self._tables.of_layer(pool_layer)
             if all(tables is not other for other in touched):
                 touched.append(tables)
         for tables in touched:
@@ -293,7 +330,7 @@ class PagedCache(Cache):
         its keys, and each layer's `first_visible(cumulative_length)` is exactly where its next gather starts. Not
         while past states are recorded (assisted decoding may crop back past the window edge); `crop` releases then.
         """
-        if not any(layer.record_past for layer in self.layers):
+        if not any(layer.record_past for layer in self._paged_layers):
             self._release_before_windows()
 
     def _release_before_windows(self) -> None:
@@ -306,7 +343,7 @@ class PagedCache(Cache):
         caching = pool is not None and pool.allocator.enable_prefix_caching
         first_needed = {}
         for group_idx in self._sliding_groups:
-            layers = [self.layers[layer_idx] for layer_idx in self.layer_groups[group_idx]]
+            layers = [self._paged_layers[layer_idx] for layer_idx in self.layer_groups[group_idx]]
             lengths = [layer.cumulative_length for layer in layers]
             if caching:
                 lengths = [length - length % block_size for length in lengths]
@@ -386,6 +423,7 @@ class PagedCache(Cache):
         if len(token_ids) != 1:
             raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
         cache = cls(config, pool=pool, **kwargs)
+        cache._states.refuse_prefix_reuse("from_prefix")
         block_size = pool.block_size
         num_blocks = (len(token_ids[0]) - 1) // block_size
         hashes = block_hashes(token_ids[0][: num_blocks * block_size], block_size)
@@ -393,7 +431,7 @@ class PagedCache(Cache):
         if num_cached:
             for group_tables, first, table in zip(cache._tables.groups, first_blocks, tables):
                 group_tables.adopt(table, base=first)
-        for layer in cache.layers:
+        for layer in cache._paged_layers:
             layer.cumulative_length = num_cached * block_size
         return cache
 
@@ -415,19 +453,21 @@ class PagedCache(Cache):
             if self.pool is not None:
                 workspace_for(self.pool).clear()
             self._last_layer_updated = 0
-            for layer in self.layers:
+            for layer in self._paged_layers:
                 layer.cumulative_length = 0
+            self._states.clear()
 
     def _cache_rows(self, token_ids, attention_mask) -> None:
         """Remember every full block of every unpadded row in the prefix cache (see `release`)."""
         blocks = self._blocks
+        self._states.refuse_prefix_reuse("release(token_ids=...)")
         _check_prefix_caching(blocks.pool, "release(token_ids=...)")
         if not blocks.num_rows:
             return
         rows = _token_rows(token_ids)
         if len(rows) != blocks.num_rows:
             raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
-        num_tokens = min(layer.cumulative_length for layer in self.layers)
+        num_tokens = min(layer.cumulative_length for layer in self._paged_layers)
         shortest = min(len(row) for row in rows)
         if shortest < num_tokens:
             raise ValueError(
@@ -454,10 +494,11 @@ class PagedCache(Cache):
         )
         branch._tables.share_from(self._tables)
         branch._last_layer_updated = self._last_layer_updated
-        for layer, source in zip(branch.layers, self.layers):
+        for layer, source in zip(branch._paged_layers, self._paged_layers):
             layer.cumulative_length, layer.record_past = source.cumulative_length, source.record_past
             if source.is_initialized:
                 layer.dtype, layer.device, layer.is_initialized = source.dtype, source.device, True
+        branch._states.copy_from(self._states)
         memo[id(self)] = branch
         return branch
 
@@ -479,36 +520,53 @@ class PagedCache(Cache):
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
         if tokens_to_remove == 0:
+            self._states.crop(0)
             self._release_before_windows()
             return
-        lengths = [max(layer.cumulative_length + tokens_to_remove, 0) for layer in self.layers]
+        self._states.check_croppable(tokens_to_remove)
+        lengths = [max(layer.cumulative_length + tokens_to_remove, 0) for layer in self._paged_layers]
         self._tables.truncate(
-            [min(self.layers[i].first_visible(lengths[i]) for i in group) for group in self.layer_groups],
+            [min(self._paged_layers[i].first_visible(lengths[i]) for i in group) for group in self.layer_groups],
             [max(lengths[i] for i in group) for group in self.layer_groups],
             crop_call=f"crop({tokens_to_remove})",
         )
-        for layer, length in zip(self.layers, lengths):
+        for layer, length in zip(self._paged_layers, lengths):
             layer.cumulative_length = length
+        self._states.crop(tokens_to_remove)
         # NOTE: recording past states or not. `DynamicSlidingWindowLayer.crop` (crop(0) too) cuts its states back to
         # the window that ends at the new length, so no later crop can reach further back in DynamicCache either;
         # releasing here bounds assisted / prompt-lookup decoding to about the window plus the candidates.
         self._release_before_windows()
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V."""
+        """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V; a hybrid
+        model's states are index-selected on the batch dim, as DynamicCache does."""
         self._tables.select_rows(beam_idx.tolist())
+        self._states.select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         self._tables.select_rows([row for row in range(self._tables.num_rows) for _ in range(repeats)])
+        self._states.repeat_rows(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._tables.select_rows(torch.as_tensor(indices).tolist())
+        self._states.select_rows(indices)
 
     # ---------------------------------------------------------------- queries
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached in decoder layer `layer_idx`. A layer without K/V (a hybrid model's linear-attention
+        layer) tracks no length: layer 0 then means the first attention layer, as in `Cache.get_seq_length`."""
         if layer_idx >= len(self.layers):
             return 0
-        return self.layers[layer_idx].cumulative_length
+        pool_layer = self._pool_layers[layer_idx] if layer_idx < len(self._pool_layers) else None
+        if pool_layer is None:
+            if layer_idx:
+                raise ValueError(
+                    f"get_seq_length({layer_idx}): layer {layer_idx} is a {type(self.layers[layer_idx]).__name__}, "
+                    "which tracks no sequence length; ask an attention layer"
+                )
+            pool_layer = 0
+        return self._paged_layers[pool_layer].cumulative_length
 
     @property
     def num_held_blocks(self) -> int:
@@ -533,9 +591,12 @@ class PagedCache(Cache):
         return [list(table) for table in self._blocks.tables]
 
     def layer_block_tables(self, layer_idx: int) -> list[list[int]]:
-        """A copy of the per-row block tables that layer `layer_idx` reads (its layer group's); their first entry
-        is logical block `base` of the group (blocks before it were released by the sliding window)."""
-        return [list(table) for table in self._tables.of_layer(layer_idx).tables]
+        """A copy of the per-row block tables that decoder layer `layer_idx` reads (its layer group's); their first
+        entry is logical block `base` of the group (blocks before it were released by the sliding window)."""
+        pool_layer = self._pool_layers[layer_idx]
+        if pool_layer is None:
+            raise ValueError(f"layer {layer_idx} holds no K/V (a {type(self.layers[layer_idx]).__name__})")
+        return [list(table) for table in self._tables.of_layer(pool_layer).tables]
 
     def __repr__(self) -> str:
         return (

@@ -19,7 +19,9 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
   packed prefill chunk is causal);
 - a sliding window the attention modules do not pass to the attention function (the window comes from the model's
   mask or the cache's truncation, neither of which the packed step reads);
-- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks).
+- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
+- hybrid models (linear-attention, mamba or conv layers): each request has a recurrent or conv state the pool does
+  not hold (they run with `PagedCache` under `generate()`).
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
@@ -49,6 +51,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..attention.interface import _class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
 from ..storage import sliding_windows
+from ..storage.hybrid import holds_state
 
 PATH = "Engine"
 PACKED, PER_REQUEST = "packed", "per-request"
@@ -57,6 +60,11 @@ PACKED, PER_REQUEST = "packed", "per-request"
 def choose_step_mode(model) -> tuple[str, str | None]:
     """How the Engine runs `model`: `("packed", None)`, or `("per-request", why the packed step cannot)`; raises
     `UnsupportedModel` for a model neither step serves (see the module docstring)."""
+    if isinstance(model, torch.nn.Module):
+        # Neither step holds a per-request recurrent or conv state: a hybrid model is refused, never run per request.
+        state_reason = _recurrent_state_reason(model.config.get_text_config(decoder=True))
+        if state_reason is not None:
+            raise UnsupportedModel(getattr(model.config, "model_type", None), state_reason, PATH)
     try:
         refuse_unsupported_engine(model)
     except UnsupportedModel as error:
@@ -78,8 +86,12 @@ def refuse_unsupported_engine(model) -> None:
     judged."""
     if not isinstance(model, torch.nn.Module):
         return
-    refuse_unsupported_attention(model, path=PATH)
     config = model.config.get_text_config(decoder=True)
+    model_type = getattr(model.config, "model_type", None)
+    state_reason = _recurrent_state_reason(config)  # first: whatever else the model does, the pool lacks its states
+    if state_reason is not None:
+        raise UnsupportedModel(model_type, state_reason, PATH)
+    refuse_unsupported_attention(model, path=PATH)
     # The decoder's attention layers only: a multimodal model's encoders (bidirectional, with layer indices of their
     # own) never see the packed step.
     decoder = _decoder(model) or model
@@ -91,7 +103,6 @@ def refuse_unsupported_engine(model) -> None:
         or _loop_reason(config)
         or _window_reason(decoder, config)
     )
-    model_type = getattr(model.config, "model_type", None)
     if reason is not None:
         raise UnsupportedModel(model_type, reason, PATH)
 
@@ -179,6 +190,18 @@ def cache_keyword(model) -> str:
     `past_key_values=` cache in its `**kwargs` and run on a cache of its own."""
     forward = getattr(model, "forward", None)
     return "cache" if forward is not None and takes(forward, "cache") else "past_key_values"
+
+
+def _recurrent_state_reason(config) -> str | None:
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    state_layers = [layer_idx for layer_idx, layer_type in enumerate(layer_types) if holds_state(layer_type)]
+    if not state_layers:
+        return None
+    return (
+        f"it is a hybrid model: its layers {state_layers} keep a per-request recurrent or convolution state "
+        f"(layer types {sorted({layer_types[i] for i in state_layers})}), which the paged pool does not hold and a "
+        "packed step does not carry; run it with generate(past_key_values=PagedCache(config=model.config))"
+    )
 
 
 def _loop_reason(config) -> str | None:

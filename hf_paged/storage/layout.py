@@ -13,6 +13,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..errors import UnsupportedModel
+from .hybrid import holds_state, kv_layer_indices, mlp_only_layers, paged_layer_type
 from .layer_groups import LayerGroups, derive_layer_groups
 from .sharding import kv_shard_factors, model_tp_size
 
@@ -32,6 +33,9 @@ class KVLayout:
     Under tensor parallelism (`tp_size` > 1 ranks run the model in lockstep; see sharding.py) `num_kv_heads` are
     one rank's heads: `from_config(model)` reads them from the model's sharding.
 
+    `kv_layers` (per layer: the decoder layer it stores; `range(num_layers)` when not given) is what a hybrid model
+    needs: only its layers holding K/V are layers of the layout (see hybrid.py).
+
     NOTE: `layer_types`, `windows` and `tp_size` are left out of equality. Two layouts are equal when they store the
     same shapes, and any grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per
     group of its pool and releases a group's blocks only when every layer of that group slides (by the cache's own
@@ -43,6 +47,7 @@ class KVLayout:
     layer_types: tuple[str, ...] | None = field(default=None, compare=False)
     windows: tuple[int | None, ...] | None = field(default=None, compare=False)
     tp_size: int = field(default=1, compare=False)
+    kv_layers: tuple[int, ...] | None = field(default=None, compare=False)
 
     def __post_init__(self):
         if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
@@ -59,6 +64,10 @@ class KVLayout:
         object.__setattr__(self, "windows", windows)
         if isinstance(self.tp_size, bool) or not isinstance(self.tp_size, int) or self.tp_size <= 0:
             raise ValueError(f"tp_size must be a positive int, got {self.tp_size!r}")
+        kv_layers = tuple(range(self.num_layers)) if self.kv_layers is None else tuple(self.kv_layers)
+        if len(kv_layers) != self.num_layers or list(kv_layers) != sorted(set(kv_layers)) or min(kv_layers) < 0:
+            raise ValueError(f"kv_layers needs {self.num_layers} ascending decoder layer indices, got {kv_layers}")
+        object.__setattr__(self, "kv_layers", kv_layers)
 
     @property
     def num_layers(self) -> int:
@@ -91,16 +100,16 @@ class KVLayout:
             )
         config = config.get_text_config(decoder=True)
         refuse_unsupported(config)
-        num_layers = config.num_hidden_layers
         # A heterogeneous config (Gemma 4, dots) gives some layers other kv heads or head_dim: read each layer's.
         layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
-        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        kv_layers, layer_types, layer_kwargs = _kv_layers(config)
         shapes = [
-            _kv_shape(config if layer_configs is None else layer_configs[i], layer_types[i]) for i in range(num_layers)
+            _kv_shape(config if layer_configs is None else layer_configs[i], layer_type)
+            for i, layer_type in zip(kv_layers, layer_types)
         ]
         windows = _windows(layer_types, layer_kwargs)
         num_kv_heads, head_dims = zip(*shapes)
-        layout = cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows))
+        layout = cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows), kv_layers=kv_layers)
         if model is not None:
             return layout.shard(kv_shard_factors(model, layout.num_kv_heads), model_tp_size(model))
         return layout if tp_size is None else layout.shard(tp_size)
@@ -129,6 +138,7 @@ class KVLayout:
             self.layer_types,
             self.windows,
             tp_size,
+            self.kv_layers,
         )
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
@@ -139,11 +149,20 @@ class KVLayout:
 
 
 def sliding_windows(config) -> list[int | None]:
-    """Per layer: its sliding window (an int) or None for full attention. Raises `UnsupportedModel` for a model
-    PagedCache cannot store (see `refuse_unsupported`)."""
+    """Per layer holding K/V (every layer but the state-only and MLP-only layers of a hybrid model, see hybrid.py):
+    its sliding window (an int) or None for full attention. Raises `UnsupportedModel` for a model PagedCache cannot
+    store (see `refuse_unsupported`)."""
     refuse_unsupported(config)
-    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    _, layer_types, layer_kwargs = _kv_layers(config)
     return _windows(layer_types, layer_kwargs)
+
+
+def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
+    """The decoder layers holding K/V (see hybrid.py) and their `get_layer_types_and_kwargs`, a hybrid layer typed as
+    its attention part."""
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    kv_layers = kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES)
+    return kv_layers, [paged_layer_type(layer_types[i]) for i in kv_layers], [layer_kwargs[i] for i in kv_layers]
 
 
 # Models whose forward uses a cache other than through `Cache.update`, by model type.
@@ -160,7 +179,8 @@ NO_PAGED_CACHE = {
 def refuse_unsupported(config) -> None:
     """Raise `UnsupportedModel`, naming the model type and the reason, for a (decoder text) config whose K/V a
     PagedCache would store or return wrong: encoder-decoder models, layer types other than full / sliding / chunked
-    attention (linear attention, convolution states, shared K/V), and latent (MLA) caches."""
+    attention and the state and MLP-only layers of hybrid models (see hybrid.py), such as shared K/V, a model with
+    no attention layer, and latent (MLA) caches."""
     model_type = getattr(config, "model_type", None)
     if model_type in NO_PAGED_CACHE:
         raise UnsupportedModel(model_type, NO_PAGED_CACHE[model_type], "PagedCache")
@@ -176,7 +196,16 @@ def refuse_unsupported(config) -> None:
             "PagedCache",
         )
     layer_types, _ = get_layer_types_and_kwargs(config)
-    unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
+    mlp_only = mlp_only_layers(config)
+    unsupported = sorted(
+        {
+            layer_type
+            for layer_idx, layer_type in enumerate(layer_types)
+            if layer_type not in SUPPORTED_LAYER_TYPES
+            and not holds_state(layer_type)
+            and not (layer_type == "dummy" and layer_idx in mlp_only)
+        }
+    )
     if unsupported:
         # transformers marks a layer that caches nothing of its own "dummy": one that reads another layer's K/V (KV
         # sharing: Gemma 3n), or an MLP-only layer.
@@ -188,7 +217,15 @@ def refuse_unsupported(config) -> None:
         )
         raise UnsupportedModel(
             model_type,
-            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}{why}",
+            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)} (and the linear-attention, conv, hybrid "
+            f"and MLP-only layers of hybrid models); this model has {unsupported}{why}",
+            "PagedCache",
+        )
+    if not kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES):
+        raise UnsupportedModel(
+            model_type,
+            f"none of its layers holds attention K/V (layer types {sorted(set(layer_types))}): its cache is "
+            "recurrent or convolution states only, nothing a paged pool holds; use DynamicCache",
             "PagedCache",
         )
     kv_lora_rank = _global_attr(config, "kv_lora_rank")
@@ -213,6 +250,9 @@ def _kv_shape(config, layer_type: str) -> tuple[int, int]:
     model_type = getattr(config, "model_type", None)
     if layer_type in SLIDING_LAYER_TYPES:
         num_kv_heads *= SLIDING_KV_HEADS_FACTOR.get(model_type, 1)
+        # Sliding layers with shapes of their own (Inkling's "hybrid_sliding" layers)
+        num_kv_heads = getattr(config, "swa_num_key_value_heads", None) or num_kv_heads
+        head_dim = getattr(config, "swa_head_dim", None) or head_dim
     if model_type == "falcon" and getattr(config, "new_decoder_architecture", False):
         num_kv_heads = num_heads  # Falcon's new decoder architecture caches K/V expanded to every query head
     elif getattr(config, "multi_query", False):

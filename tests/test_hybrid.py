@@ -1,0 +1,297 @@
+"""Hybrid models (attention layers next to linear-attention, mamba or conv layers) under generate() with a PagedCache.
+
+The attention layers are paged; the states stay in transformers' own cache layers (cache/hybrid.py). Each case
+compares with `DynamicCache(config=model.config)`: greedy, beams and sampling give the same tokens and scores, row
+operations move the states with the block tables, and what cannot work (prefix reuse, cropping a recurrent state,
+the Engine) is refused with a typed error naming the model type and the reason.
+
+The tiny models are the zoo's (tests/zoo.py): Qwen3-Next (gated delta net + full attention), Jamba (mamba + full),
+LFM2 (conv + full: croppable), Falcon-H1 ("hybrid" layers: mamba and attention in one layer), Nemotron-H (mamba, an
+MLP-only "moe" layer, attention) and RecurrentGemma (recurrent + sliding attention).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+import transformers
+import zoo
+from transformers import DynamicCache
+from transformers.cache_utils import DummyLayer, LinearAttentionLayer
+
+import hf_paged
+from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PagedLayer, PoolExhausted, UnsupportedModel
+from hf_paged.cache.hybrid import PagedHybridLayer
+from hf_paged.errors import IncompleteStep
+
+MODEL_TYPES = ("qwen3_next", "jamba", "lfm2", "falcon_h1", "nemotron_h", "recurrent_gemma")
+NEW_TOKENS = 6
+# Mamba-2 mixers the zoo leaves at their default sizes (hundreds of heads and state dims): seconds per generate().
+SMALLER = {
+    "falcon_h1": dict(mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=16, mamba_chunk_size=16),
+    "nemotron_h": dict(mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, chunk_size=16),
+    "inkling_text": dict(swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=16),
+}
+
+
+def build(model_type: str):
+    """The zoo's tiny model of `model_type` (seed 0), with `SMALLER` mixers."""
+    config_class = zoo.config_class_of(model_type)
+    kwargs = zoo._shrunk_kwargs(config_class()) | zoo.OVERRIDES.get(model_type, {}) | SMALLER.get(model_type, {})
+    torch.manual_seed(0)
+    return getattr(transformers, zoo.architectures()[model_type])(config_class(**kwargs)).float().eval()
+
+
+tiny = functools.cache(build)  # shared by the tests: never changed (enable() gets a model of its own)
+
+
+def run(model, cache, model_inputs=None, **options):
+    """Greedy (unless options say otherwise) generate() of NEW_TOKENS with its scores."""
+    model_inputs = zoo.inputs() if model_inputs is None else model_inputs
+    torch.manual_seed(0)
+    out = model.generate(
+        **model_inputs,
+        past_key_values=cache,
+        max_new_tokens=NEW_TOKENS,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **{"do_sample": False, **options},
+    )
+    return out.sequences, torch.stack(out.scores)
+
+
+def assert_same(got, expected):
+    assert torch.equal(got[0], expected[0]), (got[0], expected[0])
+    torch.testing.assert_close(got[1], expected[1], **zoo.TOLERANCE)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_greedy_beams_and_sampling_match_dynamic_cache_and_free_every_block(model_type):
+    model = tiny(model_type)
+    for options in (dict(), dict(num_beams=3), dict(do_sample=True, num_return_sequences=2, top_k=20)):
+        pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+        with PagedCache(config=model.config, pool=pool) as cache:
+            got = run(model, cache, **options)
+            assert pool.num_used_blocks > 0
+        assert pool.num_used_blocks == 0, options
+        assert_same(got, run(model, DynamicCache(config=model.config), **options))
+
+
+@pytest.mark.parametrize(
+    ("model_type", "layer_classes", "kv_layers"),
+    [
+        ("qwen3_next", (LinearAttentionLayer, PagedLayer), (1,)),
+        ("falcon_h1", (PagedHybridLayer, PagedHybridLayer), (0, 1)),
+        ("nemotron_h", (LinearAttentionLayer, DummyLayer, PagedLayer, DummyLayer), (2,)),
+    ],
+)
+def test_only_attention_layers_get_pool_storage(model_type, layer_classes, kv_layers):
+    config = tiny(model_type).config
+    layout = KVLayout.from_config(config)
+    assert layout.kv_layers == kv_layers and layout.num_layers == len(kv_layers)
+    cache = PagedCache(config=config)
+    assert tuple(type(layer) for layer in cache.layers) == layer_classes
+    assert len(cache.layers) == config.num_hidden_layers
+
+
+def test_a_hybrid_layer_is_both_a_state_layer_and_a_paged_layer():
+    model = tiny("falcon_h1")
+    cache = PagedCache(config=model.config)
+    run(model, cache)
+    layer = cache.layers[1]
+    assert layer.has_previous_state[0] and layer.conv_states[0].shape[0] == 2  # the mamba part, per row
+    assert layer.get_seq_length() == zoo.PROMPT_LEN + NEW_TOKENS - 1  # the attention part, in the pool
+    assert cache.layer_block_tables(1) and cache.get_seq_length() == layer.get_seq_length()
+
+
+@torch.no_grad()
+def test_beam_reorder_moves_states_with_block_tables():
+    model = tiny("qwen3_next")
+    cache = PagedCache(config=model.config)
+    model(**zoo.inputs(batch=3), past_key_values=cache)
+    state = cache.layers[0].recurrent_states[0].clone()  # [3, heads, k_dim, v_dim]
+    tables = cache.block_tables
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    torch.testing.assert_close(cache.layers[0].recurrent_states[0], state[[2, 2, 0]], rtol=0, atol=0)
+    assert cache.block_tables == [tables[2], tables[2], tables[0]]
+    cache.batch_select_indices(torch.tensor([2]))
+    torch.testing.assert_close(cache.layers[0].recurrent_states[0], state[[0]], rtol=0, atol=0)
+    assert cache.block_tables == [tables[0]]
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "lfm2"])
+@torch.no_grad()
+def test_batch_repeat_interleave_continues_like_a_batch_of_copies(model_type):
+    """A prompt prefilled once and repeated continues exactly like the prompt prefilled in every row."""
+    model = tiny(model_type)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    paged = PagedCache(config=model.config)
+    model(prompt, past_key_values=paged)
+    paged.batch_repeat_interleave(3)
+    dynamic = DynamicCache(config=model.config)
+    model(prompt.repeat(3, 1), past_key_values=dynamic)
+    next_tokens = torch.tensor([[5], [6], [7]])
+    got = model(next_tokens, past_key_values=paged).logits
+    expected = model(next_tokens, past_key_values=dynamic).logits
+    torch.testing.assert_close(got, expected, **zoo.TOLERANCE)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3_next", "falcon_h1"])
+@torch.no_grad()
+def test_deepcopy_branches_states_and_blocks(model_type):
+    model = tiny(model_type)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    paged, dynamic = PagedCache(config=model.config), DynamicCache(config=model.config)
+    model(prompt, past_key_values=paged)
+    model(prompt, past_key_values=dynamic)
+    branch, dynamic_branch = copy.deepcopy(paged), copy.deepcopy(dynamic)
+    for token, (cache, reference) in zip((9, 17), ((paged, dynamic), (branch, dynamic_branch))):
+        for step in range(3):  # each continues on its own: the other's states and blocks stay as they were
+            ids = torch.tensor([[token + step]])
+            got = model(ids, past_key_values=cache).logits
+            torch.testing.assert_close(got, model(ids, past_key_values=reference).logits, **zoo.TOLERANCE)
+    branch.release()
+    paged.release()
+    assert paged.pool.num_used_blocks == 0
+
+
+def test_release_forgets_states_so_the_cache_serves_another_batch():
+    model = tiny("jamba")
+    cache = PagedCache(config=model.config)
+    run(model, cache)
+    cache.release()
+    assert not cache.layers[0].has_previous_state[0] and cache.pool.num_used_blocks == 0
+    single = zoo.inputs(batch=1)
+    assert_same(run(model, cache, single), run(model, DynamicCache(config=model.config), single))
+
+
+@torch.no_grad()
+def test_caches_of_one_shared_pool_keep_their_own_states():
+    model = tiny("qwen3_next")
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
+    first, second = PagedCache(config=model.config, pool=pool), PagedCache(config=model.config, pool=pool)
+    other_prompt = zoo.inputs(batch=1, length=5)["input_ids"].flip(1)
+    reference = DynamicCache(config=model.config)
+    model(other_prompt, past_key_values=second)  # holds blocks and states while the first cache generates
+    model(other_prompt, past_key_values=reference)
+    assert_same(run(model, first), run(model, DynamicCache(config=model.config)))
+    first.release()
+    ids = torch.tensor([[7]])
+    got = model(ids, past_key_values=second).logits
+    torch.testing.assert_close(got, model(ids, past_key_values=reference).logits, **zoo.TOLERANCE)
+    second.release()
+    assert pool.num_used_blocks == 0
+
+
+@torch.no_grad()
+def test_crop_rolls_back_conv_states_like_dynamic_cache():
+    model = tiny("lfm2")  # conv + attention: no recurrent state, so transformers' layer can crop
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    caches = PagedCache(config=model.config), DynamicCache(config=model.config)
+    for cache in caches:
+        model(prompt, past_key_values=cache)
+        cache.activate_past_recording()
+        model(torch.tensor([[3, 4, 5]]), past_key_values=cache)
+        cache.crop(-2)
+        cache.crop(0)
+    assert caches[0].get_seq_length() == caches[1].get_seq_length() == prompt.shape[1] + 1
+    for step in range(2):
+        ids = torch.tensor([[11 + step]])
+        torch.testing.assert_close(
+            model(ids, past_key_values=caches[0]).logits, model(ids, past_key_values=caches[1]).logits, **zoo.TOLERANCE
+        )
+
+
+def test_prompt_lookup_decoding_matches_dynamic_cache_on_a_croppable_hybrid():
+    model = tiny("lfm2")
+    model_inputs = {key: value[:1] for key, value in zoo.inputs(batch=1).items()}
+    model_inputs["input_ids"] = model_inputs["input_ids"].repeat(1, 3)  # repeats give the lookup candidates
+    model_inputs["attention_mask"] = torch.ones_like(model_inputs["input_ids"])
+    got = run(model, PagedCache(config=model.config), model_inputs, prompt_lookup_num_tokens=3)
+    expected = run(model, DynamicCache(config=model.config), model_inputs, prompt_lookup_num_tokens=3)
+    assert torch.equal(got[0], expected[0])
+
+
+@torch.no_grad()
+def test_crop_of_a_recurrent_state_is_refused_and_changes_nothing():
+    model = tiny("qwen3_next")
+    cache = PagedCache(config=model.config)
+    cache.activate_past_recording()
+    model(zoo.inputs(batch=1)["input_ids"], past_key_values=cache)
+    assert not cache.is_croppable  # generate() refuses assisted decoding on this, as with DynamicCache
+    with pytest.raises(UnsupportedModel, match="'qwen3_next'.*recurrent state") as error:
+        cache.crop(-2)
+    assert error.value.path == "PagedCache.crop"
+    assert cache.get_seq_length() == zoo.PROMPT_LEN
+
+
+def test_prefix_reuse_is_refused_for_hybrids():
+    model = tiny("jamba")
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4, enable_prefix_caching=True)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    with pytest.raises(UnsupportedModel, match="'jamba'.*cannot be rebuilt from the K/V blocks"):
+        PagedCache.from_prefix(pool, prompt, model.config)
+    cache = PagedCache(config=model.config, pool=pool)  # a prefix-caching pool still serves it, without reuse
+    sequences, _ = run(model, cache, {"input_ids": prompt, "attention_mask": torch.ones_like(prompt)})
+    with pytest.raises(UnsupportedModel, match="release"):
+        cache.release(token_ids=sequences)
+    assert pool.num_used_blocks == 0 and pool.allocator.num_cached_blocks == 0
+
+
+def test_a_cache_on_a_hybrid_pool_needs_the_config():
+    pool = BlockPool.for_model(tiny("qwen3_next"), num_blocks=8)
+    with pytest.raises(ValueError, match=r"decoder layers \[1\] only.*PagedCache\(config=model.config, pool=pool\)"):
+        PagedCache(pool=pool)
+
+
+def test_engine_refuses_hybrids_up_front():
+    model = tiny("qwen3_next")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    with pytest.raises(UnsupportedModel, match="'qwen3_next': it is a hybrid model.*recurrent") as error:
+        Engine(model, pool)
+    assert error.value.path == "Engine"
+
+
+def test_models_without_attention_layers_stay_refused():
+    config = zoo.tiny_config("qwen3_next")
+    config.layer_types = ["linear_attention"] * config.num_hidden_layers
+    with pytest.raises(UnsupportedModel, match="none of its layers holds attention K/V"):
+        PagedCache(config=config)
+
+
+def test_enable_refuses_per_query_attention_sinks():
+    model = zoo.tiny_model("inkling2_text", zoo.architectures()["inkling2_text"])
+    with pytest.raises(UnsupportedModel, match="'inkling2_text'.*sinks"):
+        hf_paged.enable(model)
+
+
+def test_a_step_stopped_by_pool_exhausted_leaves_the_cache_good_for_release_only():
+    """The states of the layers before the failing attention layer advanced: running the step again would advance
+    them twice, so the cache refuses every update until release()."""
+    model = tiny("qwen3_next")
+    pool = BlockPool.for_model(model, num_blocks=2, block_size=4)  # 8 tokens: the prompt, not one more
+    cache = PagedCache(config=model.config, pool=pool)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    with torch.no_grad():
+        model(prompt, past_key_values=cache)
+        with pytest.raises(PoolExhausted):
+            model(torch.tensor([[5]]), past_key_values=cache)
+        with pytest.raises(IncompleteStep, match="'qwen3_next'.*release"):
+            model(torch.tensor([[5]]), past_key_values=cache)
+    cache.release()
+    assert pool.num_used_blocks == 0
+    short = {"input_ids": prompt[:, :5], "attention_mask": torch.ones_like(prompt[:, :5])}
+    got = model.generate(**short, past_key_values=cache, max_new_tokens=3, do_sample=False)
+    assert torch.equal(got, model.generate(**short, max_new_tokens=3, do_sample=False))
+
+
+def test_paged_decode_applies_a_position_bias():
+    """Inkling passes its relative logits as `position_bias`: a decode step through the Triton kernel (interpreted
+    on CPU) would drop it, so such a step gathers its K/V and runs SDPA, which adds it."""
+    model = build("inkling_text")  # its own: enable() changes it
+    expected = run(model, DynamicCache(config=model.config))
+    hf_paged.enable(model, backend="triton")
+    assert_same(run(model, PagedCache(config=model.config)), expected)
