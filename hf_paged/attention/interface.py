@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import UnsupportedModel
 from .decode_plan import DecodePlan
 from .kernels.dispatch import resolve_backend
-from .plan import BACKEND_ATTR, PAGED_ATTENTION, module_backend, plan_of
+from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, module_backend, plan_of
 
 
 def paged_attention_forward(
@@ -46,6 +46,31 @@ def paged_attention_forward(
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
     plan = plan_of(key)
+    if plan is None:
+        # A cache whose model expands what `update` returns (multi-head latent attention) cannot hang its plan on
+        # the K/V; it hands it over in the keywords the model passes to both (`EXPANDED_PLAN_KWARG`), and the plan
+        # attends the expanded K/V given here.
+        expanded_plan = kwargs.pop(EXPANDED_PLAN_KWARG, None)
+        if expanded_plan is not None:
+            return expanded_plan.attend(
+                module,
+                query,
+                attention_mask,
+                key=key,
+                value=value,
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                **kwargs,
+            )
+        if key.shape[-2] == 0:
+            raise UnsupportedModel(
+                _model_type(module),
+                "its attention got no keys: it changes the K/V that cache.update() returns before attention, so a "
+                "decode plan the cache returned was lost",
+                "hf_paged attention",
+            )
     sinks = kwargs.get("s_aux")
     if softcap is not None or sinks is not None:
         # SDPA has neither a softcap nor attention sinks: where a step would run SDPA, run the torch attention. The
@@ -55,6 +80,7 @@ def paged_attention_forward(
             return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
         if isinstance(plan, DecodePlan) and (
             sinks is not None
+            or not plan.uniform_kv
             or module_backend(module, query.device) == "torch"
             or plan.kv_start(attention_mask) is None
         ):

@@ -52,7 +52,9 @@ class PagedCache(Cache):
             reads the model's sharding).
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
-    `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
+    `[B, num_kv_heads, kv_len, head_dim]` (V's heads and head_dim may differ from K's: multi-head latent attention
+    caches a `[B, 1, q_len, kv_lora_rank]` latent as K and a `[B, 1, q_len, qk_rope_head_dim]` rotary key as V),
+    where `kv_len` is the cached length plus `q_len` (for a sliding layer,
     only the window, exactly like `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's
     own `key_states`/`value_states`. Later steps return views: of the pool when the cache holds one row whose blocks
     are consecutive pool blocks (one row in a private pool), else of a gather workspace that the caches of one pool
@@ -178,7 +180,7 @@ class PagedCache(Cache):
         if blocks.pool is None:
             self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
-        pool.check_states(layer_idx, key_states)
+        pool.check_states(layer_idx, key_states, value_states)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
@@ -232,8 +234,10 @@ class PagedCache(Cache):
             # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
             return key_states, value_states
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._paged_attention and not pool.is_multi_device:
-            return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
+        # A latent layout (multi-head latent attention) expands what update returns before attention: it gets the
+        # stored latents themselves, never a placeholder.
+        if q_len == 1 and self._paged_attention and not pool.is_multi_device and not self._latent(pool):
+            return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
 
     def _start_step(self, pool: BlockPool) -> None:
@@ -313,6 +317,10 @@ class PagedCache(Cache):
             first_needed[group_idx] = min(layer.first_visible(length) for layer, length in zip(layers, lengths))
         self._tables.release_front(first_needed)
 
+    def _latent(self, pool: BlockPool) -> bool:
+        """Whether the model expands the K/V this cache returns before attention (multi-head latent attention)."""
+        return self.layout.latent or pool.layout.latent
+
     def _runs_paged_attention(self) -> bool:
         return getattr(self._config, "_attn_implementation", None) == PAGED_ATTENTION
 
@@ -331,7 +339,9 @@ class PagedCache(Cache):
         pool = self.pool
         return 0 if pool is None else workspace_for(pool).nbytes
 
-    def _decode_placeholders(self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int):
+    def _decode_placeholders(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+    ):
         blocks = self._tables.of_layer(layer_idx)
         step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
         key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
@@ -346,9 +356,15 @@ class PagedCache(Cache):
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
-        batch_size, num_heads, _, head_dim = key_states.shape
-        placeholder = attach_plan(key_states.new_empty(batch_size, num_heads, 0, head_dim), plan)
-        return placeholder, placeholder
+        # Empty K and V of the states' own shapes (V's head_dim may differ from K's), both carrying the plan.
+        key, value = (
+            attach_plan(states.new_empty(*states.shape[:2], 0, states.shape[-1]), plan)
+            for states in (
+                key_states,
+                value_states,
+            )
+        )
+        return key, value
 
     def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
