@@ -274,3 +274,13 @@ def test_step_cache_of_a_latent_pool_needs_the_attention_keywords():
     torch.testing.assert_close(out_keys[:1, :, :2], keys[:, :, :2], rtol=0, atol=0)
     torch.testing.assert_close(out_values[1:], values[:, :, 2:], rtol=0, atol=0)
     assert list(attention_kwargs) == [hf_paged.attention.plan.EXPANDED_PLAN_KWARG]
+
+
+def test_every_tensor_parallel_rank_holds_the_whole_latent():
+    config = mla_config("deepseek_v3")[1]
+    layout = KVLayout.from_config(config, tp_size=2)  # heads are split only after the model expands the latent
+    assert layout.tp_size == 2 and layout.shapes() == [(1, KV_LORA_RANK, 1, ROPE_DIM)] * NUM_LAYERS
+    pool = BlockPool.for_model(config, tp_size=2, num_blocks=4)
+    PagedCache(config=config, pool=pool)  # the config's layout fits the pool of one rank
+    with pytest.raises(ValueError, match="need one int factor per layer"):
+        layout.shard((2,))

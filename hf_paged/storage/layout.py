@@ -156,11 +156,15 @@ class KVLayout:
     def shard(self, factors: int | tuple[int, ...], tp_size: int | None = None) -> KVLayout:
         """One rank's layout when each layer's kv heads are split over `factors` ranks (an int: every layer alike;
         a layer whose heads the plan replicates has factor 1) out of `tp_size` (defaults to the largest factor).
-        Raises `ValueError` when a layer's heads do not split evenly."""
+        A latent layout keeps its whole latents on every rank. Raises `ValueError` when a layer's heads do not split
+        evenly."""
         if isinstance(factors, int) and not isinstance(factors, bool):
+            tp_size = factors if tp_size is None else tp_size
             factors = (factors,) * self.num_layers
         if len(factors) != self.num_layers or any(isinstance(f, bool) or not isinstance(f, int) for f in factors):
             raise ValueError(f"need one int factor per layer ({self.num_layers}), got {factors!r}")
+        if self.latent:  # every rank computes (and caches) the whole latent: multi-head latent attention shards heads
+            factors = (1,) * self.num_layers  # only after expanding it
         uneven = [
             (i, h, f)
             for i, (k, v, f) in enumerate(zip(self.num_kv_heads, self.num_value_heads, factors))
