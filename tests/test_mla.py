@@ -9,6 +9,7 @@ decode plan, and the paged kernels, which read K and V of one shape, leave them 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -18,6 +19,8 @@ from transformers import (
     DeepseekV2ForCausalLM,
     DeepseekV3Config,
     DeepseekV3ForCausalLM,
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
     DynamicCache,
     MiMoV2FlashConfig,
     MiMoV2FlashForCausalLM,
@@ -56,6 +59,11 @@ def mla_config(name: str):
         return DeepseekV3ForCausalLM, DeepseekV3Config(**_COMMON, **_DECODER, **_MLA, q_lora_rank=32)
     if name == "deepseek_v2":  # q through a full projection
         return DeepseekV2ForCausalLM, DeepseekV2Config(**_COMMON, **_DECODER, **_MLA, q_lora_rank=None)
+    if name == "deepseek_v32":  # MLA with DeepSeek Sparse Attention: each query attends the indexer's top 4 keys
+        config = DeepseekV32Config(
+            **_COMMON, **_DECODER, **_MLA, q_lora_rank=32, index_topk=4, index_head_dim=32, index_n_heads=2
+        )
+        return DeepseekV32ForCausalLM, config
     if name == "mimo":  # not MLA: K head_dim 32, V head_dim 16; a sliding layer (with sinks) and a full one
         config = MiMoV2FlashConfig(
             **_COMMON,
@@ -284,3 +292,48 @@ def test_every_tensor_parallel_rank_holds_the_whole_latent():
     PagedCache(config=config, pool=pool)  # the config's layout fits the pool of one rank
     with pytest.raises(ValueError, match="need one int factor per layer"):
         layout.shard((2,))
+
+
+# ----------------------------------------------------------------------------------------- DeepSeek Sparse Attention
+@pytest.mark.parametrize("options", [dict(), dict(num_beams=3)], ids=["greedy", "beams"])
+def test_indexed_attention_equals_dynamic_cache(options):
+    """Indexer keys kept beside the paged K/V; with the "hf_paged" attention, the top-k indices the model hands the
+    attention function (instead of folding them into the mask, as it does for sdpa) are folded in there."""
+    expected = _generate(mla_model("deepseek_v32"), None, do_sample=False, **options)
+    for model in (mla_model("deepseek_v32"), mla_model("deepseek_v32", paged_attention=True)):
+        cache = PagedCache(config=model.config)
+        _assert_same(_generate(model, cache, do_sample=False, **options), expected)
+        rows = 3 * options.get("num_beams", 1)
+        assert cache.indexer_bytes == NUM_LAYERS * rows * 15 * 32 * 4  # 10 prompt + 5 fed back tokens, 32 wide
+
+
+def test_indexer_keys_follow_the_rows_and_lengths_of_the_cache():
+    config = mla_config("deepseek_v32")[1]
+    cache = PagedCache(config=config)
+    keys = torch.randn(2, 5, 32)
+    assert cache.update_indexer(keys, 0) is keys
+    cache.update(torch.randn(2, 1, 5, KV_LORA_RANK), torch.randn(2, 1, 5, ROPE_DIM), 0)
+    step = torch.randn(2, 1, 32)
+    torch.testing.assert_close(cache.update_indexer(step, 0), torch.cat([keys, step], dim=1), rtol=0, atol=0)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    torch.testing.assert_close(cache._indexer.keys[0][0, :5], keys[1], rtol=0, atol=0)
+    branch = copy.deepcopy(cache)
+    cache.crop(-2)  # the layer holds 5 tokens: 3 stay
+    assert cache._indexer.keys[0].shape == (2, 3, 32) and branch._indexer.keys[0].shape == (2, 6, 32)
+    with pytest.raises(ValueError, match=r"indexer key states must be \[batch, q_len, index_head_dim\]"):
+        cache.update_indexer(torch.randn(2, 32), 0)
+    cache.release()
+    assert cache.indexer_bytes == 0 and branch.indexer_bytes == 2 * 6 * 32 * 4
+    pool = BlockPool.for_model(config, num_blocks=8, enable_prefix_caching=True)
+    with pytest.raises(UnsupportedModel, match="indexer keys"):
+        PagedCache.from_prefix(pool, torch.arange(1, 40), config)
+
+
+def test_engine_refuses_indexed_attention_up_front():
+    model = mla_model("deepseek_v32", paged_attention=True)
+    pool = BlockPool.for_model(model, num_blocks=8, block_size=4)
+    with pytest.raises(UnsupportedModel, match="Engine does not support model type 'deepseek_v32'.*indexer keys"):
+        Engine(model, pool)
+    cache = StepCache(pool, [[[0]]], seq_lens=[0], q_lens=[2], model_type="deepseek_v32")
+    with pytest.raises(UnsupportedModel, match="indexer keys"):
+        cache.update_indexer(torch.randn(1, 2, 32), 0)

@@ -88,6 +88,7 @@ SHRINK = {
     "qk_rope_head_dim": 16,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
+    "index_topk": 4,  # DeepSeek Sparse Attention: fewer keys than a prompt, so the indexer's choice masks some
     # what random weights need for non-degenerate greedy output (see DESIGN.md)
     "vocab_size": VOCAB_SIZE,
     "vocab_size_per_layer_input": VOCAB_SIZE,

@@ -46,6 +46,17 @@ def paged_attention_forward(
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
     plan = plan_of(key)
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        # DeepSeek Sparse Attention hands the indexer's top-k keys per query to attention functions other than eager
+        # and sdpa (which get them folded into the mask): fold them in here, as those models do for sdpa.
+        if plan is not None:
+            raise UnsupportedModel(
+                _model_type(module),
+                "its sparse attention passes top-k key indices, which a decode plan does not apply",
+                "hf_paged attention",
+            )
+        attention_mask = index_masked(attention_mask, indices, key.shape[-2], query.dtype)
     if plan is None:
         # A cache whose model expands what `update` returns (multi-head latent attention) cannot hang its plan on
         # the K/V; it hands it over in the keywords the model passes to both (`EXPANDED_PLAN_KWARG`), and the plan
@@ -102,6 +113,20 @@ def paged_attention_forward(
         softcap=softcap,
         **kwargs,
     )
+
+
+def index_masked(attention_mask: torch.Tensor, indices: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """`attention_mask` ([B, 1, q_len, kv_len], boolean or additive) with every key outside `indices` ([B, q_len,
+    top_k] int: the keys each query attends, DeepSeek Sparse Attention's indexer choice) masked, as the models that
+    pass `indices` mask for sdpa."""
+    if attention_mask is None:
+        raise ValueError("sparse attention (top-k key indices) needs an attention mask to fold them into")
+    batch_size, q_len, _ = indices.shape
+    hidden = indices.new_ones((batch_size, q_len, kv_len), dtype=torch.bool).scatter(-1, indices.long(), False)
+    hidden = hidden.unsqueeze(1)  # [B, 1, q_len, kv_len]; True = masked
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~hidden
+    return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
 def softcap_attention_forward(

@@ -25,6 +25,7 @@ from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_
 from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import visible_kv, workspace_for
 from .group_tables import GroupTables
+from .indexer import IndexerKeys
 from .layer import PagedLayer
 
 
@@ -122,6 +123,7 @@ class PagedCache(Cache):
         # Resolved at every step's layer 0 (`_start_step`) for the step's other layers.
         self._paged_attention, self._store_backend = False, None
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
+        self._indexer = IndexerKeys()  # "indexed_attention" layers' indexer keys, beside the paged K/V
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
@@ -208,6 +210,7 @@ class PagedCache(Cache):
             if starting:
                 blocks.release()
             self._undo_step(layer_idx, num_past)
+            self._indexer.truncate([layer.cumulative_length for layer in self.layers])
             self._last_layer_updated = 0  # the step starts again at layer 0
             raise
 
@@ -239,6 +242,19 @@ class PagedCache(Cache):
         if q_len == 1 and self._paged_attention and not pool.is_multi_device and not self._latent(pool):
             return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens)
         return self._gather_visible(layer_idx, first, num_tokens)
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Append an "indexed_attention" layer's indexer keys ([B, q_len, index_head_dim]: DeepSeek Sparse Attention)
+        and return all of them ([B, kv_len, index_head_dim]), as `DynamicIndexedLayer.update_indexer` does. They are
+        kept beside the paged K/V (see indexer.py)."""
+        if layer_idx >= len(self.layers):
+            raise PoolMismatch(f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers")
+        return self._indexer.update(layer_idx, indexer_key_states)
+
+    @property
+    def indexer_bytes(self) -> int:
+        """Bytes of the indexer keys of "indexed_attention" layers this cache holds (outside the pool)."""
+        return self._indexer.nbytes
 
     def _start_step(self, pool: BlockPool) -> None:
         """At layer 0's update: release what left the sliding windows, and resolve once for the step's layers what
@@ -398,6 +414,13 @@ class PagedCache(Cache):
         computes only the rest of the prompt.
         """
         _check_prefix_caching(pool, "from_prefix")
+        if "indexed_attention" in pool.layout.layer_types:
+            raise UnsupportedModel(
+                getattr(config, "model_type", None),
+                "its indexed-attention layers keep indexer keys beside the paged K/V, which the prefix cache does not "
+                "hold",
+                "PagedCache.from_prefix",
+            )
         token_ids = _token_rows(input_ids)
         if len(token_ids) != 1:
             raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
@@ -428,6 +451,7 @@ class PagedCache(Cache):
                 self._cache_rows(token_ids, attention_mask)
         finally:  # the blocks go back even when the token ids were refused
             self._tables.release()
+            self._indexer.clear()
             if self.pool is not None:
                 workspace_for(self.pool).clear()
             self._last_layer_updated = 0
@@ -469,6 +493,7 @@ class PagedCache(Cache):
             release_out_of_window=self.release_out_of_window,
         )
         branch._tables.share_from(self._tables)
+        branch._indexer = self._indexer.copy()
         branch._last_layer_updated = self._last_layer_updated
         for layer, source in zip(branch.layers, self.layers):
             layer.cumulative_length, layer.record_past = source.cumulative_length, source.record_past
@@ -505,6 +530,7 @@ class PagedCache(Cache):
         )
         for layer, length in zip(self.layers, lengths):
             layer.cumulative_length = length
+        self._indexer.truncate(lengths)
         # NOTE: recording past states or not. `DynamicSlidingWindowLayer.crop` (crop(0) too) cuts its states back to
         # the window that ends at the new length, so no later crop can reach further back in DynamicCache either;
         # releasing here bounds assisted / prompt-lookup decoding to about the window plus the candidates.
@@ -512,13 +538,17 @@ class PagedCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V."""
-        self._tables.select_rows(beam_idx.tolist())
+        self._select_rows(beam_idx.tolist())
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._tables.select_rows([row for row in range(self._tables.num_rows) for _ in range(repeats)])
+        self._select_rows([row for row in range(self._tables.num_rows) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._tables.select_rows(torch.as_tensor(indices).tolist())
+        self._select_rows(torch.as_tensor(indices).tolist())
+
+    def _select_rows(self, rows: list[int]) -> None:
+        self._tables.select_rows(rows)
+        self._indexer.select_rows(rows)
 
     # ---------------------------------------------------------------- queries
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -319,6 +319,13 @@ class StepCache(Cache):
         value = attach_plan(value_states.new_empty(1, value_states.shape[1], 0, value_states.shape[-1]), plan)
         return key, value
 
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        raise UnsupportedModel(
+            self.model_type,
+            "its indexed-attention layers keep indexer keys beside the K/V, which the Engine's pool does not hold",
+            "Engine",
+        )
+
     def _latent_kv(self, layer_idx: int, update_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """A latent layout (multi-head latent attention) expands what `update` returns before attention, so it gets
         every row's latents, `[rows, 1, longest, dim]` (each row's keys from its first held block, padded to the

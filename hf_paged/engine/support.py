@@ -15,7 +15,8 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
   packed prefill chunk is causal);
 - a sliding window the attention modules do not pass to the attention function (the window comes from the model's
   mask or the cache's truncation, neither of which the packed step reads);
-- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks).
+- looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
+- indexed attention (DeepSeek Sparse Attention: indexer keys beside the K/V, which the pool does not hold).
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
@@ -57,6 +58,7 @@ def refuse_unsupported_engine(model) -> None:
         or _bidirectional_reason(model, config)
         or _loop_reason(config)
         or _window_reason(decoder, config)
+        or _indexed_reason(config)
     )
     model_type = getattr(model.config, "model_type", None)
     if reason is not None:
@@ -164,6 +166,18 @@ def chunk_sizes(config) -> list[int | None]:
         kwargs["sliding_window"] if layer_type == "chunked_attention" else None
         for layer_type, kwargs in zip(layer_types, layer_kwargs)
     ]
+
+
+def _indexed_reason(config) -> str | None:
+    """DeepSeek Sparse Attention ("indexed_attention" layers) keeps indexer keys beside the K/V, which the Engine's
+    pool does not hold."""
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    if "indexed_attention" not in layer_types:
+        return None
+    return (
+        "its indexed-attention layers (DeepSeek Sparse Attention) keep indexer keys beside the K/V, which the Engine's "
+        "pool does not hold (generate() with a PagedCache serves it)"
+    )
 
 
 def _window_reason(model, config) -> str | None:

@@ -17,7 +17,10 @@ from .layer_groups import LayerGroups, derive_layer_groups
 from .sharding import kv_shard_factors, model_tp_size
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES)
+# DeepSeek Sparse Attention: full attention over the K/V that an indexer's top-k choice masks; the indexer keeps keys
+# of its own (`PagedCache.update_indexer`, beside the paged K/V).
+INDEXED_LAYER_TYPES = ("indexed_attention",)
+SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES, *INDEXED_LAYER_TYPES)
 
 
 @dataclass(frozen=True)
@@ -147,7 +150,7 @@ class KVLayout:
             tuple(windows),
             num_value_heads=num_value_heads,
             value_head_dims=value_head_dims,
-            latent=bool(_global_attr(config, "kv_lora_rank")),
+            latent=any(_global_attr(c, "kv_lora_rank") for c in (layer_configs or [config])),
         )
         if model is not None:
             return layout.shard(kv_shard_factors(model, layout.num_kv_heads), model_tp_size(model))
