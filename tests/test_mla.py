@@ -31,7 +31,9 @@ from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PoolMismatch, Unsu
 from hf_paged.attention import paged_attention_forward, store_kv_rows
 from hf_paged.attention.kernels import paged_decode_attention
 from hf_paged.engine import StepCache
+from hf_paged.storage import block_windows
 from tests.models import _COMMON, left_padded_batch, random_prompts, require_triton_on_cpu
+from tests.zoo import tiny_model as zoo_model
 
 KV_LORA_RANK, ROPE_DIM, NOPE_DIM, V_HEAD_DIM = 32, 16, 16, 8  # K latent 32 wide, V latent 16, expanded V 8
 NUM_LAYERS = 2
@@ -337,3 +339,59 @@ def test_engine_refuses_indexed_attention_up_front():
     cache = StepCache(pool, [[[0]]], seq_lens=[0], q_lens=[2], model_type="deepseek_v32")
     with pytest.raises(UnsupportedModel, match="indexer keys"):
         cache.update_indexer(torch.randn(1, 2, 32), 0)
+
+
+# --------------------------------------------------------------------------------------------------- KV sharing
+@functools.cache
+def kv_sharing_model(paged_attention: bool = False):
+    """The zoo's tiny Gemma 3n: layers 0 (sliding) and 1 (full) store K/V; layers 2 and 3 attend theirs again."""
+    model = zoo_model("gemma3n_text", "Gemma3nForCausalLM")
+    assert model.config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    return hf_paged.enable(model) if paged_attention else model
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_beams=3)], ids=["greedy", "beams"])
+def test_kv_sharing_layers_read_their_source_layers_blocks(options):
+    model = kv_sharing_model()
+    expected = _generate(model, None, do_sample=False, **options)
+    layout = KVLayout.from_config(model.config)
+    assert layout.layer_types == ("sliding_attention", "full_attention", "dummy", "dummy")
+    pool = BlockPool.for_model(model, num_blocks=128, block_size=4)
+    for cache in (PagedCache(config=model.config), PagedCache(config=model.config, pool=pool)):
+        # Batches of rows gather through the shared workspace: the source layers' K/V must outlive other gathers.
+        _assert_same(_generate(model, cache, do_sample=False, **options), expected)
+        held = cache.held_blocks_per_group
+        assert len(held) == 4 and held[2:] == (0, 0) and min(held[:2]) > 0  # sharing layers hold no block
+    paged = kv_sharing_model(paged_attention=True)
+    _assert_same(_generate(paged, PagedCache(config=paged.config), do_sample=False, **options), expected)
+
+
+def test_engine_serves_kv_sharing_and_holds_blocks_only_for_the_layers_that_cache():
+    assert block_windows(kv_sharing_model().config) == [8, None, 1, 1]  # sharing layers: a step's own blocks
+    prompts, new_tokens = random_prompts((5, 19, 3)), [12, 10, 7]
+    reference = kv_sharing_model()
+    expected = [
+        reference.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]
+    model = kv_sharing_model(paged_attention=True)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    engine = Engine(model, pool, max_num_seqs=1, max_num_batched_tokens=64)
+    used = []
+    run_step = engine.step
+
+    def step():
+        outputs = run_step()
+        used.append(pool.num_used_blocks)
+        return outputs
+
+    engine.step = step
+    assert engine.generate(prompts[1:2], max_new_tokens=new_tokens[1], ignore_eos=True) == expected[1:2]
+    # 19 + 9 tokens at the end: 7 blocks in the full group, at most 3 in the sliding one (window 8), at most 1 each
+    # in the sharing layers' groups (a decode step's own block), not 7 each.
+    assert max(used[1:-1]) <= 7 + 3 + 2
+    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=6)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == expected
+    assert pool.num_used_blocks == 0

@@ -134,6 +134,15 @@ class PagedCache(Cache):
             group_windows(self.layer_groups, windows) if release_out_of_window else [None] * len(self.layer_groups)
         )
         self._sliding_groups = tuple(group for group, window in enumerate(self._group_windows) if window is not None)
+        # The last layer a forward updates (layers after it cache nothing of their own: KV-sharing layers), and the
+        # layers whose returned K/V later layers attend again (KV sharing's "store" layers): those get K/V of their
+        # own, not views of the gather workspace, which the next layer's gather overwrites.
+        cached = [i for i, layer_type in enumerate(self.layout.layer_types) if layer_type != "dummy"]
+        self._last_cached_layer = cached[-1] if cached else len(self.layers) - 1
+        modes = getattr(config, "kv_sharing_modes", None) if config is not None else None
+        if modes is None and len(cached) < len(self.layers):  # no config to say which: any layer may be a source
+            modes = ["store" if i in cached else None for i in range(len(self.layers))]
+        self._kv_sources = frozenset(i for i, mode in enumerate(modes or ()) if mode == "store")
 
     # ------------------------------------------------------------------ pool
     @property
@@ -143,7 +152,9 @@ class PagedCache(Cache):
 
     def _init_pool(self, layer_idx: int, key_states: torch.Tensor, num_tokens: int) -> None:
         self.layout = _rank_layout(self.layout, layer_idx, key_states.shape[1])
-        num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * len(self.layer_groups), 4)
+        # Groups of layers that cache nothing of their own (KV sharing) never take a block.
+        num_groups = sum(any(self.layout.layer_types[i] != "dummy" for i in group) for group in self.layer_groups)
+        num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * num_groups, 4)
         pool = BlockPool(
             self.layout,
             num_blocks=num_blocks,
@@ -241,7 +252,10 @@ class PagedCache(Cache):
         # stored latents themselves, never a placeholder.
         if q_len == 1 and self._paged_attention and not pool.is_multi_device and not self._latent(pool):
             return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens)
-        return self._gather_visible(layer_idx, first, num_tokens)
+        keys, values = self._gather_visible(layer_idx, first, num_tokens)
+        if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
+            return keys.clone(), values.clone()
+        return keys, values
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Append an "indexed_attention" layer's indexer keys ([B, q_len, index_head_dim]: DeepSeek Sparse Attention)
@@ -271,7 +285,7 @@ class PagedCache(Cache):
             self._last_layer_updated = max(self._last_layer_updated, layer_idx)
             return
         last, self._last_layer_updated = self._last_layer_updated, 0
-        if 0 < last < len(self.layers) - 1:
+        if 0 < last < self._last_cached_layer:
             raise PoolMismatch(
                 f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self.layers)} "
                 "layers: build it from the config of the model it runs with, PagedCache(config=model.config) (or an "

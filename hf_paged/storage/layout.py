@@ -20,7 +20,11 @@ SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
 # DeepSeek Sparse Attention: full attention over the K/V that an indexer's top-k choice masks; the indexer keeps keys
 # of its own (`PagedCache.update_indexer`, beside the paged K/V).
 INDEXED_LAYER_TYPES = ("indexed_attention",)
-SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES, *INDEXED_LAYER_TYPES)
+# A layer that caches nothing of its own: a KV-sharing layer (Gemma 3n, Gemma 4 with `num_kv_shared_layers`: it
+# attends the K/V its source layer's `update` returned) or an MLP-only layer. It keeps a place in the layout (so
+# layer indices stay the model's) but forms layer groups of its own that never take a block.
+NO_CACHE_LAYER_TYPES = ("dummy",)
+SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES, *INDEXED_LAYER_TYPES, *NO_CACHE_LAYER_TYPES)
 
 
 @dataclass(frozen=True)
@@ -215,6 +219,14 @@ def sliding_windows(config) -> list[int | None]:
     return _windows(layer_types, layer_kwargs)
 
 
+def block_windows(config) -> list[int | None]:
+    """`sliding_windows`, except that a layer caching nothing of its own ("dummy": KV sharing, MLP only) gets a
+    window of 1: a block holder such as the Engine's scheduler then keeps only the blocks of a step's new tokens in
+    the layer groups of such layers (they are never written), not the whole context."""
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    return [1 if t in NO_CACHE_LAYER_TYPES else w for t, w in zip(layer_types, sliding_windows(config))]
+
+
 # Models whose forward uses a cache other than through `Cache.update`, by model type.
 NO_PAGED_CACHE = {
     "xlnet": "it keeps its own memory (mems) and never stores K/V in a transformers Cache",
@@ -247,17 +259,9 @@ def refuse_unsupported(config) -> None:
     layer_types, _ = get_layer_types_and_kwargs(config)
     unsupported = sorted(set(layer_types) - set(SUPPORTED_LAYER_TYPES))
     if unsupported:
-        # transformers marks a layer that caches nothing of its own "dummy": one that reads another layer's K/V (KV
-        # sharing: Gemma 3n), or an MLP-only layer.
-        why = (
-            " ('dummy': layers that cache nothing of their own, such as KV-sharing layers that read another layer's "
-            "K/V, or MLP-only layers)"
-            if "dummy" in unsupported
-            else ""
-        )
         raise UnsupportedModel(
             model_type,
-            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}{why}",
+            f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)}; this model has {unsupported}",
             "PagedCache",
         )
 
