@@ -108,9 +108,7 @@ class Budget:
         layout = KVLayout.from_config(model)  # a tensor-parallel model: one rank's share of the kv heads
         itemsize = torch.empty((), dtype=model.dtype).element_size()
         layer_windows = sliding_windows(model.config)
-        layer_bytes = [
-            2 * heads * head_dim * itemsize for heads, head_dim in zip(layout.num_kv_heads, layout.head_dims)
-        ]
+        layer_bytes = [(kh * kd + vh * vd) * itemsize for kh, kd, vh, vd in layout.shapes()]
         windows = tuple((b, window) for b, window in zip(layer_bytes, layer_windows) if window is not None)
         # The pool's layer groups, as `BlockPool` builds them: a block holds the layers of the largest group.
         groups = layout.layer_groups()

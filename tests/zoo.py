@@ -89,6 +89,7 @@ SHRINK = {
     "qk_rope_head_dim": 16,
     "qk_nope_head_dim": 16,
     "v_head_dim": 16,
+    "index_topk": 4,  # DeepSeek Sparse Attention: fewer keys than a prompt, so the indexer's choice masks some
     # what random weights need for non-degenerate greedy output (see DESIGN.md)
     "vocab_size": VOCAB_SIZE,
     "vocab_size_per_layer_input": VOCAB_SIZE,
@@ -122,6 +123,7 @@ OVERRIDES: dict[str, dict] = {
     "recurrent_gemma": {"block_types": ["recurrent", "attention"]},
     "reformer": {"is_decoder": True, "axial_pos_embds_dim": [16, 48]},
     "zaya": {"num_experts_per_tok": 1},
+    "longcat_flash": {"expert_ffn_hidden_size": 32, "zero_expert_num": 2},  # defaults: 256 experts of 2048
     "xmod": {"default_language": "en_XX"},  # its forward needs a language adapter to run
     # DBRX's attention reads attn_config.rope_theta, which its attention config does not define, and clamps by clip_qkv
     "dbrx": {"attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0}},

@@ -29,7 +29,7 @@ class DecodePlan:
     """
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
-    value_cache: torch.Tensor  # same
+    value_cache: torch.Tensor  # same, of V (whose heads and head_dim may differ: then attend takes the torch path)
     block_tables: torch.Tensor  # [B, num_table_blocks] int32
     seq_lens: torch.Tensor  # [B] int32: tokens per row from the first held block, the new one included
     kv_offset: int  # absolute position of the first key that the attention mask describes
@@ -56,6 +56,8 @@ class DecodePlan:
     ) -> tuple[torch.Tensor, None]:
         """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
         backend = self.backend(module, query.device)
+        if not self.uniform_kv:  # the paged kernels read K and V of one shape: gather for the torch path
+            backend = "torch"
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
         if backend == "torch" or kv_start is None or kwargs.get("position_bias") is not None:
             # The torch path, masks that are not "left padding then causal", and an additive position bias (Inkling's
@@ -79,6 +81,12 @@ class DecodePlan:
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    @property
+    def uniform_kv(self) -> bool:
+        """Whether K and V have one shape (kv heads and head_dim), as the paged kernels need; a layer whose V differs
+        (MiMo-V2-Flash's `v_head_dim`) takes the torch path."""
+        return self.key_cache.shape == self.value_cache.shape
 
     def backend(self, module: torch.nn.Module, device: torch.device) -> str:
         """`module_backend(module, device)`, resolved once per step for every module with the same setting."""

@@ -29,7 +29,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import UnsupportedModel
 from .decode_plan import DecodePlan
 from .kernels.dispatch import resolve_backend
-from .plan import BACKEND_ATTR, PAGED_ATTENTION, module_backend, plan_of
+from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, module_backend, plan_of
 
 
 def paged_attention_forward(
@@ -47,6 +47,42 @@ def paged_attention_forward(
     """query [B, heads, q_len, head_dim], key/value [B, kv_heads, kv_len, head_dim] or a placeholder carrying a plan
     -> ([B, q_len, heads, head_dim], None), like every transformers attention function."""
     plan = plan_of(key)
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        # DeepSeek Sparse Attention hands the indexer's top-k keys per query to attention functions other than eager
+        # and sdpa (which get them folded into the mask): fold them in here, as those models do for sdpa.
+        if plan is not None:
+            raise UnsupportedModel(
+                _model_type(module),
+                "its sparse attention passes top-k key indices, which a decode plan does not apply",
+                "hf_paged attention",
+            )
+        attention_mask = index_masked(attention_mask, indices, key.shape[-2], query.dtype)
+    if plan is None:
+        # A cache whose model expands what `update` returns (multi-head latent attention) cannot hang its plan on
+        # the K/V; it hands it over in the keywords the model passes to both (`EXPANDED_PLAN_KWARG`), and the plan
+        # attends the expanded K/V given here.
+        expanded_plan = kwargs.pop(EXPANDED_PLAN_KWARG, None)
+        if expanded_plan is not None:
+            return expanded_plan.attend(
+                module,
+                query,
+                attention_mask,
+                key=key,
+                value=value,
+                dropout=dropout,
+                scaling=scaling,
+                sliding_window=sliding_window,
+                softcap=softcap,
+                **kwargs,
+            )
+        if key.shape[-2] == 0:
+            raise UnsupportedModel(
+                _model_type(module),
+                "its attention got no keys: it changes the K/V that cache.update() returns before attention, so a "
+                "decode plan the cache returned was lost",
+                "hf_paged attention",
+            )
     sinks = kwargs.get("s_aux")
     if softcap is not None or sinks is not None:
         # SDPA has neither a softcap nor attention sinks: where a step would run SDPA, run the torch attention. The
@@ -56,6 +92,7 @@ def paged_attention_forward(
             return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
         if isinstance(plan, DecodePlan) and (
             sinks is not None
+            or not plan.uniform_kv
             or module_backend(module, query.device) == "torch"
             or plan.kv_start(attention_mask) is None
         ):
@@ -77,6 +114,20 @@ def paged_attention_forward(
         softcap=softcap,
         **kwargs,
     )
+
+
+def index_masked(attention_mask: torch.Tensor, indices: torch.Tensor, kv_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """`attention_mask` ([B, 1, q_len, kv_len], boolean or additive) with every key outside `indices` ([B, q_len,
+    top_k] int: the keys each query attends, DeepSeek Sparse Attention's indexer choice) masked, as the models that
+    pass `indices` mask for sdpa."""
+    if attention_mask is None:
+        raise ValueError("sparse attention (top-k key indices) needs an attention mask to fold them into")
+    batch_size, q_len, _ = indices.shape
+    hidden = indices.new_ones((batch_size, q_len, kv_len), dtype=torch.bool).scatter(-1, indices.long(), False)
+    hidden = hidden.unsqueeze(1)  # [B, 1, q_len, kv_len]; True = masked
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & ~hidden
+    return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
 
 
 def softcap_attention_forward(

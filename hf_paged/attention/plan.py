@@ -23,6 +23,11 @@ BACKEND_ATTR = "hf_paged_attention_backend"
 
 PLAN_ATTR = "hf_paged_plan"
 
+# The keyword a cache adds to the attention keywords a model passes to `cache.update(..., kwargs=kwargs)` and then to
+# the attention function, for models that expand what `update` returns (multi-head latent attention): the plan then
+# travels beside the K/V, and its `attend` takes the expanded `key=` and `value=`.
+EXPANDED_PLAN_KWARG = "hf_paged_expanded_plan"
+
 
 class AttentionPlan(Protocol):
     def attend(

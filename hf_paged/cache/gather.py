@@ -93,15 +93,15 @@ class GatherWorkspace:
         stop: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logical blocks [first_block, end_block) of every row of `blocks` from layer `layer_idx`'s pool storage,
-        then tokens [start, stop) of them: two `[B, kv_heads, stop - start, head_dim]` views."""
+        then tokens [start, stop) of them: `[B, kv_heads, stop - start, head_dim]` keys and `[B, value_heads,
+        stop - start, value_head_dim]` values (views)."""
         pool = blocks.pool
-        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
-        shape = (index.numel(), block_size, head_dim)
         gathered = []
-        for name, cache in (("keys", key_cache), ("values", value_cache)):
-            out = self._view(name, shape, cache)
+        for name, cache in (("keys", pool.key_cache[layer_idx]), ("values", pool.value_cache[layer_idx])):
+            # V may have other heads and head_dim than K (multi-head latent attention): each its own shape.
+            num_heads, num_pool_blocks, block_size, head_dim = cache.shape
+            index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
+            out = self._view(name, (index.numel(), block_size, head_dim), cache)
             torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
             gathered.append(out.view(blocks.num_rows, num_heads, -1, head_dim)[:, :, start:stop])
         return gathered[0], gathered[1]

@@ -29,6 +29,7 @@ from ..storage.pool import check_positive_int, resolve_dtype
 from .gather import visible_kv, workspace_for
 from .group_tables import GroupTables
 from .hybrid import HybridStates, decoder_layers
+from .indexer import IndexerKeys
 
 
 class PagedCache(Cache):
@@ -55,12 +56,15 @@ class PagedCache(Cache):
             reads the model's sharding).
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
-    `[B, num_kv_heads, kv_len, head_dim]`, where `kv_len` is the cached length plus `q_len` (for a sliding layer,
-    only the window, exactly like `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's
-    own `key_states`/`value_states`. Later steps return views: of the pool when the cache holds one row whose blocks
-    are consecutive pool blocks (one row in a private pool), else of a gather workspace that the caches of one pool
-    share within a thread. They are valid until the next `update` of a cache of that pool in that thread (attention
-    consumes them at once).
+    `[B, num_kv_heads, kv_len, head_dim]` (V's heads and head_dim may differ from K's: multi-head latent attention
+    caches a `[B, 1, q_len, kv_lora_rank]` latent as K and a `[B, 1, q_len, qk_rope_head_dim]` rotary key as V),
+    where `kv_len` is the cached length plus `q_len` (for a sliding layer, only the window, exactly like
+    `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's own `key_states`/`value_states`.
+    Later steps return views: of the pool when the cache holds one row whose blocks are consecutive pool blocks (one
+    row in a private pool), else of a gather workspace that the caches of one pool share within a thread. They are
+    valid until the next `update` of a cache of that pool in that thread (attention consumes them at once), except
+    for the layers whose K/V KV-sharing layers attend again (Gemma 3n), which get copies of their own. The indexer
+    keys of DeepSeek Sparse Attention layers (`update_indexer`) are kept beside the pool (cache/indexer.py).
 
     Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
     garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
@@ -137,6 +141,7 @@ class PagedCache(Cache):
         # Resolved at every step's layer 0 (`_start_step`) for the step's other layers.
         self._paged_attention, self._store_backend = False, None
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
+        self._indexer = IndexerKeys()  # "indexed_attention" layers' indexer keys, beside the paged K/V
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         # `layers`: one per decoder layer (what transformers indexes); `_paged_layers`: one per pool layer, the
@@ -154,6 +159,15 @@ class PagedCache(Cache):
             group_windows(self.layer_groups, windows) if release_out_of_window else [None] * len(self.layer_groups)
         )
         self._sliding_groups = tuple(group for group, window in enumerate(self._group_windows) if window is not None)
+        # The last layer a forward updates (layers after it cache nothing of their own: KV-sharing layers), and the
+        # layers whose returned K/V later layers attend again (KV sharing's "store" layers): those get K/V of their
+        # own, not views of the gather workspace, which the next layer's gather overwrites.
+        cached = [i for i, layer_type in enumerate(self.layout.layer_types) if layer_type != "dummy"]
+        self._last_cached_layer = cached[-1] if cached else len(self._paged_layers) - 1
+        modes = getattr(config, "kv_sharing_modes", None) if config is not None else None
+        if modes is None and len(cached) < len(self._paged_layers):  # no config to say which: any may be a source
+            modes = ["store" if i in cached else None for i in range(len(self._paged_layers))]
+        self._kv_sources = frozenset(i for i, mode in enumerate(modes or ()) if mode == "store")
 
     # ------------------------------------------------------------------ pool
     @property
@@ -163,7 +177,9 @@ class PagedCache(Cache):
 
     def _init_pool(self, layer_idx: int, key_states: torch.Tensor, num_tokens: int) -> None:
         self.layout = _rank_layout(self.layout, layer_idx, key_states.shape[1])
-        num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * len(self.layer_groups), 4)
+        # Groups of layers that cache nothing of their own (KV sharing) never take a block.
+        num_groups = sum(any(self.layout.layer_types[i] != "dummy" for i in group) for group in self.layer_groups)
+        num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * num_groups, 4)
         pool = BlockPool(
             self.layout,
             num_blocks=num_blocks,
@@ -213,7 +229,7 @@ class PagedCache(Cache):
         if blocks.pool is None:
             self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
-        pool.check_states(layer_idx, key_states)
+        pool.check_states(layer_idx, key_states, value_states)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
@@ -242,6 +258,7 @@ class PagedCache(Cache):
             if starting:
                 blocks.release()
             self._undo_step(layer_idx, num_past)
+            self._indexer.truncate([layer.cumulative_length for layer in self._paged_layers])
             self._last_layer_updated = 0  # the step starts again at layer 0
             self._states.stop_step()
             raise
@@ -269,9 +286,27 @@ class PagedCache(Cache):
             # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
             return key_states, value_states
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._paged_attention and not pool.is_multi_device:
-            return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
-        return self._gather_visible(layer_idx, first, num_tokens)
+        # A latent layout (multi-head latent attention) expands what update returns before attention: it gets the
+        # stored latents themselves, never a placeholder.
+        if q_len == 1 and self._paged_attention and not pool.is_multi_device and not self._latent(pool):
+            return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens)
+        keys, values = self._gather_visible(layer_idx, first, num_tokens)
+        if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
+            return keys.clone(), values.clone()
+        return keys, values
+
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        """Append an "indexed_attention" layer's indexer keys ([B, q_len, index_head_dim]: DeepSeek Sparse Attention)
+        and return all of them ([B, kv_len, index_head_dim]), as `DynamicIndexedLayer.update_indexer` does. They are
+        kept beside the paged K/V (see indexer.py)."""
+        if layer_idx >= len(self.layers):
+            raise PoolMismatch(f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers")
+        return self._indexer.update(layer_idx, indexer_key_states)
+
+    @property
+    def indexer_bytes(self) -> int:
+        """Bytes of the indexer keys of "indexed_attention" layers this cache holds (outside the pool)."""
+        return self._indexer.nbytes
 
     def _start_step(self, pool: BlockPool) -> None:
         """At layer 0's update: release what left the sliding windows, and resolve once for the step's layers what
@@ -288,7 +323,7 @@ class PagedCache(Cache):
             self._last_layer_updated = max(self._last_layer_updated, layer_idx)
             return
         last, self._last_layer_updated = self._last_layer_updated, 0
-        if 0 < last < len(self._paged_layers) - 1:
+        if 0 < last < self._last_cached_layer:
             raise PoolMismatch(
                 f"the model's forward updated layers 0..{last} of this PagedCache, built for {len(self._paged_layers)} "
                 "layers: build it from the config of the model it runs with, PagedCache(config=model.config) (or an "
@@ -350,6 +385,10 @@ class PagedCache(Cache):
             first_needed[group_idx] = min(layer.first_visible(length) for layer, length in zip(layers, lengths))
         self._tables.release_front(first_needed)
 
+    def _latent(self, pool: BlockPool) -> bool:
+        """Whether the model expands the K/V this cache returns before attention (multi-head latent attention)."""
+        return self.layout.latent or pool.layout.latent
+
     def _runs_paged_attention(self) -> bool:
         return getattr(self._config, "_attn_implementation", None) == PAGED_ATTENTION
 
@@ -368,7 +407,9 @@ class PagedCache(Cache):
         pool = self.pool
         return 0 if pool is None else workspace_for(pool).nbytes
 
-    def _decode_placeholders(self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int):
+    def _decode_placeholders(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+    ):
         blocks = self._tables.of_layer(layer_idx)
         step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
         key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
@@ -383,9 +424,15 @@ class PagedCache(Cache):
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
-        batch_size, num_heads, _, head_dim = key_states.shape
-        placeholder = attach_plan(key_states.new_empty(batch_size, num_heads, 0, head_dim), plan)
-        return placeholder, placeholder
+        # Empty K and V of the states' own shapes (V's head_dim may differ from K's), both carrying the plan.
+        key, value = (
+            attach_plan(states.new_empty(*states.shape[:2], 0, states.shape[-1]), plan)
+            for states in (
+                key_states,
+                value_states,
+            )
+        )
+        return key, value
 
     def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
@@ -419,6 +466,13 @@ class PagedCache(Cache):
         computes only the rest of the prompt.
         """
         _check_prefix_caching(pool, "from_prefix")
+        if "indexed_attention" in pool.layout.layer_types:
+            raise UnsupportedModel(
+                getattr(config, "model_type", None),
+                "its indexed-attention layers keep indexer keys beside the paged K/V, which the prefix cache does not "
+                "hold",
+                "PagedCache.from_prefix",
+            )
         token_ids = _token_rows(input_ids)
         if len(token_ids) != 1:
             raise ValueError(f"from_prefix takes one sequence ([S] or [1, S] token ids), got {len(token_ids)} rows")
@@ -450,6 +504,7 @@ class PagedCache(Cache):
                 self._cache_rows(token_ids, attention_mask)
         finally:  # the blocks go back even when the token ids were refused
             self._tables.release()
+            self._indexer.clear()
             if self.pool is not None:
                 workspace_for(self.pool).clear()
             self._last_layer_updated = 0
@@ -493,6 +548,7 @@ class PagedCache(Cache):
             release_out_of_window=self.release_out_of_window,
         )
         branch._tables.share_from(self._tables)
+        branch._indexer = self._indexer.copy()
         branch._last_layer_updated = self._last_layer_updated
         for layer, source in zip(branch._paged_layers, self._paged_layers):
             layer.cumulative_length, layer.record_past = source.cumulative_length, source.record_past
@@ -533,6 +589,7 @@ class PagedCache(Cache):
         for layer, length in zip(self._paged_layers, lengths):
             layer.cumulative_length = length
         self._states.crop(tokens_to_remove)
+        self._indexer.truncate(lengths)
         # NOTE: recording past states or not. `DynamicSlidingWindowLayer.crop` (crop(0) too) cuts its states back to
         # the window that ends at the new length, so no later crop can reach further back in DynamicCache either;
         # releasing here bounds assisted / prompt-lookup decoding to about the window plus the candidates.
@@ -541,16 +598,20 @@ class PagedCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues beam `beam_idx[i]`. Permutes block tables (ref counts), never K/V; a hybrid
         model's states are index-selected on the batch dim, as DynamicCache does."""
-        self._tables.select_rows(beam_idx.tolist())
+        self._select_rows(beam_idx.tolist())
         self._states.select_rows(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._tables.select_rows([row for row in range(self._tables.num_rows) for _ in range(repeats)])
+        self._select_rows([row for row in range(self._tables.num_rows) for _ in range(repeats)])
         self._states.repeat_rows(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._tables.select_rows(torch.as_tensor(indices).tolist())
+        self._select_rows(torch.as_tensor(indices).tolist())
         self._states.select_rows(indices)
+
+    def _select_rows(self, rows: list[int]) -> None:
+        self._tables.select_rows(rows)
+        self._indexer.select_rows(rows)
 
     # ---------------------------------------------------------------- queries
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -27,7 +27,7 @@ import torch
 
 from ..attention import enable
 from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest, UnsupportedModel
-from ..storage import BlockPool, KVLayout, sliding_windows
+from ..storage import BlockPool, KVLayout, block_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
@@ -129,7 +129,7 @@ class Engine:
             decode_reserve_tokens=decode_reserve_tokens,
             backfill_window=backfill_window,
             # The per-request step keeps every block: a prompt chunk sees the whole prompt before it.
-            sliding_windows=sliding_windows(model.config.get_text_config(decoder=True)) if packed else None,
+            sliding_windows=block_windows(model.config.get_text_config(decoder=True)) if packed else None,
             enable_prefix_caching=enable_prefix_caching,
         )
         if enable_prefix_caching:

@@ -33,6 +33,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
 from ..attention.interface import torch_attention_forward
+from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..cache.block_tables import head_major_index
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
@@ -79,29 +80,39 @@ class StepPlan:
         query: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         *,
+        key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None,
         sliding_window: int | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, head_dim], None). `attention_mask` is
-        ignored: each row's keys are described by its lengths, and each prefill chunk builds its own causal mask."""
+        """query [1, heads, num_tokens, head_dim] -> ([1, num_tokens, heads, value_head_dim], None). `attention_mask`
+        is ignored: each row's keys are described by its lengths, and each prefill chunk builds its own causal mask.
+
+        `key` / `value`: the model's expansion of what `update` returned for a latent layout (multi-head latent
+        attention): every row's keys padded to the longest, `[rows, heads, longest, head_dim]` (and V's head_dim);
+        without them, each row's K/V are read from the pool."""
         cache = self.cache
+        expanded = None if key is None else (key, value)
         chunk_size = cache.chunk_sizes[self.layer_idx]
         if chunk_size is not None:
-            return cache.attend_chunked(module, self.layer_idx, query, chunk_size, **kwargs), None
+            out = cache.attend_chunked(module, self.layer_idx, query, chunk_size, expanded=expanded, **kwargs)
+            return out, None
         num_decode = cache.num_decode
         decoded = None
         if num_decode:
             decode_query = query[0, :, :num_decode].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D]
-            decoded = cache.attend_decode(module, self.layer_idx, decode_query, sliding_window=sliding_window, **kwargs)
+            decoded = cache.attend_decode(
+                module, self.layer_idx, decode_query, sliding_window=sliding_window, expanded=expanded, **kwargs
+            )
             if num_decode == len(cache.seq_lens):  # a decode-only step: the decode rows are the whole output
                 return decoded.transpose(0, 1), None
-        _, num_heads, num_tokens, head_dim = query.shape
-        out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        _, num_heads, num_tokens, _ = query.shape
+        out = query.new_empty(1, num_tokens, num_heads, cache.value_head_dim(self.layer_idx, expanded))
         if decoded is not None:
             out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
         for row in range(num_decode, len(cache.seq_lens)):
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
-            key, value = cache.gather_row(self.layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
+            key, value = cache.row_kv(self.layer_idx, row, expanded)  # [1, kv_heads, seq_len + q_len - first, D]
             first = cache.first_position(self.layer_idx, row)
             chunk_query = query[:, :, start : start + q_len]
             if _needs_torch_attention(kwargs):  # SDPA has no softcap or sinks: the torch attention, explicit mask
@@ -234,7 +245,7 @@ class StepCache(Cache):
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = {} if workspace is None else workspace
-        self._index: dict[tuple, tuple[torch.Tensor, int]] = {}  # (group, rows, kv_heads, pool blocks) -> index, keys
+        self._index: dict[tuple, torch.Tensor] = {}  # (group, first row, end row, kv_heads, pool blocks) -> index
         super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> _GroupStep:
@@ -289,7 +300,7 @@ class StepCache(Cache):
                 "that adds cache layers of its own, such as a copy per loop of looped layers)",
                 "Engine",
             )
-        pool.check_states(layer_idx, key_states)
+        pool.check_states(layer_idx, key_states, value_states)
         self.num_updates += 1
         group = self._groups[pool.group_of_layer[layer_idx]]
         store_kv_rows(
@@ -300,13 +311,48 @@ class StepCache(Cache):
             group.slots,
             backend=self._store_backend,
         )
-        _, num_heads, _, head_dim = key_states.shape
-        placeholder = attach_plan(key_states.new_empty(1, num_heads, 0, head_dim), StepPlan(self, layer_idx))
-        return placeholder, placeholder
+        if pool.layout.latent:
+            return self._latent_kv(layer_idx, kwargs)
+        plan = StepPlan(self, layer_idx)
+        # Empty K and V of the states' own shapes (V's head_dim may differ from K's), both carrying the plan.
+        key = attach_plan(key_states.new_empty(1, key_states.shape[1], 0, key_states.shape[-1]), plan)
+        value = attach_plan(value_states.new_empty(1, value_states.shape[1], 0, value_states.shape[-1]), plan)
+        return key, value
 
-    def attend_decode(self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, **kwargs) -> torch.Tensor:
+    def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
+        raise UnsupportedModel(
+            self.model_type,
+            "its indexed-attention layers keep indexer keys beside the K/V, which the Engine's pool does not hold",
+            "Engine",
+        )
+
+    def _latent_kv(self, layer_idx: int, update_kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """A latent layout (multi-head latent attention) expands what `update` returns before attention, so it gets
+        every row's latents, `[rows, 1, longest, dim]` (each row's keys from its first held block, padded to the
+        longest row), and the step's plan goes to attention in the keywords the model hands to both
+        (`EXPANDED_PLAN_KWARG`); the model's expansion of these rows reaches `StepPlan.attend` as `key=`/`value=`."""
+        attention_kwargs = update_kwargs.get("kwargs")
+        if not isinstance(attention_kwargs, dict):
+            raise UnsupportedModel(
+                self.model_type,
+                "it expands the K/V that cache.update() returns (multi-head latent attention) but does not pass its "
+                "attention keywords to update(..., kwargs=kwargs), so the packed step's plan cannot reach attention",
+                "Engine",
+            )
+        attention_kwargs[EXPANDED_PLAN_KWARG] = StepPlan(self, layer_idx)
+        return self._gather(layer_idx, 0, len(self.seq_lens))
+
+    def attend_decode(
+        self,
+        module: torch.nn.Module,
+        layer_idx: int,
+        query: torch.Tensor,
+        expanded: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
         """The decode rows' attention in layer `layer_idx`: query [num_decode, heads, 1, head_dim] ->
-        [num_decode, 1, heads, head_dim]. `kwargs`: the attention function's (scaling, sliding_window, ...).
+        [num_decode, 1, heads, value_head_dim]. `kwargs`: the attention function's (scaling, sliding_window, ...).
+        `expanded`: every row's expanded K/V of a latent layout (see `StepPlan.attend`), read instead of the pool.
 
         With the Triton backend the kernel reads the pool in place (a `DecodePlan`, made only here); with the torch
         backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask.
@@ -314,9 +360,13 @@ class StepCache(Cache):
         "auto", resolved for the query's device.
         """
         group = self._groups[self.pool.group_of_layer[layer_idx]]
-        # The paged kernels apply no attention sinks: rows with sinks take the torch path too.
-        if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None:
-            key, value = self._gather(layer_idx, 0, self.num_decode)
+        # The paged kernels apply no attention sinks: rows with sinks take the torch path too, as do expanded K/V.
+        if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None or expanded is not None:
+            if expanded is None:
+                key, value = self._gather(layer_idx, 0, self.num_decode)
+            else:
+                length = max(group.host_seq_lens[: self.num_decode])
+                key, value = (states[: self.num_decode, :, :length] for states in expanded)
             mask = length_mask(
                 group.seq_lens[: self.num_decode],
                 kwargs.get("sliding_window"),
@@ -343,16 +393,23 @@ class StepCache(Cache):
         return plan.attend(module, query, None, **kwargs)[0]
 
     def attend_chunked(
-        self, module: torch.nn.Module, layer_idx: int, query: torch.Tensor, chunk_size: int, **kwargs
+        self,
+        module: torch.nn.Module,
+        layer_idx: int,
+        query: torch.Tensor,
+        chunk_size: int,
+        expanded: tuple[torch.Tensor, torch.Tensor] | None = None,
+        **kwargs,
     ) -> torch.Tensor:
         """Chunked attention over every row of the step, one row at a time: query [1, heads, num_tokens, head_dim]
-        -> [1, num_tokens, heads, head_dim]. The query at position q sees the keys at positions p with
-        q // chunk_size * chunk_size <= p <= q (the sliding group of these layers keeps at least that much)."""
+        -> [1, num_tokens, heads, value_head_dim]. The query at position q sees the keys at positions p with
+        q // chunk_size * chunk_size <= p <= q (the sliding group of these layers keeps at least that much).
+        `expanded`: as in `attend_decode`."""
         kwargs.pop("sliding_window", None)
-        _, num_heads, num_tokens, head_dim = query.shape
-        out = query.new_empty(1, num_tokens, num_heads, head_dim)
+        _, num_heads, num_tokens, _ = query.shape
+        out = query.new_empty(1, num_tokens, num_heads, self.value_head_dim(layer_idx, expanded))
         for row, (start, q_len, seq_len) in enumerate(zip(self.starts, self.q_lens, self.seq_lens)):
-            key, value = self.gather_row(layer_idx, row)  # [1, kv_heads, seq_len + q_len - first, head_dim]
+            key, value = self.row_kv(layer_idx, row, expanded)  # [1, kv_heads, seq_len + q_len - first, D]
             first = self.first_position(layer_idx, row)
             query_positions = torch.arange(seq_len, seq_len + q_len, device=query.device)[:, None]
             key_positions = torch.arange(first, seq_len + q_len, device=query.device)[None, :]
@@ -370,24 +427,39 @@ class StepCache(Cache):
         `first_position(layer_idx, row)` to its last new token."""
         return self._gather(layer_idx, row, row + 1)
 
+    def row_kv(
+        self, layer_idx: int, row: int, expanded: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`gather_row`, or row `row` of a latent layout's expanded K/V (`[rows, heads, longest, D]`, see
+        `StepPlan.attend`) cut to its own keys."""
+        if expanded is None:
+            return self.gather_row(layer_idx, row)
+        length = self._groups[self.pool.group_of_layer[layer_idx]].host_seq_lens[row]
+        key, value = expanded
+        return key[row : row + 1, :, :length], value[row : row + 1, :, :length]
+
+    def value_head_dim(self, layer_idx: int, expanded: tuple[torch.Tensor, torch.Tensor] | None = None) -> int:
+        """head_dim of the values attention reads in layer `layer_idx` (the expanded ones where given)."""
+        return expanded[1].shape[-1] if expanded is not None else self.pool.value_cache[layer_idx].shape[-1]
+
     def _gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values from each row's first held
-        block, views into the workspace (valid until the next gather); positions past a row's length are not keys."""
+        """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values (V's heads and head_dim may
+        differ) from each row's first held block, views into the workspace (valid until the next gather); positions
+        past a row's length are not keys."""
         group_idx = self.pool.group_of_layer[layer_idx]
-        key_cache, value_cache = self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx]
-        num_heads, num_pool_blocks, block_size, head_dim = key_cache.shape
-        # Layers may differ in kv heads, so the index is keyed by shape (one entry per row range for most models).
-        key = (group_idx, first_row, end_row, num_heads, num_pool_blocks)
-        memo = self._index.get(key)
-        if memo is None:
-            group = self._groups[group_idx]
-            tables = group.tables[first_row:end_row, : max(group.num_table_blocks[first_row:end_row])]
-            index = head_major_index(tables, num_heads, num_pool_blocks)
-            memo = self._index[key] = (index, max(group.host_seq_lens[first_row:end_row]))
-        index, length = memo
-        num_rows, numel = end_row - first_row, index.numel() * block_size * head_dim
+        group = self._groups[group_idx]
+        num_rows, length = end_row - first_row, max(group.host_seq_lens[first_row:end_row])
         gathered = []
-        for name, cache in (("keys", key_cache), ("values", value_cache)):
+        for name, cache in (("keys", self.pool.key_cache[layer_idx]), ("values", self.pool.value_cache[layer_idx])):
+            num_heads, num_pool_blocks, block_size, head_dim = cache.shape
+            # Layers (and K and V) may differ in kv heads, so the index is keyed by shape (one entry per row range
+            # for most models).
+            key = (group_idx, first_row, end_row, num_heads, num_pool_blocks)
+            index = self._index.get(key)
+            if index is None:
+                tables = group.tables[first_row:end_row, : max(group.num_table_blocks[first_row:end_row])]
+                index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
+            numel = index.numel() * block_size * head_dim
             out = self._buffer(name, numel, cache).view(index.numel(), block_size, head_dim)
             torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, :length])

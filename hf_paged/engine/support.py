@@ -22,6 +22,7 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
 - looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
 - hybrid models (linear-attention, mamba or conv layers): each request has a recurrent or conv state the pool does
   not hold (they run with `PagedCache` under `generate()`).
+- indexed attention (DeepSeek Sparse Attention: indexer keys beside the K/V, which the pool does not hold).
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
@@ -61,8 +62,9 @@ def choose_step_mode(model) -> tuple[str, str | None]:
     """How the Engine runs `model`: `("packed", None)`, or `("per-request", why the packed step cannot)`; raises
     `UnsupportedModel` for a model neither step serves (see the module docstring)."""
     if isinstance(model, torch.nn.Module):
-        # Neither step holds a per-request recurrent or conv state: a hybrid model is refused, never run per request.
-        state_reason = _recurrent_state_reason(model.config.get_text_config(decoder=True))
+        # Neither step holds a per-request recurrent or conv state, nor indexer keys: refused, never run per request.
+        config = model.config.get_text_config(decoder=True)
+        state_reason = _recurrent_state_reason(config) or _indexed_reason(config)
         if state_reason is not None:
             raise UnsupportedModel(getattr(model.config, "model_type", None), state_reason, PATH)
     try:
@@ -88,7 +90,8 @@ def refuse_unsupported_engine(model) -> None:
         return
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(model.config, "model_type", None)
-    state_reason = _recurrent_state_reason(config)  # first: whatever else the model does, the pool lacks its states
+    # First: whatever else the model does, the pool lacks its recurrent states or indexer keys.
+    state_reason = _recurrent_state_reason(config) or _indexed_reason(config)
     if state_reason is not None:
         raise UnsupportedModel(model_type, state_reason, PATH)
     refuse_unsupported_attention(model, path=PATH)
@@ -221,6 +224,18 @@ def chunk_sizes(config) -> list[int | None]:
         kwargs["sliding_window"] if layer_type == "chunked_attention" else None
         for layer_type, kwargs in zip(layer_types, layer_kwargs)
     ]
+
+
+def _indexed_reason(config) -> str | None:
+    """DeepSeek Sparse Attention ("indexed_attention" layers) keeps indexer keys beside the K/V, which the Engine's
+    pool does not hold."""
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    if "indexed_attention" not in layer_types:
+        return None
+    return (
+        "its indexed-attention layers (DeepSeek Sparse Attention) keep indexer keys beside the K/V, which the Engine's "
+        "pool does not hold (generate() with a PagedCache serves it)"
+    )
 
 
 def _window_reason(model, config) -> str | None:

@@ -3,7 +3,7 @@ the per-model K/V layout, and the pool of block tensors."""
 
 from .allocator import BlockAllocator, block_hashes, first_window_block, hash_block_tokens
 from .layer_groups import LayerGroups, derive_layer_groups, group_of_layer, group_windows, slot_of_layer
-from .layout import SLIDING_LAYER_TYPES, SUPPORTED_LAYER_TYPES, KVLayout, sliding_windows
+from .layout import SLIDING_LAYER_TYPES, SUPPORTED_LAYER_TYPES, KVLayout, block_windows, sliding_windows
 from .pool import BlockPool, parse_memory
 
 __all__ = [
@@ -14,6 +14,7 @@ __all__ = [
     "KVLayout",
     "LayerGroups",
     "block_hashes",
+    "block_windows",
     "derive_layer_groups",
     "first_window_block",
     "group_of_layer",

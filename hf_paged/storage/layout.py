@@ -18,7 +18,14 @@ from .layer_groups import LayerGroups, derive_layer_groups
 from .sharding import kv_shard_factors, model_tp_size
 
 SLIDING_LAYER_TYPES = ("sliding_attention", "chunked_attention")
-SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES)
+# DeepSeek Sparse Attention: full attention over the K/V that an indexer's top-k choice masks; the indexer keeps keys
+# of its own (`PagedCache.update_indexer`, beside the paged K/V).
+INDEXED_LAYER_TYPES = ("indexed_attention",)
+# A layer that caches nothing of its own: a KV-sharing layer (Gemma 3n, Gemma 4 with `num_kv_shared_layers`: it
+# attends the K/V its source layer's `update` returned) or an MLP-only layer. It keeps a place in the layout (so
+# layer indices stay the model's) but forms layer groups of its own that never take a block.
+NO_CACHE_LAYER_TYPES = ("dummy",)
+SUPPORTED_LAYER_TYPES = ("full_attention", *SLIDING_LAYER_TYPES, *INDEXED_LAYER_TYPES, *NO_CACHE_LAYER_TYPES)
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,12 @@ class KVLayout:
     "full_attention" when not given) decides how a pool groups layers (`layer_groups`). `windows` (per layer: its
     sliding window, None for full attention; all None when not given) lets a cache built from the pool alone give
     back blocks that left a window, as a cache built from the config does.
+
+    K and V of a layer may differ in shape: `num_kv_heads` / `head_dims` are K's, `num_value_heads` /
+    `value_head_dims` V's (default: K's). Multi-head latent attention (DeepSeek-V2/V3, MiniCPM3, GLM-4-MoE-Lite, ...)
+    caches two latents, `[B, 1, S, kv_lora_rank]` as K and `[B, 1, S, qk_rope_head_dim]` as V, and expands them to
+    every head after `cache.update()`: `latent` says so (a cache then returns the stored K/V themselves, never a
+    decode plan, since the model computes on what it gets back).
 
     Under tensor parallelism (`tp_size` > 1 ranks run the model in lockstep; see sharding.py) `num_kv_heads` are
     one rank's heads: `from_config(model)` reads them from the model's sharding.
@@ -48,12 +61,22 @@ class KVLayout:
     windows: tuple[int | None, ...] | None = field(default=None, compare=False)
     tp_size: int = field(default=1, compare=False)
     kv_layers: tuple[int, ...] | None = field(default=None, compare=False)
+    num_value_heads: tuple[int, ...] | None = None
+    value_head_dims: tuple[int, ...] | None = None
+    latent: bool = field(default=False, compare=False)
 
     def __post_init__(self):
+        object.__setattr__(self, "num_kv_heads", tuple(self.num_kv_heads))
+        object.__setattr__(self, "head_dims", tuple(self.head_dims))
         if len(self.num_kv_heads) != len(self.head_dims) or not self.num_kv_heads:
             raise ValueError(f"num_kv_heads and head_dims need one entry per layer, got {self} ")
-        if min(self.num_kv_heads) <= 0 or min(self.head_dims) <= 0:
-            raise ValueError(f"num_kv_heads and head_dims must be positive, got {self}")
+        for name, keys in (("num_value_heads", self.num_kv_heads), ("value_head_dims", self.head_dims)):
+            values = keys if getattr(self, name) is None else tuple(getattr(self, name))
+            if len(values) != len(keys):
+                raise ValueError(f"{name} needs one entry per layer ({len(keys)}), got {len(values)}")
+            object.__setattr__(self, name, values)
+        if min(self.num_kv_heads + self.num_value_heads) <= 0 or min(self.head_dims + self.value_head_dims) <= 0:
+            raise ValueError(f"kv heads and head dims must be positive, got {self}")
         layer_types = ("full_attention",) * self.num_layers if self.layer_types is None else tuple(self.layer_types)
         if len(layer_types) != self.num_layers:
             raise ValueError(f"layer_types needs one entry per layer ({self.num_layers}), got {len(layer_types)}")
@@ -73,9 +96,33 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.num_kv_heads)
 
+    def key_shape(self, layer_idx: int) -> tuple[int, int]:
+        """(kv heads, head_dim) of the K layer `layer_idx` caches."""
+        return self.num_kv_heads[layer_idx], self.head_dims[layer_idx]
+
+    def value_shape(self, layer_idx: int) -> tuple[int, int]:
+        """(kv heads, head_dim) of the V layer `layer_idx` caches."""
+        return self.num_value_heads[layer_idx], self.value_head_dims[layer_idx]
+
+    def shapes(self) -> list[tuple[int, int, int, int]]:
+        """Per layer: (K heads, K head_dim, V heads, V head_dim)."""
+        return [(*self.key_shape(i), *self.value_shape(i)) for i in range(self.num_layers)]
+
+    def describe(self) -> str:
+        """The layer count and the distinct kv heads and head_dims (of V too where they differ), for errors."""
+        text = (
+            f"{self.num_layers} layers with kv heads {sorted(set(self.num_kv_heads))} and head_dim "
+            f"{sorted(set(self.head_dims))}"
+        )
+        if self.num_value_heads != self.num_kv_heads or self.value_head_dims != self.head_dims:
+            text += (
+                f" (V: kv heads {sorted(set(self.num_value_heads))} and head_dim {sorted(set(self.value_head_dims))})"
+            )
+        return text
+
     def layer_groups(self) -> LayerGroups:
         """The layer groups a pool of this layout uses (see layer_groups.py): one group unless types mix."""
-        return derive_layer_groups(self.layer_types, list(zip(self.num_kv_heads, self.head_dims)))
+        return derive_layer_groups(self.layer_types, self.shapes())
 
     @classmethod
     def from_config(cls, config, *, tp_size: int | None = None) -> KVLayout:
@@ -108,8 +155,17 @@ class KVLayout:
             for i, layer_type in zip(kv_layers, layer_types)
         ]
         windows = _windows(layer_types, layer_kwargs)
-        num_kv_heads, head_dims = zip(*shapes)
-        layout = cls(tuple(num_kv_heads), tuple(head_dims), tuple(layer_types), tuple(windows), kv_layers=kv_layers)
+        num_kv_heads, head_dims, num_value_heads, value_head_dims = zip(*shapes)
+        layout = cls(
+            num_kv_heads,
+            head_dims,
+            tuple(layer_types),
+            tuple(windows),
+            num_value_heads=num_value_heads,
+            value_head_dims=value_head_dims,
+            kv_layers=kv_layers,
+            latent=any(_global_attr(c, "kv_lora_rank") for c in (layer_configs or [config])),
+        )
         if model is not None:
             return layout.shard(kv_shard_factors(model, layout.num_kv_heads), model_tp_size(model))
         return layout if tp_size is None else layout.shard(tp_size)
@@ -117,12 +173,21 @@ class KVLayout:
     def shard(self, factors: int | tuple[int, ...], tp_size: int | None = None) -> KVLayout:
         """One rank's layout when each layer's kv heads are split over `factors` ranks (an int: every layer alike;
         a layer whose heads the plan replicates has factor 1) out of `tp_size` (defaults to the largest factor).
-        Raises `ValueError` when a layer's heads do not split evenly."""
+        A latent layout keeps its whole latents on every rank. Raises `ValueError` when a layer's heads do not split
+        evenly."""
         if isinstance(factors, int) and not isinstance(factors, bool):
+            tp_size = factors if tp_size is None else tp_size
             factors = (factors,) * self.num_layers
         if len(factors) != self.num_layers or any(isinstance(f, bool) or not isinstance(f, int) for f in factors):
             raise ValueError(f"need one int factor per layer ({self.num_layers}), got {factors!r}")
-        uneven = [(i, h, f) for i, (h, f) in enumerate(zip(self.num_kv_heads, factors)) if f <= 0 or h % f]
+        if self.latent:  # every rank computes (and caches) the whole latent: multi-head latent attention shards heads
+            factors = (1,) * self.num_layers  # only after expanding it
+        uneven = [
+            (i, h, f)
+            for i, (k, v, f) in enumerate(zip(self.num_kv_heads, self.num_value_heads, factors))
+            for h in dict.fromkeys((k, v))
+            if f <= 0 or h % f
+        ]
         if uneven:
             layer_idx, heads, factor = uneven[0]
             raise ValueError(
@@ -138,14 +203,23 @@ class KVLayout:
             self.layer_types,
             self.windows,
             tp_size,
-            self.kv_layers,
+            num_value_heads=tuple(h // f for h, f in zip(self.num_value_heads, factors)),
+            value_head_dims=self.value_head_dims,
+            kv_layers=self.kv_layers,
+            latent=self.latent,
         )
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
         """Bytes of K and V of `block_size` tokens in *every* layer (a one-group pool's block; also what
         DynamicCache pays per `block_size` tokens of a full-attention model)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * block_size * itemsize * sum(h * d for h, d in zip(self.num_kv_heads, self.head_dims))
+        return block_bytes(self.shapes(), block_size, dtype)
+
+
+def block_bytes(shapes, block_size: int, dtype: torch.dtype) -> int:
+    """Bytes of `block_size` tokens of K and V in layers of `shapes` ((K heads, K head_dim, V heads, V head_dim)
+    each)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return block_size * itemsize * sum(kh * kd + vh * vd for kh, kd, vh, vd in shapes)
 
 
 def sliding_windows(config) -> list[int | None]:
@@ -161,8 +235,18 @@ def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
     """The decoder layers holding K/V (see hybrid.py) and their `get_layer_types_and_kwargs`, a hybrid layer typed as
     its attention part."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-    kv_layers = kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES)
+    mlp_only = mlp_only_layers(config)  # "dummy" layers that cache nothing; KV-sharing "dummy" layers stay
+    kv_layers = tuple(i for i in kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES) if i not in mlp_only)
     return kv_layers, [paged_layer_type(layer_types[i]) for i in kv_layers], [layer_kwargs[i] for i in kv_layers]
+
+
+def block_windows(config) -> list[int | None]:
+    """`sliding_windows`, except that a layer caching nothing of its own ("dummy": KV sharing, MLP only) gets a
+    window of 1: a block holder such as the Engine's scheduler then keeps only the blocks of a step's new tokens in
+    the layer groups of such layers (they are never written), not the whole context."""
+    windows = sliding_windows(config)
+    _, layer_types, _ = _kv_layers(config)
+    return [1 if t in NO_CACHE_LAYER_TYPES else w for t, w in zip(layer_types, windows)]
 
 
 # Models whose forward uses a cache other than through `Cache.update`, by model type.
@@ -178,9 +262,9 @@ NO_PAGED_CACHE = {
 
 def refuse_unsupported(config) -> None:
     """Raise `UnsupportedModel`, naming the model type and the reason, for a (decoder text) config whose K/V a
-    PagedCache would store or return wrong: encoder-decoder models, layer types other than full / sliding / chunked
-    attention and the state and MLP-only layers of hybrid models (see hybrid.py), such as shared K/V, a model with
-    no attention layer, and latent (MLA) caches."""
+    PagedCache would store or return wrong: encoder-decoder models, layer types other than full / sliding / chunked /
+    indexed attention, KV sharing and the state and MLP-only layers of hybrid models (see hybrid.py), and a model
+    with no attention layer."""
     model_type = getattr(config, "model_type", None)
     if model_type in NO_PAGED_CACHE:
         raise UnsupportedModel(model_type, NO_PAGED_CACHE[model_type], "PagedCache")
@@ -207,18 +291,10 @@ def refuse_unsupported(config) -> None:
         }
     )
     if unsupported:
-        # transformers marks a layer that caches nothing of its own "dummy": one that reads another layer's K/V (KV
-        # sharing: Gemma 3n), or an MLP-only layer.
-        why = (
-            " ('dummy': layers that cache nothing of their own, such as KV-sharing layers that read another layer's "
-            "K/V, or MLP-only layers)"
-            if "dummy" in unsupported
-            else ""
-        )
         raise UnsupportedModel(
             model_type,
             f"PagedCache supports layer types {list(SUPPORTED_LAYER_TYPES)} (and the linear-attention, conv, hybrid "
-            f"and MLP-only layers of hybrid models); this model has {unsupported}{why}",
+            f"and MLP-only layers of hybrid models); this model has {unsupported}",
             "PagedCache",
         )
     if not kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES):
@@ -228,22 +304,21 @@ def refuse_unsupported(config) -> None:
             "recurrent or convolution states only, nothing a paged pool holds; use DynamicCache",
             "PagedCache",
         )
-    kv_lora_rank = _global_attr(config, "kv_lora_rank")
-    if kv_lora_rank:
-        raise UnsupportedModel(
-            model_type,
-            f"multi-head latent attention ({kv_lora_rank = }) caches K and V of different widths, not kv heads x "
-            "head_dim; the pool stores K and V of one shape per layer",
-            "PagedCache",
-        )
 
 
 # Models whose sliding layers cache a multiple of the config's kv heads (their modeling code says so, not the config).
 SLIDING_KV_HEADS_FACTOR = {"mimo_v2_flash": 2}
 
 
-def _kv_shape(config, layer_type: str) -> tuple[int, int]:
-    """(kv heads, head_dim) of the K/V one layer (of type `layer_type`) of this config caches."""
+def _kv_shape(config, layer_type: str) -> tuple[int, int, int, int]:
+    """(K heads, K head_dim, V heads, V head_dim) of what one layer (of type `layer_type`) of this config caches.
+
+    Multi-head latent attention (a `kv_lora_rank`) caches its compressed latent `[B, 1, S, kv_lora_rank]` as K and
+    the shared rotary key `[B, 1, S, qk_rope_head_dim]` as V (transformers' DeepSeek-V2/V3 family); a `v_head_dim`
+    alone (MiMo-V2-Flash) gives V its own head_dim."""
+    kv_lora_rank = _global_attr(config, "kv_lora_rank")
+    if kv_lora_rank:
+        return 1, kv_lora_rank, 1, config.qk_rope_head_dim
     num_heads = config.num_attention_heads
     num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -257,7 +332,8 @@ def _kv_shape(config, layer_type: str) -> tuple[int, int]:
         num_kv_heads = num_heads  # Falcon's new decoder architecture caches K/V expanded to every query head
     elif getattr(config, "multi_query", False):
         num_kv_heads = 1  # multi-query attention (Falcon, GPTBigCode): one kv head whatever the kv-head count says
-    return num_kv_heads, head_dim
+    value_head_dim = _global_attr(config, "v_head_dim") or head_dim
+    return num_kv_heads, head_dim, num_kv_heads, value_head_dim
 
 
 def _global_attr(config, name: str, per_layer: bool = False):

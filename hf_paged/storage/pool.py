@@ -3,7 +3,10 @@
 Layout per layer (head-major, like FlashInfer's HND pages with the head dimension hoisted out):
 
     key_cache[layer_idx]:   [num_kv_heads, num_blocks, block_size, head_dim]
-    value_cache[layer_idx]: [num_kv_heads, num_blocks, block_size, head_dim]
+    value_cache[layer_idx]: [num_value_heads, num_blocks, block_size, value_head_dim]
+
+K and V of a layer may differ in heads and head_dim (the layout's `key_shape` / `value_shape`): multi-head latent
+attention caches a `kv_lora_rank` latent as K and a `qk_rope_head_dim` rotary key as V.
 
 Token `pos` of a sequence with block table `table` lives at slot `table[pos // block_size] * block_size +
 pos % block_size` of the flattened `[num_kv_heads, num_blocks * block_size, head_dim]` view.
@@ -33,7 +36,7 @@ import torch
 from ..errors import PoolMismatch, PoolTooLarge
 from .allocator import BlockAllocator
 from .layer_groups import LayerGroups, group_of_layer, slot_of_layer
-from .layout import KVLayout
+from .layout import KVLayout, block_bytes
 from .sharding import agree_num_blocks, tp_process_group
 
 # K, M, G, T are powers of 1000 and Ki, Mi, Gi, Ti powers of 1024, as in Kubernetes and vLLM; a trailing B is optional.
@@ -150,12 +153,12 @@ class BlockPool:
         self.group_of_layer = group_of_layer(self.layer_groups)
         self.slot_of_layer = slot_of_layer(self.layer_groups)
         self.num_slots = max(len(group) for group in self.layer_groups)
-        # slot -> (kv heads, head_dim) of the layers using it; derive_layer_groups guarantees they agree.
+        # slot -> (K heads, K head_dim, V heads, V head_dim) of the layers using it; derive_layer_groups guarantees
+        # they agree.
         full_group = next(group for group in self.layer_groups if len(group) == self.num_slots)
-        self._slot_shapes = [(layout.num_kv_heads[i], layout.head_dims[i]) for i in full_group]
+        self._slot_shapes = [layout.shapes()[i] for i in full_group]
         self._slot_devices = [self.devices[i] for i in full_group]
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        self.bytes_per_block = 2 * block_size * itemsize * sum(h * d for h, d in self._slot_shapes)
+        self.bytes_per_block = block_bytes(self._slot_shapes, block_size, self.dtype)
         if max_memory is not None:
             budget = parse_memory(max_memory)
             num_blocks = budget // self.bytes_per_block
@@ -173,7 +176,7 @@ class BlockPool:
         # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
         # index by layer). grow() replaces the tensors and refreshes the lists in place.
         self._key_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
-        self._value_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
+        self._value_slots = [self._new_storage(num_blocks, slot, value=True) for slot in range(self.num_slots)]
         self.key_cache: list[torch.Tensor] = []
         self.value_cache: list[torch.Tensor] = []
         self._alias_layers()
@@ -252,16 +255,15 @@ class BlockPool:
 
     def _check_fits(self, num_blocks: int) -> None:
         """Raise `PoolTooLarge` before allocating storage a device cannot hold."""
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
         for device in dict.fromkeys(self._slot_devices):
             shapes = [shape for shape, on in zip(self._slot_shapes, self._slot_devices) if on == device]
-            bytes_per_block = 2 * self.block_size * itemsize * sum(h * d for h, d in shapes)
+            bytes_per_block = block_bytes(shapes, self.block_size, self.dtype)
             capacity = device_capacity(device)
             if capacity is not None and num_blocks * bytes_per_block > capacity:
                 raise PoolTooLarge(num_blocks, bytes_per_block, capacity, str(device))
 
-    def _new_storage(self, num_blocks: int, slot: int) -> torch.Tensor:
-        num_kv_heads, head_dim = self._slot_shapes[slot]
+    def _new_storage(self, num_blocks: int, slot: int, value: bool = False) -> torch.Tensor:
+        num_kv_heads, head_dim = self._slot_shapes[slot][2:] if value else self._slot_shapes[slot][:2]
         shape = (num_kv_heads, num_blocks, self.block_size, head_dim)
         return torch.zeros(shape, dtype=self.dtype, device=self._slot_devices[slot])
 
@@ -322,26 +324,22 @@ class BlockPool:
         if layout.tp_size == 1 and self.layout.tp_size > 1 and _shards_evenly(layout, self.layout.tp_size):
             layout = layout.shard(self.layout.tp_size)
         if layout != self.layout:
-            built_heads = sorted(set(self.layout.num_kv_heads))
             hint = ""
             if layout.tp_size > 1 and self.layout.tp_size == 1:
                 hint = (
                     f" (one rank's share: the model runs tensor parallel over {layout.tp_size} ranks); build the pool "
                     "from the model, BlockPool.for_model(model), or pass tp_size"
                 )
-            raise PoolMismatch(
-                f"pool was built for {self.layout.num_layers} layers with kv heads {built_heads} "
-                f"and head_dim {sorted(set(self.layout.head_dims))}; the model has {layout.num_layers} layers with kv "
-                f"heads {sorted(set(layout.num_kv_heads))} and head_dim {sorted(set(layout.head_dims))}{hint}"
-            )
+            raise PoolMismatch(f"pool was built for {self.layout.describe()}; the model has {layout.describe()}{hint}")
 
-    def check_states(self, layer_idx: int, key_states: torch.Tensor) -> None:
-        """Raise `PoolMismatch` unless `key_states` ([B, kv_heads, q_len, head_dim]) fits this pool's layer."""
+    def check_states(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor | None = None) -> None:
+        """Raise `PoolMismatch` unless `key_states` ([B, kv_heads, q_len, head_dim]) and `value_states` ([B,
+        value_heads, q_len, value_head_dim]; not checked when None) fit this pool's layer."""
         if layer_idx >= self.layout.num_layers:
             raise PoolMismatch(
                 f"layer_idx {layer_idx} out of range: pool was built for {self.layout.num_layers} layers"
             )
-        heads, dim = self.layout.num_kv_heads[layer_idx], self.layout.head_dims[layer_idx]
+        heads, dim = self.layout.key_shape(layer_idx)
         if key_states.shape[1] != heads or key_states.shape[-1] != dim:
             hint = ""
             if key_states.shape[1] < heads and heads % key_states.shape[1] == 0 and self.layout.tp_size == 1:
@@ -354,12 +352,27 @@ class BlockPool:
                 f"layer {layer_idx}: pool holds {heads} kv heads x head_dim {dim}, key_states have "
                 f"{key_states.shape[1]} x {key_states.shape[-1]} (shape {tuple(key_states.shape)}){hint}"
             )
+        if value_states is not None and (
+            value_states.dim() != 4
+            or key_states.dim() != 4
+            or (value_states.shape[1], value_states.shape[-1]) != self.layout.value_shape(layer_idx)
+            or value_states.shape[0] != key_states.shape[0]
+            or value_states.shape[2] != key_states.shape[2]
+        ):
+            value_heads, value_dim = self.layout.value_shape(layer_idx)
+            raise PoolMismatch(
+                f"layer {layer_idx}: pool holds K of {heads} kv heads x head_dim {dim} and V of {value_heads} x "
+                f"{value_dim}, the model gave key_states of shape {tuple(key_states.shape)} and value_states of shape "
+                f"{tuple(value_states.shape)} ([B, heads, q_len, head_dim] each, same B and q_len)"
+            )
         device = self.devices[layer_idx]
-        if key_states.dtype != self.dtype or key_states.device != device:
+        for name, states in (("key_states", key_states), ("value_states", value_states)):
+            if states is None or (states.dtype == self.dtype and states.device == device):
+                continue
             where = f"layer {layer_idx} on {device}" if self.is_multi_device else str(device)
             raise PoolMismatch(
-                f"pool stores {self.dtype} on {where}, key_states are {key_states.dtype} on "
-                f"{key_states.device}; build the pool with dtype/device of the model (BlockPool.for_model(model), "
+                f"pool stores {self.dtype} on {where}, {name} are {states.dtype} on "
+                f"{states.device}; build the pool with dtype/device of the model (BlockPool.for_model(model), "
                 "which also places each layer of a model split over devices with device_map on its own device)"
             )
 
@@ -375,7 +388,8 @@ class BlockPool:
 
     @staticmethod
     def nhd_view(cache: torch.Tensor) -> torch.Tensor:
-        """[num_kv_heads, num_blocks, block_size, head_dim] -> [num_blocks, block_size, num_kv_heads, head_dim] view."""
+        """[num_kv_heads, num_blocks, block_size, head_dim] -> [num_blocks, block_size, num_kv_heads, head_dim] view
+        (of a K or a V tensor)."""
         return cache.permute(1, 2, 0, 3)
 
     def grow(self, num_new_blocks: int) -> None:
@@ -383,9 +397,9 @@ class BlockPool:
         if not self.growable:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
         self._check_fits(self.num_blocks + num_new_blocks)
-        for slots in (self._key_slots, self._value_slots):
+        for slots, value in ((self._key_slots, False), (self._value_slots, True)):
             for slot, cache in enumerate(slots):
-                slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot)], dim=1)
+                slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot, value)], dim=1)
         self._alias_layers()
         self.allocator.grow(num_new_blocks)
 
@@ -398,7 +412,7 @@ class BlockPool:
 
 
 def _shards_evenly(layout: KVLayout, tp_size: int) -> bool:
-    return all(heads % tp_size == 0 for heads in layout.num_kv_heads)
+    return all(heads % tp_size == 0 for heads in layout.num_kv_heads + layout.num_value_heads)
 
 
 def _device(device) -> torch.device:

@@ -108,7 +108,8 @@ def store_backend(device: torch.device) -> str:
 
 
 def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None) -> None:
-    """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place.
+    """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place (V's
+    heads and head_dim may differ from K's, as the pool's tensors say).
 
     The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
     TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
@@ -117,7 +118,10 @@ def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, ba
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
     num_heads, _, _, head_dim = key_cache.shape
-    if (backend or store_backend(key_cache.device)) == "triton":
+    # K and V of different shapes (multi-head latent attention): the Triton store writes rows of one shape, so each
+    # is copied on its own by index_copy_.
+    same_shape = key_cache.shape == value_cache.shape
+    if same_shape and (backend or store_backend(key_cache.device)) == "triton":
         key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
         value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
         # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
@@ -131,5 +135,6 @@ def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, ba
         )
         return
     for cache, states in ((key_cache, key_states), (value_cache, value_states)):
+        num_heads, _, _, head_dim = cache.shape
         new = states.transpose(0, 1).reshape(num_heads, -1, head_dim)  # [H, W * q_len, D]
         cache.view(num_heads, -1, head_dim).index_copy_(1, slots, new)
