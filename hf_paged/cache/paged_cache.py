@@ -20,10 +20,11 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_backend, store_kv_rows
+from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
 from ..storage.pool import check_positive_int, resolve_dtype
-from .gather import visible_kv, workspace_for
+from .gather import shared_prefix_kv, visible_kv, workspace_for
 from .group_tables import GroupTables
 from .layer import PagedLayer
 
@@ -119,7 +120,9 @@ class PagedCache(Cache):
         self._blocks = self._tables.groups[0]
         # Resolved at every step's layer 0 (`_start_step`) for the step's other layers.
         self._paged_attention, self._store_backend = False, None
+        self._multi_device, self._kernel_possible = False, False
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
+        self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         layers = [PagedLayer(self, i, window) for i, window in enumerate(windows)]
@@ -217,14 +220,29 @@ class PagedCache(Cache):
         if subset:
             rows = blocks.writer_index(device)
             stored_keys, stored_values = key_states[rows], value_states[rows]
-        store_kv_rows(
-            pool.key_cache[layer_idx],
-            pool.value_cache[layer_idx],
-            stored_keys,
-            stored_values,
-            slots,
-            backend=store_backend(device) if pool.is_multi_device else self._store_backend,
-        )
+        if self._multi_device:
+            store_kv_rows(
+                pool.key_cache[layer_idx],
+                pool.value_cache[layer_idx],
+                stored_keys,
+                stored_values,
+                slots,
+                backend=store_backend(device),
+            )
+        elif self._store_backend == "torch":
+            # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
+            key_slots, value_slots = self._flat_views(pool, layer_idx)
+            key_slots.index_copy_(1, slots, _heads_first(stored_keys))
+            value_slots.index_copy_(1, slots, _heads_first(stored_values))
+        else:
+            store_kv_rows(
+                pool.key_cache[layer_idx],
+                pool.value_cache[layer_idx],
+                stored_keys,
+                stored_values,
+                slots,
+                backend=self._store_backend,
+            )
         layer.cumulative_length = num_tokens
 
         if num_past == 0:
@@ -232,8 +250,12 @@ class PagedCache(Cache):
             # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
             return key_states, value_states
         first = layer.first_visible(num_past)
-        if q_len == 1 and self._paged_attention and not pool.is_multi_device:
-            return self._decode_placeholders(layer_idx, key_states, first, num_tokens)
+        if q_len == 1 and self._paged_attention and not self._multi_device:
+            # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
+            # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
+            split = self._shared_split(blocks, first, num_tokens)
+            if split is not None or self._kernel_possible:
+                return self._decode_placeholders(layer_idx, key_states, first, num_tokens, split)
         return self._gather_visible(layer_idx, first, num_tokens)
 
     def _start_step(self, pool: BlockPool) -> None:
@@ -243,6 +265,8 @@ class PagedCache(Cache):
             self._release_out_of_window()
         self._paged_attention = self._runs_paged_attention()
         self._store_backend = store_backend(pool.device)
+        self._multi_device = pool.is_multi_device
+        self._kernel_possible = triton_possible(pool.device)
 
     def _check_layer_count(self, layer_idx: int) -> None:
         """A model's forward updates every layer of its cache: one that came back to layer 0 after updating more
@@ -331,7 +355,18 @@ class PagedCache(Cache):
         pool = self.pool
         return 0 if pool is None else workspace_for(pool).nbytes
 
-    def _decode_placeholders(self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int):
+    @staticmethod
+    def _shared_split(blocks, first: int, num_tokens: int) -> int | None:
+        """The end of the blocks every row shares (clipped to `num_tokens`) when it lies after `first`, else None."""
+        shared = blocks.shared_blocks()
+        if not shared:
+            return None
+        split = min((blocks.base + shared) * blocks.pool.block_size, num_tokens)
+        return split if split > first else None
+
+    def _decode_placeholders(
+        self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int, split: int | None = None
+    ):
         blocks = self._tables.of_layer(layer_idx)
         step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
         key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
@@ -343,12 +378,29 @@ class PagedCache(Cache):
             kv_offset=first,
             position_offset=step["position_offset"],
             gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
+            split_gather=None
+            if split is None
+            else (lambda: shared_prefix_kv(blocks, layer_idx, first, split, num_tokens)),
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
         batch_size, num_heads, _, head_dim = key_states.shape
         placeholder = attach_plan(key_states.new_empty(batch_size, num_heads, 0, head_dim), plan)
         return placeholder, placeholder
+
+    def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s [kv_heads, num_blocks * block_size, head_dim] K and V views of the pool (slot-indexed),
+        made again only when the pool's tensors changed (a private pool grew)."""
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        views = self._flat_memo.get(layer_idx)
+        if views is None or views[0] is not key_cache or views[1] is not value_cache:
+            views = self._flat_memo[layer_idx] = (
+                key_cache,
+                value_cache,
+                key_cache.view(key_cache.shape[0], -1, key_cache.shape[-1]),
+                value_cache.view(value_cache.shape[0], -1, value_cache.shape[-1]),
+            )
+        return views[2], views[3]
 
     def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
@@ -542,6 +594,13 @@ class PagedCache(Cache):
             f"PagedCache(rows={self._tables.num_rows}, seq_length={self.get_seq_length()}, "
             f"layer_groups={len(self.layer_groups)}, held_blocks={self.num_held_blocks}, pool={self.pool!r})"
         )
+
+
+def _heads_first(states: torch.Tensor) -> torch.Tensor:
+    """[W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] (a view for one row)."""
+    if states.shape[0] == 1:
+        return states[0]
+    return states.transpose(0, 1).reshape(states.shape[1], -1, states.shape[-1])
 
 
 def _check_prefix_caching(pool: BlockPool | None, call: str) -> None:
