@@ -413,7 +413,8 @@ class BlockTables:
     def slots(
         self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
     ) -> torch.Tensor:
-        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
+        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows) * (end - start)]` int64,
+        row by row.
 
         Memoized until the next table change, so all layers of one step share one tensor.
         """
@@ -425,7 +426,7 @@ class BlockTables:
                 tables = tables[list(rows)]
             block_size = self.pool.block_size
             positions = torch.arange(start, end, device=tables.device)
-            slots = tables[:, positions // block_size - self.base] * block_size + positions % block_size
+            slots = (tables[:, positions // block_size - self.base] * block_size + positions % block_size).flatten()
             self._memo[key] = slots
         return slots
 

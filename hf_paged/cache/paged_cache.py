@@ -215,7 +215,7 @@ class PagedCache(Cache):
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
         device = pool.devices[layer_idx]  # a pool split over devices: this layer's
-        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device).flatten()
+        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device)
         stored_keys, stored_values = key_states, value_states
         if subset:
             rows = blocks.writer_index(device)
@@ -231,9 +231,13 @@ class PagedCache(Cache):
             )
         elif self._store_backend == "torch":
             # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
-            key_slots, value_slots = self._flat_views(pool, layer_idx)
-            key_slots.index_copy_(1, slots, _heads_first(stored_keys))
-            value_slots.index_copy_(1, slots, _heads_first(stored_values))
+            key_slots, value_slots = self._flat_views(pool, layer_idx)  # [1, kv_heads, num_slots, head_dim]
+            if stored_keys.shape[0] == 1:
+                key_slots.index_copy_(2, slots, stored_keys)
+                value_slots.index_copy_(2, slots, stored_values)
+            else:
+                key_slots[0].index_copy_(1, slots, _heads_first(stored_keys))
+                value_slots[0].index_copy_(1, slots, _heads_first(stored_values))
         else:
             store_kv_rows(
                 pool.key_cache[layer_idx],
@@ -389,16 +393,16 @@ class PagedCache(Cache):
         return placeholder, placeholder
 
     def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s [kv_heads, num_blocks * block_size, head_dim] K and V views of the pool (slot-indexed),
-        made again only when the pool's tensors changed (a private pool grew)."""
+        """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool
+        (slot-indexed), made again only when the pool's tensors changed (a private pool grew)."""
         key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
         views = self._flat_memo.get(layer_idx)
         if views is None or views[0] is not key_cache or views[1] is not value_cache:
             views = self._flat_memo[layer_idx] = (
                 key_cache,
                 value_cache,
-                key_cache.view(key_cache.shape[0], -1, key_cache.shape[-1]),
-                value_cache.view(value_cache.shape[0], -1, value_cache.shape[-1]),
+                key_cache.view(1, key_cache.shape[0], -1, key_cache.shape[-1]),
+                value_cache.view(1, value_cache.shape[0], -1, value_cache.shape[-1]),
             )
         return views[2], views[3]
 
@@ -597,9 +601,7 @@ class PagedCache(Cache):
 
 
 def _heads_first(states: torch.Tensor) -> torch.Tensor:
-    """[W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] (a view for one row)."""
-    if states.shape[0] == 1:
-        return states[0]
+    """[W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim]."""
     return states.transpose(0, 1).reshape(states.shape[1], -1, states.shape[-1])
 
 
