@@ -211,6 +211,32 @@ def test_rows_sharing_a_prompt_read_it_once_from_the_pool():
     cache.release()
 
 
+@pytest.mark.parametrize("gap_after", [1, 4], ids=["gathered-once", "split-at-the-run"])
+def test_a_shared_prefix_in_scattered_blocks(gap_after):
+    """3 rows share a 5-block prompt whose blocks are not one run (another cache took a block after the first
+    `gap_after`). Gathering the prefix once copies 5 blocks; splitting at the end of the run makes the rest part of
+    each row's tail, 3 x (5 - gap_after) blocks: whichever copies less."""
+    pool = _pool(num_blocks=32)
+    cache, other = PagedCache(pool=pool), PagedCache(pool=pool)
+    cache._runs_paged_attention = lambda: True
+    prompt = _states(1, 20, 0).expand(3, -1, -1, -1)
+    cache.update(prompt[:, :, : 4 * gap_after], prompt[:, :, : 4 * gap_after], 0)
+    other.update(_states(1, 4, 1), _states(1, 4, 1), 0)
+    cache.update(prompt[:, :, 4 * gap_after :], prompt[:, :, 4 * gap_after :], 0)
+    token = _states(3, 1, 2)
+    keys, _ = cache.update(token, token, 0)
+    assert cache.layer_block_tables(0)[0][:5] == [*range(gap_after), *range(gap_after + 1, 6)]
+    prefix_keys, _, tail_keys, tail_values = plan_of(keys).split_gather()
+    full = torch.cat([prompt, token], dim=2)
+    run = gap_after == 4
+    assert prefix_keys.shape[2] == (16 if run else 20) and _shares_storage(prefix_keys, pool.key_cache[0]) == run
+    prefix_len = prefix_keys.shape[2]
+    assert torch.equal(prefix_keys[0], full[0, :, :prefix_len])
+    assert torch.equal(tail_keys, full[:, :, prefix_len:]) and torch.equal(tail_values, full[:, :, prefix_len:])
+    cache.release()
+    other.release()
+
+
 def test_rows_without_a_shared_prefix_get_their_kv_on_cpu():
     """No rows in common and no kernel to run (CPU without Triton's interpreter): the K/V come back as they would
     for sdpa, no plan."""

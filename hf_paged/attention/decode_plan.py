@@ -65,7 +65,7 @@ class DecodePlan:
         backend = self.backend(module, query.device)
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
         if backend == "torch" or kv_start is None:
-            if self.shares_prefix(attention_mask, dropout):
+            if self.shares_prefix(attention_mask, dropout, **kwargs):
                 return self.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
             # The torch path, and masks that are not "left padding then causal": gather once, plain SDPA.
             key, value = self.gather()
@@ -88,10 +88,17 @@ class DecodePlan:
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
 
-    def shares_prefix(self, attention_mask: torch.Tensor | None, dropout: float = 0.0) -> bool:
+    def shares_prefix(self, attention_mask: torch.Tensor | None, dropout: float = 0.0, **kwargs) -> bool:
         """Whether the torch path reads the rows' shared prefix once (`attend_shared_prefix`) instead of gathering
-        every row's whole context: the rows share blocks, the mask is one per row, no dropout."""
-        return self.split_gather is not None and not self.ragged and not dropout and per_row_mask(attention_mask)
+        every row's whole context: the rows share blocks, the mask is one per row, no dropout, and no other term
+        in the attention function's `kwargs` (a position bias)."""
+        return (
+            self.split_gather is not None
+            and not self.ragged
+            and not dropout
+            and kwargs.get("position_bias") is None
+            and per_row_mask(attention_mask)
+        )
 
     def attend_shared_prefix(
         self,

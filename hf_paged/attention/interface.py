@@ -58,7 +58,7 @@ def paged_attention_forward(
             or module_backend(module, query.device) == "torch"
             or plan.kv_start(attention_mask) is None
         ):
-            if sinks is None and plan.shares_prefix(attention_mask, dropout):
+            if sinks is None and plan.shares_prefix(attention_mask, dropout, **kwargs):
                 return plan.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
             key, value = plan.gather()
             if plan.ragged:

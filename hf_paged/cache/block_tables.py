@@ -410,6 +410,19 @@ class BlockTables:
         self._memo[key] = run
         return run
 
+    def run_end(self, row: int, first_block: int, end_block: int) -> int:
+        """The logical block, at most `end_block`, where row `row`'s consecutive pool blocks from `first_block` end:
+        [first_block, run_end) is one run (one strided view). Memoized until the next table change."""
+        key = ("run_end", row, first_block, end_block)
+        end = self._memo.get(key)
+        if end is None:
+            table, lo, hi = self.tables[row], first_block - self.base, end_block - self.base
+            end = lo + 1
+            while end < hi and table[end] == table[end - 1] + 1:
+                end += 1
+            end = self._memo[key] = end + self.base
+        return end
+
     def slots(
         self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
     ) -> torch.Tensor:

@@ -361,12 +361,23 @@ class PagedCache(Cache):
 
     @staticmethod
     def _shared_split(blocks, first: int, num_tokens: int) -> int | None:
-        """The end of the blocks every row shares (clipped to `num_tokens`) when it lies after `first`, else None."""
+        """Where the decode attention splits every row's visible K/V into a prefix read once and the rows' own tails
+        (see `shared_prefix_kv`), or None when the rows share no block after `first`.
+
+        The end of the blocks every row shares (clipped to `num_tokens`), or, when those blocks are not one run of
+        pool blocks, the end of the run they start with if gathering the rest once per row copies less than
+        gathering the whole prefix once."""
         shared = blocks.shared_blocks()
         if not shared:
             return None
-        split = min((blocks.base + shared) * blocks.pool.block_size, num_tokens)
-        return split if split > first else None
+        block_size = blocks.pool.block_size
+        first_block, shared_end = first // block_size, blocks.base + shared
+        if shared_end * block_size <= first:
+            return None
+        run_end = blocks.run_end(0, first_block, shared_end)
+        if run_end < shared_end and blocks.num_rows * (shared_end - run_end) < shared_end - first_block:
+            shared_end = run_end
+        return min(shared_end * block_size, num_tokens)
 
     def _decode_placeholders(
         self, layer_idx: int, key_states: torch.Tensor, first: int, num_tokens: int, split: int | None = None
