@@ -91,7 +91,7 @@ def run_views(
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`[1, kv_heads, num_blocks * block_size, head_dim]` K and V views of layer `layer_idx`'s pool storage over the
     consecutive pool blocks from `first_id`, or None when the pool's layout does not allow one (a head's blocks not
-    contiguous). Memoized in the tables (cleared on a table change) for the step's later steps, made again when the
+    contiguous). Memoized in the tables (cleared on a table change) for later layers and steps, made again when the
     pool's tensors changed (a private pool grew)."""
     pool = blocks.pool
     key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
