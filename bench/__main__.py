@@ -24,6 +24,8 @@ import torch
 import transformers
 from tabulate import tabulate
 
+from hf_paged import PAGED_ATTENTION
+
 from . import cache_report, parallel, serving, serving_report
 from .host import host
 from .linear import LINEARS, describe_linear, pick_linear, use_linear
@@ -331,7 +333,12 @@ def run_cache_report(model, args, weight_major_rows: frozenset[int]) -> dict:
     )
     demo = cache_report.demo(model)
     print(f"demo: identical={demo['identical']}", flush=True)
-    memory = cache_report.kv_bytes_held(model, prompt_len=sizes["prompt_len"], max_new_tokens=sizes["max_new_tokens"])
+    memory = cache_report.kv_bytes_held(
+        model,
+        prompt_len=sizes["prompt_len"],
+        max_new_tokens=sizes["max_new_tokens"],
+        attentions=("sdpa", PAGED_ATTENTION),
+    )
     print(tabulate(memory, headers="keys", floatfmt=".3f"), flush=True)
     dtype = DTYPES.get(args.dtype)  # None: the window models' own default
     window_models = [
@@ -405,8 +412,10 @@ def render_cache_report(results: dict) -> list[str]:
         "### KV bytes held at the end of generate()",
         "",
         "Rows that share the prompt store it once (reference counts); beams share their common history.",
-        "`paged_workspace_bytes` is the reused gather buffer of the sdpa/eager path (one layer's K/V of the",
-        "largest step, not pool memory); `ratio_with_workspace` counts it too.",
+        "`paged_workspace_bytes` is the reused gather buffer (not pool memory); `ratio_with_workspace` counts it",
+        "too. With sdpa it holds one layer's K/V of the largest step (SDPA takes every row's whole context); with",
+        'the "hf_paged" attention the rows read the prompt they share once from the pool, and it holds their tails.',
+        "DynamicCache runs sdpa in both rows.",
         "",
         tabulate(results["kv_bytes_held"], headers="keys", tablefmt="github", floatfmt=".3f"),
         "",

@@ -39,8 +39,24 @@ def demo(model, *, prompt_len: int = 24, max_new_tokens: int = 16) -> dict:
     return result
 
 
-def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: int = 16) -> list[dict]:
-    """KV bytes held at the end of generate() for num_return_sequences=8 (sampling) and num_beams=4."""
+def kv_bytes_held(
+    model, *, prompt_len: int, max_new_tokens: int, block_size: int = 16, attentions: tuple[str, ...] = ("sdpa",)
+) -> list[dict]:
+    """KV bytes held at the end of generate() for num_return_sequences=8 (sampling) and num_beams=4, per attention
+    implementation of `attentions` ("sdpa" hands SDPA every row's whole context, gathered into the workspace;
+    "hf_paged" reads the prompt the rows share once and gathers only their own tails). DynamicCache runs sdpa."""
+    original = model.config._attn_implementation
+    try:
+        return [
+            row
+            for attention in attentions
+            for row in _kv_bytes_held(model, prompt_len, max_new_tokens, block_size, attention, original)
+        ]
+    finally:
+        model.set_attn_implementation(original)
+
+
+def _kv_bytes_held(model, prompt_len, max_new_tokens, block_size, attention, original) -> list[dict]:
     rows = []
     modes = [
         ("num_return_sequences=8 (sampling)", dict(num_return_sequences=8, do_sample=True)),
@@ -49,10 +65,12 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
     torch.manual_seed(0)
     input_ids = torch.randint(2, model.config.vocab_size, (1, prompt_len), device=model.device)
     for name, kwargs in modes:
+        model.set_attn_implementation(original)
         dynamic = DynamicCache(config=model.config)
         torch.manual_seed(1)
         out_dynamic = model.generate(input_ids, past_key_values=dynamic, max_new_tokens=max_new_tokens, **kwargs)
         pool = BlockPool.for_model(model, max_memory=4 * dynamic_cache_bytes(dynamic), block_size=block_size)
+        model.set_attn_implementation(attention)
         with PagedCache(config=model.config, pool=pool) as paged:
             torch.manual_seed(1)
             out_paged = model.generate(input_ids, past_key_values=paged, max_new_tokens=max_new_tokens, **kwargs)
@@ -60,6 +78,7 @@ def kv_bytes_held(model, *, prompt_len: int, max_new_tokens: int, block_size: in
         rows.append(
             {
                 "mode": name,
+                "attention": attention,
                 "prompt_len": prompt_len,
                 "max_new_tokens": max_new_tokens,
                 "dynamic_bytes": dynamic_cache_bytes(dynamic),

@@ -87,6 +87,49 @@ def test_cache_update_decode_step(benchmark, batch_size, context, fragmented):
     cache.release()
 
 
+@pytest.mark.parametrize("path", ["shared-prefix", "gather"])
+def test_shared_prompt_decode_attention(benchmark, path):
+    """One decode step's attention of 8 rows that share a 1,008-token prompt and hold 16 tokens of their own (the
+    cache report's `num_return_sequences=8`), 4 layers: the "hf_paged" attention's torch path reading the prompt
+    once from the pool against gathering every row's whole context for SDPA (the sdpa path)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    num_layers, num_rows = 4, 8
+    layout = KVLayout((4,) * num_layers, (64,) * num_layers)
+    pool = BlockPool(layout, num_blocks=64 + num_rows * 2 + 8, block_size=16)
+    cache = PagedCache(pool=pool)
+    cache._runs_paged_attention = lambda: True  # the "hf_paged" attention's decode plans
+    prompt = torch.randn(1, 4, 1008, 64).expand(num_rows, -1, -1, -1)
+    for layer_idx in range(num_layers):
+        cache.update(prompt, prompt, layer_idx)
+    for _ in range(15):
+        own = torch.randn(num_rows, 4, 1, 64)
+        for layer_idx in range(num_layers):
+            cache.update(own, own, layer_idx)
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal = 2, True
+    query, step = torch.randn(num_rows, 8, 1, 64), torch.randn(num_rows, 4, 1, 64)
+
+    def decode_step():
+        outputs = []
+        for layer_idx in range(num_layers):
+            keys, _ = cache.update(step, step, layer_idx)
+            plan = plan_of(keys)
+            if path == "shared-prefix":
+                outputs.append(plan.attend_shared_prefix(query, None))
+            else:
+                keys, values = plan.gather()
+                outputs.append(sdpa_attention_forward(module, query, keys, values, None)[0])
+        cache.crop(-1)  # keep the context fixed across rounds
+        return outputs
+
+    outputs = benchmark(decode_step)
+    keys, values = plan_of(cache.update(step, step, 0)[0]).gather()
+    expected, _ = sdpa_attention_forward(module, query, keys, values, None)
+    torch.testing.assert_close(outputs[0], expected, rtol=1e-4, atol=1e-5)
+    cache.release()
+
+
 @pytest.fixture(scope="module")
 def default_model():
     return load_model(device="cpu")

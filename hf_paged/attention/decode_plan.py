@@ -3,8 +3,11 @@
 `PagedCache.update` returns it attached to an empty placeholder tensor (see plan.py) when the model runs the
 `hf_paged` attention implementation; the engine's step cache builds one for its decode rows on the Triton path.
 Block tables and lengths are built once per step (per layer group) and shared by the step's layers. `attend` runs
-- the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or
-- one gather of the K/V and SDPA (backend "torch"; "auto" elsewhere), bit-identical to plain sdpa.
+- the Triton paged-decode kernel on the pool (backend "triton"; "auto" on CUDA), or, on backend "torch" ("auto"
+  elsewhere):
+- when the rows share a prefix of blocks (`split_gather`: the prompt of `num_return_sequences` / `num_beams`), the
+  prefix once and each row's tail (shared_prefix.py), so the transient K/V stay far below one layer of all rows;
+- else one gather of the K/V and SDPA, bit-identical to plain sdpa.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kernels import paged_decode_attention
 from .plan import BACKEND_ATTR, module_backend
+from .shared_prefix import per_row_mask, shared_prefix_attention
 
 
 @dataclass
@@ -38,6 +42,9 @@ class DecodePlan:
     # Rows of different lengths (the engine's batches): `seq_lens` alone says which keys each row sees, the
     # attention mask is ignored, and `gather` pads every row to the longest (mask with `length_mask`).
     ragged: bool = False
+    # Rows that share their first blocks: () -> (prefix keys, prefix values [1, kv_heads, P, D], tail keys, tail values
+    # [B, kv_heads, T, D] or None), the same keys `gather` returns split at the end of the shared blocks.
+    split_gather: Callable[[], tuple] | None = None
     length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
     _backends: dict = field(default_factory=dict)  # a module's backend setting -> resolved; shared likewise
@@ -60,6 +67,8 @@ class DecodePlan:
             backend = "torch"
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
         if backend == "torch" or kv_start is None or kwargs.get("position_bias") is not None:
+            if self.shares_prefix(attention_mask, dropout, **kwargs):
+                return self.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
             # The torch path, masks that are not "left padding then causal", and an additive position bias (Inkling's
             # relative logits, which SDPA adds and the kernel does not): gather once, plain SDPA.
             key, value = self.gather()
@@ -87,6 +96,32 @@ class DecodePlan:
         """Whether K and V have one shape (kv heads and head_dim), as the paged kernels need; a layer whose V differs
         (MiMo-V2-Flash's `v_head_dim`) takes the torch path."""
         return self.key_cache.shape == self.value_cache.shape
+
+    def shares_prefix(self, attention_mask: torch.Tensor | None, dropout: float = 0.0, **kwargs) -> bool:
+        """Whether the torch path reads the rows' shared prefix once (`attend_shared_prefix`) instead of gathering
+        every row's whole context: the rows share blocks, the mask is one per row, no dropout, and no other term
+        in the attention function's `kwargs` (a position bias)."""
+        return (
+            self.split_gather is not None
+            and not self.ragged
+            and not dropout
+            and kwargs.get("position_bias") is None
+            and per_row_mask(attention_mask)
+        )
+
+    def attend_shared_prefix(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scaling: float | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """query [B, heads, 1, head_dim] -> [B, 1, heads, head_dim]: the shared prefix once, then each row's tail."""
+        prefix_keys, prefix_values, tail_keys, tail_values = self.split_gather()
+        return shared_prefix_attention(
+            query, prefix_keys, prefix_values, tail_keys, tail_values, attention_mask, scaling=scaling, softcap=softcap
+        )
 
     def backend(self, module: torch.nn.Module, device: torch.device) -> str:
         """`module_backend(module, device)`, resolved once per step for every module with the same setting."""

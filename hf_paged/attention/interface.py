@@ -96,6 +96,8 @@ def paged_attention_forward(
             or module_backend(module, query.device) == "torch"
             or plan.kv_start(attention_mask) is None
         ):
+            if sinks is None and plan.shares_prefix(attention_mask, dropout, **kwargs):
+                return plan.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
             key, value = plan.gather()
             if plan.ragged:
                 attention_mask = plan.length_mask(sliding_window)

@@ -55,6 +55,11 @@ class BlockTables:
         """Logical index one past the last block of every table."""
         return self.base + self.num_table_blocks
 
+    @property
+    def memo(self) -> dict:
+        """Per-step values derived from the tables (index tensors, pool views), cleared on every table change."""
+        return self._memo
+
     def held_block_ids(self) -> set[int]:
         return {block_id for table in self.tables for block_id in table}
 
@@ -341,19 +346,42 @@ class BlockTables:
         return step
 
     def gather_index(
-        self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int, device: torch.device | None = None
+        self,
+        first_block: int,
+        end_block: int,
+        num_heads: int,
+        num_pool_blocks: int,
+        device: torch.device | None = None,
+        row: int | None = None,
     ) -> torch.Tensor:
         """`[B * num_heads * n]` int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]` pool view, in
         `[B, num_heads, n]` order, for logical blocks [first_block, end_block): one `index_select` then lands every
-        row's blocks in `[B, num_heads, n * block_size, head_dim]` order. Memoized for the step's other layers."""
-        key = ("gather", first_block, end_block, num_heads, num_pool_blocks, device)
+        row's blocks in `[B, num_heads, n * block_size, head_dim]` order (`row`: that row's only, B = 1). Memoized
+        for the step's other layers."""
+        key = ("gather", first_block, end_block, num_heads, num_pool_blocks, device, row)
         index = self._memo.get(key)
         if index is None:
             assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
             tables = self.tables_tensor(device)[:, first_block - self.base : end_block - self.base]
+            if row is not None:
+                tables = tables[row : row + 1]
             index = head_major_index(tables, num_heads, num_pool_blocks)
             self._memo[key] = index
         return index
+
+    def shared_blocks(self) -> int:
+        """How many leading table entries every row holds in common (the prompt that `num_return_sequences` /
+        `num_beams` rows share, stored once): 0 for fewer than two rows. Memoized until the next table change."""
+        shared = self._memo.get("shared")
+        if shared is None:
+            shared = 0
+            if len(self.tables) > 1:
+                for column in zip(*self.tables):
+                    if column.count(column[0]) != len(column):
+                        break
+                    shared += 1
+            self._memo["shared"] = shared
+        return shared
 
     def writer_index(self, device: torch.device | None = None) -> torch.Tensor:
         """`writers()` as an int64 tensor on `device` (the pool's by default; memoized until the next table
@@ -364,27 +392,42 @@ class BlockTables:
             index = self._memo[key] = torch.tensor(self.writers(), device=device or self.pool.device)
         return index
 
-    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+    def consecutive_run(self, first_block: int, end_block: int, row: int | None = None) -> int | None:
         """The pool block id of logical block `first_block` when the tables hold ONE row whose logical blocks
         [first_block, end_block) are consecutive pool blocks, else None: that row's K/V are then one strided view of
         the pool (gather.py). Several rows are never one view: a view's batch and head dimensions could not be merged
-        (models reshape K/V to `[B * heads, kv_len, head_dim]` with `.view`). Memoized for the step's other layers."""
-        key = ("run", first_block, end_block)
+        (models reshape K/V to `[B * heads, kv_len, head_dim]` with `.view`). `row`: that row's blocks, whatever the
+        number of rows (a prefix the rows share). Memoized for the step's other layers."""
+        key = ("run", first_block, end_block, row)
         if key in self._memo:
             return self._memo[key]
         run = None
         lo, hi = first_block - self.base, end_block - self.base
-        if len(self.tables) == 1 and 0 <= lo < hi <= self.num_table_blocks:
-            table = self.tables[0]
+        if (len(self.tables) == 1 or row is not None) and 0 <= lo < hi <= self.num_table_blocks:
+            table = self.tables[0 if row is None else row]
             if table[hi - 1] - table[lo] == hi - 1 - lo and table[lo:hi] == list(range(table[lo], table[hi - 1] + 1)):
                 run = table[lo]
         self._memo[key] = run
         return run
 
+    def run_end(self, row: int, first_block: int, end_block: int) -> int:
+        """The logical block, at most `end_block`, where row `row`'s consecutive pool blocks from `first_block` end:
+        [first_block, run_end) is one run (one strided view). Memoized until the next table change."""
+        key = ("run_end", row, first_block, end_block)
+        end = self._memo.get(key)
+        if end is None:
+            table, lo, hi = self.tables[row], first_block - self.base, end_block - self.base
+            end = lo + 1
+            while end < hi and table[end] == table[end - 1] + 1:
+                end += 1
+            end = self._memo[key] = end + self.base
+        return end
+
     def slots(
         self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
     ) -> torch.Tensor:
-        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows), end - start]` int64.
+        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows) * (end - start)]` int64,
+        row by row.
 
         Memoized until the next table change, so all layers of one step share one tensor.
         """
@@ -396,7 +439,7 @@ class BlockTables:
                 tables = tables[list(rows)]
             block_size = self.pool.block_size
             positions = torch.arange(start, end, device=tables.device)
-            slots = tables[:, positions // block_size - self.base] * block_size + positions % block_size
+            slots = (tables[:, positions // block_size - self.base] * block_size + positions % block_size).flatten()
             self._memo[key] = slots
         return slots
 
@@ -415,6 +458,10 @@ class DeviceTables:
     @property
     def num_rows(self) -> int:
         return self.tables.num_rows
+
+    @property
+    def memo(self) -> dict:
+        return self.tables.memo
 
     def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
         return self.tables.gather_index(first_block, end_block, num_heads, num_pool_blocks, self.device)

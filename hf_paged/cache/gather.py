@@ -48,14 +48,66 @@ def visible_kv(
     block_size = pool.block_size
     first_block, end_block = first // block_size, -(-num_tokens // block_size)
     start, stop = first - first_block * block_size, num_tokens - first_block * block_size
-    key_cache = pool.key_cache[layer_idx]
     run = blocks.consecutive_run(first_block, end_block)
-    if run is not None and key_cache.stride(1) == block_size * key_cache.stride(2):  # blocks of a head contiguous
-        return tuple(
-            _run_view(cache, run, end_block - first_block)[:, :, start:stop]
-            for cache in (pool.key_cache[layer_idx], pool.value_cache[layer_idx])
-        )
+    if run is not None:
+        views = run_views(blocks, layer_idx, run, end_block - first_block)
+        if views is not None:
+            return views[0].narrow(2, start, stop - start), views[1].narrow(2, start, stop - start)
     return workspace_for(pool).gather(blocks, layer_idx, first_block, end_block, start, stop)
+
+
+def shared_prefix_kv(
+    blocks: BlockTables, layer_idx: int, first: int, split: int, num_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Positions [first, num_tokens) of every row of `blocks`, in two parts: [first, split), which every row holds in
+    the same blocks (`BlockTables.shared_blocks`), once, and [split, num_tokens) of each row.
+
+    `split` is a block boundary (or `num_tokens`: the rows share everything). Returns the prefix's keys and values,
+    `[1, kv_heads, split - first, head_dim]` (a view of the pool when its blocks are consecutive, else gathered from
+    row 0), and the tails', `[B, kv_heads, num_tokens - split, head_dim]` (gathered; None when empty). The workspace
+    holds one row's prefix at most and every row's tail: far less than every row's whole context."""
+    pool = blocks.pool
+    block_size = pool.block_size
+    first_block, split_block = first // block_size, -(-split // block_size)
+    start, stop = first - first_block * block_size, split - first_block * block_size
+    workspace = workspace_for(pool)
+    run = blocks.consecutive_run(first_block, split_block, row=0)
+    views = None if run is None else run_views(blocks, layer_idx, run, split_block - first_block)
+    if views is not None:
+        prefix_keys, prefix_values = (view.narrow(2, start, stop - start) for view in views)
+    else:
+        prefix_keys, prefix_values = workspace.gather(
+            blocks, layer_idx, first_block, split_block, start, stop, row=0, name="prefix"
+        )
+    if split == num_tokens:
+        return prefix_keys, prefix_values, None, None
+    end_block = -(-num_tokens // block_size)
+    tail_keys, tail_values = workspace.gather(blocks, layer_idx, split_block, end_block, 0, num_tokens - split)
+    return prefix_keys, prefix_values, tail_keys, tail_values
+
+
+def run_views(
+    blocks: BlockTables | DeviceTables, layer_idx: int, first_id: int, num_blocks: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`[1, kv_heads, num_blocks * block_size, head_dim]` K and V views of layer `layer_idx`'s pool storage over the
+    consecutive pool blocks from `first_id`, or None when the pool's layout does not allow one (a head's blocks not
+    contiguous). Memoized in the tables (cleared on a table change) for later layers and steps, made again when the
+    pool's tensors changed (a private pool grew)."""
+    pool = blocks.pool
+    key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+    memo = blocks.memo
+    key = ("views", layer_idx, first_id, num_blocks)
+    views = memo.get(key)
+    if views is None or views[0] is not key_cache or views[1] is not value_cache:
+        if key_cache.stride(1) != key_cache.shape[2] * key_cache.stride(2):
+            return None
+        views = memo[key] = (
+            key_cache,
+            value_cache,
+            _run_view(key_cache, first_id, num_blocks),
+            _run_view(value_cache, first_id, num_blocks),
+        )
+    return views[2], views[3]
 
 
 def _run_view(cache: torch.Tensor, first_id: int, num_blocks: int) -> torch.Tensor:
@@ -91,19 +143,30 @@ class GatherWorkspace:
         end_block: int,
         start: int,
         stop: int,
+        *,
+        row: int | None = None,
+        name: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical blocks [first_block, end_block) of every row of `blocks` from layer `layer_idx`'s pool storage,
-        then tokens [start, stop) of them: `[B, kv_heads, stop - start, head_dim]` keys and `[B, value_heads,
-        stop - start, value_head_dim]` values (views)."""
+        """Logical blocks [first_block, end_block) of every row of `blocks` (`row`: of that row only) from layer
+        `layer_idx`'s pool storage, then tokens [start, stop) of them: `[B, kv_heads, stop - start, head_dim]` keys
+        and `[B, value_heads, stop - start, value_head_dim]` values (views). `name` picks buffers apart from the plain
+        gather's, for a gather whose result is used together with another."""
         pool = blocks.pool
+        num_rows = blocks.num_rows if row is None else 1
         gathered = []
-        for name, cache in (("keys", pool.key_cache[layer_idx]), ("values", pool.value_cache[layer_idx])):
+        for buffer, cache in (
+            (name + "keys", pool.key_cache[layer_idx]),
+            (name + "values", pool.value_cache[layer_idx]),
+        ):
             # V may have other heads and head_dim than K (multi-head latent attention): each its own shape.
             num_heads, num_pool_blocks, block_size, head_dim = cache.shape
-            index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
-            out = self._view(name, (index.numel(), block_size, head_dim), cache)
+            if row is None:
+                index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
+            else:
+                index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks, row=row)
+            out = self._view(buffer, (index.numel(), block_size, head_dim), cache)
             torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
-            gathered.append(out.view(blocks.num_rows, num_heads, -1, head_dim)[:, :, start:stop])
+            gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop])
         return gathered[0], gathered[1]
 
     def _view(self, name: str, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:

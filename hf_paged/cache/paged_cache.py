@@ -23,10 +23,11 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_backend, store_kv_rows
+from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
 from ..storage.pool import check_positive_int, resolve_dtype
-from .gather import visible_kv, workspace_for
+from .gather import shared_prefix_kv, visible_kv, workspace_for
 from .group_tables import GroupTables
 from .hybrid import HybridStates, decoder_layers
 from .indexer import IndexerKeys
@@ -140,8 +141,10 @@ class PagedCache(Cache):
         self._blocks = self._tables.groups[0]
         # Resolved at every step's layer 0 (`_start_step`) for the step's other layers.
         self._paged_attention, self._store_backend = False, None
+        self._multi_device, self._kernel_possible = False, False
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
         self._indexer = IndexerKeys()  # "indexed_attention" layers' indexer keys, beside the paged K/V
+        self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         # `layers`: one per decoder layer (what transformers indexes); `_paged_layers`: one per pool layer, the
@@ -266,19 +269,38 @@ class PagedCache(Cache):
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
         subset = len(writers) < batch_size
         device = pool.devices[layer_idx]  # a pool split over devices: this layer's
-        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device).flatten()
+        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device)
         stored_keys, stored_values = key_states, value_states
         if subset:
             rows = blocks.writer_index(device)
             stored_keys, stored_values = key_states[rows], value_states[rows]
-        store_kv_rows(
-            pool.key_cache[layer_idx],
-            pool.value_cache[layer_idx],
-            stored_keys,
-            stored_values,
-            slots,
-            backend=store_backend(device) if pool.is_multi_device else self._store_backend,
-        )
+        if self._multi_device:
+            store_kv_rows(
+                pool.key_cache[layer_idx],
+                pool.value_cache[layer_idx],
+                stored_keys,
+                stored_values,
+                slots,
+                backend=store_backend(device),
+            )
+        elif self._store_backend == "torch":
+            # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
+            key_slots, value_slots = self._flat_views(pool, layer_idx)  # [1, kv_heads, num_slots, head_dim]
+            if stored_keys.shape[0] == 1:
+                key_slots.index_copy_(2, slots, stored_keys)
+                value_slots.index_copy_(2, slots, stored_values)
+            else:
+                key_slots[0].index_copy_(1, slots, _heads_first(stored_keys))
+                value_slots[0].index_copy_(1, slots, _heads_first(stored_values))
+        else:
+            store_kv_rows(
+                pool.key_cache[layer_idx],
+                pool.value_cache[layer_idx],
+                stored_keys,
+                stored_values,
+                slots,
+                backend=self._store_backend,
+            )
         layer.cumulative_length = num_tokens
 
         if num_past == 0:
@@ -288,8 +310,12 @@ class PagedCache(Cache):
         first = layer.first_visible(num_past)
         # A latent layout (multi-head latent attention) expands what update returns before attention: it gets the
         # stored latents themselves, never a placeholder.
-        if q_len == 1 and self._paged_attention and not pool.is_multi_device and not self._latent(pool):
-            return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens)
+        if q_len == 1 and self._paged_attention and not self._multi_device and not self._latent(pool):
+            # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
+            # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
+            split = self._shared_split(blocks, first, num_tokens)
+            if split is not None or self._kernel_possible:
+                return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
         keys, values = self._gather_visible(layer_idx, first, num_tokens)
         if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
             return keys.clone(), values.clone()
@@ -315,6 +341,8 @@ class PagedCache(Cache):
             self._release_out_of_window()
         self._paged_attention = self._runs_paged_attention()
         self._store_backend = store_backend(pool.device)
+        self._multi_device = pool.is_multi_device
+        self._kernel_possible = triton_possible(pool.device)
 
     def _check_layer_count(self, layer_idx: int) -> None:
         """A model's forward updates every layer of its cache: one that came back to layer 0 after updating more
@@ -407,8 +435,34 @@ class PagedCache(Cache):
         pool = self.pool
         return 0 if pool is None else workspace_for(pool).nbytes
 
+    @staticmethod
+    def _shared_split(blocks, first: int, num_tokens: int) -> int | None:
+        """Where the decode attention splits every row's visible K/V into a prefix read once and the rows' own tails
+        (see `shared_prefix_kv`), or None when the rows share no block after `first`.
+
+        The end of the blocks every row shares (clipped to `num_tokens`), or, when those blocks are not one run of
+        pool blocks, the end of the run they start with if gathering the rest once per row copies less than
+        gathering the whole prefix once."""
+        shared = blocks.shared_blocks()
+        if not shared:
+            return None
+        block_size = blocks.pool.block_size
+        first_block, shared_end = first // block_size, blocks.base + shared
+        if shared_end * block_size <= first:
+            return None
+        run_end = blocks.run_end(0, first_block, shared_end)
+        if run_end < shared_end and blocks.num_rows * (shared_end - run_end) < shared_end - first_block:
+            shared_end = run_end
+        return min(shared_end * block_size, num_tokens)
+
     def _decode_placeholders(
-        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+        self,
+        layer_idx: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        first: int,
+        num_tokens: int,
+        split: int | None = None,
     ):
         blocks = self._tables.of_layer(layer_idx)
         step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
@@ -421,6 +475,9 @@ class PagedCache(Cache):
             kv_offset=first,
             position_offset=step["position_offset"],
             gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
+            split_gather=None
+            if split is None
+            else (lambda: shared_prefix_kv(blocks, layer_idx, first, split, num_tokens)),
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
@@ -433,6 +490,20 @@ class PagedCache(Cache):
             )
         )
         return key, value
+
+    def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool
+        (slot-indexed), made again only when the pool's tensors changed (a private pool grew)."""
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        views = self._flat_memo.get(layer_idx)
+        if views is None or views[0] is not key_cache or views[1] is not value_cache:
+            views = self._flat_memo[layer_idx] = (
+                key_cache,
+                value_cache,
+                key_cache.view(1, key_cache.shape[0], -1, key_cache.shape[-1]),
+                value_cache.view(1, value_cache.shape[0], -1, value_cache.shape[-1]),
+            )
+        return views[2], views[3]
 
     def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
@@ -664,6 +735,11 @@ class PagedCache(Cache):
             f"PagedCache(rows={self._tables.num_rows}, seq_length={self.get_seq_length()}, "
             f"layer_groups={len(self.layer_groups)}, held_blocks={self.num_held_blocks}, pool={self.pool!r})"
         )
+
+
+def _heads_first(states: torch.Tensor) -> torch.Tensor:
+    """[W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim]."""
+    return states.transpose(0, 1).reshape(states.shape[1], -1, states.shape[-1])
 
 
 def _check_prefix_caching(pool: BlockPool | None, call: str) -> None:

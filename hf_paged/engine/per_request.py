@@ -125,7 +125,12 @@ class _RowTables:
 
     def __init__(self, pool: BlockPool, table: list[int], base: int):
         self.pool, self.table, self.base = pool, table, base
-        self._memo: dict[tuple, torch.Tensor | int | None] = {}  # for the forward's other layers
+        self._memo: dict[tuple, object] = {}  # for the forward's other layers
+
+    @property
+    def memo(self) -> dict:
+        """Values worked out once for this forward's layers (`cache/gather.py` keeps its pool views here)."""
+        return self._memo
 
     def consecutive_run(self, first_block: int, end_block: int) -> int | None:
         """The pool block id of logical block `first_block` when blocks [first_block, end_block) are consecutive."""

@@ -28,6 +28,12 @@ def _triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "").strip().lower() in ("1", "true", "on", "yes")
 
 
+def triton_possible(device: torch.device) -> bool:
+    """Whether some backend setting can resolve to "triton" for tensors on `device` (CUDA, or CPU under
+    `TRITON_INTERPRET=1`): elsewhere every attention module runs the torch backend."""
+    return (device.type == "cuda" or _triton_interpreting()) and triton_installed()
+
+
 def resolve_backend(backend: str | None, device: torch.device) -> str:
     """Return "triton" or "torch" for tensors on `device`. `None` reads `HF_PAGED_ATTENTION_BACKEND`, then "auto"."""
     source = "backend"
