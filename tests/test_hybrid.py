@@ -295,3 +295,25 @@ def test_paged_decode_applies_a_position_bias():
     expected = run(model, DynamicCache(config=model.config))
     hf_paged.enable(model, backend="triton")
     assert_same(run(model, PagedCache(config=model.config)), expected)
+
+
+def test_engine_refuses_mlp_only_layers_that_paged_generate_serves():
+    """Nemotron-H's MLP-only layers take no pool layer; the Engine maps cache layers to pool layers one to one, so it
+    refuses such a model up front (before any block is written), while generate() with a PagedCache serves it."""
+    config = transformers.NemotronHConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layer_types=["mlp", "full_attention", "mlp", "full_attention"], mamba_num_heads=4,
+        mamba_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        moe_shared_expert_intermediate_size=32, max_position_embeddings=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    assert KVLayout.from_config(config).kv_layers == (1, 3)
+    prompt = torch.randint(0, 128, (1, 9))
+    options = dict(max_new_tokens=6, do_sample=False)
+    expected = model.generate(prompt, past_key_values=DynamicCache(config=config), **options)
+    assert torch.equal(model.generate(prompt, past_key_values=PagedCache(config=config), **options), expected)
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
+    with pytest.raises(UnsupportedModel, match=r"layers \[0, 2\] are MLP-only") as error:
+        Engine(model, pool)
+    assert error.value.path == "Engine" and pool.num_used_blocks == 0

@@ -25,6 +25,8 @@ from transformers import (
     MiMoV2FlashConfig,
     MiMoV2FlashForCausalLM,
 )
+from transformers.models.mistral_large4.configuration_mistral_large4 import MistralLarge4TextConfig
+from transformers.models.mistral_large4.modeling_mistral_large4 import MistralLarge4TextModel
 
 import hf_paged
 from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PoolMismatch, UnsupportedModel
@@ -253,7 +255,7 @@ def test_attention_without_keys_or_plan_is_refused():
 
 # ----------------------------------------------------------------------------------------------------- Engine
 @pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v2", "mimo"])
-def test_engine_equals_generate_per_request(name):
+def test_engine_equals_generate_of_each_prompt_alone(name):
     prompts, new_tokens = random_prompts((5, 13, 3, 9)), [6, 4, 7, 5]
     reference = mla_model(name)
     expected = [
@@ -395,3 +397,49 @@ def test_engine_serves_kv_sharing_and_holds_blocks_only_for_the_layers_that_cach
     engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=6)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == expected
     assert pool.num_used_blocks == 0
+
+
+def test_engine_refuses_a_latent_model_its_packed_step_cannot_run():
+    """A model the packed step cannot run goes per request, which never expands latents: refused up front."""
+
+    class NoLogitsToKeep(DeepseekV3ForCausalLM):  # a forward that names no logits_to_keep (as remote code may)
+        def forward(self, input_ids=None, cache=None, **kwargs):
+            return super().forward(input_ids=input_ids, cache=cache, **kwargs)
+
+    _, config = mla_config("deepseek_v3")
+    model = NoLogitsToKeep(config).eval()
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    with pytest.raises(UnsupportedModel, match="multi-head latent attention") as error:
+        Engine(model, pool)
+    assert error.value.path == "Engine" and "logits_to_keep" in error.value.reason
+
+
+def test_indexer_keys_of_kv_sharing_layers_survive_crop():
+    """Mistral-Large-4's "reuse_but_indexer" layers keep indexer keys but store no K/V: they take no pool layer, and
+    crop() cuts every layer's indexer keys by the same count (assisted decoding), as DynamicCache does."""
+    config = MistralLarge4TextConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16,
+        v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, index_topk=4,
+        index_head_dim=32, index_n_heads=2, kv_source_layers=[0, 0, 2, 2], indexer_types=["full"] * 4,
+        max_position_embeddings=256, no_rope_layers=[1] * 4,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    assert config.kv_sharing_modes == ["store", "reuse_but_indexer", "store", "reuse_but_indexer"]
+    assert KVLayout.from_config(config).layer_types == ("indexed_attention", "dummy", "indexed_attention", "dummy")
+    torch.manual_seed(0)
+    model = MistralLarge4TextModel(config).eval()
+    prompt, more = torch.randint(0, 128, (1, 7)), torch.randint(0, 128, (1, 3))
+
+    def run(cache):
+        with torch.no_grad():
+            model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            model(input_ids=more[:, :2], past_key_values=cache, use_cache=True)
+            cache.crop(-1)
+            return model(input_ids=more[:, 2:], past_key_values=cache, use_cache=True).last_hidden_state
+
+    expected = run(DynamicCache(config=config))
+    paged = PagedCache(config=config)
+    torch.testing.assert_close(run(paged), expected, rtol=0, atol=1e-5)
+    assert {tuple(keys.shape) for keys in paged._indexer.keys.values()} == {(1, 9, 32)}
+    paged.release()

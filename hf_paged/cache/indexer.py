@@ -46,10 +46,10 @@ class IndexerKeys:
         for layer_idx, keys in self.keys.items():
             self.keys[layer_idx] = keys.index_select(0, torch.tensor(rows, device=keys.device))
 
-    def truncate(self, lengths: list[int]) -> None:
-        """Keep the first `lengths[l]` tokens of layer l's keys."""
+    def truncate(self, num_tokens: int) -> None:
+        """Keep the first `num_tokens` tokens of every layer's keys (every indexed layer sees every token)."""
         for layer_idx, keys in self.keys.items():
-            self.keys[layer_idx] = keys[:, : lengths[layer_idx]]
+            self.keys[layer_idx] = keys[:, :num_tokens]
 
     def copy(self) -> IndexerKeys:
         """A branch: the same tensors (never written in place: `update` makes new ones)."""

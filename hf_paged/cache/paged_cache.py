@@ -168,9 +168,13 @@ class PagedCache(Cache):
         cached = [i for i, layer_type in enumerate(self.layout.layer_types) if layer_type != "dummy"]
         self._last_cached_layer = cached[-1] if cached else len(self._paged_layers) - 1
         modes = getattr(config, "kv_sharing_modes", None) if config is not None else None
-        if modes is None and len(cached) < len(self._paged_layers):  # no config to say which: any may be a source
-            modes = ["store" if i in cached else None for i in range(len(self._paged_layers))]
-        self._kv_sources = frozenset(i for i, mode in enumerate(modes or ()) if mode == "store")
+        if modes is not None:  # per decoder layer: the pool layers of the "store" ones
+            sources = (self._pool_layers[i] for i, mode in enumerate(modes) if mode == "store" and i < len(layers))
+            self._kv_sources = frozenset(p for p in sources if p is not None)
+        elif len(cached) < len(self._paged_layers):  # no config to say which: any pool layer may be a source
+            self._kv_sources = frozenset(cached)
+        else:
+            self._kv_sources = frozenset()
 
     # ------------------------------------------------------------------ pool
     @property
@@ -261,7 +265,7 @@ class PagedCache(Cache):
             if starting:
                 blocks.release()
             self._undo_step(layer_idx, num_past)
-            self._indexer.truncate([layer.cumulative_length for layer in self._paged_layers])
+            self._indexer.truncate(num_past)  # the layers this step already wrote
             self._last_layer_updated = 0  # the step starts again at layer 0
             self._states.stop_step()
             raise
@@ -660,7 +664,7 @@ class PagedCache(Cache):
         for layer, length in zip(self._paged_layers, lengths):
             layer.cumulative_length = length
         self._states.crop(tokens_to_remove)
-        self._indexer.truncate(lengths)
+        self._indexer.truncate(max(lengths))  # every indexed layer holds every token (a KV-sharing one no K/V)
         # NOTE: recording past states or not. `DynamicSlidingWindowLayer.crop` (crop(0) too) cuts its states back to
         # the window that ends at the new length, so no later crop can reach further back in DynamicCache either;
         # releasing here bounds assisted / prompt-lookup decoding to about the window plus the candidates.

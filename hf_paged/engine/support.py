@@ -51,8 +51,8 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..attention.interface import _class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
-from ..storage import sliding_windows
-from ..storage.hybrid import holds_state
+from ..storage import KVLayout, sliding_windows
+from ..storage.hybrid import holds_state, mlp_only_layers
 
 PATH = "Engine"
 PACKED, PER_REQUEST = "packed", "per-request"
@@ -64,7 +64,7 @@ def choose_step_mode(model) -> tuple[str, str | None]:
     if isinstance(model, torch.nn.Module):
         # Neither step holds a per-request recurrent or conv state, nor indexer keys: refused, never run per request.
         config = model.config.get_text_config(decoder=True)
-        state_reason = _recurrent_state_reason(config) or _indexed_reason(config)
+        state_reason = _recurrent_state_reason(config) or _indexed_reason(config) or _mlp_only_reason(config)
         if state_reason is not None:
             raise UnsupportedModel(getattr(model.config, "model_type", None), state_reason, PATH)
     try:
@@ -77,6 +77,11 @@ def choose_step_mode(model) -> tuple[str, str | None]:
         return PACKED, None
     config = model.config.get_text_config(decoder=True)
     reason = _loop_reason(config) or _prompt_order_reason(config)
+    if reason is None and KVLayout.from_config(config).latent:
+        reason = (
+            f"the packed step cannot run it ({packed_reason}), and the per-request step does not expand the "
+            "multi-head latent attention latents the pool holds"
+        )
     if reason is not None:
         raise UnsupportedModel(getattr(model.config, "model_type", None), reason, PATH)
     return PER_REQUEST, packed_reason
@@ -91,7 +96,7 @@ def refuse_unsupported_engine(model) -> None:
     config = model.config.get_text_config(decoder=True)
     model_type = getattr(model.config, "model_type", None)
     # First: whatever else the model does, the pool lacks its recurrent states or indexer keys.
-    state_reason = _recurrent_state_reason(config) or _indexed_reason(config)
+    state_reason = _recurrent_state_reason(config) or _indexed_reason(config) or _mlp_only_reason(config)
     if state_reason is not None:
         raise UnsupportedModel(model_type, state_reason, PATH)
     refuse_unsupported_attention(model, path=PATH)
@@ -204,6 +209,16 @@ def _recurrent_state_reason(config) -> str | None:
         f"it is a hybrid model: its layers {state_layers} keep a per-request recurrent or convolution state "
         f"(layer types {sorted({layer_types[i] for i in state_layers})}), which the paged pool does not hold and a "
         "packed step does not carry; run it with generate(past_key_values=PagedCache(config=model.config))"
+    )
+
+
+def _mlp_only_reason(config) -> str | None:
+    mlp_only = mlp_only_layers(config)
+    if not mlp_only:
+        return None
+    return (
+        f"its layers {list(mlp_only)} are MLP-only (no K/V), and the Engine's step maps the model's cache layers to "
+        "the pool's layers one to one; run it with generate(past_key_values=PagedCache(config=model.config))"
     )
 
 

@@ -235,6 +235,13 @@ def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
     """The decoder layers holding K/V (see hybrid.py) and their `get_layer_types_and_kwargs`, a hybrid layer typed as
     its attention part."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    # A KV-sharing layer that keeps only indexer keys of its own (Mistral-Large-4's "reuse_but_indexer", which
+    # transformers types "indexed_attention") stores no K/V: a "dummy" layer here, its indexer keys beside the pool.
+    modes = getattr(config, "kv_sharing_modes", None) or ()
+    layer_types = [
+        "dummy" if mode == "reuse_but_indexer" else t
+        for t, mode in zip(layer_types, [*modes, *[None] * len(layer_types)])
+    ]
     mlp_only = mlp_only_layers(config)  # "dummy" layers that cache nothing; KV-sharing "dummy" layers stay
     kv_layers = tuple(i for i in kv_layer_indices(layer_types, SUPPORTED_LAYER_TYPES) if i not in mlp_only)
     return kv_layers, [paged_layer_type(layer_types[i]) for i in kv_layers], [layer_kwargs[i] for i in kv_layers]
