@@ -278,16 +278,8 @@ class PagedCache(Cache):
         if subset:
             rows = blocks.writer_index(device)
             stored_keys, stored_values = key_states[rows], value_states[rows]
-        if self._multi_device:
-            store_kv_rows(
-                pool.key_cache[layer_idx],
-                pool.value_cache[layer_idx],
-                stored_keys,
-                stored_values,
-                slots,
-                backend=store_backend(device),
-            )
-        elif self._store_backend == "torch":
+        backend = store_backend(device) if self._multi_device else self._store_backend
+        if backend == "torch" and not self._multi_device:
             # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
             key_slots, value_slots = self._flat_views(pool, layer_idx)  # [1, kv_heads, num_slots, head_dim]
             if stored_keys.shape[0] == 1:
@@ -303,7 +295,7 @@ class PagedCache(Cache):
                 stored_keys,
                 stored_values,
                 slots,
-                backend=self._store_backend,
+                backend=backend,
             )
         layer.cumulative_length = num_tokens
 
