@@ -3,19 +3,19 @@
 from .decode_plan import DecodePlan, length_mask
 from .interface import enable, paged_attention_forward, register
 from .kernels.dispatch import store_backend, store_kv_rows
-from .plan import BACKEND_ATTR, PAGED_ATTENTION, AttentionPlan, attach_plan, module_backend, plan_of
+from .plan import BACKEND_ATTR, PAGED_ATTENTION, AttentionPlan, module_backend, plan_of, plan_placeholders
 
 __all__ = [
     "BACKEND_ATTR",
     "PAGED_ATTENTION",
     "AttentionPlan",
     "DecodePlan",
-    "attach_plan",
     "enable",
     "length_mask",
     "module_backend",
     "paged_attention_forward",
     "plan_of",
+    "plan_placeholders",
     "register",
     "store_backend",
     "store_kv_rows",

@@ -27,7 +27,7 @@ from .shared_prefix import per_row_mask, shared_prefix_attention
 class DecodePlan:
     """What a decode step's attention needs to read one layer's K/V from the pool without gathering it.
 
-    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`attach_plan`) when
+    `PagedCache.update` returns it attached to an empty `[B, kv_heads, 0, head_dim]` tensor (`plan_placeholders`) when
     the model runs the `hf_paged` attention implementation. `block_tables`, `seq_lens` and the kv_start memo are
     built once per step and shared by every layer.
     """

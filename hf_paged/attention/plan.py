@@ -3,7 +3,7 @@
 transformers calls an attention function with what the model hands it (module, query, key, value, mask, kwargs),
 never the cache. The one value both `generate()`'s cache and the engine's step cache control is what
 `Cache.update` returns, so a cache that wants to run attention itself returns an empty placeholder tensor carrying
-a plan (`attach_plan`), and the attention function calls `plan_of(key).attend(...)`. Attention knows only this
+a plan (`plan_placeholders`), and the attention function calls `plan_of(key).attend(...)`. Attention knows only this
 contract: `DecodePlan` (a `PagedCache` decode step) and the engine's packed-step plan both implement it.
 """
 
@@ -37,11 +37,18 @@ class AttentionPlan(Protocol):
         attention function. `kwargs`: the attention function's (dropout, scaling, sliding_window, softcap, ...)."""
 
 
-def attach_plan(placeholder: torch.Tensor, plan: AttentionPlan) -> torch.Tensor:
-    """Hang `plan` on `placeholder` (an empty `[B, kv_heads, 0, head_dim]` tensor a cache returns as keys and
-    values) and return it."""
-    setattr(placeholder, PLAN_ATTR, plan)
-    return placeholder
+def plan_placeholders(
+    key_states: torch.Tensor, value_states: torch.Tensor, plan: AttentionPlan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a cache's `update` returns to hand attention `plan`: empty keys `[B, kv_heads, 0, head_dim]` and values
+    `[B, value_heads, 0, value_head_dim]` of the states' own shapes (V's head_dim may differ from K's), both carrying
+    `plan`."""
+    placeholders = []
+    for states in (key_states, value_states):
+        placeholder = states.new_empty(*states.shape[:2], 0, states.shape[-1])
+        setattr(placeholder, PLAN_ATTR, plan)
+        placeholders.append(placeholder)
+    return placeholders[0], placeholders[1]
 
 
 def plan_of(key: torch.Tensor) -> AttentionPlan | None:

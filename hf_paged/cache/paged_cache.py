@@ -22,7 +22,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
-from ..attention import PAGED_ATTENTION, DecodePlan, attach_plan, store_backend, store_kv_rows
+from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders, store_backend, store_kv_rows
 from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
@@ -477,43 +477,17 @@ class PagedCache(Cache):
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
-        # Empty K and V of the states' own shapes (V's head_dim may differ from K's), both carrying the plan.
-        key, value = (
-            attach_plan(states.new_empty(*states.shape[:2], 0, states.shape[-1]), plan)
-            for states in (
-                key_states,
-                value_states,
-            )
-        )
-        return key, value
+        return plan_placeholders(key_states, value_states, plan)
 
     def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool
         (slot-indexed), made again only when the pool's tensors changed (a private pool grew)."""
-        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        views = self._flat_memo.get(layer_idx)
-        if views is None or views[0] is not key_cache or views[1] is not value_cache:
-            views = self._flat_memo[layer_idx] = (
-                key_cache,
-                value_cache,
-                key_cache.view(1, key_cache.shape[0], -1, key_cache.shape[-1]),
-                value_cache.view(1, value_cache.shape[0], -1, value_cache.shape[-1]),
-            )
-        return views[2], views[3]
+        return _memo_views(self._flat_memo, pool, layer_idx, lambda t: t.view(1, t.shape[0], -1, t.shape[-1]))
 
     def _nhd_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [num_blocks, block_size, kv_heads, head_dim] K and V views of the pool, made again
         only when the pool's tensors changed (a private pool grew)."""
-        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        views = self._nhd_memo.get(layer_idx)
-        if views is None or views[0] is not key_cache or views[1] is not value_cache:
-            views = self._nhd_memo[layer_idx] = (
-                key_cache,
-                value_cache,
-                pool.nhd_view(key_cache),
-                pool.nhd_view(value_cache),
-            )
-        return views[2], views[3]
+        return _memo_views(self._nhd_memo, pool, layer_idx, pool.nhd_view)
 
     # ------------------------------------------------------------- lifecycle
     @classmethod
@@ -765,3 +739,13 @@ def _rank_layout(layout: KVLayout, layer_idx: int, num_kv_heads: int) -> KVLayou
     if any(h % tp_size for h in layout.num_kv_heads):
         return layout
     return layout.shard(tp_size)
+
+
+def _memo_views(memo: dict, pool: BlockPool, layer_idx: int, make) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make(key_cache)` and `make(value_cache)` of layer `layer_idx`, kept in `memo` with the pool tensors they view
+    and made again when those changed (a private pool grew)."""
+    key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+    views = memo.get(layer_idx)
+    if views is None or views[0] is not key_cache or views[1] is not value_cache:
+        views = memo[layer_idx] = (key_cache, value_cache, make(key_cache), make(value_cache))
+    return views[2], views[3]

@@ -37,7 +37,7 @@ from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
-from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
+from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes, never_stored
 
 logger = logging.getLogger(__name__)
 
@@ -609,11 +609,7 @@ class Engine:
         # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch
         # module, bench/replay.py's, computes no attention at all).
         if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
-            raise UnsupportedModel(
-                getattr(self.model.config, "model_type", None),
-                f"its forward never stored K/V in the Engine's cache (passed as {self._cache_keyword}=)",
-                "Engine",
-            )
+            raise never_stored(getattr(self.model.config, "model_type", None), self._cache_keyword)
         return out.logits[0]
 
     def _append(self, request: Request, token: int) -> tuple[int, int]:

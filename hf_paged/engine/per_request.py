@@ -42,7 +42,7 @@ from ..errors import UnsupportedModel
 from ..storage import BlockPool, sliding_windows
 from .request import Request
 from .step_cache import StepCache
-from .support import takes
+from .support import never_stored, takes
 
 
 class RowCache(Cache):
@@ -199,11 +199,7 @@ class PerRequestStep:
         token_ids = request.token_ids[seq_len : seq_len + num_tokens]
         out = run_row(self.model, token_ids, seq_len, {self._cache_keyword: cache}, last_only=True)
         if cache.num_updates == 0:  # it ran on a cache of its own
-            raise UnsupportedModel(
-                self._model_type,
-                f"its forward never stored K/V in the Engine's cache (passed as {self._cache_keyword}=)",
-                "Engine",
-            )
+            raise never_stored(self._model_type, self._cache_keyword)
         return out.logits[0, -1]
 
 

@@ -31,7 +31,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..attention import DecodePlan, attach_plan, length_mask, module_backend, store_backend, store_kv_rows
+from ..attention import DecodePlan, length_mask, module_backend, plan_placeholders, store_backend, store_kv_rows
 from ..attention.interface import torch_attention_forward
 from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..cache.block_tables import head_major_index
@@ -313,11 +313,7 @@ class StepCache(Cache):
         )
         if pool.layout.latent:
             return self._latent_kv(layer_idx, kwargs)
-        plan = StepPlan(self, layer_idx)
-        # Empty K and V of the states' own shapes (V's head_dim may differ from K's), both carrying the plan.
-        key = attach_plan(key_states.new_empty(1, key_states.shape[1], 0, key_states.shape[-1]), plan)
-        value = attach_plan(value_states.new_empty(1, value_states.shape[1], 0, value_states.shape[-1]), plan)
-        return key, value
+        return plan_placeholders(key_states, value_states, StepPlan(self, layer_idx))
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         raise UnsupportedModel(

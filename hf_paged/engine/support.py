@@ -212,6 +212,14 @@ def _recurrent_state_reason(config) -> str | None:
     )
 
 
+def never_stored(model_type: str | None, cache_keyword: str) -> UnsupportedModel:
+    """The error of a step whose forward stored no K/V in the Engine's cache: the model ran on a cache of its own,
+    so it computed something else than the step."""
+    return UnsupportedModel(
+        model_type, f"its forward never stored K/V in the Engine's cache (passed as {cache_keyword}=)", PATH
+    )
+
+
 def _mlp_only_reason(config) -> str | None:
     mlp_only = mlp_only_layers(config)
     if not mlp_only:
