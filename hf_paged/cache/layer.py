@@ -59,6 +59,9 @@ class PagedLayer(CacheLayerMixin):
         return self.cumulative_length
 
     def get_max_length(self) -> int:
+        max_cache_len = self._cache.max_cache_len
+        if max_cache_len is not None:
+            return max_cache_len
         return -1 if self.sliding_window is None else self.sliding_window
 
     def reset(self) -> None:

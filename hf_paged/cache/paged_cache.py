@@ -23,10 +23,12 @@ import torch
 from transformers.cache_utils import Cache, get_layer_types_and_kwargs
 
 from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders, store_backend, store_kv_rows
+from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
-from ..storage import BlockPool, KVLayout, block_hashes, group_windows, sliding_windows
+from ..storage import BlockPool, KVLayout, block_hashes, group_of_layer, group_windows, sliding_windows
 from ..storage.pool import check_positive_int, resolve_dtype
+from .fixed_width import FixedWidthSteps, gather_fixed
 from .gather import shared_prefix_kv, visible_kv, workspace_for
 from .group_tables import GroupTables
 from .hybrid import HybridStates, decoder_layers
@@ -55,6 +57,13 @@ class PagedCache(Cache):
             group: its first `key_states` show the rank's share (`PagedCache(config=model.config)` works as is under
             `torchrun` with `from_pretrained(path, tp_plan="auto")`); a shared pool has its own (`BlockPool.for_model`
             reads the model's sharding).
+        max_cache_len (`int`, *optional*): make the cache compileable, as `StaticCache(max_cache_len=...)`: block
+            tables of a fixed width, and every decode step's K/V `[B, kv_heads, max_cache_len, head_dim]` (the mask
+            hides what is not written yet), so `generate()` compiles the decode forward (on CUDA by itself, with CUDA
+            graphs; elsewhere with a `CompileConfig` for all devices). Blocks are still taken as the rows grow, before
+            each forward (`reserve`, which `generate()` reaches through the mask sizes), and rows still share their
+            prompt's blocks. Every block is kept (no release out of a sliding window); attention-only models on one
+            device.
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
     `[B, num_kv_heads, kv_len, head_dim]` (V's heads and head_dim may differ from K's: multi-head latent attention
@@ -98,6 +107,7 @@ class PagedCache(Cache):
         share_rows: bool = True,
         release_out_of_window: bool = True,
         tp_size: int | None = None,
+        max_cache_len: int | None = None,
     ):
         if config is None and pool is None:
             raise ValueError("PagedCache needs a model config, a BlockPool, or both: PagedCache(config=model.config)")
@@ -109,6 +119,8 @@ class PagedCache(Cache):
         if pool is not None and not isinstance(pool, BlockPool):
             raise TypeError(f"pool must be a BlockPool (BlockPool.for_model(model)), got {type(pool).__name__}")
         check_positive_int("block_size", block_size)
+        if max_cache_len is not None:
+            check_positive_int("max_cache_len", max_cache_len)
         if config is not None:
             layout = KVLayout.from_config(config, tp_size=tp_size)
             config = config.get_text_config(decoder=True)
@@ -158,8 +170,13 @@ class PagedCache(Cache):
         super().__init__(layers=layers)
         # Per group, the window of a group whose every layer slides and gives back blocks that left the window (all
         # of them for Mistral), None for a group that keeps every block.
+        # A compileable cache keeps every block (its tables have a fixed width from position 0): a sliding layer sees
+        # its window through the mask.
+        self.max_cache_len = max_cache_len
         self._group_windows = (
-            group_windows(self.layer_groups, windows) if release_out_of_window else [None] * len(self.layer_groups)
+            group_windows(self.layer_groups, windows)
+            if release_out_of_window and max_cache_len is None
+            else [None] * len(self.layer_groups)
         )
         self._sliding_groups = tuple(group for group, window in enumerate(self._group_windows) if window is not None)
         # The last layer a forward updates (layers after it cache nothing of their own: KV-sharing layers), and the
@@ -175,6 +192,135 @@ class PagedCache(Cache):
             self._kv_sources = frozenset(cached)
         else:
             self._kv_sources = frozenset()
+        self._fixed = None if max_cache_len is None else self._compileable(max_cache_len)
+
+    # ------------------------------------------------------------ compileable
+    def _compileable(self, max_cache_len: int) -> FixedWidthSteps:
+        """Refuse what a fixed-width step cannot hold, mark the layers compileable, and make the step buffers."""
+        layer_types = self.layout.layer_types
+        reason = None
+        if self._states:
+            reason = "its linear-attention / mamba / conv states are not paged"
+        elif self.layout.latent:
+            reason = "it expands latent K/V (multi-head latent attention) after cache.update()"
+        elif "indexed_attention" in layer_types:
+            reason = "its indexer keys live beside the pool"
+        elif "dummy" in layer_types or self._kv_sources:
+            reason = "its KV-sharing layers attend another layer's K/V"
+        if reason is not None:
+            model_type = getattr(self._config, "model_type", None)
+            raise UnsupportedModel(model_type, reason, "PagedCache(max_cache_len=...)")
+        for layer in self._paged_layers:
+            layer.is_compileable = True
+        self._pending = None  # tokens per row reserved for the next forward, until that forward's last layer
+        self._unsettled = 0  # tokens per row a reserved forward wrote that the layers' lengths do not count yet
+        self._group_of = group_of_layer(self.layer_groups)
+        self._fixed_plans, self._fixed_backends = False, None  # set by reserve
+        return FixedWidthSteps(max_cache_len, self.block_size, len(self.layer_groups))
+
+    def reserve(self, num_new_tokens: int) -> None:
+        """Take the blocks the next forward writes (`num_new_tokens` per row) and fill the step's buffers, on the host
+        and before that forward: a compiled forward only reads buffers. `generate()` calls it through
+        `get_mask_sizes`; a caller running a compiled forward of its own calls it before each one. Idempotent until
+        that forward runs. Every row writes its own blocks from here on (a block rows shared is copied first)."""
+        if self._fixed is None:
+            raise ValueError("reserve() is for a compileable cache: PagedCache(config=..., max_cache_len=N)")
+        check_positive_int("num_new_tokens", num_new_tokens)
+        self._settle()
+        if self._pending is not None:
+            if self._pending != num_new_tokens:
+                raise ValueError(
+                    f"{self._pending} tokens per row are reserved for the next forward, not {num_new_tokens}"
+                )
+            return
+        if not self._tables.num_rows:
+            raise ValueError("reserve() continues the cache's rows: the first forward (the prefill) starts them")
+        past_length = self._paged_layers[0].cumulative_length
+        end = past_length + num_new_tokens
+        self._check_fits(end)
+        for tables in self._tables.groups:
+            followers = [row for row, leader in enumerate(tables.leaders) if leader != row]
+            if followers:
+                tables.split(followers)
+            tables.prepare_write(tables.writers(), past_length, end)
+        device = self.pool.device
+        self._fixed.fill(self._tables.groups, past_length, num_new_tokens, device)
+        # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan.
+        self._fixed_plans = num_new_tokens == 1 and self._runs_paged_attention() and triton_possible(device)
+        if self._fixed_plans and self._fixed_backends is None:
+            self._fixed_backends = resolve_backends(device)
+        self._pending = self._unsettled = num_new_tokens
+
+    def _check_fits(self, num_tokens: int) -> None:
+        if num_tokens > self.max_cache_len:
+            raise ValueError(
+                f"the forward would hold {num_tokens} tokens per row, over max_cache_len={self.max_cache_len}: build "
+                "the cache with a larger max_cache_len"
+            )
+
+    def _settle(self) -> None:
+        """Count in the layers' lengths what a reserved forward wrote (a compiled forward changes no host state but
+        `_pending`)."""
+        if self._fixed is not None and self._unsettled and self._pending is None:
+            for layer in self._paged_layers:
+                layer.cumulative_length += self._unsettled
+            self._unsettled = 0
+
+    def _drop_reservation(self) -> int | None:
+        """Forget a reservation no forward used (rows or lengths are about to change); returns its token count."""
+        pending = self._pending if self._fixed is not None else None
+        if pending is not None:
+            self._pending, self._unsettled = None, 0
+        return pending
+
+    def _update_fixed(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """A reserved step of decoder layer `layer_idx`: store at the step's slots, return `[B, kv_heads,
+        max_cache_len, head_dim]` read through the fixed-width tables. Nothing here takes a block or reads a device
+        value on the host, so it traces into one graph and replays in a CUDA graph."""
+        if self._pending is None:
+            raise ValueError(
+                "a forward of a compileable PagedCache writes only the blocks reserved before it: generate() reserves "
+                "them; before a compiled forward of your own, call cache.reserve(num_new_tokens)"
+            )
+        if key_states.shape[2] != self._pending:
+            raise ValueError(f"the forward writes {key_states.shape[2]} tokens per row, {self._pending} were reserved")
+        pool_layer = self._pool_layers[layer_idx]
+        fixed, group = self._fixed, self._group_of[pool_layer]
+        key_cache, value_cache = self._tables.pool.key_cache[pool_layer], self._tables.pool.value_cache[pool_layer]
+        slots = fixed.slot_mapping[group]
+        for cache, states in ((key_cache, key_states), (value_cache, value_states)):
+            cache.view(cache.shape[0], -1, cache.shape[-1]).index_copy_(1, slots, _heads_first(states))
+        if pool_layer == self._last_cached_layer:
+            self._pending = None
+        table, max_cache_len = fixed.block_tables[group], self.max_cache_len
+
+        def gather():
+            return gather_fixed(key_cache, table, max_cache_len), gather_fixed(value_cache, table, max_cache_len)
+
+        if not self._fixed_plans:
+            return gather()
+        plan = FixedDecodePlan(
+            key_cache=BlockPool.nhd_view(key_cache),
+            value_cache=BlockPool.nhd_view(value_cache),
+            block_tables=table,
+            seq_lens=fixed.seq_lens,
+            gather=gather,
+            backends=self._fixed_backends,
+        )
+        return plan_placeholders(key_states, value_states, plan)
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        """As `Cache.get_mask_sizes`; a compileable cache with rows reserves the next forward's blocks here (outside
+        a compiled region), and its steps then describe `max_cache_len` keys from position 0."""
+        if self._fixed is None:
+            return super().get_mask_sizes(query_length, layer_idx)
+        if not torch.compiler.is_compiling():
+            self._settle()
+            if self._pending is None and self._tables.num_rows:
+                self.reserve(query_length)
+            if self._pending is None:  # a first prefill: the step's own K/V, as without max_cache_len
+                return super().get_mask_sizes(query_length, layer_idx)
+        return self.max_cache_len, 0
 
     # ------------------------------------------------------------------ pool
     @property
@@ -186,6 +332,8 @@ class PagedCache(Cache):
         self.layout = _rank_layout(self.layout, layer_idx, key_states.shape[1])
         # Groups of layers that cache nothing of their own (KV sharing) never take a block.
         num_groups = sum(any(self.layout.layer_types[i] != "dummy" for i in group) for group in self.layer_groups)
+        if self._fixed is not None:  # every row's whole table, so the pool's tensors never move under a graph
+            num_tokens = self.max_cache_len
         num_blocks = max(-(-num_tokens // self.block_size) * key_states.shape[0] * num_groups, 4)
         pool = BlockPool(
             self.layout,
@@ -193,7 +341,7 @@ class PagedCache(Cache):
             block_size=self.block_size,
             dtype=self._dtype if self._dtype is not None else key_states.dtype,
             device=self._device if self._device is not None else key_states.device,
-            growable=True,
+            growable=self._fixed is None,
         )
         assert pool.layer_groups == self.layer_groups, (pool.layer_groups, self.layer_groups)
         self._tables.set_pool(pool)
@@ -204,6 +352,9 @@ class PagedCache(Cache):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
         `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        if self._fixed is not None and (self._pending is not None or torch.compiler.is_compiling()):
+            return self._update_fixed(key_states, value_states, layer_idx)
+        self._settle()
         self._states.check_complete()
         num_decoder_layers = len(self._pool_layers)
         if layer_idx >= num_decoder_layers and len(self.layers) > num_decoder_layers:
@@ -237,6 +388,8 @@ class PagedCache(Cache):
             self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
         pool.check_states(layer_idx, key_states, value_states)
+        if self._fixed is not None:
+            self._check_fits(num_tokens)
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
 
@@ -540,6 +693,8 @@ class PagedCache(Cache):
             attention_mask (`torch.Tensor`, *optional*): `[B, S]`; rows with padding are not cached (their K/V
                 were computed with shifted positions).
         """
+        self._settle()
+        self._drop_reservation()
         try:
             if token_ids is not None:
                 self._cache_rows(token_ids, attention_mask)
@@ -587,7 +742,9 @@ class PagedCache(Cache):
             device=self._device,
             share_rows=self.share_rows,
             release_out_of_window=self.release_out_of_window,
+            max_cache_len=self.max_cache_len,
         )
+        self._settle()
         branch._tables.share_from(self._tables)
         branch._indexer = self._indexer.copy()
         branch._last_layer_updated = self._last_layer_updated
@@ -616,6 +773,8 @@ class PagedCache(Cache):
                 f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
                 "Please use a negative integer to remove that number of tokens from the cache instead."
             )
+        self._settle()
+        self._drop_reservation()
         if tokens_to_remove == 0:
             self._states.crop(0)
             self._release_before_windows()
@@ -651,13 +810,22 @@ class PagedCache(Cache):
         self._states.select_rows(indices)
 
     def _select_rows(self, rows: list[int]) -> None:
+        self._settle()
+        reserved = self._drop_reservation()
         self._tables.select_rows(rows)
         self._indexer.select_rows(rows)
+        if reserved is not None:  # the rows changed under the reservation: take it again for the new rows
+            self.reserve(reserved)
 
     # ---------------------------------------------------------------- queries
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Tokens cached in decoder layer `layer_idx`. A layer without K/V (a hybrid model's linear-attention
-        layer) tracks no length: layer 0 then means the first attention layer, as in `Cache.get_seq_length`."""
+        layer) tracks no length: layer 0 then means the first attention layer, as in `Cache.get_seq_length`. Inside
+        a compiled forward of a compileable cache: a 0-dim tensor, as `StaticCache` returns."""
+        if self._fixed is not None:
+            if torch.compiler.is_compiling():
+                return self._fixed.past_length
+            self._settle()
         if layer_idx >= len(self.layers):
             return 0
         pool_layer = self._pool_layers[layer_idx] if layer_idx < len(self._pool_layers) else None

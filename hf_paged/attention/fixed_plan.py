@@ -1,0 +1,100 @@
+"""FixedDecodePlan: the decode plan of a compileable `PagedCache` (`max_cache_len`), traceable by torch.compile.
+
+It differs from `DecodePlan` in what a compiled, CUDA-graph replayed step allows: its tensors are the cache's
+persistent step buffers (fixed shapes), the paged kernel is called through its custom op, and nothing reads a device
+value on the host. So where `DecodePlan.kv_start` checks on the host that the mask is "hidden prefix, then every key
+up to the new token" before it hands the kernel one start per row, this plan checks it on the device
+(`torch._assert_async`): a mask of another shape stops the step loudly instead of attending the wrong keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from .kernels.dispatch import BACKENDS, resolve_backend
+from .kernels.ops import paged_decode_attention_compiled
+from .plan import BACKEND_ATTR
+
+
+@dataclass
+class FixedDecodePlan:
+    key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
+    value_cache: torch.Tensor  # same, of V
+    block_tables: torch.Tensor  # [B, W] int64, the cache's persistent table of this layer's group
+    seq_lens: torch.Tensor  # [B] int32, tokens per row with the new one
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, max_cache_len, head_dim] K and V
+    backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """query [B, heads, 1, head_dim], the step's [B, 1, 1, max_cache_len] mask -> ([B, 1, heads, head_dim],
+        None)."""
+        backend = self.backends[getattr(module, BACKEND_ATTR, None)]
+        if isinstance(backend, Exception):
+            raise backend
+        sinks, bias = kwargs.get("s_aux"), kwargs.get("position_bias")
+        kernel = backend == "triton" and sinks is None and bias is None and not dropout
+        if not kernel or not self._bool_mask(attention_mask):
+            key, value = self.gather()
+            if softcap is None and sinks is None:
+                return sdpa_attention_forward(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+                )
+            from .interface import torch_attention_forward  # interface imports the plans: a call-time import
+
+            return torch_attention_forward(
+                query, key, value, attention_mask, dropout, scaling, softcap=softcap, sinks=sinks
+            )
+        kv_start = None
+        if attention_mask is not None:
+            visible = attention_mask[:, 0, -1, :]  # [B, max_cache_len]: the keys the new token sees
+            first = visible.int().argmax(dim=-1)
+            torch._assert_async(
+                (visible.sum(dim=-1) == self.seq_lens - first).all(),
+                "hf_paged: a compiled decode step's mask is not 'hidden prefix, then every key up to the new token'",
+            )
+            kv_start = first.to(torch.int32)
+        out = paged_decode_attention_compiled(
+            query[:, :, 0],  # [B, heads, head_dim]
+            self.key_cache,
+            self.value_cache,
+            self.block_tables,
+            self.seq_lens,
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            kv_start=kv_start,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            backend="triton",
+        )
+        return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    @staticmethod
+    def _bool_mask(attention_mask: torch.Tensor | None) -> bool:
+        return attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1)
+
+
+def resolve_backends(device: torch.device) -> dict:
+    """Every module backend setting resolved for `device` on the host, before a compiled step: None (the environment
+    variable, else "auto") and each of BACKENDS, the error `resolve_backend` raises standing for a setting that
+    cannot run there."""
+    backends = {}
+    for setting in (None, *BACKENDS):
+        try:
+            backends[setting] = resolve_backend(setting, device)
+        except ValueError as error:
+            backends[setting] = error
+    return backends
