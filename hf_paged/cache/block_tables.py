@@ -192,6 +192,23 @@ class BlockTables:
             self._changed()
         self._memo[key] = True
 
+    def write_plan(
+        self, start: int, end: int, device: torch.device | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Make positions [start, end) writable for the writers (`prepare_write`) and return where they go: the
+        slots (as `slots`, of the writers only) and the writer rows to take from the step's states (an int64 index
+        on `device`, None when every row writes). Memoized until the next table change: one lookup for the step's
+        other layers."""
+        key = ("write", start, end, device)
+        plan = self._memo.get(key)
+        if plan is None:
+            writers = self.writers()
+            self.prepare_write(writers, start, end)
+            subset = len(writers) < self.num_rows
+            slots = self.slots(writers if subset else None, start, end, device)
+            plan = self._memo[key] = (slots, self.writer_index(device) if subset else None)
+        return plan
+
     def _plan_copies(
         self, writers: tuple[int, ...], start: int, end: int, sizes: Counter
     ) -> tuple[list[tuple[int, int]], list[int]]:

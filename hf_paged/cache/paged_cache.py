@@ -157,6 +157,7 @@ class PagedCache(Cache):
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
         self._indexer = IndexerKeys()  # "indexed_attention" layers' indexer keys, beside the paged K/V
         self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
+        self._checked_shapes: dict[int, tuple] = {}  # layer -> the (K, V) shapes `check_states` last accepted
         # NOTE: holds the tables (not `self`), so the finalizer can run once `self` is unreachable.
         self._finalizer = weakref.finalize(self, self._tables.release)
         # `layers`: one per decoder layer (what transformers indexes); `_paged_layers`: one per pool layer, the
@@ -356,29 +357,11 @@ class PagedCache(Cache):
             return self._update_fixed(key_states, value_states, layer_idx)
         self._settle()
         self._states.check_complete()
-        num_decoder_layers = len(self._pool_layers)
-        if layer_idx >= num_decoder_layers and len(self.layers) > num_decoder_layers:
-            raise UnsupportedModel(
-                getattr(self._config, "model_type", None),
-                f"it adds cache layers of its own ({len(self.layers)} for its {num_decoder_layers} layers, such as "
-                f"a copy per loop of looped layers) and writes layer {layer_idx}; a PagedCache holds blocks for the "
-                "model's layers only",
-                "PagedCache",
-            )
-        if layer_idx >= len(self.layers):
-            raise PoolMismatch(
-                f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers; build it from the "
-                "config of the model it runs with: PagedCache(config=model.config)"
-            )
-        if self._pool_layers[layer_idx] is None:
-            raise UnsupportedModel(
-                getattr(self._config, "model_type", None),
-                f"it writes K/V to layer {layer_idx}, whose config layer type caches none (a "
-                f"{type(self.layers[layer_idx]).__name__}); a PagedCache holds K/V of the attention layers only",
-                "PagedCache",
-            )
+        pool_layer = self._pool_layers[layer_idx] if layer_idx < len(self._pool_layers) else None
+        if pool_layer is None:
+            self._refuse_layer(layer_idx)
         # From here on, `layer_idx` is the pool layer (the same number unless the model is hybrid).
-        layer_idx = self._pool_layers[layer_idx]
+        layer_idx = pool_layer
         layer = self._paged_layers[layer_idx]
         blocks = self._tables.of_layer(layer_idx)
         batch_size, _, q_len, _ = key_states.shape
@@ -387,7 +370,10 @@ class PagedCache(Cache):
         if blocks.pool is None:
             self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
-        pool.check_states(layer_idx, key_states, value_states)
+        shapes = (key_states.shape, value_states.shape)
+        if self._checked_shapes.get(layer_idx) != shapes:  # the shapes of a layer's states are checked once
+            pool.check_states(layer_idx, key_states, value_states)
+            self._checked_shapes[layer_idx] = shapes
         if self._fixed is not None:
             self._check_fits(num_tokens)
         if not layer.is_initialized:
@@ -411,9 +397,9 @@ class PagedCache(Cache):
         # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
         # several layer groups, the groups that already stored this step are rolled back too (see _undo_step). A
         # hybrid model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep).
-        writers = blocks.writers()
+        device = pool.devices[layer_idx] if self._multi_device else None  # a pool split over devices: this layer's
         try:
-            blocks.prepare_write(writers, num_past, num_tokens)
+            slots, rows = blocks.write_plan(num_past, num_tokens, device)
         except PoolExhausted:
             if starting:
                 blocks.release()
@@ -424,12 +410,8 @@ class PagedCache(Cache):
             raise
 
         # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
-        subset = len(writers) < batch_size
-        device = pool.devices[layer_idx]  # a pool split over devices: this layer's
-        slots = blocks.slots(writers if subset else None, num_past, num_tokens, device)
         stored_keys, stored_values = key_states, value_states
-        if subset:
-            rows = blocks.writer_index(device)
+        if rows is not None:
             stored_keys, stored_values = key_states[rows], value_states[rows]
         backend = store_backend(device) if self._multi_device else self._store_backend
         if backend == "torch" and not self._multi_device:
@@ -469,6 +451,29 @@ class PagedCache(Cache):
         if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
             return keys.clone(), values.clone()
         return keys, values
+
+    def _refuse_layer(self, layer_idx: int) -> None:
+        """Raise for decoder layer `layer_idx`, which has no pool layer: past the model's layers, or holding no K/V."""
+        num_decoder_layers = len(self._pool_layers)
+        if layer_idx >= num_decoder_layers and len(self.layers) > num_decoder_layers:
+            raise UnsupportedModel(
+                getattr(self._config, "model_type", None),
+                f"it adds cache layers of its own ({len(self.layers)} for its {num_decoder_layers} layers, such as "
+                f"a copy per loop of looped layers) and writes layer {layer_idx}; a PagedCache holds blocks for the "
+                "model's layers only",
+                "PagedCache",
+            )
+        if layer_idx >= len(self.layers):
+            raise PoolMismatch(
+                f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers; build it from the "
+                "config of the model it runs with: PagedCache(config=model.config)"
+            )
+        raise UnsupportedModel(
+            getattr(self._config, "model_type", None),
+            f"it writes K/V to layer {layer_idx}, whose config layer type caches none (a "
+            f"{type(self.layers[layer_idx]).__name__}); a PagedCache holds K/V of the attention layers only",
+            "PagedCache",
+        )
 
     def update_indexer(self, indexer_key_states: torch.Tensor, layer_idx: int) -> torch.Tensor:
         """Append an "indexed_attention" layer's indexer keys ([B, q_len, index_head_dim]: DeepSeek Sparse Attention)
@@ -575,7 +580,9 @@ class PagedCache(Cache):
         until the next update of a cache of that pool in this thread (see gather.py). On a pool split over devices,
         with index tensors on the layer's device."""
         blocks = self._tables.of_layer(layer_idx)
-        return visible_kv(blocks.on(blocks.pool.devices[layer_idx]), layer_idx, first, num_tokens)
+        if self._multi_device:
+            blocks = blocks.on(blocks.pool.devices[layer_idx])
+        return visible_kv(blocks, layer_idx, first, num_tokens)
 
     @property
     def workspace_bytes(self) -> int:

@@ -9,6 +9,7 @@ The Triton modules are imported on first use, not at import time: `import hf_pag
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -20,6 +21,7 @@ BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV_VAR = "HF_PAGED_ATTENTION_BACKEND"
 
 
+@functools.cache  # asked at every step's start: the package set does not change under a running process
 def triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
