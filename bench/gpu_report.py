@@ -4,7 +4,10 @@
    tests/test_kernel_dispatch.py on CUDA tensors (the Triton kernels against their reference on the GPU);
 2. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
    contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
-3. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+3. bench/generate_speed.py: plain generate() on a Llama-3.2-1B-shaped bf16 model (1024-token prompt, 128 new
+   tokens, batch 1 and 16) with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and
+   PagedCache(max_cache_len), milliseconds per new token, and each one's tokens against DynamicCache's in float32;
+4. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
 does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
@@ -31,7 +34,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "decode", "serving")
+STEP_KINDS = ("tests", "decode", "generate", "serving")
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
 
@@ -57,6 +60,9 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
             command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
             steps.append(Step("decode", f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+    if "generate" not in skip:
+        command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
+        steps.append(Step("generate", "generate speed", command))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
@@ -108,6 +114,36 @@ def _decode_section(out: Path) -> str:
     return "\n".join(parts) if parts else "(no decode results)\n"
 
 
+def _generate_section(out: Path) -> str:
+    path = out / "generate.json"
+    if not path.exists():
+        return "(no generate results)\n"
+    report = json.loads(path.read_text())
+    args = report["args"]
+    rows, dynamic = [], {}
+    for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
+        if r["variant"] == "dynamic":
+            dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
+    for r in report["speed"]:
+        speed = dynamic[r["batch"]] / r["ms_per_token"] if r["batch"] in dynamic else None
+        rows.append([r["batch"], r["variant"], f"{r['ms_per_token']:.2f}", "" if speed is None else f"{speed:.2f}x"])
+    parts = [
+        f"{report['device']}, {args['dtype']}, prompt {args['prompt_len']}, {args['new_tokens']} new tokens, greedy; "
+        f"{report['versions']}\n",
+        tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"),
+    ]
+    identity = report.get("identity") or []
+    if identity:
+        rows = [
+            [r["batch"], r["variant"], f"{r['identical_rows']}/{r['rows']}", r["first_diff"] or ""] for r in identity
+        ]
+        parts += [
+            f"\nTokens against DynamicCache in {args['check_dtype']} ({args['check_tokens']} new tokens):\n",
+            tabulate(rows, ["batch", "variant", "identical rows", "first differing step"], tablefmt="github"),
+        ]
+    return "\n".join(parts) + "\n"
+
+
 def _serving_section(out: Path) -> str:
     parts = []
     for dtype in SERVING_DTYPES:
@@ -143,7 +179,8 @@ def report(steps: list[Step], out: Path) -> str:
     for step in steps:
         if step.kind == "tests" or step.returncode != 0:
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
-    lines += ["## Decode attention", "", _decode_section(out), "## Serving", "", _serving_section(out)]
+    lines += ["## Decode attention", "", _decode_section(out)]
+    lines += ["## generate() per cache", "", _generate_section(out), "## Serving", "", _serving_section(out)]
     return "\n".join(lines)
 
 

@@ -10,7 +10,7 @@ import importlib.util
 
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
 import hf_paged.attention.decode_plan
 import hf_paged.attention.kernels.dispatch
@@ -97,3 +97,54 @@ def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
     with PagedCache(config=model.config, pool=pool) as cache:
         model.generate(torch.tensor([prompts[0]], device="cuda:1"), past_key_values=cache, max_new_tokens=4)
     assert store_calls
+
+
+@pytest.mark.parametrize("attn", ["sdpa", PAGED_ATTENTION])
+def test_compiled_generate_on_cuda_replays_cuda_graphs_with_static_cache_tokens(attn, monkeypatch):
+    """generate() compiles a PagedCache(max_cache_len) by itself on CUDA (inductor, CUDA graphs): the graphs are not
+    skipped (the pool and the step buffers are static inputs), and the tokens equal StaticCache's in float32."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    model = tiny_model("llama", attn, device="cuda")
+    input_ids = random_prompt(12).cuda()
+    options = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
+    try:
+        torch._dynamo.reset()
+        static = model.generate(input_ids, cache=StaticCache(config=model.config, max_cache_len=48), **options)
+        torch._dynamo.reset()
+        counters.clear()
+        pool = BlockPool.for_model(model, num_blocks=16, block_size=16)
+        with PagedCache(config=model.config, pool=pool, max_cache_len=48) as cache:
+            paged = model.generate(input_ids, cache=cache, **options)
+    finally:
+        for attribute in ("_compiled_call", "_last_compile_config"):
+            model.__dict__.pop(attribute, None)
+    assert torch.equal(paged, static)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert not counters["inductor"].get("cudagraph_skips"), dict(counters["inductor"])
+    assert pool.num_used_blocks == 0
+
+
+def test_a_replayed_compiled_decode_step_does_not_sync(monkeypatch):
+    """The compiled decode forward (CUDA graphs replayed) makes no host synchronization."""
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    cache = PagedCache(config=model.config, max_cache_len=64)
+    input_ids = random_prompt(12).cuda()
+    forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.inference_mode():
+        model(input_ids, cache=cache)
+        token = input_ids[:, -1:]
+        for step in range(4):  # the first calls compile and record; later ones replay
+            cache.reserve(1)
+            position_ids = torch.full((1, 1), 12 + step, device="cuda")
+            if step == 3:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                logits = forward(input_ids=token, position_ids=position_ids, cache=cache).logits
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+            token = logits[:, -1:].argmax(-1)
+    assert cache.get_seq_length() == 16

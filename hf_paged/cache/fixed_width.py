@@ -24,6 +24,8 @@ shared a prompt's blocks get their own copy of the block they write next.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 
@@ -38,10 +40,12 @@ class FixedWidthSteps:
         self.seq_lens: torch.Tensor | None = None
         self.past_length: torch.Tensor | None = None
         self._versions: list[int] = [-1] * num_groups  # the BlockTables version each table buffer holds
+        self._static_pool_tensors: dict[int, weakref.ref] = {}  # id -> the pool tensors already marked static
 
     def fill(self, groups: list, past_length: int, num_new_tokens: int, device: torch.device) -> None:
         """Write one step's inputs: `groups` (one `BlockTables` per layer group, every row its own writer and holding
         blocks up to `past_length + num_new_tokens`)."""
+        self._mark_pool_static(groups[0].pool)
         num_rows = groups[0].num_rows
         self._allocate(num_rows, num_new_tokens, device)
         block_size, end = self.block_size, past_length + num_new_tokens
@@ -78,9 +82,13 @@ class FixedWidthSteps:
         self.past_length = _static(torch.zeros((), dtype=torch.long, device=device))
         self._versions = [-1] * self.num_groups
 
-    def forget_tables(self) -> None:
-        """The host tables changed in a way their version does not show (a release that started again at 0)."""
-        self._versions = [-1] * self.num_groups
+    def _mark_pool_static(self, pool) -> None:
+        """A compiled step writes the pool in place: its tensors must be static inputs, or CUDA graphs would copy them
+        in (and write the copy) or be skipped. Marked once per tensor (a shared pool that grows has new ones)."""
+        for tensor in (*pool.key_cache, *pool.value_cache):
+            marked = self._static_pool_tensors.get(id(tensor))
+            if marked is None or marked() is not tensor:
+                self._static_pool_tensors[id(tensor)] = weakref.ref(_static(tensor))
 
 
 def gather_fixed(cache: torch.Tensor, block_tables: torch.Tensor, max_cache_len: int) -> torch.Tensor:

@@ -1,0 +1,206 @@
+"""`python bench/generate_speed.py`: plain `generate()` with each cache, milliseconds per new token, side by side.
+
+The model is Llama-3.2-1B's shape with random weights (hidden 2048, 16 layers, 32 q / 8 kv heads, head_dim 64,
+intermediate 8192, vocab 128256), built from its config (no download); a prompt of `--prompt-len` random tokens and
+`--new-tokens` greedy tokens, at each `--batch`. Variants, run in turn (DynamicCache first and last, so drift shows):
+
+    dynamic                DynamicCache, sdpa (transformers' default)
+    paged                  PagedCache, sdpa
+    paged+hf_paged         PagedCache after hf_paged.enable(model) (the Triton decode kernel on CUDA)
+    static-compiled        StaticCache(max_cache_len): generate() compiles the decode forward (CUDA graphs on CUDA)
+    paged-compiled         PagedCache(max_cache_len), sdpa, compiled the same way
+    paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
+
+Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that
+also compiles). Then `--check-dtype` (float32 by default) runs every variant once more for tokens, each against
+DynamicCache's. On CPU, `--tiny` runs the same on a 2-layer model in seconds (a dry run of the script); compiled
+variants then need `--compile-all-devices` (transformers compiles by itself on CUDA only).
+
+    python bench/generate_speed.py --json bench/results/gpu/generate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers.generation import CompileConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import hf_paged  # noqa: E402
+from hf_paged import BlockPool, PagedCache  # noqa: E402
+
+VARIANTS = ("dynamic", "paged", "paged+hf_paged", "static-compiled", "paged-compiled", "paged+hf_paged-compiled")
+LLAMA_1B = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+
+def build_model(shape: dict, dtype: torch.dtype, device: str):
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        initializer_range=0.2,  # random weights: a spread wide enough for varied greedy tokens
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(dtype).eval()
+    paged_model = hf_paged.enable(copy.deepcopy(model))
+    return model, paged_model
+
+
+def make_cache(variant: str, model, pool: BlockPool, max_cache_len: int):
+    if variant == "dynamic":
+        return DynamicCache(config=model.config)
+    if variant == "static-compiled":
+        return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    compiled = variant.endswith("-compiled")
+    return PagedCache(config=model.config, pool=pool, max_cache_len=max_cache_len if compiled else None)
+
+
+def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: bool = False):
+    """One generate(); `fresh`: forget what dynamo compiled before (the graphs of the other variants and batches, which
+    all compile the same forward code and would exhaust its recompile limit)."""
+    model = models[1] if "hf_paged" in variant else models[0]
+    if fresh and variant.endswith("-compiled"):
+        torch._dynamo.reset()
+    cache = make_cache(variant, model, pool, input_ids.shape[1] + new_tokens)
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    if variant.endswith("-compiled") and compile_config is not None:
+        options["compile_config"] = compile_config
+    if input_ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, **options)
+    if input_ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if isinstance(cache, PagedCache):
+        cache.release()
+    return out, seconds
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float16", "float32", "none"])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--prompt-len", type=int, default=1024)
+    parser.add_argument("--new-tokens", type=int, default=128)
+    parser.add_argument("--check-tokens", type=int, default=64, help="new tokens of the identity check")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on CPU")
+    parser.add_argument("--compile-all-devices", action="store_true", help="compile on CPU too (aot_eager)")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    compile_config = None
+    if args.compile_all_devices:
+        compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+        compile_config._compile_all_devices = True
+    elif args.device != "cuda":
+        args.variants = [v for v in args.variants if not v.endswith("-compiled")]
+    shape = TINY if args.tiny else LLAMA_1B
+    results = {"args": vars(args), "device": _device_name(args.device), "versions": _versions(), "speed": []}
+    speed_rows = []
+    models = build_model(shape, getattr(torch, args.dtype), args.device)
+    for batch in args.batch:
+        generator = torch.Generator().manual_seed(batch)
+        input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator)
+        input_ids = input_ids.to(args.device)
+        pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
+        order = [*args.variants, "dynamic"] if "dynamic" in args.variants else list(args.variants)
+        for variant in order:
+            run(variant, models, pool, input_ids, args.new_tokens, compile_config, fresh=True)  # warm-up, compile
+            seconds = min(
+                run(variant, models, pool, input_ids, args.new_tokens, compile_config)[1] for _ in range(args.repeats)
+            )
+            ms_per_token = seconds / args.new_tokens * 1e3
+            results["speed"].append(dict(batch=batch, variant=variant, ms_per_token=ms_per_token))
+            speed_rows.append([batch, variant, f"{ms_per_token:.2f}"])
+            print(f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token", flush=True)
+    print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
+
+    if args.check_dtype != "none":
+        results["identity"] = check_tokens(args, shape, compile_config)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def check_tokens(args, shape: dict, compile_config) -> list[dict]:
+    """Every variant's greedy tokens against DynamicCache's, in `args.check_dtype`, at each batch."""
+    models = build_model(shape, getattr(torch, args.check_dtype), args.device)
+    rows = []
+    for batch in args.batch:
+        generator = torch.Generator().manual_seed(1000 + batch)
+        input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator)
+        input_ids = input_ids.to(args.device)
+        pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
+        expected = run("dynamic", models, pool, input_ids, args.check_tokens, compile_config)[0]
+        for variant in args.variants:
+            got = run(variant, models, pool, input_ids, args.check_tokens, compile_config, fresh=True)[0]
+            same = (got == expected).all(dim=-1)
+            first = (got != expected).int().argmax(dim=-1)
+            differing = [int(f) - args.prompt_len for f, s in zip(first.tolist(), same.tolist()) if not s]
+            rows.append(
+                dict(batch=batch, variant=variant, identical_rows=int(same.sum()), rows=batch, first_diff=differing)
+            )
+            print(f"tokens {args.check_dtype} batch {batch:3d} {variant:26s} {int(same.sum())}/{batch} rows identical")
+    return rows
+
+
+def _num_blocks(batch: int, args) -> int:
+    return batch * -(-(args.prompt_len + max(args.new_tokens, args.check_tokens)) // 16) + 16
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _versions() -> dict:
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+if __name__ == "__main__":
+    sys.exit(main())

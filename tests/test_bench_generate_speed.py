@@ -1,0 +1,32 @@
+"""bench/generate_speed.py as a dry run on CPU: a 2-layer model, every variant, the report section it feeds."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, monkeypatch):
+    out = tmp_path / "generate.json"
+    argv = ["generate_speed.py", "--tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "10"]
+    argv += ["--new-tokens", "3", "--check-tokens", "4", "--repeats", "1", "--compile-all-devices"]
+    argv += ["--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        runpy.run_path(str(ROOT / "bench" / "generate_speed.py"), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 0
+    report = json.loads(out.read_text())
+    variants = {"dynamic", "paged", "paged+hf_paged", "static-compiled", "paged-compiled", "paged+hf_paged-compiled"}
+    assert {r["variant"] for r in report["speed"]} == variants
+    assert all(r["ms_per_token"] > 0 for r in report["speed"])
+    assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 6
+
+    from bench.gpu_report import _generate_section
+
+    section = _generate_section(tmp_path)
+    assert "paged+hf_paged-compiled" in section and "2/2" in section
