@@ -50,15 +50,16 @@ def test_greedy_output_equals_generate_per_request(name, num_blocks, max_num_bat
 
 @pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: a sliding group whose tables start late
 def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
-    import hf_paged.attention
 
     require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
     batch_sizes = []
-    kernel = hf_paged.attention.decode_plan.paged_decode_attention
+    import hf_paged.attention.kernels.triton_decode as triton_decode
+
+    kernel = triton_decode.paged_decode_attention_triton
     monkeypatch.setattr(
-        hf_paged.attention.decode_plan,
-        "paged_decode_attention",
+        triton_decode,
+        "paged_decode_attention_triton",
         lambda query, *a, **k: batch_sizes.append(query.shape[0]) or kernel(query, *a, **k),
     )
     prompts = random_prompts((5, 11, 3))

@@ -393,6 +393,8 @@ def _engine(model, model_inputs) -> GenerateResult:
     scores: dict[int, list[torch.Tensor]] = {}
     pool = BlockPool.for_model(model, num_blocks=64, block_size=ENGINE_BLOCK_SIZE)
     engine = ScoredEngine(model, pool, **ENGINE_OPTIONS)
+    if engine.runner is not None:  # every decode step padded to max_num_seqs rows, as under CUDA graphs
+        engine.runner.pad_to_buckets, engine.runner.buckets = True, [ENGINE_OPTIONS["max_num_seqs"]]
     outputs = engine.generate(prompts_of(model_inputs), max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)
     # generate() issues request ids 0, 1, ... in input order on a new engine.
     steps = [scores.get(request_id, []) for request_id in range(len(outputs))]

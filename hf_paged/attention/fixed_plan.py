@@ -1,4 +1,8 @@
-"""FixedDecodePlan: the decode plan of a compileable `PagedCache` (`max_cache_len`), traceable by torch.compile.
+"""FixedDecodePlan: the decode plan of steps with fixed shapes, traceable by torch.compile and CUDA-graph capture.
+
+Two users: a compileable `PagedCache` (`max_cache_len`: every row has the same length, the model's mask says which
+keys each row sees) and the Engine's decode runner (`ragged`: rows of different lengths, `seq_lens` alone says which
+keys each row sees, the model's mask is ignored).
 
 It differs from `DecodePlan` in what a compiled, CUDA-graph replayed step allows: its tensors are the cache's
 persistent step buffers (fixed shapes), the paged kernel is called through its custom op, and nothing reads a device
@@ -26,8 +30,9 @@ class FixedDecodePlan:
     value_cache: torch.Tensor  # same, of V
     block_tables: torch.Tensor  # [B, W] int64, the cache's persistent table of this layer's group
     seq_lens: torch.Tensor  # [B] int32, tokens per row with the new one
-    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, max_cache_len, head_dim] K and V
+    gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, W * block_size, head_dim] K and V
     backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
+    ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
 
     def attend(
         self,
@@ -48,8 +53,12 @@ class FixedDecodePlan:
             raise backend
         sinks, bias = kwargs.get("s_aux"), kwargs.get("position_bias")
         kernel = backend == "triton" and sinks is None and bias is None and not dropout
+        if self.ragged:
+            attention_mask = None  # the mask describes no row's keys: each row's length does
         if not kernel or not self._bool_mask(attention_mask):
             key, value = self.gather()
+            if self.ragged:
+                attention_mask = fixed_length_mask(self.seq_lens, key.shape[2], sliding_window)
             if softcap is None and sinks is None:
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -85,6 +94,17 @@ class FixedDecodePlan:
     @staticmethod
     def _bool_mask(attention_mask: torch.Tensor | None) -> bool:
         return attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1)
+
+
+def fixed_length_mask(seq_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, 1, width] bool: key j is visible to row b when j < seq_lens[b] (and, with a sliding window,
+    j > seq_lens[b] - 1 - sliding_window), computed on the device (no host read of the lengths)."""
+    positions = torch.arange(width, device=seq_lens.device)[None, :]
+    lengths = seq_lens[:, None]
+    visible = positions < lengths
+    if sliding_window is not None:
+        visible &= positions > lengths - 1 - sliding_window
+    return visible[:, None, None, :]
 
 
 def resolve_backends(device: torch.device) -> dict:

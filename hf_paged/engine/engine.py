@@ -33,6 +33,7 @@ from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords
 from .lockstep import Lockstep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
+from .runner import DecodeRunner, runner_reason
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
@@ -80,6 +81,9 @@ class Engine:
             When the first does not fit, the first of the others that does is admitted instead (backfill); a
             request passed over `Admission.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
             1: strict arrival order.
+        cuda_graphs (`bool`, *optional*): replay decode-only steps (every row adds one token) as CUDA graphs, one per
+            batch bucket, captured when a bucket first runs (`runner.py`). Defaults to True on CUDA; not available
+            elsewhere. Decode-only steps run from the runner's persistent buffers either way.
         lockstep_timeout (`float`, defaults to 300): under tensor parallelism (a model loaded with a TP plan, one
             engine per rank, every rank making the same calls), the seconds a rank waits for the others at a step's
             agreement points before raising `LockstepError` (see lockstep.py: the ranks schedule the same rows and
@@ -90,6 +94,8 @@ class Engine:
             "per-request" (each row of a step is a forward of its own, batch 1, with the model's own attention),
             chosen once here from the model's classes.
         step_mode_reason (`str` or None): why the packed step cannot run the model (None when it can).
+        runner (`DecodeRunner` or None): what runs decode-only steps (its `stats`: steps replayed and run eagerly,
+            graph capture time and memory); None where they stay packed (`runner_reason` says why).
     """
 
     def __init__(
@@ -102,6 +108,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         decode_reserve_tokens: int | None = None,
         backfill_window: int = 8,
+        cuda_graphs: bool | None = None,
         lockstep_timeout: float = 300.0,
     ):
         # Before anything: a model neither step serves raises.
@@ -160,6 +167,30 @@ class Engine:
         self._lockstep = Lockstep.for_model(model, lockstep_timeout)  # None on one rank
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
+        self.runner, self.runner_reason = self._decode_runner(cuda_graphs, max_num_seqs)
+
+    def _decode_runner(self, cuda_graphs: bool | None, max_num_seqs: int) -> tuple[DecodeRunner | None, str | None]:
+        on_cuda = self.pool.device.type == "cuda"
+        if cuda_graphs not in (None, True, False):
+            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+        if cuda_graphs and not on_cuda:
+            raise ValueError(f"cuda_graphs=True needs a pool on a CUDA device, this one is on {self.pool.device}")
+        if self._per_request is not None:
+            reason = "the model runs one forward per request"
+        elif self._lockstep is not None:
+            reason = "tensor-parallel ranks run the packed step in lockstep"
+        else:
+            reason = runner_reason(self.model, self.pool, self._chunk_sizes)
+        if reason is not None:
+            return None, reason
+        # A row can hold the whole pool; a model whose positions are a table (learned) no more than the table.
+        max_tokens = self.pool.num_blocks * self.pool.block_size
+        if self.limits.learned_positions:
+            max_tokens = min(max_tokens, self.limits.max_positions)
+        max_blocks = -(-max_tokens // self.pool.block_size)
+        graphs = on_cuda if cuda_graphs is None else cuda_graphs
+        runner = DecodeRunner(self.model, self.pool, max_num_seqs, max_blocks, self._cache_keyword, graphs)
+        return runner, None
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
@@ -582,6 +613,8 @@ class Engine:
         [len(rows), vocab] logits at each row's last new token. The per-request step runs one forward per row."""
         if self._per_request is not None:
             return self._per_request.forward(rows)
+        if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
+            return self.runner.forward(rows)
         groups = range(self.pool.num_groups)
         cache = StepCache(
             self.pool,

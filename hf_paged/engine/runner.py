@@ -1,0 +1,317 @@
+"""DecodeRunner: the device side of the Engine's decode-only steps (every row adds one token), after vLLM's and
+nano-vllm's model runners.
+
+The packed step (`StepCache`) rebuilds its inputs with `torch.tensor` every step and runs the model's eager forward,
+so on a GPU the host is the whole cost. A decode-only step has a shape fixed by its number of rows, so it can be
+served from persistent buffers and replayed:
+
+    host (per step)                                   device
+    ---------------                                   ------
+    ids, positions, and per layer group the           one copy into the persistent buffers
+    block tables, slots and lengths of the rows   ->  [forward: embeddings ... the pool's store and the paged decode
+    (padded to the bucket: rows repeat a dummy        kernel ... logits]  (a CUDA graph per bucket, replayed)
+    row that writes to the runner's own block)        logits of the real rows -> argmax / sampling on the host
+
+Rows are the batch dimension (`input_ids [B, 1]`), not a packed sequence: the attention of each layer is the paged
+decode of `FixedDecodePlan` (the Triton kernel on CUDA, one gather and SDPA with a length mask elsewhere), with block
+tables `[B, W]` (W = `max_blocks_per_seq`) and lengths counted from each row's first held block.
+
+CUDA graphs (on CUDA, `Engine(cuda_graphs=True)`, the default there): one graph per batch bucket (1, 2, 4, 8, then
+multiples of 8 up to `max_num_seqs`), captured the first time a bucket runs; a step with n rows replays the smallest
+bucket >= n, its extra rows padded. A model whose forward cannot be captured (it synchronizes with the host) runs
+eager, and `capture_error` says why. Padded rows exist only under graphs; without them a step has exactly its rows
+(`pad_to_buckets` forces padding, which tests use to check it on CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from ..attention import plan_placeholders, store_backend, store_kv_rows
+from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
+from ..cache.fixed_width import gather_fixed
+from ..errors import UnsupportedModel
+from ..storage import BlockPool
+from .support import never_stored
+
+logger = logging.getLogger(__name__)
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are captured for: 1, 2, 4, 8, then every multiple of 8, up to `max_num_seqs` (which is
+    always one)."""
+    buckets = [size for size in (1, 2, 4) if size < max_num_seqs]
+    buckets += list(range(8, max_num_seqs, 8))
+    return [*buckets, max_num_seqs]
+
+
+def runner_reason(model, pool: BlockPool, chunk_sizes: list[int | None]) -> str | None:
+    """Why the decode runner cannot serve `model`'s decode steps (they stay packed), or None when it can."""
+    if pool.layout.latent:
+        return "its K/V are latents the model expands after cache.update()"
+    if any(size is not None for size in chunk_sizes):
+        return "it has chunked-attention layers"
+    if "dummy" in pool.layout.layer_types:
+        return "its KV-sharing layers attend another layer's K/V"
+    return None
+
+
+@dataclass
+class RunnerStats:
+    """What the runner did: steps run eagerly and replayed, graphs captured, their capture time and memory."""
+
+    eager_steps: int = 0
+    replayed_steps: int = 0
+    padded_rows: int = 0  # rows run for padding to a bucket, all steps together
+    capture_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> seconds to warm up and capture
+    capture_bytes: int = 0  # CUDA memory the captured graphs hold (their pool and outputs)
+
+
+class _RunnerLayer(CacheLayerMixin):
+    """Layer view for the mask machinery (see `_StepLayer`): describe a plain causal block so no mask is built."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self):
+        super().__init__()
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None: ...
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise NotImplementedError("the runner's cache is updated through the cache, not its layers")
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return query_length, 0
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class RunnerCache(Cache):
+    """The cache a runner's forward writes: store at the step's slots, hand attention a `FixedDecodePlan`. Every
+    tensor it reads is one of the runner's persistent buffers, so a captured graph replays any step."""
+
+    def __init__(self, runner: DecodeRunner):
+        self.runner = runner
+        self.num_updates = 0
+        super().__init__(layers=[_RunnerLayer() for _ in range(runner.pool.layout.num_layers)])
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """key/value_states [B, kv_heads, 1, head_dim] -> empty placeholders carrying the layer's decode plan."""
+        runner, pool = self.runner, self.runner.pool
+        if not 0 <= layer_idx < pool.layout.num_layers:
+            raise UnsupportedModel(
+                runner.model_type,
+                f"it writes cache layer {layer_idx}, while the pool holds its {pool.layout.num_layers} layers",
+                "Engine",
+            )
+        self.num_updates += 1
+        group = pool.group_of_layer[layer_idx]
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        num_rows = runner.num_rows
+        store_kv_rows(
+            key_cache, value_cache, key_states, value_states, runner.slots[group][:num_rows], backend=runner.store
+        )
+        tables, width = runner.tables[group][:num_rows, : runner.table_width], runner.kv_width
+
+        def gather():
+            return gather_fixed(key_cache, tables, width), gather_fixed(value_cache, tables, width)
+
+        plan = FixedDecodePlan(
+            key_cache=pool.nhd_view(key_cache),
+            value_cache=pool.nhd_view(value_cache),
+            block_tables=tables,
+            seq_lens=runner.seq_lens[group][:num_rows],
+            gather=gather,
+            backends=runner.backends,
+            ragged=True,
+        )
+        return plan_placeholders(key_states, value_states, plan)
+
+
+class DecodeRunner:
+    """Run decode-only Engine steps from persistent buffers, replaying CUDA graphs per batch bucket on CUDA.
+
+    Args:
+        model: the Engine's model (on the "hf_paged" attention).
+        pool (`BlockPool`): the Engine's pool.
+        max_num_seqs (`int`): the most rows of a step.
+        max_blocks_per_seq (`int`): the most blocks a row holds in one layer group (W: the block tables' width under
+            a graph).
+        cache_keyword (`str`): the keyword the model's forward takes its cache by.
+        cuda_graphs (`bool`): capture and replay a graph per bucket (CUDA only).
+    """
+
+    def __init__(
+        self, model, pool: BlockPool, max_num_seqs: int, max_blocks_per_seq: int, cache_keyword: str, cuda_graphs: bool
+    ):
+        self.model, self.pool = model, pool
+        self.model_type = getattr(model.config, "model_type", None)
+        self.cache_keyword = cache_keyword
+        self.cuda_graphs = cuda_graphs
+        self.pad_to_buckets = cuda_graphs
+        self.buckets = batch_buckets(max_num_seqs)
+        self.max_blocks_per_seq = max_blocks_per_seq
+        self.stats = RunnerStats()
+        self.capture_error: str | None = None
+        self.store = store_backend(pool.device)
+        self.backends = resolve_backends(pool.device)
+        # The shape of the step being run: its rows (the bucket when padded), the block table entries and keys each
+        # row's attention spans (the longest row's eagerly, W and W * block_size under a graph).
+        self.num_rows = self.table_width = self.kv_width = 0
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._graph_pool = None
+        self._allocate(max(self.buckets))
+        self._cache = RunnerCache(self)
+
+    def _allocate(self, max_rows: int) -> None:
+        """The persistent buffers, views of one int64 device tensor (and a host staging twin) laid out so that each is
+        contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row values (input ids,
+        positions, then per layer group the new token's slot and the row's length from its first held block), then
+        per layer group a `[rows, W]` block table."""
+        num_groups, width = self.pool.num_groups, self.max_blocks_per_seq
+        self._num_fields = 2 + 2 * num_groups
+        size = max_rows * (self._num_fields + num_groups * width)
+        self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
+        self._host = torch.zeros(size, dtype=torch.long, pin_memory=self.pool.device.type == "cuda")
+        self._max_rows = max_rows
+        fields = self._device[: self._num_fields * max_rows].view(self._num_fields, max_rows)
+        self.input_ids, self.position_ids = fields[0].view(-1, 1), fields[1].view(-1, 1)  # [rows, 1] each
+        self.slots = [fields[2 + g] for g in range(num_groups)]  # [rows]
+        self.seq_lens = [fields[2 + num_groups + g] for g in range(num_groups)]  # [rows]
+        tables = self._device[self._num_fields * max_rows :].view(num_groups, max_rows, width)
+        self.tables = [tables[g] for g in range(num_groups)]  # [rows, W]
+
+    # ---------------------------------------------------------------------- step
+    def forward(self, rows) -> torch.Tensor:
+        """rows: `(request, 1)` pairs, each adding its token at position `request.num_computed` -> `[len(rows),
+        vocab]` logits of each row's next token."""
+        num_rows = len(rows)
+        bucket = next(b for b in self.buckets if b >= num_rows) if self.pad_to_buckets else num_rows
+        graphing = self.cuda_graphs and self.capture_error is None
+        # Padding rows, and a capture, write to a block of their own taken for the step; with none free, the step
+        # runs its own rows only, replayed only if their number is a captured bucket.
+        needs_dummy = bucket > num_rows or (graphing and bucket not in self._graphs)
+        dummy = self._take_dummy_block() if needs_dummy else None
+        if needs_dummy and dummy is None:
+            bucket = num_rows
+        try:
+            graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
+            if not graphed:
+                self.backends = resolve_backends(self.pool.device)
+            self._fill(rows, bucket, dummy, full_width=graphed)
+            self.stats.padded_rows += bucket - num_rows
+            if graphed:
+                graph, logits = self._graphs[bucket]
+                graph.replay()
+                self.stats.replayed_steps += 1
+                return logits[:num_rows]
+            self.stats.eager_steps += 1
+            return self._run_model()[:num_rows]
+        finally:
+            if dummy is not None:
+                self.pool.allocator.free([dummy])
+
+    def _take_dummy_block(self) -> int | None:
+        allocator = self.pool.allocator
+        return allocator.allocate(1)[0] if allocator.can_allocate(1) else None
+
+    def _fill(self, rows, bucket: int, dummy: int | None, full_width: bool) -> None:
+        """Write the rows' inputs (and padding rows up to `bucket`) into the host staging tensor, then copy the rows'
+        share of it (one copy of the per-row values, one per layer group of the tables). Table entries past a row's
+        blocks keep what an earlier step left there: never read (each row stops at its length), and always a block id
+        of the pool."""
+        block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.max_blocks_per_seq
+        max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
+        fields = [[] for _ in range(self._num_fields)]
+        table_index, table_values = [], []
+        longest = 1
+        for row, (request, _) in enumerate(rows):
+            position = request.num_computed
+            num_prompt = len(request.prompt_ids)
+            fields[0].append(
+                request.prompt_ids[position] if position < num_prompt else request.output_ids[position - num_prompt]
+            )
+            fields[1].append(position)
+            for g in range(num_groups):
+                table, first = request.block_tables[g], request.first_blocks[g] * block_size
+                offset = position - first
+                fields[2 + g].append(table[offset // block_size] * block_size + offset % block_size)
+                fields[2 + num_groups + g].append(offset + 1)
+                longest = max(longest, offset + 1)
+                start = tables_start + (g * max_rows + row) * width
+                table_index += range(start, start + len(table))
+                table_values += table
+        for row in range(len(rows), bucket):  # padding: token 0 at position 0, in the dummy block only
+            for index, value in enumerate([0, 0] + [dummy * block_size] * num_groups + [1] * num_groups):
+                fields[index].append(value)
+            for g in range(num_groups):
+                table_index.append(tables_start + (g * max_rows + row) * width)
+                table_values.append(dummy)
+        host_fields = self._host[:tables_start].view(self._num_fields, max_rows)
+        host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
+        if table_index:
+            self._host[torch.tensor(table_index)] = torch.tensor(table_values, dtype=torch.long)
+        self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
+        for g in range(num_groups):
+            start = tables_start + g * max_rows * width
+            end = start + bucket * width
+            self._device[start:end].copy_(self._host[start:end], non_blocking=True)
+        self.num_rows = bucket
+        if full_width:
+            self.table_width, self.kv_width = width, width * block_size
+        else:
+            self.table_width, self.kv_width = -(-longest // block_size), longest
+
+    def _run_model(self) -> torch.Tensor:
+        cache = self._cache
+        cache.num_updates = 0
+        out = self.model(
+            input_ids=self.input_ids[: self.num_rows],
+            position_ids=self.position_ids[: self.num_rows],
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_keyword: cache},
+        )
+        if cache.num_updates == 0:
+            raise never_stored(self.model_type, self.cache_keyword)
+        return out.logits[:, -1]  # [rows, vocab]
+
+    # ------------------------------------------------------------------ graphs
+    def _capture(self, bucket: int, dummy: int) -> bool:
+        """Warm up and capture the forward of `bucket` padding rows (they touch only the dummy block); False, with
+        `capture_error` set, when the forward cannot be captured."""
+        device = self.pool.device
+        start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
+        self.backends = resolve_backends(device)
+        self._fill([], bucket, dummy, full_width=True)
+        try:
+            stream = torch.cuda.Stream(device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # Triton compiles and allocators settle outside the capture
+                    self._run_model()
+            torch.cuda.current_stream(device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if self._graph_pool is None:
+                self._graph_pool = torch.cuda.graph_pool_handle()
+            with torch.cuda.graph(graph, pool=self._graph_pool):
+                logits = self._run_model()
+        except Exception as error:  # a forward that synchronizes with the host cannot be captured
+            self.capture_error = f"{type(error).__name__}: {error}"
+            logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
+            return False
+        self._graphs[bucket] = (graph, logits)
+        self.stats.capture_seconds[bucket] = time.perf_counter() - start
+        self.stats.capture_bytes += torch.cuda.memory_allocated(device) - before
+        return True

@@ -1,0 +1,101 @@
+"""The Engine's decode runner (engine/runner.py) on CPU: persistent buffers, rows padded to batch buckets as under
+CUDA graphs, the same tokens as the packed step, no host read inside its forward. CUDA graphs themselves are checked
+in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import greedy_reference, random_prompts, tiny_engine, tiny_model
+
+from hf_paged import BlockPool, Engine
+from hf_paged.engine.runner import batch_buckets
+
+PROMPT_LENGTHS = (5, 11, 3, 17, 8)
+NEW_TOKENS = [9, 4, 14, 6, 11]  # past the window of 8 of the sliding models
+
+
+def test_batch_buckets_follow_capture_sizes_up_to_max_num_seqs():
+    assert batch_buckets(1) == [1]
+    assert batch_buckets(3) == [1, 2, 3]
+    assert batch_buckets(8) == [1, 2, 4, 8]
+    assert batch_buckets(30) == [1, 2, 4, 8, 16, 24, 30]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma3", "gpt2", "phi3"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_steps_through_the_runner_match_generate(name, padded):
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine(name, 64, max_num_seqs=5, max_num_batched_tokens=8)
+    engine.runner.pad_to_buckets = padded
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
+        name, prompts, NEW_TOKENS
+    )
+    stats = engine.runner.stats
+    assert stats.eager_steps > 0 and stats.replayed_steps == 0
+    assert (stats.padded_rows > 0) == padded  # 3 rows run as 4 once the short requests finish
+    assert pool.num_used_blocks == 0  # the block padding rows wrote to went back after each step
+
+
+def test_sampled_rows_through_the_runner_repeat_with_their_seeds():
+    prompts = random_prompts(PROMPT_LENGTHS)
+    runs = []
+    for padded in (False, True):
+        engine, _ = tiny_engine("llama", 64, max_num_seqs=5)
+        engine.runner.pad_to_buckets = padded
+        runs.append(engine.generate(prompts, max_new_tokens=8, temperature=0.9, top_p=0.9, seed=3, ignore_eos=True))
+    assert runs[0] == runs[1]
+
+
+def test_a_step_padded_with_no_free_block_runs_its_rows_alone():
+    """Padding rows need a block of their own; a full pool runs the step unpadded instead of failing."""
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4)
+    engine.runner.pad_to_buckets = True
+    prompts = random_prompts((5, 11, 3))
+    engine.add_request(prompts[0], max_new_tokens=4)
+    engine.add_request(prompts[1], max_new_tokens=4)
+    engine.add_request(prompts[2], max_new_tokens=4)
+    engine.step()  # the prefill of all three
+    taken = pool.allocator.allocate(pool.allocator.num_free_blocks)
+    before = engine.runner.stats.padded_rows
+    engine.step()  # 3 decode rows, bucket 4, no block for the fourth
+    assert engine.runner.stats.padded_rows == before
+    pool.allocator.free(taken)
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.request(request_id).output_ids for request_id in range(3)]
+    assert outputs == greedy_reference("llama", prompts, [4, 4, 4])
+
+
+def test_the_runner_forward_reads_no_device_value_on_the_host(monkeypatch):
+    """What a CUDA graph captures (the model's forward over the runner's buffers) never calls .item(), .tolist(),
+    .cpu() or bool() on a tensor."""
+    engine, pool = tiny_engine("gemma3", 64, max_num_seqs=4)
+    prompts = random_prompts((5, 11, 3))
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=6)
+    engine.step()
+    rows = [(request, 1) for request in engine.scheduler.running]
+    runner = engine.runner
+    runner._fill(rows, 4, pool.allocator.allocate(1)[0], full_width=True)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("a host sync inside the runner's forward")
+
+    for method in ("item", "tolist", "cpu", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, method, sync)
+    with torch.inference_mode():
+        logits = runner._run_model()
+    monkeypatch.undo()
+    assert logits.shape == (4, tiny_model("gemma3").config.vocab_size)
+
+
+def test_cuda_graphs_need_a_cuda_pool_and_other_models_stay_packed():
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="cuda_graphs=True needs a pool on a CUDA device"):
+        Engine(model, pool, cuda_graphs=True)
+    with pytest.raises(ValueError, match="cuda_graphs must be None, True or False"):
+        Engine(model, pool, cuda_graphs="yes")
+    engine = Engine(model, pool)
+    assert engine.runner is not None and not engine.runner.cuda_graphs and engine.runner_reason is None
