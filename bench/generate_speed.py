@@ -30,50 +30,22 @@ from pathlib import Path
 
 import torch
 from tabulate import tabulate
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, StaticCache
+from transformers import DynamicCache, StaticCache
 from transformers.generation import CompileConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hf_paged  # noqa: E402
+from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from hf_paged import BlockPool, PagedCache  # noqa: E402
 
 VARIANTS = ("dynamic", "paged", "paged+hf_paged", "static-compiled", "paged-compiled", "paged+hf_paged-compiled")
-LLAMA_1B = dict(
-    hidden_size=2048,
-    intermediate_size=8192,
-    num_hidden_layers=16,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=64,
-    vocab_size=128256,
-)
-TINY = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: str):
-    config = LlamaConfig(
-        **shape,
-        max_position_embeddings=4096,
-        initializer_range=0.2,  # random weights: a spread wide enough for varied greedy tokens
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
-    )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(dtype).eval()
-    paged_model = hf_paged.enable(copy.deepcopy(model))
-    return model, paged_model
+    """The sdpa model and a copy on the "hf_paged" attention."""
+    model = llama_shaped(shape, dtype, device)
+    return model, hf_paged.enable(copy.deepcopy(model))
 
 
 def make_cache(variant: str, model, pool: BlockPool, max_cache_len: int):
@@ -130,7 +102,7 @@ def main(argv=None) -> int:
         compile_config._compile_all_devices = True
     elif args.device != "cuda":
         args.variants = [v for v in args.variants if not v.endswith("-compiled")]
-    shape = TINY if args.tiny else LLAMA_1B
+    shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
     results = {"args": vars(args), "device": _device_name(args.device), "versions": _versions(), "speed": []}
     speed_rows = []
     models = build_model(shape, getattr(torch, args.dtype), args.device)

@@ -7,7 +7,10 @@
 3. bench/generate_speed.py: plain generate() on a Llama-3.2-1B-shaped bf16 model (1024-token prompt, 128 new
    tokens, batch 1 and 16) with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and
    PagedCache(max_cache_len), milliseconds per new token, and each one's tokens against DynamicCache's in float32;
-4. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+4. bench/engine_speed.py: the Engine on the same model, a burst of 128 requests (prompts 128-1024, outputs 64-256)
+   at 1 GiB of K/V, with and without CUDA graphs, beside transformers' continuous batching and static generate()
+   batches; GPU busy share of its decode steps (torch.profiler); graph tokens against eager ones in float32;
+5. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
 does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
@@ -34,7 +37,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "decode", "generate", "serving")
+STEP_KINDS = ("tests", "decode", "generate", "engine", "serving")
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
 
@@ -63,6 +66,9 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     if "generate" not in skip:
         command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
         steps.append(Step("generate", "generate speed", command))
+    if "engine" not in skip:
+        command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
+        steps.append(Step("engine", "engine speed", command))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
@@ -144,6 +150,45 @@ def _generate_section(out: Path) -> str:
     return "\n".join(parts) + "\n"
 
 
+def _engine_section(out: Path) -> str:
+    path = out / "engine.json"
+    if not path.exists():
+        return "(no engine results)\n"
+    report = json.loads(path.read_text())
+    args, runs = report["args"], report["runs"]
+    peer = runs.get("transformers-cb", {}).get("tok_per_s")
+    rows = []
+    for name, run in runs.items():
+        profile = run.get("profile") or {}
+        rows.append(
+            [
+                name,
+                f"{run['tok_per_s']:.1f}",
+                f"{run['tok_per_s'] / peer:.2f}x" if peer else "",
+                f"{profile['wall_ms_per_step']:.2f} / {profile['cuda_ms_per_step']:.2f}" if profile else "",
+                f"{profile['gpu_busy']:.0%}" if profile else "",
+            ]
+        )
+    headers = ["backend", "output tok/s", "vs transformers-cb", "decode step wall / CUDA ms", "GPU busy"]
+    lines = [
+        f"{report['device']}, {args['dtype']}, {args['num_requests']} requests (prompts {args['prompt_lens']}, "
+        f"outputs {args['output_lens']}), {args['kv_memory']} of K/V; {report['versions']}\n",
+        tabulate(rows, headers, tablefmt="github"),
+    ]
+    for key, label in (("graphs_vs_eager_identical", "graph vs eager tokens"), ("check", "in float32")):
+        if key in report:
+            lines.append(f"\n{label}: {report[key]}")
+    graphs = runs.get("engine-graphs", {}).get("runner")
+    if graphs:
+        seconds = sum(graphs["capture_seconds"].values())
+        lines.append(
+            f"\nCUDA graphs: {len(graphs['capture_seconds'])} buckets captured in {seconds:.1f} s, "
+            f"{graphs['capture_bytes'] / 2**20:.0f} MiB; {graphs['replayed_steps']} steps replayed, "
+            f"{graphs['eager_steps']} eager"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def _serving_section(out: Path) -> str:
     parts = []
     for dtype in SERVING_DTYPES:
@@ -180,7 +225,8 @@ def report(steps: list[Step], out: Path) -> str:
         if step.kind == "tests" or step.returncode != 0:
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
     lines += ["## Decode attention", "", _decode_section(out)]
-    lines += ["## generate() per cache", "", _generate_section(out), "## Serving", "", _serving_section(out)]
+    lines += ["## generate() per cache", "", _generate_section(out), "## Engine", "", _engine_section(out)]
+    lines += ["## Serving", "", _serving_section(out)]
     return "\n".join(lines)
 
 

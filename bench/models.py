@@ -32,6 +32,44 @@ DEFAULT_CONFIG = dict(
 )
 
 
+# Llama-3.2-1B's shape (random weights): the model of the GPU numbers (bench/generate_speed.py, bench/engine_speed.py).
+LLAMA_1B_SHAPE = dict(
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=64,
+    vocab_size=128256,
+)
+# The same architecture in 2 layers of hidden 64: those scripts' dry run on a CPU.
+TINY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+
+def llama_shaped(shape: dict, dtype: torch.dtype, device: str, seed: int = 0):
+    """A random-weight `LlamaForCausalLM` of `shape` (LLAMA_1B_SHAPE, TINY_SHAPE) in eval mode, sdpa attention."""
+    config = LlamaConfig(
+        **shape,
+        max_position_embeddings=4096,
+        initializer_range=0.2,  # random weights: a spread wide enough for varied greedy tokens
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -1,0 +1,233 @@
+"""`python bench/engine_speed.py`: the Engine on a GPU, with and without CUDA graphs, beside transformers' own
+batching, at the same K/V memory.
+
+Model: Llama-3.2-1B's shape with random weights (bench/models.py), bf16. Workload: a burst of `--num-requests`
+requests at t=0, prompts uniform in `--prompt-lens`, outputs uniform in `--output-lens` (seeded). Every backend
+gets `--kv-memory` of K/V:
+
+    engine           Engine(max_num_seqs, max_num_batched_tokens, cuda_graphs=False): decode steps eager
+    engine-graphs    the same with CUDA graphs (decode steps replayed per batch bucket)
+    transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
+    generate-static  generate() with DynamicCache in static batches as large as the memory holds
+
+For each: output tokens per second over the whole burst, and for the Engine a profile of `--profile-steps`
+decode-only steps (once every request is past its prompt): wall and CUDA kernel time per step (torch.profiler), so
+the GPU's busy share. Then the graph run's tokens against the eager run's, in float32 (`--check-dtype`), on the
+first `--check-requests` requests.
+
+On CPU, `--tiny` runs the Engine parts on a 2-layer model (a dry run; graphs need CUDA).
+
+    python bench/engine_speed.py --json bench/results/gpu/engine.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
+from bench.runs import Budget  # noqa: E402
+from bench.workloads import burst  # noqa: E402
+from hf_paged import BlockPool, Engine  # noqa: E402
+from hf_paged.storage.pool import parse_memory  # noqa: E402
+
+BACKENDS = ("engine", "engine-graphs", "transformers-cb", "generate-static")
+
+
+def run_engine(model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profile: bool) -> dict:
+    pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
+    engine = Engine(
+        model,
+        pool,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        cuda_graphs=cuda_graphs,
+    )
+    request_ids = [
+        engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
+        for spec in workload.requests
+    ]
+    cuda = pool.device.type == "cuda"
+    step_profile = None
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        decode_only = not engine.num_waiting and all(r.num_pending == 1 for r in engine.scheduler.running)
+        if profile and step_profile is None and decode_only and engine.num_running >= 2:
+            step_profile = profile_steps(engine, args.profile_steps, cuda)
+            continue
+        engine.step()
+    if cuda:
+        torch.cuda.synchronize()
+    wall = time.perf_counter() - start
+    outputs = [engine.request(r).output_ids for r in request_ids]
+    failed = [engine.request(r).error for r in request_ids if engine.request(r).error]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
+    runner = engine.runner.stats if engine.runner is not None else None
+    return dict(
+        wall_s=wall,
+        output_tokens=sum(len(o) for o in outputs),
+        tok_per_s=sum(len(o) for o in outputs) / wall,
+        num_steps=engine.stats.num_steps,
+        num_blocks=pool.num_blocks,
+        profile=step_profile,
+        runner=None if runner is None else dataclasses.asdict(runner),
+        outputs=outputs,
+    )
+
+
+def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
+    """Wall and CUDA kernel time of the next `num_steps` steps (decode-only ones, from where the caller calls it)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    rows = []
+    with profile(activities=activities) as profiler:
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(num_steps):
+            if not engine.has_unfinished():
+                break
+            rows.append(engine.num_running)
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    kernel_us = sum(e.self_device_time_total for e in profiler.key_averages() if e.self_device_time_total > 0)
+    steps = max(len(rows), 1)
+    return dict(
+        steps=len(rows),
+        mean_rows=sum(rows) / steps,
+        wall_ms_per_step=wall / steps * 1e3,
+        cuda_ms_per_step=kernel_us / 1e3 / steps,
+        gpu_busy=kernel_us / 1e6 / wall if wall else 0.0,
+    )
+
+
+def run_peer_backend(name: str, model, workload, kv_bytes: int) -> dict:
+    """transformers' continuous batching or static generate() batches, through the serving harness's runners."""
+    from bench.continuous import run_peer
+    from bench.static_batches import run_dynamic
+
+    budget = Budget.for_workload(model, workload, 1.0)
+    budget = dataclasses.replace(budget, multiple=kv_bytes / budget.reservation_bytes)
+    result = (run_peer if name == "transformers-cb" else run_dynamic)(model, workload, budget)
+    tokens = sum(len(o) for o in result.outputs)
+    return dict(wall_s=result.wall_s, output_tokens=tokens, tok_per_s=tokens / result.wall_s, outputs=result.outputs)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float16", "float32", "none"])
+    parser.add_argument("--num-requests", type=int, default=128)
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=[128, 1024])
+    parser.add_argument("--output-lens", type=int, nargs=2, default=[64, 256])
+    parser.add_argument("--kv-memory", default="1GiB")
+    parser.add_argument("--max-num-seqs", type=int, default=128)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    parser.add_argument("--profile-steps", type=int, default=30)
+    parser.add_argument("--check-requests", type=int, default=16)
+    parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)
+    parser.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on CPU")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+
+    cuda = args.device == "cuda"
+    if not cuda:
+        args.backends = [b for b in args.backends if b != "engine-graphs"]
+    shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
+    model = llama_shaped(shape, getattr(torch, args.dtype), args.device)
+    workload = burst(
+        vocab_size=shape["vocab_size"],
+        num_requests=args.num_requests,
+        prompt_lens=tuple(args.prompt_lens),
+        output_lens=tuple(args.output_lens),
+    )
+    kv_bytes = parse_memory(args.kv_memory)
+    results = {"args": vars(args), "device": _device_name(args.device), "versions": _versions(), "runs": {}}
+    warm = burst(vocab_size=shape["vocab_size"], num_requests=4, prompt_lens=(16, 32), output_lens=(4, 8), seed=1)
+    for name in args.backends:
+        if name.startswith("engine"):  # a short burst first: Triton compiles, graphs of small buckets capture
+            graphs = name == "engine-graphs"
+            run_engine(model, warm, kv_bytes, args, cuda_graphs=graphs, profile=False)
+            run = run_engine(model, workload, kv_bytes, args, cuda_graphs=graphs, profile=True)
+        else:
+            run = run_peer_backend(name, model, workload, kv_bytes)
+        results["runs"][name] = run
+        print(
+            f"{name:16s} {run['tok_per_s']:9.1f} output tok/s  ({run['output_tokens']} tokens in {run['wall_s']:.1f} s)"
+        )
+        if run.get("profile"):
+            p = run["profile"]
+            print(
+                f"{'':16s} decode steps: {p['wall_ms_per_step']:.2f} ms wall, {p['cuda_ms_per_step']:.2f} ms CUDA "
+                f"per step ({p['mean_rows']:.0f} rows): GPU busy {p['gpu_busy']:.0%}"
+            )
+    runs = results["runs"]
+    if "engine" in runs and "engine-graphs" in runs:
+        same = sum(a == b for a, b in zip(runs["engine"]["outputs"], runs["engine-graphs"]["outputs"]))
+        results["graphs_vs_eager_identical"] = f"{same}/{len(workload.requests)} ({args.dtype})"
+    if cuda and args.check_dtype != "none":
+        results["check"] = check_graph_tokens(args, shape, kv_bytes)
+        print(f"graph vs eager tokens in {args.check_dtype}: {results['check']}")
+    table = [
+        [name, f"{run['tok_per_s']:.1f}", f"{run['tok_per_s'] / runs['transformers-cb']['tok_per_s']:.2f}x"]
+        if "transformers-cb" in runs
+        else [name, f"{run['tok_per_s']:.1f}", ""]
+        for name, run in runs.items()
+    ]
+    print(tabulate(table, ["backend", "output tok/s", "vs transformers-cb"], tablefmt="github"))
+    for run in runs.values():
+        run.pop("outputs", None)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+def check_graph_tokens(args, shape: dict, kv_bytes: int) -> str:
+    """The first `--check-requests` requests in `--check-dtype`, eager and with graphs: identical requests."""
+    model = llama_shaped(shape, getattr(torch, args.check_dtype), args.device)
+    workload = burst(
+        vocab_size=shape["vocab_size"],
+        num_requests=args.check_requests,
+        prompt_lens=tuple(args.prompt_lens),
+        output_lens=(32, 64),
+        seed=2,
+    )
+    eager = run_engine(model, workload, kv_bytes, args, cuda_graphs=False, profile=False)["outputs"]
+    graphs = run_engine(model, workload, kv_bytes, args, cuda_graphs=True, profile=False)["outputs"]
+    return f"{sum(a == b for a, b in zip(eager, graphs))}/{len(eager)} requests identical"
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
+
+
+def _versions() -> dict:
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        versions["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return versions
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""bench/engine_speed.py as a dry run on CPU: a 2-layer model, the Engine and both transformers baselines."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(tmp_path, monkeypatch):
+    out = tmp_path / "engine.json"
+    argv = ["engine_speed.py", "--tiny", "--device", "cpu", "--num-requests", "6", "--prompt-lens", "8", "24"]
+    argv += ["--output-lens", "4", "12", "--kv-memory", "1MiB", "--max-num-seqs", "8"]
+    argv += ["--max-num-batched-tokens", "64", "--profile-steps", "3", "--json", str(out)]
+    monkeypatch.setattr(sys, "argv", argv)
+    try:
+        runpy.run_path(str(ROOT / "bench" / "engine_speed.py"), run_name="__main__")
+    except SystemExit as exit:
+        assert exit.code == 0
+    report = json.loads(out.read_text())
+    runs = report["runs"]
+    assert set(runs) == {"engine", "transformers-cb", "generate-static"}  # graphs need CUDA
+    tokens = {name: run["output_tokens"] for name, run in runs.items()}
+    assert len(set(tokens.values())) == 1 and tokens["engine"] > 0  # every backend served the whole burst
+    profile = runs["engine"]["profile"]
+    assert profile["steps"] == 3 and profile["mean_rows"] >= 2 and profile["wall_ms_per_step"] > 0
+    assert runs["engine"]["runner"]["eager_steps"] > 0
+
+    from bench.gpu_report import _engine_section
+
+    assert "transformers-cb" in _engine_section(tmp_path)
