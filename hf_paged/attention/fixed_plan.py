@@ -33,6 +33,7 @@ class FixedDecodePlan:
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, W * block_size, head_dim] K and V
     backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
     ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
+    length_masks: dict | None = None  # (window, width) -> the ragged rows' length mask, shared by a step's layers
 
     def attend(
         self,
@@ -58,7 +59,7 @@ class FixedDecodePlan:
         if not kernel or not self._bool_mask(attention_mask):
             key, value = self.gather()
             if self.ragged:
-                attention_mask = fixed_length_mask(self.seq_lens, key.shape[2], sliding_window)
+                attention_mask = self._length_mask(key.shape[2], sliding_window)
             if softcap is None and sinks is None:
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
@@ -90,6 +91,14 @@ class FixedDecodePlan:
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor:
+        if self.length_masks is None:
+            return fixed_length_mask(self.seq_lens, width, sliding_window)
+        mask = self.length_masks.get((sliding_window, width))
+        if mask is None:
+            mask = self.length_masks[(sliding_window, width)] = fixed_length_mask(self.seq_lens, width, sliding_window)
+        return mask
 
     @staticmethod
     def _bool_mask(attention_mask: torch.Tensor | None) -> bool:

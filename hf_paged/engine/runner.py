@@ -34,7 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
-from ..cache.fixed_width import gather_fixed
+from ..cache.fixed_width import fixed_gather_index, gather_fixed
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .support import never_stored
@@ -104,6 +104,8 @@ class RunnerCache(Cache):
     def __init__(self, runner: DecodeRunner):
         self.runner = runner
         self.num_updates = 0
+        # Per forward, what every layer of a group would make again: gather indices and length masks.
+        self.memo: dict[tuple, torch.Tensor | dict] = {}
         super().__init__(layers=[_RunnerLayer() for _ in range(runner.pool.layout.num_layers)])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -123,9 +125,17 @@ class RunnerCache(Cache):
             key_cache, value_cache, key_states, value_states, runner.slots[group][:num_rows], backend=runner.store
         )
         tables, width = runner.tables[group][:num_rows, : runner.table_width], runner.kv_width
+        memo = self.memo
 
         def gather():
-            return gather_fixed(key_cache, tables, width), gather_fixed(value_cache, tables, width)
+            gathered = []
+            for cache in (key_cache, value_cache):
+                key = ("index", group, cache.shape[0], cache.shape[1])
+                index = memo.get(key)
+                if index is None:
+                    index = memo[key] = fixed_gather_index(tables, cache.shape[0], cache.shape[1])
+                gathered.append(gather_fixed(cache, tables, width, index))
+            return gathered[0], gathered[1]
 
         plan = FixedDecodePlan(
             key_cache=pool.nhd_view(key_cache),
@@ -135,6 +145,7 @@ class RunnerCache(Cache):
             gather=gather,
             backends=runner.backends,
             ragged=True,
+            length_masks=memo.setdefault(("length_masks", group), {}),
         )
         return plan_placeholders(key_states, value_states, plan)
 
@@ -276,6 +287,7 @@ class DecodeRunner:
     def _run_model(self) -> torch.Tensor:
         cache = self._cache
         cache.num_updates = 0
+        cache.memo.clear()
         out = self.model(
             input_ids=self.input_ids[: self.num_rows],
             position_ids=self.position_ids[: self.num_rows],
