@@ -34,6 +34,9 @@ class FixedDecodePlan:
     backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
     ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
     length_masks: dict | None = None  # (window, width) -> the ragged rows' length mask, shared by a step's layers
+    # Ragged rows that all hold exactly as many keys as `gather` returns (known on the host): no length mask then,
+    # unless a sliding window hides some.
+    full_rows: bool = False
 
     def attend(
         self,
@@ -92,7 +95,9 @@ class FixedDecodePlan:
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
 
-    def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor:
+    def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor | None:
+        if self.full_rows and (sliding_window is None or width <= sliding_window):
+            return None
         if self.length_masks is None:
             return fixed_length_mask(self.seq_lens, width, sliding_window)
         mask = self.length_masks.get((sliding_window, width))

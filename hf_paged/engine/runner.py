@@ -146,6 +146,7 @@ class RunnerCache(Cache):
             backends=runner.backends,
             ragged=True,
             length_masks=memo.setdefault(("length_masks", group), {}),
+            full_rows=runner.full_rows[group],
         )
         return plan_placeholders(key_states, value_states, plan)
 
@@ -180,6 +181,7 @@ class DecodeRunner:
         # The shape of the step being run: its rows (the bucket when padded), the block table entries and keys each
         # row's attention spans (the longest row's eagerly, W and W * block_size under a graph).
         self.num_rows = self.table_width = self.kv_width = 0
+        self.full_rows: list[bool] = []  # per layer group: every row spans all `kv_width` keys (eager steps only)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self._allocate(max(self.buckets))
@@ -247,6 +249,7 @@ class DecodeRunner:
         fields = [[] for _ in range(self._num_fields)]
         table_index, table_values = [], []
         longest = 1
+        lengths = [set() for _ in range(num_groups)]
         for row, (request, _) in enumerate(rows):
             position = request.num_computed
             num_prompt = len(request.prompt_ids)
@@ -259,6 +262,7 @@ class DecodeRunner:
                 offset = position - first
                 fields[2 + g].append(table[offset // block_size] * block_size + offset % block_size)
                 fields[2 + num_groups + g].append(offset + 1)
+                lengths[g].add(offset + 1)
                 longest = max(longest, offset + 1)
                 start = tables_start + (g * max_rows + row) * width
                 table_index += range(start, start + len(table))
@@ -283,6 +287,7 @@ class DecodeRunner:
             self.table_width, self.kv_width = width, width * block_size
         else:
             self.table_width, self.kv_width = -(-longest // block_size), longest
+        self.full_rows = [not full_width and bucket == len(rows) and group == {longest} for group in lengths]
 
     def _run_model(self) -> torch.Tensor:
         cache = self._cache

@@ -1,0 +1,135 @@
+"""`python -m bench.host_overhead`: what hf_paged's Python costs around the model, on a model whose arithmetic is
+negligible (16 layers, hidden 64, one thread), where a step is almost all host time, as on a GPU.
+
+1. `generate()`'s decode step: one forward of one new token per row after a `--prompt-len` prompt, with a
+   PagedCache (sdpa, and the "hf_paged" attention) against DynamicCache;
+2. an Engine decode step (`--rows` requests of `--prompt-len` tokens, every row adding one token: scheduling, the
+   decode runner's forward, argmax, bookkeeping) against a bare forward of the same rows with DynamicCache, and
+   against the runner's forward alone; the packed step (no runner) beside it.
+
+Each variant takes one step in turn (interleaved, so a slower moment of the machine hits all of them alike); the
+medians over `--steps` steps, best of `--repeats`, are the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_paged
+from hf_paged import BlockPool, Engine, PagedCache
+
+
+def negligible_model():
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=16,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=0,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+class Decoder:
+    """A batch decoding one token per call on a cache of its own (`make_cache(model)`)."""
+
+    def __init__(self, model, make_cache, prompts: torch.Tensor):
+        self.model, self.cache = model, make_cache(model)
+        self.position = prompts.shape[1]
+        with torch.inference_mode():
+            self.token = model(prompts, cache=self.cache).logits[:, -1:].argmax(-1)
+
+    def step(self) -> None:
+        with torch.inference_mode():
+            positions = torch.full_like(self.token, self.position)
+            logits = self.model(self.token, cache=self.cache, position_ids=positions).logits
+            self.token = logits[:, -1:].argmax(-1)
+            self.token.tolist()  # the host reads the tokens every step, as generate() and the Engine do
+        self.position += 1
+
+
+def engine_for(model, prompts: torch.Tensor, steps: int, runner: bool) -> Engine:
+    rows, prompt_len = prompts.shape
+    model = copy.deepcopy(model)
+    pool = BlockPool.for_model(model, num_blocks=rows * (-(-(prompt_len + steps + 8) // 16)), block_size=16)
+    engine = Engine(model, pool, max_num_seqs=rows, max_num_batched_tokens=rows * prompt_len)
+    if not runner:
+        engine.runner = None
+    for prompt in prompts.tolist():
+        engine.add_request(prompt, max_new_tokens=steps + 4, ignore_eos=True)
+    engine.step()  # every prefill
+    return engine
+
+
+def interleaved(steppers: dict, steps: int) -> dict[str, float]:
+    times = {name: [] for name in steppers}
+    for _ in range(steps):
+        for name, step in steppers.items():
+            start = time.perf_counter()
+            step()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    model = negligible_model()
+    paged_model = hf_paged.enable(copy.deepcopy(model))
+    for rows in args.rows:
+        prompts = torch.randint(1, 128, (rows, args.prompt_len), generator=torch.Generator().manual_seed(rows))
+        best: dict[str, float] = {}
+        for _ in range(args.repeats):
+            decoders = {
+                "dynamic": Decoder(model, lambda m: DynamicCache(config=m.config), prompts),
+                "paged (sdpa)": Decoder(model, lambda m: PagedCache(config=m.config), prompts),
+                "paged (hf_paged)": Decoder(paged_model, lambda m: PagedCache(config=m.config), prompts),
+            }
+            engine, packed = engine_for(model, prompts, args.steps, True), engine_for(model, prompts, args.steps, False)
+            forward_times = []
+            run_model = engine.runner._run_model
+
+            def timed_forward(run_model=run_model, forward_times=forward_times):
+                start = time.perf_counter()
+                out = run_model()
+                forward_times.append(time.perf_counter() - start)
+                return out
+
+            engine.runner._run_model = timed_forward
+            steppers = {name: decoder.step for name, decoder in decoders.items()}
+            steppers.update({"engine step": engine.step, "engine step (packed)": packed.step})
+            medians = interleaved(steppers, args.steps)
+            medians["engine runner forward"] = statistics.median(forward_times)
+            best = {name: min(best.get(name, float("inf")), value) for name, value in medians.items()}
+        base = best["dynamic"]
+        print(f"rows {rows}, prompt {args.prompt_len}: DynamicCache decode forward {base * 1e3:.3f} ms")
+        for name, value in best.items():
+            against = "" if name == "dynamic" else f"{value / base:.3f}x DynamicCache"
+            if name == "engine step":
+                against += f", {value / best['engine runner forward']:.3f}x its runner's forward"
+            print(f"  {name:24s} {value * 1e3:7.3f} ms  {against}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
