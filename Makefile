@@ -43,10 +43,12 @@ microbench: setup
 	$(PY) -m pytest -q tests/test_bench_hotpaths.py tests/test_bench_kernels.py --benchmark-only --benchmark-sort=name --benchmark-columns=min,median,mean,rounds
 
 # Everything that needs a CUDA GPU: tests/test_gpu.py and the kernel tests on CUDA tensors, bench/decode_attention.py
-# (fraction of HBM peak) and the serving harness in float32 and bfloat16, into bench/results/gpu/REPORT.md. Exits 1
-# if a step failed; without CUDA it runs nothing, says so, and exits 2.
+# (fraction of HBM peak), bench/generate_speed.py (generate() per cache, compiled ones included), bench/engine_speed.py
+# (the Engine with and without CUDA graphs beside transformers' batching) and the serving harness in float32 and
+# bfloat16, into bench/results/gpu/REPORT.md. Exits 1 if a step failed; without CUDA it runs nothing, says so, and
+# exits 2. GPU_REPORT_ARGS="--skip serving decode" leaves steps out.
 bench-gpu: setup $(VENV)/.plot-installed
-	$(PY) -m bench.gpu_report
+	$(PY) -m bench.gpu_report $(GPU_REPORT_ARGS)
 
 # Regenerates docs/kernels.md: registers, spills, shared memory and occupancy of every Triton kernel variant on
 # sm_80 and sm_90 (compiled here, no GPU needed).

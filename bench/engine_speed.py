@@ -34,6 +34,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.host import device_name, versions  # noqa: E402
 from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from bench.runs import Budget  # noqa: E402
 from bench.workloads import burst  # noqa: E402
@@ -156,7 +157,7 @@ def main(argv=None) -> int:
         output_lens=tuple(args.output_lens),
     )
     kv_bytes = parse_memory(args.kv_memory)
-    results = {"args": vars(args), "device": _device_name(args.device), "versions": _versions(), "runs": {}}
+    results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "runs": {}}
     warm = burst(vocab_size=shape["vocab_size"], num_requests=4, prompt_lens=(16, 32), output_lens=(4, 8), seed=1)
     for name in args.backends:
         if name.startswith("engine"):  # a short burst first: Triton compiles, graphs of small buckets capture
@@ -210,23 +211,6 @@ def check_graph_tokens(args, shape: dict, kv_bytes: int) -> str:
     eager = run_engine(model, workload, kv_bytes, args, cuda_graphs=False, profile=False)["outputs"]
     graphs = run_engine(model, workload, kv_bytes, args, cuda_graphs=True, profile=False)["outputs"]
     return f"{sum(a == b for a, b in zip(eager, graphs))}/{len(eager)} requests identical"
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
-
-
-def _versions() -> dict:
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return versions
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ from transformers.generation import CompileConfig
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import hf_paged  # noqa: E402
+from bench.host import device_name, versions  # noqa: E402
 from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from hf_paged import BlockPool, PagedCache  # noqa: E402
 
@@ -103,7 +104,7 @@ def main(argv=None) -> int:
     elif args.device != "cuda":
         args.variants = [v for v in args.variants if not v.endswith("-compiled")]
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
-    results = {"args": vars(args), "device": _device_name(args.device), "versions": _versions(), "speed": []}
+    results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "speed": []}
     speed_rows = []
     models = build_model(shape, getattr(torch, args.dtype), args.device)
     for batch in args.batch:
@@ -155,23 +156,6 @@ def check_tokens(args, shape: dict, compile_config) -> list[dict]:
 
 def _num_blocks(batch: int, args) -> int:
     return batch * -(-(args.prompt_len + max(args.new_tokens, args.check_tokens)) // 16) + 16
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
-
-
-def _versions() -> dict:
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return versions
 
 
 if __name__ == "__main__":

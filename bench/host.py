@@ -27,3 +27,25 @@ def host() -> str:
     threads = os.cpu_count()
     counts = ([f"{len(cores)} cores"] if cores else []) + ([f"{threads} threads"] if threads else [])
     return f"{name} ({', '.join(counts)})" if counts else name
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for a CUDA device, else the device type."""
+    import torch
+
+    return torch.cuda.get_device_name(device) if str(device).startswith("cuda") else str(device)
+
+
+def versions() -> dict[str, str]:
+    """torch, transformers and (where installed) triton versions, as a GPU report names them."""
+    import torch
+    import transformers
+
+    found = {"torch": torch.__version__, "transformers": transformers.__version__}
+    try:
+        import triton
+
+        found["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return found

@@ -19,30 +19,24 @@ import statistics
 import time
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import hf_paged
+from bench.models import llama_shaped
 from hf_paged import BlockPool, Engine, PagedCache
 
 
 def negligible_model():
-    config = LlamaConfig(
-        vocab_size=128,
+    """Llama, 16 layers of hidden 64, float32 on CPU: a step is almost all host time."""
+    shape = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=16,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=4096,
-        initializer_range=0.2,
-        tie_word_embeddings=False,
-        eos_token_id=None,
-        bos_token_id=None,
-        pad_token_id=0,
+        vocab_size=128,
     )
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return llama_shaped(shape, torch.float32, "cpu")
 
 
 class Decoder:

@@ -30,13 +30,14 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..cache.fixed_width import fixed_gather_index, gather_fixed
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
+from .step_cache import StepLayer
 from .support import never_stored
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,8 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 def runner_reason(model, pool: BlockPool, chunk_sizes: list[int | None]) -> str | None:
     """Why the decode runner cannot serve `model`'s decode steps (they stay packed), or None when it can."""
+    if not isinstance(model, torch.nn.Module):  # a stand-in with a forward of its own (bench/replay.py's)
+        return "the model is no torch module"
     if pool.layout.latent:
         return "its K/V are latents the model expands after cache.update()"
     if any(size is not None for size in chunk_sizes):
@@ -72,31 +75,6 @@ class RunnerStats:
     capture_bytes: int = 0  # CUDA memory the captured graphs hold (their pool and outputs)
 
 
-class _RunnerLayer(CacheLayerMixin):
-    """Layer view for the mask machinery (see `_StepLayer`): describe a plain causal block so no mask is built."""
-
-    is_compileable = True
-    is_sliding = False
-
-    def __init__(self):
-        super().__init__()
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None: ...
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        raise NotImplementedError("the runner's cache is updated through the cache, not its layers")
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return query_length, 0
-
-    def get_seq_length(self) -> int:
-        return 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-
 class RunnerCache(Cache):
     """The cache a runner's forward writes: store at the step's slots, hand attention a `FixedDecodePlan`. Every
     tensor it reads is one of the runner's persistent buffers, so a captured graph replays any step."""
@@ -106,7 +84,10 @@ class RunnerCache(Cache):
         self.num_updates = 0
         # Per forward, what every layer of a group would make again: gather indices and length masks.
         self.memo: dict[tuple, torch.Tensor | dict] = {}
-        super().__init__(layers=[_RunnerLayer() for _ in range(runner.pool.layout.num_layers)])
+        super().__init__(layers=[StepLayer(self) for _ in range(runner.pool.layout.num_layers)])
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # the mask sizes describe a plain causal block of the new tokens (StepLayer); positions are given
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [B, kv_heads, 1, head_dim] -> empty placeholders carrying the layer's decode plan."""

@@ -39,8 +39,9 @@ from ..errors import UnsupportedModel
 from ..storage import BlockPool
 
 
-class _StepLayer(CacheLayerMixin):
-    """Layer view for the mask machinery: it describes the step's keys, the cache does the work."""
+class StepLayer(CacheLayerMixin):
+    """Layer view for the mask machinery: it describes the step's keys, the cache does the work (the packed step's
+    `StepCache` and the decode runner's `RunnerCache`)."""
 
     is_compileable = False
     is_sliding = False
@@ -246,7 +247,7 @@ class StepCache(Cache):
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = {} if workspace is None else workspace
         self._index: dict[tuple, torch.Tensor] = {}  # (group, first row, end row, kv_heads, pool blocks) -> index
-        super().__init__(layers=[_StepLayer(self) for _ in range(pool.layout.num_layers)])
+        super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> _GroupStep:
         # Slots, lengths and padded tables are worked out on the host and sent once: a decode step adds one token

@@ -56,18 +56,14 @@ def paged_decode_attention_op(
     """query `[B, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`, block_tables
     `[B, max_blocks_per_seq]` int32, seq_lens `[B]` int32, kv_start `[B]` int32 or None -> `[B, num_q_heads,
     head_dim]` in `query.dtype` (see `paged_decode_attention_torch`)."""
-    return paged_decode_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        scale=scale,
-        kv_start=kv_start,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        backend=backend,
+    return _decode(
+        query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend
     )
+
+
+def _decode(query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend):
+    kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, backend=backend)
+    return paged_decode_attention(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
 
 
 @paged_decode_attention_op.register_fake
@@ -87,19 +83,7 @@ def paged_decode_attention_compiled(
     query, key_cache, value_cache, block_tables, seq_lens, *, scale, kv_start, sliding_window, softcap, backend: str
 ) -> torch.Tensor:
     """`paged_decode_attention` through the custom op when torch.compile is tracing, the plain call otherwise."""
+    args = (query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend)
     if torch.compiler.is_compiling():
-        return torch.ops.hf_paged.paged_decode_attention(
-            query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend
-        )
-    return paged_decode_attention(
-        query,
-        key_cache,
-        value_cache,
-        block_tables,
-        seq_lens,
-        scale=scale,
-        kv_start=kv_start,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        backend=backend,
-    )
+        return torch.ops.hf_paged.paged_decode_attention(*args)
+    return _decode(*args)
