@@ -180,9 +180,10 @@ def _engine_section(out: Path) -> str:
             lines.append(f"\n{label}: {report[key]}")
     graphs = runs.get("engine-graphs", {}).get("runner")
     if graphs:
-        seconds = sum(graphs["capture_seconds"].values())
+        seconds = sum(capture[2] for capture in graphs["captures"])
         lines.append(
-            f"\nCUDA graphs: {len(graphs['capture_seconds'])} buckets captured in {seconds:.1f} s, "
+            f"\nCUDA graphs: {len(graphs['captures'])} captured (bucket, width: "
+            f"{', '.join(f'{b}x{w}' for b, w, _ in graphs['captures'])}) in {seconds:.1f} s, "
             f"{graphs['capture_bytes'] / 2**20:.0f} MiB; {graphs['replayed_steps']} steps replayed, "
             f"{graphs['eager_steps']} eager"
         )

@@ -255,3 +255,14 @@ def test_hybrid_models_are_refused_by_name():
     model = build("qwen3_next")
     with pytest.raises(UnsupportedModel, match=r"max_cache_len.*qwen3_next.*not paged"):
         PagedCache(config=model.config, max_cache_len=32)
+
+
+def test_a_second_turn_continues_the_cache_as_dynamic_cache_does():
+    """A second generate() on a returned cache feeds several tokens at once into a reserved step."""
+    model = tiny_model("llama")
+    outputs = []
+    for cache in (DynamicCache(config=model.config), PagedCache(config=model.config, max_cache_len=64)):
+        first = model.generate(random_prompt(12), cache=cache, max_new_tokens=8, do_sample=False)
+        follow_up = torch.cat([first, random_prompt(5, seed=3)], dim=1)
+        outputs.append(model.generate(follow_up, cache=cache, max_new_tokens=8, do_sample=False))
+    assert torch.equal(outputs[0], outputs[1])

@@ -14,7 +14,8 @@ served from persistent buffers and replayed:
 
 Rows are the batch dimension (`input_ids [B, 1]`), not a packed sequence: the attention of each layer is the paged
 decode of `FixedDecodePlan` (the Triton kernel on CUDA, one gather and SDPA with a length mask elsewhere), with block
-tables `[B, W]` (W = `max_blocks_per_seq`) and lengths counted from each row's first held block.
+tables `[B, W]` and lengths counted from each row's first held block (W: the longest row's blocks eagerly; under a
+graph, a power of two that holds the longest row so far, the graphs captured again when it doubles).
 
 CUDA graphs (on CUDA, `Engine(cuda_graphs=True)`, the default there): one graph per batch bucket (1, 2, 4, 8, then
 multiples of 8 up to `max_num_seqs`), captured the first time a bucket runs; a step with n rows replays the smallest
@@ -71,7 +72,8 @@ class RunnerStats:
     eager_steps: int = 0
     replayed_steps: int = 0
     padded_rows: int = 0  # rows run for padding to a bucket, all steps together
-    capture_seconds: dict[int, float] = field(default_factory=dict)  # bucket -> seconds to warm up and capture
+    # (bucket, block table width, seconds to warm up and capture) of every graph captured
+    captures: list[tuple[int, int, float]] = field(default_factory=list)
     capture_bytes: int = 0  # CUDA memory the captured graphs hold (their pool and outputs)
 
 
@@ -155,6 +157,9 @@ class DecodeRunner:
         self.pad_to_buckets = cuda_graphs
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
+        # The block tables' width under a graph: a power of two holding the longest row so far (the kernel's split
+        # choice and the gather grow with it), doubled and the graphs captured again when a row outgrows it.
+        self.graph_width = min(16, max_blocks_per_seq)
         self.stats = RunnerStats()
         self.capture_error: str | None = None
         self.store = store_backend(pool.device)
@@ -199,6 +204,13 @@ class DecodeRunner:
         dummy = self._take_dummy_block() if needs_dummy else None
         if needs_dummy and dummy is None:
             bucket = num_rows
+        if graphing:
+            longest = max(len(table) for request, _ in rows for table in request.block_tables)
+            if longest > self.graph_width:
+                while self.graph_width < longest:
+                    self.graph_width *= 2
+                self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
+                self._graphs.clear()
         try:
             graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
             if not graphed:
@@ -265,7 +277,7 @@ class DecodeRunner:
             self._device[start:end].copy_(self._host[start:end], non_blocking=True)
         self.num_rows = bucket
         if full_width:
-            self.table_width, self.kv_width = width, width * block_size
+            self.table_width, self.kv_width = self.graph_width, self.graph_width * block_size
         else:
             self.table_width, self.kv_width = -(-longest // block_size), longest
         self.full_rows = [not full_width and bucket == len(rows) and group == {longest} for group in lengths]
@@ -310,6 +322,6 @@ class DecodeRunner:
             logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
             return False
         self._graphs[bucket] = (graph, logits)
-        self.stats.capture_seconds[bucket] = time.perf_counter() - start
+        self.stats.captures.append((bucket, self.graph_width, time.perf_counter() - start))
         self.stats.capture_bytes += torch.cuda.memory_allocated(device) - before
         return True
