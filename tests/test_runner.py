@@ -99,3 +99,51 @@ def test_cuda_graphs_need_a_cuda_pool_and_other_models_stay_packed():
         Engine(model, pool, cuda_graphs="yes")
     engine = Engine(model, pool)
     assert engine.runner is not None and not engine.runner.cuda_graphs and engine.runner_reason is None
+
+
+class _FakeStream:
+    def wait_stream(self, stream) -> None: ...
+
+
+class _FakeGraph:
+    """A CUDA graph stand-in: capturing records nothing, replaying runs the runner's forward again into the captured
+    output, which is what a replay computes from the same buffers."""
+
+    runner = None
+
+    def replay(self) -> None:
+        runner = _FakeGraph.runner
+        for graph, logits in runner._graphs.values():
+            if graph is self:
+                logits.copy_(runner._run_model())
+
+
+def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
+    """Capture per bucket, replay, full-width tables that double (and are captured again) as rows grow, padding in a
+    block taken per step: the same tokens as per-request generate(), every block back in the pool."""
+    import contextlib
+
+    for name, value in {
+        "CUDAGraph": _FakeGraph,
+        "graph": lambda graph, pool=None: contextlib.nullcontext(),
+        "Stream": lambda device=None: _FakeStream(),
+        "stream": lambda stream: contextlib.nullcontext(),
+        "current_stream": lambda device=None: _FakeStream(),
+        "graph_pool_handle": lambda: None,
+        "memory_allocated": lambda device=None: 0,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, value)
+    prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=16)
+    runner = engine.runner
+    runner.cuda_graphs = runner.pad_to_buckets = True
+    _FakeGraph.runner = runner
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
+        "llama", prompts, NEW_TOKENS
+    )
+    stats = runner.stats
+    assert stats.replayed_steps > 0 and stats.padded_rows > 0
+    widths = {width for _, width, _ in stats.captures}
+    assert widths == {16, 32}  # captured again when the 60-token prompt's row passed 16 blocks
+    assert runner.graph_width == 32
+    assert pool.num_used_blocks == 0
