@@ -9,6 +9,7 @@ import torch
 from models import greedy_reference, random_prompts, tiny_engine, tiny_model
 
 from hf_paged import BlockPool, Engine
+from hf_paged.storage import block_hashes
 from hf_paged.engine.runner import batch_buckets
 
 PROMPT_LENGTHS = (5, 11, 3, 17, 8)
@@ -125,12 +126,15 @@ def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
 
     for name, value in {
         "CUDAGraph": _FakeGraph,
-        "graph": lambda graph, pool=None: contextlib.nullcontext(),
+        "graph": lambda graph, pool=None, stream=None: contextlib.nullcontext(),
         "Stream": lambda device=None: _FakeStream(),
         "stream": lambda stream: contextlib.nullcontext(),
         "current_stream": lambda device=None: _FakeStream(),
         "graph_pool_handle": lambda: None,
         "memory_allocated": lambda device=None: 0,
+        "device": lambda device: contextlib.nullcontext(),
+        "set_stream": lambda stream: None,
+        "synchronize": lambda device=None: None,
     }.items():
         monkeypatch.setattr(torch.cuda, name, value)
     prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
@@ -146,4 +150,28 @@ def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
     widths = {width for _, width, _ in stats.captures}
     assert widths == {16, 32}  # captured again when the 60-token prompt's row passed 16 blocks
     assert runner.graph_width == 32
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
+    """The padding rows' block is taken once per busy period, not once a step: a step that took and freed one would
+    cycle the free queue and evict a cached prefix block every step."""
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=40, block_size=4, enable_prefix_caching=True)
+    engine = Engine(model, pool, max_num_seqs=4, enable_prefix_caching=True)
+    engine.runner.pad_to_buckets = padded
+    prompts = random_prompts((24, 24, 24, 24))
+    engine.generate(prompts, max_new_tokens=2, ignore_eos=True)
+    hashes = [block_hash for prompt in prompts for block_hash in block_hashes(prompt, 4)]
+
+    def num_cached():
+        return sum(block is not None for block in pool.allocator.peek_blocks(hashes))
+
+    assert num_cached() == 24
+    engine.generate(random_prompts((3, 5, 6), seed=7), max_new_tokens=30, ignore_eos=True)  # 3 rows, bucket 4
+    kept = num_cached()
+    # The three requests take 12 blocks from the head of the free queue (every one of them cached); padding: one more
+    assert kept == (11 if padded else 12)
+    assert (engine.runner.stats.padded_rows > 0) == padded
     assert pool.num_used_blocks == 0

@@ -438,6 +438,12 @@ class Engine:
             self.stats.num_aborted += len(requests)
             for request in requests:
                 self._note_finished(request)
+            self._release_runner_when_idle()
+
+    def _release_runner_when_idle(self) -> None:
+        """No request left: the runner gives back the block its padding rows write to."""
+        if self.runner is not None and not self.scheduler.has_unfinished():
+            self.runner.release()
 
     def _was_issued(self, request_id) -> bool:
         return isinstance(request_id, int) and 0 <= request_id < self._num_issued
@@ -516,6 +522,7 @@ class Engine:
         for request in checkpoint.saved:  # every request the step could have finished
             if request.finished:
                 self._note_finished(request)
+        self._release_runner_when_idle()
         stats = self.stats
         stats.record_step(len(rows), self.pool.num_used_blocks)
         stats.num_preemptions = self.scheduler.num_preemptions

@@ -170,6 +170,9 @@ class DecodeRunner:
         self.full_rows: list[bool] = []  # per layer group: every row spans all `kv_width` keys (eager steps only)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
+        self._capture_stream = None  # the runner's own, on the pool's device (not the current device's)
+        self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
+        self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
         self._allocate(max(self.buckets))
         self._cache = RunnerCache(self)
 
@@ -198,39 +201,50 @@ class DecodeRunner:
         num_rows = len(rows)
         bucket = next(b for b in self.buckets if b >= num_rows) if self.pad_to_buckets else num_rows
         graphing = self.cuda_graphs and self.capture_error is None
-        # Padding rows, and a capture, write to a block of their own taken for the step; with none free, the step
-        # runs its own rows only, replayed only if their number is a captured bucket.
+        if graphing:
+            self._fit_graph_width(rows)
+        # Padding rows, and a capture, write to the runner's own block; with none free, the step runs its own rows
+        # only, replayed only if their number is a captured bucket.
         needs_dummy = bucket > num_rows or (graphing and bucket not in self._graphs)
-        dummy = self._take_dummy_block() if needs_dummy else None
+        dummy = self._padding_block() if needs_dummy else None
         if needs_dummy and dummy is None:
             bucket = num_rows
-        if graphing:
-            longest = max(len(table) for request, _ in rows for table in request.block_tables)
-            if longest > self.graph_width:
-                while self.graph_width < longest:
-                    self.graph_width *= 2
-                self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
-                self._graphs.clear()
-        try:
-            graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
-            if not graphed:
-                self.backends = resolve_backends(self.pool.device)
-            self._fill(rows, bucket, dummy, full_width=graphed)
-            self.stats.padded_rows += bucket - num_rows
-            if graphed:
-                graph, logits = self._graphs[bucket]
+        graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
+        if not graphed:
+            self.backends = resolve_backends(self.pool.device)
+        self._fill(rows, bucket, dummy, full_width=graphed)
+        self.stats.padded_rows += bucket - num_rows
+        if graphed:
+            graph, logits = self._graphs[bucket]
+            with torch.cuda.device(self.pool.device):
                 graph.replay()
-                self.stats.replayed_steps += 1
-                return logits[:num_rows]
-            self.stats.eager_steps += 1
-            return self._run_model()[:num_rows]
-        finally:
-            if dummy is not None:
-                self.pool.allocator.free([dummy])
+            self.stats.replayed_steps += 1
+            return logits[:num_rows]
+        self.stats.eager_steps += 1
+        return self._run_model()[:num_rows]
 
-    def _take_dummy_block(self) -> int | None:
+    def _fit_graph_width(self, rows) -> None:
+        """Double the graphs' table width until it holds the longest row (the graphs are captured again)."""
+        longest = max(len(table) for request, _ in rows for table in request.block_tables)
+        if longest > self.graph_width:
+            while self.graph_width < longest:
+                self.graph_width *= 2
+            self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
+            self._graphs.clear()
+
+    def _padding_block(self) -> int | None:
+        """The block padding rows write to, taken at the first padded step and kept until the Engine has no request
+        left (`release`): taking one per step would cycle the free queue and evict a cached prefix block each time."""
         allocator = self.pool.allocator
-        return allocator.allocate(1)[0] if allocator.can_allocate(1) else None
+        if self._dummy_block is None and allocator.can_allocate(1):
+            (self._dummy_block,) = allocator.allocate(1)
+        return self._dummy_block
+
+    def release(self) -> None:
+        """Give back the padding rows' block (the Engine calls it when no request is left)."""
+        if self._dummy_block is not None:
+            self.pool.allocator.free([self._dummy_block])
+            self._dummy_block = None
 
     def _fill(self, rows, bucket: int, dummy: int | None, full_width: bool) -> None:
         """Write the rows' inputs (and padding rows up to `bucket`) into the host staging tensor, then copy the rows'
@@ -239,6 +253,8 @@ class DecodeRunner:
         of the pool."""
         block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.max_blocks_per_seq
         max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
+        if self._copied is not None:  # the last copy may still read the pinned staging tensor (a step that raised)
+            self._copied.synchronize()
         fields = [[] for _ in range(self._num_fields)]
         table_index, table_values = [], []
         longest = 1
@@ -270,16 +286,20 @@ class DecodeRunner:
         host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
         if table_index:
             self._host[torch.tensor(table_index)] = torch.tensor(table_values, dtype=torch.long)
-        self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
-        for g in range(num_groups):
-            start = tables_start + g * max_rows * width
-            end = start + bucket * width
-            self._device[start:end].copy_(self._host[start:end], non_blocking=True)
-        self.num_rows = bucket
         if full_width:
             self.table_width, self.kv_width = self.graph_width, self.graph_width * block_size
         else:
             self.table_width, self.kv_width = -(-longest // block_size), longest
+        self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
+        host_tables = self._host[tables_start:].view(num_groups, max_rows, width)
+        for g in range(num_groups):  # the step's rows, and of each only the entries it can read
+            self.tables[g][:bucket, : self.table_width].copy_(
+                host_tables[g, :bucket, : self.table_width], non_blocking=True
+            )
+        if self._host.is_pinned():
+            self._copied = torch.cuda.Event()
+            self._copied.record(torch.cuda.current_stream(self.pool.device))
+        self.num_rows = bucket
         self.full_rows = [not full_width and bucket == len(rows) and group == {longest} for group in lengths]
 
     def _run_model(self) -> torch.Tensor:
@@ -305,22 +325,28 @@ class DecodeRunner:
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
         self.backends = resolve_backends(device)
         self._fill([], bucket, dummy, full_width=True)
-        try:
-            stream = torch.cuda.Stream(device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # Triton compiles and allocators settle outside the capture
-                    self._run_model()
-            torch.cuda.current_stream(device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            if self._graph_pool is None:
-                self._graph_pool = torch.cuda.graph_pool_handle()
-            with torch.cuda.graph(graph, pool=self._graph_pool):
-                logits = self._run_model()
-        except Exception as error:  # a forward that synchronizes with the host cannot be captured
-            self.capture_error = f"{type(error).__name__}: {error}"
-            logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
-            return False
+        with torch.cuda.device(device):
+            current = torch.cuda.current_stream(device)
+            try:
+                warm_up = torch.cuda.Stream(device)
+                warm_up.wait_stream(current)
+                with torch.cuda.stream(warm_up):
+                    for _ in range(2):  # Triton compiles and allocators settle outside the capture
+                        self._run_model()
+                current.wait_stream(warm_up)
+                graph = torch.cuda.CUDAGraph()
+                if self._graph_pool is None:
+                    self._graph_pool = torch.cuda.graph_pool_handle()
+                    self._capture_stream = torch.cuda.Stream(device)
+                with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
+                    logits = self._run_model()
+            except Exception as error:  # a forward that synchronizes with the host cannot be captured
+                # A capture that fails as it ends leaves the capture stream current: give the thread its own back.
+                torch.cuda.set_stream(current)
+                torch.cuda.synchronize(device)
+                self.capture_error = f"{type(error).__name__}: {error}"
+                logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
+                return False
         self._graphs[bucket] = (graph, logits)
         self.stats.captures.append((bucket, self.graph_width, time.perf_counter() - start))
         self.stats.capture_bytes += torch.cuda.memory_allocated(device) - before
