@@ -238,15 +238,20 @@ def test_reserve_checks_its_arguments_and_max_cache_len():
         PagedCache(config=model.config, max_cache_len=0)
 
 
-def test_the_compiled_kernel_step_refuses_a_mask_with_holes():
-    """A 2D mask with a hole in the middle is not one start per row: the device-side check stops the step."""
+def test_a_mask_with_holes_takes_the_gather_path_eagerly_and_stops_a_compiled_step():
+    """A 2D mask with a hole in the middle is not one start per row: an eager step sees it on the host and gathers
+    (DynamicCache's tokens); a compiled one cannot look, and its device-side check stops the step."""
     require_triton_on_cpu()
     model = copy.deepcopy(tiny_model("llama"))
-    hf_paged.enable(model, backend="triton")
     input_ids, attention_mask = left_padded_batch(2, 12)
     attention_mask[0, 5] = 0
+    expected = generate(model, DynamicCache(config=model.config), input_ids, attention_mask)
+    hf_paged.enable(model, backend="triton")
+    assert torch.equal(
+        generate(model, PagedCache(config=model.config, max_cache_len=40), input_ids, attention_mask), expected
+    )
     with pytest.raises(RuntimeError, match="hidden prefix"):
-        generate(model, PagedCache(config=model.config, max_cache_len=40), input_ids, attention_mask)
+        compiled_generate(model, PagedCache(config=model.config, max_cache_len=40), input_ids, attention_mask)
 
 
 def test_hybrid_models_are_refused_by_name():

@@ -59,6 +59,10 @@ class FixedDecodePlan:
         kernel = backend == "triton" and sinks is None and bias is None and not dropout
         if self.ragged:
             attention_mask = None  # the mask describes no row's keys: each row's length does
+        kv_start = None
+        if kernel and self._bool_mask(attention_mask) and attention_mask is not None:
+            kv_start = self._kv_start(attention_mask)
+            kernel = kv_start is not None
         if not kernel or not self._bool_mask(attention_mask):
             key, value = self.gather()
             if self.ragged:
@@ -72,15 +76,6 @@ class FixedDecodePlan:
             return torch_attention_forward(
                 query, key, value, attention_mask, dropout, scaling, softcap=softcap, sinks=sinks
             )
-        kv_start = None
-        if attention_mask is not None:
-            visible = attention_mask[:, 0, -1, :]  # [B, max_cache_len]: the keys the new token sees
-            first = visible.int().argmax(dim=-1)
-            torch._assert_async(
-                (visible.sum(dim=-1) == self.seq_lens - first).all(),
-                "hf_paged: a compiled decode step's mask is not 'hidden prefix, then every key up to the new token'",
-            )
-            kv_start = first.to(torch.int32)
         out = paged_decode_attention_compiled(
             query[:, :, 0],  # [B, heads, head_dim]
             self.key_cache,
@@ -94,6 +89,20 @@ class FixedDecodePlan:
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    def _kv_start(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """[B] int32: each row's first visible key, when the mask is "hidden prefix, then every key up to the new
+        token" (left padding, a window). Eagerly a mask of another shape gives None (the gather path runs); inside a
+        compiled step, where the host cannot look, it stops the step with a device-side assert (on CUDA one that ends
+        the process's CUDA context: loud, never wrong)."""
+        visible = attention_mask[:, 0, -1, :]  # [B, max_cache_len]: the keys the new token sees
+        first = visible.int().argmax(dim=-1)
+        one_run = (visible.sum(dim=-1) == self.seq_lens - first).all()
+        if not torch.compiler.is_compiling():
+            return first.to(torch.int32) if bool(one_run) else None
+        message = "hf_paged: a compiled decode step's mask is not 'hidden prefix, then every key up to the new token'"
+        torch._assert_async(one_run, message)
+        return first.to(torch.int32)
 
     def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor | None:
         if self.full_rows and (sliding_window is None or width <= sliding_window):

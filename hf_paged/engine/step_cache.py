@@ -28,6 +28,7 @@ import itertools
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -120,7 +121,7 @@ class StepPlan:
                 mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device, explicit=True)
                 chunk, _ = _torch_attention(chunk_query, key, value, mask, kwargs)
             else:
-                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device)
+                mask = _chunk_mask(seq_len, q_len, sliding_window, first, query.device, lazy=query.is_cuda)
                 chunk, _ = sdpa_attention_forward(
                     module, chunk_query, key, value, mask, sliding_window=sliding_window, **kwargs
                 )
@@ -148,15 +149,27 @@ def _torch_attention(query, key, value, mask, kwargs: dict) -> tuple[torch.Tenso
 
 
 def _chunk_mask(
-    seq_len: int, q_len: int, sliding_window: int | None, first: int, device, explicit: bool = False
-) -> torch.Tensor | None:
+    seq_len: int,
+    q_len: int,
+    sliding_window: int | None,
+    first: int,
+    device,
+    explicit: bool = False,
+    lazy: bool = False,
+) -> torch.Tensor | CausalBias | None:
     """[1, 1, q_len, seq_len + q_len - first] bool for keys from position `first` on: query i (position seq_len + i)
     sees the key at position p when p <= seq_len + i (and, with a window, p > seq_len + i - sliding_window). None
     where sdpa's own mask would be skipped for plain causal attention (no cached keys, the whole chunk inside the
-    window), as `generate()` does for a batch-1 prompt, unless `explicit` (an attention without SDPA's `is_causal`)."""
+    window), as `generate()` does for a batch-1 prompt, unless `explicit` (an attention without SDPA's `is_causal`).
+
+    `lazy` (CUDA): a chunk over cached keys that needs no more than causality (every key from position 0, no window)
+    gets SDPA's lower-right causal bias instead, which its flash and memory-efficient kernels apply without a mask
+    over the whole context."""
     kv_len = seq_len + q_len
     if not explicit and seq_len == 0 and (sliding_window is None or kv_len < sliding_window):
         return None
+    if lazy and not explicit and first == 0 and sliding_window is None:
+        return causal_lower_right(q_len, kv_len)
     query_positions = torch.arange(seq_len, kv_len, device=device)[:, None]
     key_positions = torch.arange(first, kv_len, device=device)[None, :]
     visible = key_positions <= query_positions
