@@ -8,7 +8,8 @@ Each op runs the backend it is given ("triton" or "torch", as `resolve_backend` 
 before a compiled region, never inside one) and has a fake implementation that only gives the output's shape, so
 dynamo and inductor see it as one opaque call with known outputs. Eager callers use `dispatch.py` directly (a custom
 op costs a dispatch through the torch library on every call); compiled code calls `torch.ops.hf_paged.*`, which
-is what `store_kv_compiled` and `paged_decode_attention_compiled` do.
+is what `paged_decode_attention_compiled` does. A compileable PagedCache stores with `index_copy_`, which inductor
+lowers in place on the pool; the store op serves code that wants the Triton store inside a compiled region.
 
 Neither op synchronizes with the host on the Triton path: the decode kernel sizes its grid from the block table's
 width, never from `seq_lens`, so a decode step replays inside a CUDA graph.
@@ -69,14 +70,6 @@ def _decode(query, key_cache, value_cache, block_tables, seq_lens, kv_start, sca
 @paged_decode_attention_op.register_fake
 def _(query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend):
     return torch.empty_like(query)
-
-
-def store_kv_compiled(key, value, key_cache, value_cache, slot_mapping, *, backend: str) -> None:
-    """`store_kv` through the custom op when torch.compile is tracing, the plain call otherwise."""
-    if torch.compiler.is_compiling():
-        torch.ops.hf_paged.store_kv(key, value, key_cache, value_cache, slot_mapping, backend)
-    else:
-        store_kv(key, value, key_cache, value_cache, slot_mapping, backend=backend)
 
 
 def paged_decode_attention_compiled(
