@@ -197,6 +197,19 @@ def chat_ids(saved, messages: list[dict]) -> list[int]:
     ]
 
 
+JSON_HEADERS = {"Content-Type": "application/json"}
+
+
+def post_json(server, path: str, body: dict) -> tuple[int, dict]:
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(body), JSON_HEADERS)
+        response = connection.getresponse()
+        return response.status, json.loads(response.read())
+    finally:
+        connection.close()
+
+
 def test_metrics_and_health(server):
     assert server.get("/health") == (200, '{"status":"ok"}')
     status, text = server.get("/metrics")
@@ -369,6 +382,99 @@ def test_bad_requests_fail_alone(server, kwargs, status, words):
     # the server goes on serving
     response = server.client.completions.create(model=server.model_dir, prompt="hello", max_tokens=2)
     assert response.usage.completion_tokens == 2
+
+
+CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+
+
+@pytest.mark.parametrize(
+    "path, fields, param",
+    [
+        ("/v1/chat/completions", {"n": 3}, "n"),
+        ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"frequency_penalty": 2}, "frequency_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
+        ("/v1/chat/completions", {"generation_config": '{"num_beams": 4}'}, "generation_config.num_beams"),
+        (
+            "/v1/chat/completions",
+            {"generation_config": '{"repetition_penalty": 1.3}'},
+            "generation_config.repetition_penalty",
+        ),
+        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"n": 2}, "n"),
+    ],
+)
+def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):
+    """Each would change the output as OpenAI's reference says; the server does not, so it answers 400 naming it
+    (never 200 with the field dropped)."""
+    body = (CHAT_BODY if "chat" in path else {"prompt": "hello there", "max_tokens": 3}) | fields
+    status, error = post_json(server, path, body)
+    assert status == 400, error
+    assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+
+
+def test_fields_at_their_openai_defaults_are_accepted(server):
+    neutral = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
+    status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | neutral | {"temperature": 0})
+    assert status == 200 and body["usage"]["completion_tokens"] == 3
+    status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1})
+    assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/v1/chat/completions", {"max_tokens": 3}, "messages"),
+        ("/v1/chat/completions", {"messages": [], "max_tokens": 3}, "messages"),
+        ("/v1/chat/completions", {"messages": "hello", "max_tokens": 3}, "messages"),
+        ("/v1/chat/completions", {"messages": [{"content": "hello"}], "max_tokens": 3}, "messages[0].role"),
+        (
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": 7}], "max_tokens": 3},
+            "messages[0].content",
+        ),
+        ("/v1/chat/completions", CHAT_BODY | {"generation_config": "{not json"}, "generation_config"),
+        ("/v1/completions", {"max_tokens": 3}, "prompt"),
+        ("/v1/responses", {"max_output_tokens": 3}, "input"),
+    ],
+)
+def test_malformed_bodies_get_400_and_the_connection_keeps_working(server, path, body, param):
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        for _ in range(2):  # the same keep-alive connection, twice
+            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            response = connection.getresponse()
+            error = json.loads(response.read())
+            assert response.status == 400 and error["error"]["param"] == param, error
+        connection.request("POST", "/v1/completions", json.dumps({"prompt": "hi", "max_tokens": 2}), JSON_HEADERS)
+        response = connection.getresponse()
+        assert response.status == 200 and json.loads(response.read())["usage"]["completion_tokens"] == 2
+    finally:
+        connection.close()
+    assert "Traceback" not in server.log()
+
+
+def test_streams_end_with_done(server):
+    for path, body in [
+        ("/v1/chat/completions", CHAT_BODY | {"stream": True}),
+        ("/v1/completions", {"prompt": "hello there", "max_tokens": 3, "stream": True}),
+    ]:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        try:
+            connection.request("POST", path, json.dumps(body), JSON_HEADERS)
+            response = connection.getresponse()
+            events = [line for line in response.read().decode().split("\n\n") if line.strip()]
+        finally:
+            connection.close()
+        assert response.status == 200
+        assert events[-1] == "data: [DONE]" and all(event != "data: [DONE]" for event in events[:-1])
 
 
 def test_ignore_eos_and_stop(server, saved):

@@ -1,10 +1,11 @@
 """transformers' request handlers, completed with per-request sampling for the Engine.
 
-Each handler is transformers' own with two changes (and `/v1/responses` answers in one JSON body unless asked to
-stream, as OpenAI's API does): its request check also accepts `top_k` and `ignore_eos` (vLLM's
-extensions, which load generators such as guidellm send), and its generation config carries the request's options
-(`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it. The request's `seed` seeds that
-request alone instead of torch's global generator.
+Each handler is transformers' own with these changes (and `/v1/responses` answers in one JSON body unless asked to
+stream, as OpenAI's API does): its request check first refuses, with an HTTP 400 naming the field, a body it cannot
+read or a field the Engine would not apply (`fields.check_body`), and also accepts `top_k` and `ignore_eos` (vLLM's
+extensions, which load generators such as guidellm send); its generation config carries the request's options
+(`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it; a streamed answer ends with
+`data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request alone instead of torch's global generator.
 """
 
 from __future__ import annotations
@@ -13,13 +14,25 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
+from .fields import CHAT, COMPLETIONS, RESPONSES, check_body
 from .options import EXTENSION_FIELDS, apply_options, read_options
+
+DONE = "data: [DONE]\n\n"
 
 
 class RequestOptionsMixin:
-    """Put before a transformers handler class in the bases."""
+    """Put before a transformers handler class in the bases; `endpoint` names what the body must hold."""
+
+    endpoint: str
+
+    async def handle_request(self, body: dict, request_id: str):
+        response = await super().handle_request(body, request_id)
+        if getattr(response, "media_type", None) == "text/event-stream":
+            response.body_iterator = _ending_with_done(response.body_iterator)
+        return response
 
     def _validate_request(self, body: dict) -> None:
+        check_body(body, self.endpoint)
         super()._validate_request({key: value for key, value in body.items() if key not in EXTENSION_FIELDS})
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
@@ -32,17 +45,29 @@ class RequestOptionsMixin:
         return generation_config
 
 
+async def _ending_with_done(chunks):
+    async for chunk in chunks:
+        yield chunk
+    yield DONE
+
+
 class PagedChatCompletionHandler(RequestOptionsMixin, ChatCompletionHandler):
     """`/v1/chat/completions`."""
+
+    endpoint = CHAT
 
 
 class PagedCompletionHandler(RequestOptionsMixin, CompletionHandler):
     """`/v1/completions`."""
 
+    endpoint = COMPLETIONS
+
 
 class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
     """`/v1/responses`. A request that does not set `stream` gets one JSON response, as OpenAI's API says (the
     stock handler streams it)."""
+
+    endpoint = RESPONSES
 
     async def handle_request(self, body: dict, request_id: str):
         return await super().handle_request({"stream": False, **body}, request_id)

@@ -1,0 +1,158 @@
+"""Which request bodies the server takes: malformed ones, and fields it would not apply, get a 400 naming the field.
+
+transformers' handlers accept some OpenAI fields without applying them (logging "Ignoring unsupported fields" at
+most), apply others to a `GenerationConfig` the Engine does not read (`frequency_penalty` as `repetition_penalty`,
+`logit_bias` as `sequence_bias`), and fail with a 500 and a traceback on bodies they cannot read (no `messages`, a
+message without `role`). A client is never told. So one check runs before each handler (`check_body`): the body's
+shape for its endpoint, then every field that changes the output and that the Engine does not apply, which is
+refused unless it holds its OpenAI default (the value that changes nothing: `n=1`, `presence_penalty=0`, ...).
+"""
+
+from __future__ import annotations
+
+import json
+
+from ..errors import InvalidRequest
+
+CHAT, COMPLETIONS, RESPONSES = "chat.completions", "completions", "responses"
+
+# field -> (the values that change nothing, what it asks for). A field holding another value is refused.
+UNAPPLIED_FIELDS = {
+    "n": ((1,), "several choices per request"),
+    "best_of": ((1,), "the best of several completions"),
+    "logprobs": ((False, 0), "log probabilities"),
+    "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
+    "echo": ((False,), "the prompt echoed in the completion"),
+    "presence_penalty": ((0, 0.0), "a presence penalty"),
+    "frequency_penalty": ((0, 0.0), "a frequency penalty"),
+    "logit_bias": (({},), "a logit bias"),
+    "response_format": (({"type": "text"},), "structured output"),
+    "tool_choice": (("none", "auto"), "a forced tool call"),
+    "functions": (([],), "function calling"),
+    "function_call": (("none", "auto"), "a forced function call"),
+    "audio": ((), "audio output"),
+    "modalities": ((["text"],), "output modalities other than text"),
+    "previous_response_id": ((), "a stored earlier response"),
+    "text": (({"format": {"type": "text"}},), "structured output"),
+}
+# generation_config (transformers' extension, a JSON object) keys the Engine applies; any other that differs from
+# its default changes the output and is refused.
+APPLIED_GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "eos_token_id", "seed"}
+GENERATION_DEFAULTS = {
+    "num_beams": 1,
+    "num_beam_groups": 1,
+    "num_return_sequences": 1,
+    "repetition_penalty": 1.0,
+    "length_penalty": 1.0,
+    "no_repeat_ngram_size": 0,
+    "min_new_tokens": None,
+    "min_length": 0,
+    "typical_p": 1.0,
+    "min_p": None,
+    "epsilon_cutoff": 0.0,
+    "eta_cutoff": 0.0,
+    "diversity_penalty": 0.0,
+    "penalty_alpha": None,
+    "guidance_scale": None,
+    "bad_words_ids": None,
+    "suppress_tokens": None,
+    "begin_suppress_tokens": None,
+    "sequence_bias": None,
+    "forced_bos_token_id": None,
+    "forced_eos_token_id": None,
+}
+ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def check_body(body: dict, endpoint: str) -> None:
+    """Raise `InvalidRequest` (HTTP 400, naming the field) for a body of `endpoint` (`CHAT`, `COMPLETIONS` or
+    `RESPONSES`) that the server cannot read or would not apply in full."""
+    if not isinstance(body, dict):
+        raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    if endpoint == CHAT:
+        _check_messages(body)
+    elif endpoint == COMPLETIONS:
+        _check_prompt(body)
+    elif endpoint == RESPONSES:
+        _check_input(body)
+    for name, (neutral, asks_for) in UNAPPLIED_FIELDS.items():
+        value = body.get(name)
+        if value is None or _is_neutral(value, neutral):
+            continue
+        allowed = " or ".join(json.dumps(v) for v in neutral) if neutral else "null"
+        raise InvalidRequest(
+            f"{name}={json.dumps(value)} asks for {asks_for}, which hf-paged serve does not do; allowed: {allowed}",
+            name,
+        )
+    _check_generation_config(body.get("generation_config"))
+
+
+def _is_neutral(value, neutral: tuple) -> bool:
+    # True is not 1 and False is not 0 here: a bool matches only a bool.
+    return any(value == allowed and isinstance(value, bool) == isinstance(allowed, bool) for allowed in neutral)
+
+
+def _check_messages(body: dict) -> None:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise InvalidRequest(f"messages must be a non-empty list of messages, got {_short(messages)}", "messages")
+    for index, message in enumerate(messages):
+        where = f"messages[{index}]"
+        if not isinstance(message, dict):
+            raise InvalidRequest(f"{where} must be an object with a role and a content, got {_short(message)}", where)
+        role = message.get("role")
+        if role not in ROLES:
+            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
+        content = message.get("content")
+        if content is None and role == "assistant" and message.get("tool_calls"):
+            continue
+        if isinstance(content, str):
+            continue
+        if isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content):
+            continue
+        raise InvalidRequest(
+            f"{where}.content must be a string or a list of content parts, got {_short(content)}", f"{where}.content"
+        )
+
+
+def _check_prompt(body: dict) -> None:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str) and prompt:
+        return
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) and prompt[0]:
+        return
+    raise InvalidRequest(f"prompt must be a non-empty string (one prompt per request), got {_short(prompt)}", "prompt")
+
+
+def _check_input(body: dict) -> None:
+    value = body.get("input")
+    if isinstance(value, str) and value:
+        return
+    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
+        return
+    raise InvalidRequest(f"input must be a non-empty string or a list of input items, got {_short(value)}", "input")
+
+
+def _check_generation_config(value) -> None:
+    if value is None:
+        return
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as error:
+            raise InvalidRequest(f"generation_config must be a JSON object: {error}", "generation_config") from None
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"generation_config must be a JSON object, got {_short(value)}", "generation_config")
+    for key, setting in value.items():
+        if key in APPLIED_GENERATION_KEYS or key not in GENERATION_DEFAULTS or setting == GENERATION_DEFAULTS[key]:
+            continue
+        raise InvalidRequest(
+            f"generation_config.{key}={json.dumps(setting)} is not applied by hf-paged serve; allowed: "
+            f"{json.dumps(GENERATION_DEFAULTS[key])}",
+            f"generation_config.{key}",
+        )
+
+
+def _short(value, limit: int = 60) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
