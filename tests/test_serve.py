@@ -212,16 +212,35 @@ def post_json(server, path: str, body: dict) -> tuple[int, dict]:
 
 def test_metrics_and_health(server):
     assert server.get("/health") == (200, '{"status":"ok"}')
+    assert f"hf-paged serve: {server.model_dir} on http://127.0.0.1:{server.port}/v1" in server.log()  # listening
+    server.client.completions.create(model=server.model_dir, prompt="metrics after a request", max_tokens=3)
     status, text = server.get("/metrics")
     for name, kind in [
         ("hf_paged_requests_running", "gauge"),
         ("hf_paged_requests_waiting", "gauge"),
         ("hf_paged_kv_blocks_used", "gauge"),
-        ("hf_paged_kv_blocks_total", "gauge"),
+        ("hf_paged_kv_blocks", "gauge"),
         ("hf_paged_prefix_cache_hit_tokens_total", "counter"),
+        ("hf_paged_preemptions_total", "counter"),
+        ("hf_paged_time_to_first_token_seconds", "histogram"),
+        ("hf_paged_inter_token_latency_seconds", "histogram"),
+        ("hf_paged_e2e_request_latency_seconds", "histogram"),
+        ("hf_paged_request_queue_time_seconds", "histogram"),
     ]:
         assert f"# TYPE {name} {kind}\n" in text
-    assert server.metrics()["hf_paged_kv_blocks_total"] == NUM_BLOCKS
+    # `_total` only on counters (Prometheus' naming rule)
+    types = dict(line.split()[2:4] for line in text.splitlines() if line.startswith("# TYPE"))
+    assert all(kind == "counter" for name, kind in types.items() if name.endswith("_total"))
+    metrics = server.metrics()
+    assert metrics["hf_paged_kv_blocks"] == NUM_BLOCKS
+    for name in ("time_to_first_token", "e2e_request_latency", "request_queue_time"):
+        count = metrics[f"hf_paged_{name}_seconds_count"]
+        assert count >= 1 and metrics[f'hf_paged_{name}_seconds_bucket{{le="+Inf"}}'] == count
+        assert metrics[f"hf_paged_{name}_seconds_sum"] >= 0
+    # 3 tokens: 2 gaps between tokens of that request (and of every earlier one)
+    assert metrics["hf_paged_inter_token_latency_seconds_count"] >= 2
+    buckets = [value for name, value in metrics.items() if name.startswith("hf_paged_time_to_first_token_seconds_b")]
+    assert buckets == sorted(buckets)  # cumulative
 
 
 def test_greedy_completion_equals_generate(server, saved):
@@ -523,6 +542,50 @@ def test_disconnect_frees_its_blocks(server):
     assert after["hf_paged_requests_running"] == after["hf_paged_kv_blocks_used"] == 0
     assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 2
     assert after["hf_paged_generation_tokens_total"] - before["hf_paged_generation_tokens_total"] < 2000
+
+
+def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server):
+    """Without max_tokens a request may run to the pool's and the model's limits (about 1,000 tokens here), but
+    admission reserves only --decode-reserve-tokens (256) of growth for it: three such streams run together in a pool
+    of 1,024 tokens, where reserving each one's whole room would run one at a time."""
+    before = server.wait_idle()
+    streams = [
+        server.client.completions.create(model=server.model_dir, prompt=f"stream {i} of three", stream=True)
+        for i in range(3)
+    ]
+    for stream in streams:
+        next(iter(stream))
+    running = server.metrics()["hf_paged_requests_running"]
+    for stream in streams:
+        stream.close()
+    assert running == 3
+    after = server.wait_idle()
+    assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 3
+    for path in ("/load_model", "/reset"):
+        status, error = post_json(server, path, {"model": "gpt2"})
+        assert status == 400 and "start another server" in error["error"]["message"]
+
+
+def test_an_api_key_guards_the_api(saved):
+    """In process (the app without a listening socket): /v1/ answers 401 without the key, and serves with it."""
+    from fastapi.testclient import TestClient
+
+    from hf_paged.serve.app import ServeConfig, build_app
+
+    model_dir = saved[0]
+    config = ServeConfig(model=model_dir, max_memory=str(NUM_BLOCKS * BYTES_PER_BLOCK), dtype="float32", api_key="k")
+    app, manager = build_app(config)
+    try:
+        client = TestClient(app)
+        body = {"model": model_dir, "prompt": "hello", "max_tokens": 2}
+        assert client.post("/v1/completions", json=body).status_code == 401
+        wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"})
+        assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_request_error"
+        right = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+        assert right.status_code == 200 and right.json()["usage"]["completion_tokens"] == 2
+        assert client.get("/health").status_code == 200  # outside /v1/: no key needed
+    finally:
+        manager.stop()
 
 
 def test_the_manager_forgets_what_it_has_handed_back(saved):

@@ -8,6 +8,7 @@ backfill: when the first does not fit, a later one of the next few that does goe
 from __future__ import annotations
 
 import itertools
+import time
 from collections import deque
 
 from ..storage import BlockPool
@@ -103,6 +104,8 @@ class Admission:
             request = waiting[chosen]
             del waiting[chosen]
             running.append(request)
+            if request.scheduled_time is None:
+                request.scheduled_time = time.perf_counter()
             if self.prefix.takes_at_admission(request, lookahead.computing if lookahead is not None else {}):
                 self.prefix.take(request)
 

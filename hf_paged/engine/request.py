@@ -32,6 +32,7 @@ class Request:
     finished: bool = False
     aborted: bool = False  # stopped by `Engine.abort_request` before its end
     arrival_time: float = field(default_factory=time.perf_counter)
+    scheduled_time: float | None = None  # its first admission (a preempted request keeps it)
     first_token_time: float | None = None
     finish_time: float | None = None
 

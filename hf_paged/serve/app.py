@@ -28,6 +28,10 @@ class ServeConfig:
     max_num_batched_tokens: int = 512
     dtype: str = "auto"
     device: str = "cpu"
+    # How far admission looks ahead: a request without max_tokens may run to the model's position limit, and
+    # reserving all of it would admit few; past this many tokens a request that outgrows the pool is preempted.
+    decode_reserve_tokens: int | None = 256
+    api_key: str | None = None  # requests without "Authorization: Bearer <api_key>" get 401
 
 
 def error_body(message: str, status_code: int, param: str | None = None) -> dict:
@@ -64,6 +68,7 @@ def build_app(config: ServeConfig):
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         enable_prefix_caching=True,
+        decode_reserve_tokens=config.decode_reserve_tokens,
     )
     manager = EngineManager(engine, RequestLimits.for_engine(engine))
     state = PagedGenerationState(manager)
@@ -77,6 +82,28 @@ def build_app(config: ServeConfig):
         systemone_handler=SystemOneHandler(**handlers),
         generation_state=state,
     )
+
+    # The server serves the one model it was started with: no endpoint loads another (or fetches one from a hub).
+    pinned = ("/load_model", "/reset")
+    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in pinned]
+
+    @app.post("/load_model")
+    @app.post("/reset")
+    def refuse_model_change():
+        message = f"hf-paged serve serves {config.model} only; start another server for another model"
+        return JSONResponse(error_body(message, 400), status_code=400)
+
+    if config.api_key is not None:
+
+        @app.middleware("http")
+        async def require_api_key(request: Request, call_next):
+            if (
+                request.url.path.startswith("/v1/")
+                and request.headers.get("authorization") != f"Bearer {config.api_key}"
+            ):
+                body = error_body("a valid API key is needed: Authorization: Bearer <key>", 401)
+                return JSONResponse(body, status_code=401)
+            return await call_next(request)
 
     @app.get("/metrics")
     def prometheus_metrics():

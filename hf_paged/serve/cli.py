@@ -31,6 +31,16 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=512,
         help="tokens per Engine step, at least --max-num-seqs (default: %(default)s)",
     )
+    parser.add_argument(
+        "--decode-reserve-tokens",
+        type=int,
+        default=256,
+        help="how far admission looks ahead for each running request's growth: more admits fewer requests at once, "
+        "fewer preempts (and recomputes) more often when requests run long (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--api-key", default=None, help="answer /v1/ requests only with this bearer key (default: none)"
+    )
     parser.add_argument("--dtype", default="auto", help="model dtype: auto (from the weights), bfloat16, float32, ...")
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda when present, else cpu)")
     parser.add_argument(
@@ -62,6 +72,8 @@ def serve(args: argparse.Namespace) -> None:
         block_size=args.block_size,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_reserve_tokens=args.decode_reserve_tokens,
+        api_key=args.api_key,
         dtype=args.dtype,
         device=args.device or default_device(),
     )
@@ -69,6 +81,7 @@ def serve(args: argparse.Namespace) -> None:
         app, manager = build_app(config)
     except (OSError, ValueError, NotImplementedError) as error:  # no such model, a pool too large, a model refused
         sys.exit(f"hf-paged serve: cannot serve {config.model}: {error}")
+    print(f"hf-paged serve: {config.model} on http://{config.host}:{config.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
     finally:

@@ -32,8 +32,9 @@ class RequestLimits:
         return cls(engine.limits.max_positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
 
     def max_new_tokens(self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str) -> int:
-        """The tokens a request with this prompt may generate: `max_new_tokens`, or less when it was not `given` and
-        less is left. Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room."""
+        """The tokens a request with this prompt may generate: `max_new_tokens` when `given`, else all the room left
+        before the model's position limit and what the pool holds of one request (`max_new_tokens` where neither
+        limits it). Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room."""
         if num_prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty: a request needs at least one prompt token", param)
         rooms = []
@@ -66,4 +67,4 @@ class RequestLimits:
                 f"within {limit}",
                 "max_tokens",
             )
-        return min(max_new_tokens, room)
+        return min(max_new_tokens, room) if given else room

@@ -16,10 +16,12 @@ loop. `metrics` is a snapshot the thread replaces after every step, read by `/me
 from __future__ import annotations
 
 import asyncio
+import bisect
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from transformers.cli.serving.utils import BaseGenerateManager, CBWorkerDeadError
 
@@ -30,6 +32,38 @@ from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_st
 from .stream import RequestStream
 
 logger = logging.getLogger(__name__)
+
+
+LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # seconds
+LATENCIES = ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_queue_time")
+
+
+@dataclass
+class Histogram:
+    """Observations counted per bucket (upper `bounds`, then +Inf), with their sum: a Prometheus histogram."""
+
+    bounds: tuple[float, ...] = LATENCY_BOUNDS
+    counts: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BOUNDS) + 1))
+    total: float = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.total += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[int]:
+        """Observations at or below each bound, then all of them (Prometheus' `le` buckets)."""
+        running, out = 0, []
+        for count in self.counts:
+            running += count
+            out.append(running)
+        return out
+
+    def copy(self) -> Histogram:
+        return Histogram(self.bounds, list(self.counts), self.total)
 
 
 @dataclass(frozen=True)
@@ -47,6 +81,9 @@ class EngineMetrics:
     num_finished: int = 0  # requests ended by eos, a stop token or string, or max_tokens
     num_aborted: int = 0  # requests whose client went away
     num_failed: int = 0  # requests refused by the Engine or failed in a step
+    num_preemptions: int = 0  # running requests sent back to the queue to free blocks
+    # Latency histograms (`LATENCIES`), seconds from the moment the server took the request.
+    latencies: dict[str, Histogram] = field(default_factory=lambda: {name: Histogram() for name in LATENCIES})
 
 
 class EngineManager(BaseGenerateManager):
@@ -66,6 +103,7 @@ class EngineManager(BaseGenerateManager):
         self.engine = engine
         self.limits = limits
         self.metrics = EngineMetrics(num_blocks=self.engine.pool.num_blocks)
+        self._latencies = {name: Histogram() for name in LATENCIES}  # Engine thread only; copied into `metrics`
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._live: dict[int, RequestStream] = {}  # Engine request id -> stream, Engine thread only
         self._counts = {"generation_tokens": 0, "num_finished": 0, "num_aborted": 0, "num_failed": 0}
@@ -106,7 +144,9 @@ class EngineManager(BaseGenerateManager):
         prompt_ids = prompt_ids.tolist() if hasattr(prompt_ids, "tolist") else list(prompt_ids)
         if prompt_ids and isinstance(prompt_ids[0], list):  # one sequence, batched
             prompt_ids = prompt_ids[0]
-        options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions()
+        # A config that did not come through a request handler (no options on it) was made by code: its
+        # max_new_tokens is what that code asked for.
+        options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions(max_tokens_given=True)
         max_new_tokens = self.limits.max_new_tokens(
             len(prompt_ids), int(gen_config.max_new_tokens), options.max_tokens_given, options.prompt_field
         )
@@ -208,9 +248,11 @@ class EngineManager(BaseGenerateManager):
     def _deliver(self) -> None:
         """Hand every live request's new tokens to its stream, and its end once it has finished."""
         finished = {request.request_id: request for request in self.engine.pop_finished()}
+        now = time.perf_counter()
         for request_id, stream in list(self._live.items()):
             request = finished.get(request_id) or self.engine.request(request_id)
             new_tokens = request.output_ids[stream.num_sent :]
+            self._observe(stream, request, len(new_tokens), now)
             stream.num_sent += len(new_tokens)
             self._counts["generation_tokens"] += len(new_tokens)
             if not (new_tokens or request.finished):
@@ -220,6 +262,22 @@ class EngineManager(BaseGenerateManager):
             if request.finished:
                 del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
+
+    def _observe(self, stream: RequestStream, request, num_new_tokens: int, now: float) -> None:
+        """Latencies of a request whose step gave it `num_new_tokens` (at `now`), and its end once finished."""
+        latencies = self._latencies
+        if stream.queue_time is None and request.scheduled_time is not None:
+            stream.queue_time = max(request.scheduled_time - stream.created, 0.0)
+            latencies["request_queue_time"].observe(stream.queue_time)
+        if num_new_tokens:
+            if stream.last_token_time is None:
+                latencies["time_to_first_token"].observe(now - stream.created)
+            else:
+                for _ in range(num_new_tokens):
+                    latencies["inter_token_latency"].observe((now - stream.last_token_time) / num_new_tokens)
+            stream.last_token_time = now
+        if request.finished and request.finish_reason != "error":
+            latencies["e2e_request_latency"].observe(now - stream.created)
 
     def _post(self, stream: RequestStream, tokens: list[int], finished: bool, error: str | None, invalid: bool):
         try:
@@ -243,5 +301,7 @@ class EngineManager(BaseGenerateManager):
             num_blocks=engine.pool.num_blocks,
             prefix_hit_tokens=engine.stats.prefix_hit_tokens,
             prefill_tokens=engine.stats.prefill_tokens,
+            num_preemptions=engine.stats.num_preemptions,
+            latencies={name: histogram.copy() for name, histogram in self._latencies.items()},
             **self._counts,
         )

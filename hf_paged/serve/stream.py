@@ -14,6 +14,7 @@ what follows are never sent).
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
@@ -56,6 +57,10 @@ class RequestStream:
         self.result: asyncio.Future = loop.create_future()
         self.token_ids: list[int] = []
         self.total_tokens = 0
+        # When the server took the request, and (Engine thread only) its queue time and last token's time.
+        self.created = time.perf_counter()
+        self.queue_time: float | None = None
+        self.last_token_time: float | None = None
         # Read and written on the Engine thread only: the Engine's request id, and how many of its tokens went out.
         self.engine_id: int | None = None
         self.num_sent = 0
