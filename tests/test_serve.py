@@ -389,6 +389,8 @@ def test_seeds_reproduce_per_request(server):
         ({"prompt": "the " * 1100}, 400, "pool"),  # more than the pool holds for one request
         ({"prompt": "the " * (MAX_POSITIONS + 10)}, 400, "max_position_embeddings"),  # more than the model positions
         ({"extra_body": {"no_such_field": 1}}, 422, "no_such_field"),
+        ({"seed": 2**64}, 400, "seed"),
+        ({"seed": 2**64, "stream": True}, 400, "seed"),
     ],
 )
 def test_bad_requests_fail_alone(server, kwargs, status, words):
@@ -478,6 +480,68 @@ def test_malformed_bodies_get_400_and_the_connection_keeps_working(server, path,
     finally:
         connection.close()
     assert "Traceback" not in server.log()
+
+
+def test_streamed_text_equals_the_answer_in_one_body(server):
+    """Greedy chats streamed and not: the same text to the last character (a token that ends inside a multi-byte
+    character is held back by the incremental decoder; the stream's end gives it as the whole decode does)."""
+
+    async def both(client, index: int) -> tuple[str, str]:
+        request = dict(
+            model=server.model_dir,
+            messages=[{"role": "user", "content": f"tell me about {SENTENCES[index % len(SENTENCES)]}"}],
+            max_tokens=9 + index % 5,
+            temperature=0,
+        )
+        whole = (await client.chat.completions.create(**request)).choices[0].message.content
+        pieces = []
+        async for chunk in await client.chat.completions.create(**request, stream=True):
+            if chunk.choices and chunk.choices[0].delta.content:
+                pieces.append(chunk.choices[0].delta.content)
+        return whole, "".join(pieces)
+
+    async def run():
+        async with server.async_client() as client:
+            return await asyncio.gather(*(both(client, index) for index in range(16)))
+
+    for whole, streamed in asyncio.run(run()):
+        assert streamed == whole
+
+
+def test_a_stream_ending_inside_a_character_ends_as_the_whole_decode():
+    """Byte-level tokens: the last token is the first byte of "é". The incremental decoder holds it back; the stream's
+    end sends what the whole decode shows for it, so streamed and non-streamed text end alike."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hf_paged.serve.stream import RequestStream
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(["hi"], trainers.BpeTrainer(initial_alphabet=alphabet, show_progress=False))
+    token_ids = tokenizer.encode("hi é").ids[:-1]  # "é" is two byte tokens: stop after the first
+    whole = tokenizer.decode(token_ids)
+    loop = asyncio.new_event_loop()
+    try:
+        stream = RequestStream(
+            loop=loop,
+            prompt_ids=[1],
+            max_new_tokens=8,
+            sampling={},
+            tokenizer=tokenizer,
+            decode=tokenizer.decode,
+            stop_strings=(),
+            streaming=True,
+            on_cancel=lambda stream: None,
+        )
+        stream.deliver(token_ids, finished=True)
+        pieces = []
+        while (piece := stream.queue.get_nowait()) is not None:
+            pieces.append(piece)
+    finally:
+        loop.close()
+    assert whole.endswith("\ufffd") and "".join(pieces) == whole
 
 
 def test_streams_end_with_done(server):

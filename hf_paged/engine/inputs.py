@@ -168,9 +168,15 @@ def check_sampling_keywords(sampling: dict) -> None:
         raise TypeError(f"unknown sampling keyword {name!r}{hint}; the keywords are {', '.join(SAMPLING_KEYWORDS)}")
 
 
+# What torch.Generator.manual_seed takes: a 64-bit integer, signed or not.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
 def check_seed(seed) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise TypeError(f"seed must be an int (or, in generate/stream, a list of one per prompt), got {seed!r}")
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise ValueError(f"seed must be a 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")
 
 
 def _short(value, limit: int = 40) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from ..engine.inputs import check_seed
 from ..errors import InvalidRequest
 
 # Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
@@ -59,6 +60,11 @@ def read_options(body: dict) -> RequestOptions:
     if top_k is not None and top_k < -1:
         raise InvalidRequest(f"top_k must be >= -1 (-1 and 0 keep every token), got {top_k}", "top_k")
     seed = _int(body, "seed")
+    if seed is not None:
+        try:
+            check_seed(seed)
+        except ValueError as error:
+            raise InvalidRequest(str(error), "seed") from None
     for name in MAX_TOKENS_FIELDS:
         value = _int(body, name)
         if value is not None and value < 1:

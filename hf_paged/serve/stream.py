@@ -71,6 +71,7 @@ class RequestStream:
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
         self._pending = ""  # decoded text not sent yet
+        self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
         self._on_cancel = on_cancel
         if self._parser is not None:
@@ -123,18 +124,29 @@ class RequestStream:
             return
         if self._parser is None:
             self.queue.put_nowait(text)
+            self._sent += text
         else:
             for item in response_events_to_chunks(self._parser.feed(text)):
                 self.queue.put_nowait(item)
 
+    def _final_text(self) -> str:
+        """The whole output decoded at once, cut at the first stop string: the non-streamed answer."""
+        text = self._decode(self.token_ids)
+        positions = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+        return text[: min(positions)] if positions else text
+
     def _finish(self) -> None:
         self._closed = True
         if not self.streaming:
-            text = self._decode(self.token_ids)
-            positions = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
             if not self.result.done():
-                self.result.set_result(text[: min(positions)] if positions else text)
+                self.result.set_result(self._final_text())
             return
+        if self._parser is None:
+            # The incremental decoder holds back a character whose bytes have not all come (a token that ends inside
+            # one); the whole decode shows what the non-streamed answer ends with, so the stream ends the same.
+            text = self._final_text()
+            if text.startswith(self._sent):
+                self._pending = text[len(self._sent) :]
         self._emit(self._pending)
         self._pending = ""
         if self._parser is not None:
