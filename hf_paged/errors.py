@@ -86,9 +86,22 @@ class InvalidRequest(ValueError):
     """A request the server refuses before it runs: answered with HTTP 400 and an OpenAI-style error body naming
     `param`, the request field at fault."""
 
+    status_code = 400
+    code: str | None = None
+
     def __init__(self, message: str, param: str | None = None):
         self.message, self.param = message, param
         super().__init__(message)
+
+
+class ModelNotFound(InvalidRequest):
+    """A request for a model the server does not serve: HTTP 404 with code `model_not_found`, as OpenAI answers."""
+
+    status_code = 404
+    code = "model_not_found"
+
+    def __init__(self, requested: str, served: str):
+        super().__init__(f"the model {requested!r} does not exist here; this server serves {served!r}", "model")
 
 
 class ServeUnavailable(RuntimeError):

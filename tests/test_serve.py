@@ -630,26 +630,66 @@ def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server)
         assert status == 400 and "start another server" in error["error"]["message"]
 
 
-def test_an_api_key_guards_the_api(saved):
-    """In process (the app without a listening socket): /v1/ answers 401 without the key, and serves with it."""
+def test_an_api_key_a_served_name_and_a_length_limit(saved):
+    """In process (the app without a listening socket): /v1/ answers 401 without the key; requests name the model by
+    --served-model-name (another name: 404 model_not_found); --max-model-len bounds prompt and output together."""
     from fastapi.testclient import TestClient
 
     from hf_paged.serve.app import ServeConfig, build_app
 
     model_dir = saved[0]
-    config = ServeConfig(model=model_dir, max_memory=str(NUM_BLOCKS * BYTES_PER_BLOCK), dtype="float32", api_key="k")
+    config = ServeConfig(
+        model=model_dir,
+        max_memory=str(NUM_BLOCKS * BYTES_PER_BLOCK),
+        dtype="float32",
+        api_key="k",
+        served_model_name="tiny",
+        max_model_len=12,
+    )
     app, manager = build_app(config)
     try:
         client = TestClient(app)
-        body = {"model": model_dir, "prompt": "hello", "max_tokens": 2}
+        key = {"Authorization": "Bearer k"}
+        body = {"model": "tiny", "prompt": "hello", "max_tokens": 2}
         assert client.post("/v1/completions", json=body).status_code == 401
         wrong = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer x"})
         assert wrong.status_code == 401 and wrong.json()["error"]["type"] == "invalid_request_error"
-        right = client.post("/v1/completions", json=body, headers={"Authorization": "Bearer k"})
+        right = client.post("/v1/completions", json=body, headers=key)
         assert right.status_code == 200 and right.json()["usage"]["completion_tokens"] == 2
+        assert right.json()["model"] == "tiny"
         assert client.get("/health").status_code == 200  # outside /v1/: no key needed
+        assert [m["id"] for m in client.get("/v1/models", headers=key).json()["data"]] == ["tiny"]
+        other = client.post("/v1/completions", json=body | {"model": model_dir}, headers=key)
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        too_long = client.post("/v1/completions", json=body | {"max_tokens": 20}, headers=key)
+        assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
+        unbounded = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello"}, headers=key)
+        assert unbounded.json()["usage"]["total_tokens"] <= 12
     finally:
         manager.stop()
+
+
+@pytest.mark.parametrize(
+    "arguments, words",
+    [
+        (["/no/such/directory"], "no model directory at '/no/such/directory'"),
+        (["{model}", "--device", "cuda:7"], "--device cuda:7: this machine has"),
+        (["{model}", "--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+    ],
+)
+def test_the_command_line_says_what_is_wrong_in_one_line(saved, arguments, words):
+    arguments = [argument.format(model=saved[0]) for argument in arguments]
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_paged", "serve", *arguments], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 1 and words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_an_unknown_model_name_is_404(server):
+    status, error = post_json(server, "/v1/completions", {"model": "gpt-4o", "prompt": "hello", "max_tokens": 2})
+    assert status == 404 and error["error"]["code"] == "model_not_found" and error["error"]["param"] == "model"
+    status, models = 200, json.loads(server.get("/v1/models")[1])
+    assert [model["id"] for model in models["data"]] == [server.model_dir]
 
 
 def test_the_manager_forgets_what_it_has_handed_back(saved):

@@ -32,12 +32,18 @@ class ServeConfig:
     # reserving all of it would admit few; past this many tokens a request that outgrows the pool is preempted.
     decode_reserve_tokens: int | None = 256
     api_key: str | None = None  # requests without "Authorization: Bearer <api_key>" get 401
+    served_model_name: str | None = None  # the name clients ask for (default: the `model` directory as given)
+    max_model_len: int | None = None  # the most tokens of one request, prompt and generated (default: the model's)
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
 
 
-def error_body(message: str, status_code: int, param: str | None = None) -> dict:
+def error_body(message: str, status_code: int, param: str | None = None, code: str | None = None) -> dict:
     """An OpenAI-style error body."""
     kind = "invalid_request_error" if status_code < 500 else "server_error"
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def build_app(config: ServeConfig):
@@ -70,14 +76,15 @@ def build_app(config: ServeConfig):
         enable_prefix_caching=True,
         decode_reserve_tokens=config.decode_reserve_tokens,
     )
-    manager = EngineManager(engine, RequestLimits.for_engine(engine))
+    manager = EngineManager(engine, RequestLimits.for_engine(engine, config.max_model_len))
     state = PagedGenerationState(manager)
     handlers = {"model_manager": model_manager, "generation_state": state}
+    paged = {**handlers, "served_model_name": config.model_name}
     app = build_server(
         model_manager,
-        PagedChatCompletionHandler(**handlers),
-        completion_handler=PagedCompletionHandler(**handlers),
-        response_handler=PagedResponseHandler(**handlers),
+        PagedChatCompletionHandler(**paged),
+        completion_handler=PagedCompletionHandler(**paged),
+        response_handler=PagedResponseHandler(**paged),
         transcription_handler=TranscriptionHandler(model_manager, state),
         systemone_handler=SystemOneHandler(**handlers),
         generation_state=state,
@@ -85,7 +92,14 @@ def build_app(config: ServeConfig):
 
     # The server serves the one model it was started with: no endpoint loads another (or fetches one from a hub).
     pinned = ("/load_model", "/reset")
-    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in pinned]
+    replaced = (*pinned, "/v1/models")
+    app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in replaced]
+
+    @app.get("/v1/models")
+    def list_models():  # the one model, by the name clients use (transformers' lists a hub cache)
+        return JSONResponse(
+            {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "hf-paged"}]}
+        )
 
     @app.post("/load_model")
     @app.post("/reset")
@@ -111,7 +125,8 @@ def build_app(config: ServeConfig):
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_request: Request, error: InvalidRequest):
-        return JSONResponse(error_body(error.message, 400, error.param), status_code=400)
+        body = error_body(error.message, error.status_code, error.param, error.code)
+        return JSONResponse(body, status_code=error.status_code)
 
     @app.exception_handler(HTTPException)
     async def http_error(_request: Request, error: HTTPException):

@@ -41,6 +41,15 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key", default=None, help="answer /v1/ requests only with this bearer key (default: none)"
     )
+    parser.add_argument(
+        "--served-model-name", default=None, help="the model name requests use (default: MODEL as given)"
+    )
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the most tokens of one request, prompt and generated (default: the model's position limit)",
+    )
     parser.add_argument("--dtype", default="auto", help="model dtype: auto (from the weights), bfloat16, float32, ...")
     parser.add_argument("--device", default=None, help="cuda, cuda:1, cpu, ... (default: cuda when present, else cpu)")
     parser.add_argument(
@@ -49,8 +58,39 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+def check_args(args: argparse.Namespace) -> str | None:
+    """What is wrong with the command line before anything loads (a missing model directory, a device that is not
+    there, a size below 1), or None."""
+    import os
+
+    import torch
+
+    if not os.path.isdir(args.model):
+        return f"no model directory at {args.model!r}: MODEL is a local directory written by save_pretrained"
+    for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            return f"--{name.replace('_', '-')} must be at least 1, got {value}"
+    if args.decode_reserve_tokens < 0:
+        return f"--decode-reserve-tokens must be at least 0, got {args.decode_reserve_tokens}"
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError as error:
+            return f"--device {args.device!r} is not a device: {error}"
+        if device.type == "cuda":
+            count = torch.cuda.device_count()
+            if device.index is not None and device.index >= count or count == 0:
+                return f"--device {args.device}: this machine has {count} CUDA device{'s' * (count != 1)}"
+    return None
+
+
 def serve(args: argparse.Namespace) -> None:
     from .compat import check_seams
+
+    problem = check_args(args)
+    if problem is not None:
+        sys.exit(f"hf-paged serve: {problem}")
 
     try:
         check_seams()
@@ -74,6 +114,8 @@ def serve(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_reserve_tokens=args.decode_reserve_tokens,
         api_key=args.api_key,
+        served_model_name=args.served_model_name,
+        max_model_len=args.max_model_len,
         dtype=args.dtype,
         device=args.device or default_device(),
     )

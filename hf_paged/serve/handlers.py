@@ -14,6 +14,7 @@ from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
+from ..errors import ModelNotFound
 from .fields import CHAT, COMPLETIONS, RESPONSES, check_body
 from .options import EXTENSION_FIELDS, apply_options, read_options
 
@@ -21,9 +22,21 @@ DONE = "data: [DONE]\n\n"
 
 
 class RequestOptionsMixin:
-    """Put before a transformers handler class in the bases; `endpoint` names what the body must hold."""
+    """Put before a transformers handler class in the bases; `endpoint` names what the body must hold.
+    `served_model_name`: the one model name requests may ask for (another gets 404 `model_not_found`)."""
 
     endpoint: str
+
+    def __init__(self, *args, served_model_name: str, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.served_model_name = served_model_name
+
+    def _resolve_model(self, body: dict):
+        requested = body.get("model")
+        if requested is not None and requested != self.served_model_name:
+            raise ModelNotFound(requested, self.served_model_name)
+        _model_id, model, processor = super()._resolve_model({**body, "model": None})
+        return self.served_model_name, model, processor  # answers name the model as the request did
 
     async def handle_request(self, body: dict, request_id: str):
         response = await super().handle_request(body, request_id)

@@ -28,8 +28,12 @@ class RequestLimits:
     block_size: int
 
     @classmethod
-    def for_engine(cls, engine: Engine) -> RequestLimits:
-        return cls(engine.limits.max_positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
+    def for_engine(cls, engine: Engine, max_model_len: int | None = None) -> RequestLimits:
+        """The Engine's limits; `max_model_len` (the server's `--max-model-len`) lowers the model's own."""
+        positions = engine.limits.max_positions
+        if max_model_len is not None:
+            positions = max_model_len if positions is None else min(positions, max_model_len)
+        return cls(positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
 
     def max_new_tokens(self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str) -> int:
         """The tokens a request with this prompt may generate: `max_new_tokens` when `given`, else all the room left
