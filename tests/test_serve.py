@@ -415,17 +415,13 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-        ("/v1/chat/completions", {"presence_penalty": 0.5}, "presence_penalty"),
-        ("/v1/chat/completions", {"frequency_penalty": 2}, "frequency_penalty"),
-        ("/v1/chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
+        ("/v1/chat/completions", {"logit_bias": {"5": 1000}}, "logit_bias"),
+        ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"generation_config": '{"num_beams": 4}'}, "generation_config.num_beams"),
-        (
-            "/v1/chat/completions",
-            {"generation_config": '{"repetition_penalty": 1.3}'},
-            "generation_config.repetition_penalty",
-        ),
+        ("/v1/chat/completions", {"generation_config": '{"length_penalty": 2.0}'}, "generation_config.length_penalty"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 2}, "logprobs"),
@@ -433,8 +429,8 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
     ],
 )
 def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):
-    """Each would change the output as OpenAI's reference says; the server does not, so it answers 400 naming it
-    (never 200 with the field dropped)."""
+    """Each would change the output as OpenAI's reference says; the server does not (or the value is out of range),
+    so it answers 400 naming it (never 200 with the field dropped)."""
     body = (CHAT_BODY if "chat" in path else {"prompt": "hello there", "max_tokens": 3}) | fields
     status, error = post_json(server, path, body)
     assert status == 400, error
@@ -447,6 +443,24 @@ def test_fields_at_their_openai_defaults_are_accepted(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_penalties_and_logit_bias_change_the_output(server, saved):
+    """OpenAI's penalties and logit bias, and transformers' generation_config.repetition_penalty, reach the Engine's
+    sampler: each changes greedy output as its definition says."""
+    prompt = "the quick brown fox jumps over the lazy dog and the quick brown fox"
+
+    def words(**fields) -> list[str]:
+        body = {"model": server.model_dir, "prompt": prompt, "max_tokens": 24, "temperature": 0} | fields
+        status, answer = post_json(server, "/v1/completions", body)
+        assert status == 200, answer
+        return answer["choices"][0]["text"].split()
+
+    plain = words()
+    assert words(frequency_penalty=2.0) != plain and words(presence_penalty=2.0) != plain
+    assert words(generation_config=json.dumps({"repetition_penalty": 2.0})) != plain
+    fox = saved[1].convert_tokens_to_ids("fox")
+    assert set(words(logit_bias={str(fox): 100})) == {"fox"}
 
 
 @pytest.mark.parametrize(

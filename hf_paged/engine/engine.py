@@ -34,13 +34,16 @@ from .lockstep import Lockstep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
 from .runner import DecodeRunner, runner_reason
-from .sampling import SamplingParams, sample
+from .sampling import SamplingParams, apply_logits_processing, sample
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
 from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes, never_stored
 
 logger = logging.getLogger(__name__)
+
+# A stand-in for the rows of a step that pick no token (a prefill chunk short of its input's end).
+_NO_PROCESSING = Request(-1, [], SamplingParams())
 
 
 class Engine:
@@ -367,6 +370,11 @@ class Engine:
         sampling.setdefault("eos_token_id", self._eos_token_id)
         if isinstance(sampling.get("stop_token_ids"), list):
             sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
+        if isinstance(sampling.get("logit_bias"), dict):  # OpenAI's {token id: bias}
+            sampling["logit_bias"] = tuple((int(token), bias) for token, bias in sampling["logit_bias"].items())
+        vocab_size = self.limits.vocab_size
+        if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in sampling.get("logit_bias", ())):
+            raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab_size}")
         params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
         capped = self.limits.cap_new_tokens(len(prompt_ids), params.max_new_tokens)
         if capped != params.max_new_tokens and capped >= 1:
@@ -604,6 +612,10 @@ class Engine:
         """One forward over `rows`; {index: (greedy token id, host logits or None)}, keyed by `indices`."""
         with torch.inference_mode():
             logits = self._forward(rows)
+            # Penalties, logit bias and minimum length, for the rows that pick a token and ask for them.
+            picking = [request if request.num_pending == num_tokens else None for request, num_tokens in rows]
+            if any(request is not None and request.params.processes_logits for request in picking):
+                logits = apply_logits_processing(logits, [r or _NO_PROCESSING for r in picking])
             # One device read per forward, not one per row: every row's argmax, and the logits of the rows that
             # sample (their generators live on the CPU), copied to the host together.
             greedy_ids = logits.argmax(-1).tolist()

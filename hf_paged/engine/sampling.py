@@ -1,4 +1,5 @@
-"""Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seed."""
+"""Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seed; penalties, logit bias and a
+minimum length applied to the logits first (`apply_logits_processing`, batched over the rows that ask for them)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,12 @@ class SamplingParams:
         seed (`int`, *optional*): seeds this request's own generator, so its samples do not depend on the batch.
         eos_token_id (`int`, *optional*), stop_token_ids (`tuple[int, ...]`): generating one of these ends the
             request (the token is kept), unless `ignore_eos` (which only ignores `eos_token_id`).
+        presence_penalty (`float`, defaults to 0.0), frequency_penalty (`float`, defaults to 0.0): OpenAI's
+            penalties, subtracted from the logit of each token already generated (once, and once per occurrence).
+        repetition_penalty (`float`, defaults to 1.0): transformers' and vLLM's: the logit of each token of the prompt
+            or the output is divided by it where positive, multiplied where negative.
+        logit_bias (`tuple[tuple[int, float], ...]`): (token id, bias) pairs added to the logits (OpenAI's).
+        min_tokens (`int`, defaults to 0): no eos or stop token before this many tokens.
     """
 
     max_new_tokens: int = 16
@@ -30,6 +37,11 @@ class SamplingParams:
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -48,11 +60,91 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a tuple of ints, got {self.stop_token_ids!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be a number in [-2, 2], got {value!r}")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            raise ValueError(
+                f"repetition_penalty must be a number > 0 (1 changes nothing), got {self.repetition_penalty!r}"
+            )
+        if not isinstance(self.logit_bias, tuple) or not all(
+            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1])
+            for pair in self.logit_bias
+        ):
+            raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {self.logit_bias!r}")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits change before a token is picked (a penalty, a bias, a minimum length)."""
+        return bool(
+            self.presence_penalty
+            or self.frequency_penalty
+            or self.repetition_penalty != 1.0
+            or self.logit_bias
+            or self.min_tokens
+        )
 
     def is_stop(self, token_id: int) -> bool:
         if token_id in self.stop_token_ids:
             return True
         return not self.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id
+
+
+def apply_logits_processing(logits: torch.Tensor, requests: list) -> torch.Tensor:
+    """logits [rows, vocab] of `requests` (each with `params`, `prompt_ids`, `output_ids`) -> the same logits with
+    each row's penalties, logit bias and minimum length applied, all rows at once; rows that ask for none come back
+    as they were. The tokens seen are gathered once per call, on the logits' device."""
+    rows = [row for row, request in enumerate(requests) if request.params.processes_logits]
+    if not rows:
+        return logits
+    device, vocab = logits.device, logits.shape[-1]
+    logits = logits.clone()
+    picked = logits[rows].float()  # [k, vocab]
+    params = [requests[row].params for row in rows]
+
+    def column(values) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+    def counts_of(token_lists) -> torch.Tensor:
+        """[k, vocab]: how often each token occurs in each row's list."""
+        row_index = [i for i, tokens in enumerate(token_lists) for _ in tokens]
+        token_index = [token for tokens in token_lists for token in tokens]
+        counts = torch.zeros(len(token_lists), vocab, device=device)
+        if token_index:
+            index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
+            counts.index_put_(index, torch.ones(len(token_index), device=device), accumulate=True)
+        return counts
+
+    outputs = [requests[row].output_ids for row in rows]
+    if any(p.repetition_penalty != 1.0 for p in params):
+        seen = counts_of([requests[row].prompt_ids + output for row, output in zip(rows, outputs)]) > 0
+        penalty = column([p.repetition_penalty for p in params])
+        picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = counts_of(outputs)
+        picked = picked - column([p.frequency_penalty for p in params]) * counts
+        picked = picked - column([p.presence_penalty for p in params]) * (counts > 0)
+    biases = [(i, token, bias) for i, p in enumerate(params) for token, bias in p.logit_bias if 0 <= token < vocab]
+    if biases:
+        index = torch.tensor([[i, token] for i, token, _ in biases], device=device)
+        picked.index_put_(
+            (index[:, 0], index[:, 1]), torch.tensor([b for *_, b in biases], device=device), accumulate=True
+        )
+    banned = [
+        (i, token)
+        for i, (p, output) in enumerate(zip(params, outputs))
+        if len(output) < p.min_tokens
+        for token in (*p.stop_token_ids, *(() if p.eos_token_id is None or p.ignore_eos else (p.eos_token_id,)))
+        if 0 <= token < vocab
+    ]
+    if banned:
+        index = torch.tensor(banned, device=device)
+        picked[index[:, 0], index[:, 1]] = float("-inf")
+    logits[rows] = picked.to(logits.dtype)
+    return logits
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:

@@ -23,9 +23,6 @@ UNAPPLIED_FIELDS = {
     "logprobs": ((False, 0), "log probabilities"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
     "echo": ((False,), "the prompt echoed in the completion"),
-    "presence_penalty": ((0, 0.0), "a presence penalty"),
-    "frequency_penalty": ((0, 0.0), "a frequency penalty"),
-    "logit_bias": (({},), "a logit bias"),
     "response_format": (({"type": "text"},), "structured output"),
     "tool_choice": (("none", "auto"), "a forced tool call"),
     "functions": (([],), "function calling"),
@@ -37,7 +34,17 @@ UNAPPLIED_FIELDS = {
 }
 # generation_config (transformers' extension, a JSON object) keys the Engine applies; any other that differs from
 # its default changes the output and is refused.
-APPLIED_GENERATION_KEYS = {"max_new_tokens", "temperature", "top_p", "top_k", "do_sample", "eos_token_id", "seed"}
+APPLIED_GENERATION_KEYS = {
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "do_sample",
+    "eos_token_id",
+    "seed",
+    "repetition_penalty",
+    "min_new_tokens",
+}
 GENERATION_DEFAULTS = {
     "num_beams": 1,
     "num_beam_groups": 1,

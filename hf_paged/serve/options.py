@@ -8,6 +8,7 @@ what that config has no field for (the request's own seed, `ignore_eos`, whether
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from ..engine.inputs import check_seed
 from ..errors import InvalidRequest
 
 # Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
-EXTENSION_FIELDS = ("top_k", "ignore_eos")
+EXTENSION_FIELDS = ("top_k", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids")
 MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # The GenerationConfig attribute `RequestOptions` rides on from the handler to the manager.
 OPTIONS_ATTRIBUTE = "hf_paged_options"
@@ -27,6 +28,15 @@ class RequestOptions:
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
+    # Applied to the logits by the Engine's sampler (SamplingParams): OpenAI's penalties and logit bias, vLLM's
+    # repetition_penalty / min_tokens / stop_token_ids (or transformers' generation_config.repetition_penalty and
+    # min_new_tokens).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -72,6 +82,34 @@ def read_options(body: dict) -> RequestOptions:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise InvalidRequest(f"ignore_eos must be true or false, got {ignore_eos!r}", "ignore_eos")
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(body, name)
+        if value is not None and not -2.0 <= value <= 2.0:
+            raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", name)
+        penalties[name] = value or 0.0
+    generation = _generation_config(body)
+    repetition_penalty = _number(body, "repetition_penalty")
+    if repetition_penalty is None:
+        repetition_penalty = generation.get("repetition_penalty", 1.0)
+    if (
+        not isinstance(repetition_penalty, int | float)
+        or isinstance(repetition_penalty, bool)
+        or repetition_penalty <= 0
+    ):
+        raise InvalidRequest(
+            f"repetition_penalty must be a number > 0, got {repetition_penalty!r}", "repetition_penalty"
+        )
+    min_tokens = _int(body, "min_tokens")
+    if min_tokens is None:
+        min_tokens = generation.get("min_new_tokens") or 0
+    if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+        raise InvalidRequest(f"min_tokens must be an integer >= 0, got {min_tokens!r}", "min_tokens")
+    stop_token_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids
+    ):
+        raise InvalidRequest(f"stop_token_ids must be a list of token ids, got {stop_token_ids!r}", "stop_token_ids")
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
@@ -81,7 +119,42 @@ def read_options(body: dict) -> RequestOptions:
         ignore_eos=ignore_eos,
         max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS),
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
+        repetition_penalty=float(repetition_penalty),
+        logit_bias=_logit_bias(body),
+        min_tokens=min_tokens,
+        stop_token_ids=tuple(stop_token_ids),
+        **penalties,
     )
+
+
+def _generation_config(body: dict) -> dict:
+    """transformers' `generation_config` field (a JSON object or its text; fields.check_body has checked it)."""
+    value = body.get("generation_config")
+    if isinstance(value, str):
+        value = json.loads(value)
+    return value if isinstance(value, dict) else {}
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias in [-100, 100]}, as (token id, bias) pairs."""
+    value = body.get("logit_bias")
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to biases, got {value!r}", "logit_bias")
+    pairs = []
+    for token, bias in value.items():
+        try:
+            token_id = int(token)
+        except ValueError:
+            raise InvalidRequest(f"logit_bias keys must be token ids, got {token!r}", "logit_bias") from None
+        valid = isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100
+        if token_id < 0 or not valid:
+            raise InvalidRequest(
+                f"logit_bias must map token ids to biases in [-100, 100], got {token!r}: {bias!r}", "logit_bias"
+            )
+        pairs.append((token_id, float(bias)))
+    return tuple(pairs)
 
 
 def apply_options(generation_config, body: dict, options: RequestOptions) -> None:
@@ -108,8 +181,13 @@ def engine_sampling(generation_config) -> dict:
         "top_p": float(generation_config.top_p or 1.0) if sampling else 1.0,
         "seed": options.seed,
         "eos_token_id": eos_ids[0] if eos_ids else None,
-        "stop_token_ids": () if options.ignore_eos else tuple(eos_ids[1:]),
+        "stop_token_ids": (() if options.ignore_eos else tuple(eos_ids[1:])) + options.stop_token_ids,
         "ignore_eos": options.ignore_eos,
+        "presence_penalty": options.presence_penalty,
+        "frequency_penalty": options.frequency_penalty,
+        "repetition_penalty": options.repetition_penalty,
+        "logit_bias": options.logit_bias,
+        "min_tokens": options.min_tokens,
     }
 
 
