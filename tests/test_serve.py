@@ -463,6 +463,31 @@ def test_penalties_and_logit_bias_change_the_output(server, saved):
     assert set(words(logit_bias={str(fox): 100})) == {"fox"}
 
 
+def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_new_tokens(server):
+    from transformers import GenerationConfig
+
+    from hf_paged.serve.handlers import PagedCompletionHandler
+    from hf_paged.serve.options import engine_sampling
+
+    import types
+
+    state = types.SimpleNamespace(_compile=False)  # what the handler reads of the server's generation state
+    handler = PagedCompletionHandler(model_manager=None, generation_state=state, served_model_name="m")
+    model_config = GenerationConfig(eos_token_id=[3, 4], max_new_tokens=1024)
+    for value in ({"top_k": 50}, json.dumps({"top_k": 50})):
+        config = handler._build_generation_config({"prompt": "hi", "generation_config": value}, model_config)
+        sampling = engine_sampling(config)
+        assert config.top_k == 50 and sampling["eos_token_id"] == 3 and sampling["stop_token_ids"] == (4,)
+    # over HTTP: an object, and max_new_tokens inside it, are what the request asks for
+    body = {"model": server.model_dir, "prompt": "the quick brown fox", "temperature": 0}
+    status, answer = post_json(server, "/v1/completions", body | {"generation_config": {"max_new_tokens": 4}})
+    assert status == 200 and answer["usage"]["completion_tokens"] == 4
+    status, answer = post_json(server, "/v1/completions", body | {"stream": True, "logit_bias": {"99999": 5}})
+    assert status == 400 and answer["error"]["param"] == "logit_bias"
+    status, answer = post_json(server, "/v1/audio/transcriptions", {})
+    assert status == 400 and "text model" in answer["error"]["message"]
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [

@@ -91,7 +91,7 @@ def build_app(config: ServeConfig):
     )
 
     # The server serves the one model it was started with: no endpoint loads another (or fetches one from a hub).
-    pinned = ("/load_model", "/reset")
+    pinned = ("/load_model", "/reset", "/v1/audio/transcriptions")
     replaced = (*pinned, "/v1/models")
     app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in replaced]
 
@@ -103,8 +103,9 @@ def build_app(config: ServeConfig):
 
     @app.post("/load_model")
     @app.post("/reset")
+    @app.post("/v1/audio/transcriptions")  # it would load any model it is asked for
     def refuse_model_change():
-        message = f"hf-paged serve serves {config.model} only; start another server for another model"
+        message = f"hf-paged serve serves {config.model}, a text model, only; start another server for another model"
         return JSONResponse(error_body(message, 400), status_code=400)
 
     if config.api_key is not None:
@@ -134,7 +135,7 @@ def build_app(config: ServeConfig):
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_request: Request, error: RequestValidationError):
-        return JSONResponse(error_body(f"invalid request body: {error.errors()}", 422), status_code=422)
+        return JSONResponse(error_body(f"invalid request body: {error.errors()}", 400), status_code=400)
 
     @app.exception_handler(CBWorkerDeadError)
     async def engine_stopped(_request: Request, error: CBWorkerDeadError):

@@ -4,11 +4,14 @@ Each handler is transformers' own with these changes (and `/v1/responses` answer
 stream, as OpenAI's API does): its request check first refuses, with an HTTP 400 naming the field, a body it cannot
 read or a field the Engine would not apply (`fields.check_body`), and also accepts `top_k` and `ignore_eos` (vLLM's
 extensions, which load generators such as guidellm send); its generation config carries the request's options
-(`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it; a streamed answer ends with
-`data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request alone instead of torch's global generator.
+(`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it; a streamed chat or completion ends
+with `data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request alone instead of torch's global
+generator.
 """
 
 from __future__ import annotations
+
+import json
 
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
@@ -40,7 +43,9 @@ class RequestOptionsMixin:
 
     async def handle_request(self, body: dict, request_id: str):
         response = await super().handle_request(body, request_id)
-        if getattr(response, "media_type", None) == "text/event-stream":
+        # Chat and completions streams end with [DONE], as OpenAI's do (a Responses stream ends with its
+        # response.completed event instead).
+        if self.endpoint != RESPONSES and getattr(response, "media_type", None) == "text/event-stream":
             response.body_iterator = _ending_with_done(response.body_iterator)
         return response
 
@@ -51,9 +56,12 @@ class RequestOptionsMixin:
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         options = read_options(body)
         # Without "seed": the handler would reseed torch's global generator, which every unseeded request shares.
-        generation_config = super()._build_generation_config(
-            {key: value for key, value in body.items() if key != "seed"}, model_generation_config, use_cb=use_cb
-        )
+        handler_body = {key: value for key, value in body.items() if key != "seed"}
+        if isinstance(handler_body.get("generation_config"), dict):  # the handler reads it as JSON text
+            handler_body["generation_config"] = json.dumps(handler_body["generation_config"])
+        generation_config = super()._build_generation_config(handler_body, model_generation_config, use_cb=use_cb)
+        if generation_config.eos_token_id is None:  # a request's generation_config replaces the model's whole
+            generation_config.eos_token_id = model_generation_config.eos_token_id
         apply_options(generation_config, body, options)
         return generation_config
 

@@ -1,7 +1,7 @@
 """How long a request may be: the model's position limit and what one request can hold of the pool.
 
 A prompt the model cannot position, or whose K/V the whole pool could never hold, is refused with HTTP 400 before it
-reaches the Engine. A request that names no max_tokens gets what is left (at most the handler's default); one that
+reaches the Engine. A request that names no max_tokens gets all the room that is left; one that
 names more than is left is refused.
 """
 

@@ -34,6 +34,8 @@ from .stream import RequestStream
 logger = logging.getLogger(__name__)
 
 
+# max_new_tokens where no limit of the model or the pool bounds a request that names none (transformers' default).
+DEFAULT_MAX_NEW_TOKENS = 1024
 LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)  # seconds
 LATENCIES = ("time_to_first_token", "inter_token_latency", "e2e_request_latency", "request_queue_time")
 
@@ -147,11 +149,16 @@ class EngineManager(BaseGenerateManager):
         # A config that did not come through a request handler (no options on it) was made by code: its
         # max_new_tokens is what that code asked for.
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions(max_tokens_given=True)
+        # (A request's generation_config without max_new_tokens leaves None: the room left, as without max_tokens.)
+        requested = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
         max_new_tokens = self.limits.max_new_tokens(
-            len(prompt_ids), int(gen_config.max_new_tokens), options.max_tokens_given, options.prompt_field
+            len(prompt_ids), int(requested), options.max_tokens_given, options.prompt_field
         )
         gen_config.max_new_tokens = max_new_tokens  # the handler reads it back for the finish reason
         sampling = engine_sampling(gen_config)
+        vocab_size = self.engine.limits.vocab_size
+        if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in sampling["logit_bias"]):
+            raise InvalidRequest(f"logit_bias names a token id outside the vocabulary of {vocab_size}", "logit_bias")
         try:
             SamplingParams(max_new_tokens=max_new_tokens, **sampling)
         except ValueError as error:
@@ -242,6 +249,8 @@ class EngineManager(BaseGenerateManager):
         if stream.engine_id is None or self._live.get(stream.engine_id) is not stream:
             return  # never added, or already finished
         del self._live[stream.engine_id]
+        if stream.stopped:  # a stop string ended it: a request that ran to its end
+            self._latencies["e2e_request_latency"].observe(time.perf_counter() - stream.created)
         self.engine.abort_request(stream.engine_id)
         self._counts["num_finished" if stream.stopped else "num_aborted"] += 1
 

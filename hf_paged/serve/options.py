@@ -117,7 +117,8 @@ def read_options(body: dict) -> RequestOptions:
     return RequestOptions(
         seed=seed,
         ignore_eos=ignore_eos,
-        max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS),
+        max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS)
+        or generation.get("max_new_tokens") is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
         repetition_penalty=float(repetition_penalty),
         logit_bias=_logit_bias(body),

@@ -94,7 +94,8 @@ class RequestStream:
             self.total_tokens += 1
             if self.streaming or self._stops:
                 self._pending += self._decoder.step(self._tokenizer, token_id) or ""
-            if self._stops and self._cut_at_stop():
+            # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
+            if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
                 self.stopped = True
                 self._finish()
                 self._on_cancel(self)  # the Engine request runs on otherwise
