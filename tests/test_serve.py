@@ -464,12 +464,12 @@ def test_penalties_and_logit_bias_change_the_output(server, saved):
 
 
 def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_new_tokens(server):
+    import types
+
     from transformers import GenerationConfig
 
     from hf_paged.serve.handlers import PagedCompletionHandler
     from hf_paged.serve.options import engine_sampling
-
-    import types
 
     state = types.SimpleNamespace(_compile=False)  # what the handler reads of the server's generation state
     handler = PagedCompletionHandler(model_manager=None, generation_state=state, served_model_name="m")
