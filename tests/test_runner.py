@@ -149,7 +149,7 @@ def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
     assert stats.replayed_steps > 0 and stats.padded_rows > 0
     widths = {width for _, width, _ in stats.captures}
     assert widths == {16, 32}  # captured again when the 60-token prompt's row passed 16 blocks
-    assert runner.graph_width == 32
+    assert runner.graph_width == 32 and runner.tables[0].shape[1] == 32  # the buffers grew with it
     assert pool.num_used_blocks == 0
 
 

@@ -141,8 +141,8 @@ class DecodeRunner:
         model: the Engine's model (on the "hf_paged" attention).
         pool (`BlockPool`): the Engine's pool.
         max_num_seqs (`int`): the most rows of a step.
-        max_blocks_per_seq (`int`): the most blocks a row holds in one layer group (W: the block tables' width under
-            a graph).
+        max_blocks_per_seq (`int`): the most blocks a row can hold in one layer group (the buffers' table width, W,
+            grows up to it).
         cache_keyword (`str`): the keyword the model's forward takes its cache by.
         cuda_graphs (`bool`): capture and replay a graph per bucket (CUDA only).
     """
@@ -157,8 +157,9 @@ class DecodeRunner:
         self.pad_to_buckets = cuda_graphs
         self.buckets = batch_buckets(max_num_seqs)
         self.max_blocks_per_seq = max_blocks_per_seq
-        # The block tables' width under a graph: a power of two holding the longest row so far (the kernel's split
-        # choice and the gather grow with it), doubled and the graphs captured again when a row outgrows it.
+        # W, the buffers' block table width (and the graphs'): a power of two holding the longest row so far (the
+        # kernel's split choice, the gather under a graph and the buffers grow with it), doubled, with the buffers
+        # made again and the graphs captured again, when a row outgrows it.
         self.graph_width = min(16, max_blocks_per_seq)
         self.stats = RunnerStats()
         self.capture_error: str | None = None
@@ -181,7 +182,7 @@ class DecodeRunner:
         contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row values (input ids,
         positions, then per layer group the new token's slot and the row's length from its first held block), then
         per layer group a `[rows, W]` block table."""
-        num_groups, width = self.pool.num_groups, self.max_blocks_per_seq
+        num_groups, width = self.pool.num_groups, self.graph_width
         self._num_fields = 2 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
         self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
@@ -201,8 +202,7 @@ class DecodeRunner:
         num_rows = len(rows)
         bucket = next(b for b in self.buckets if b >= num_rows) if self.pad_to_buckets else num_rows
         graphing = self.cuda_graphs and self.capture_error is None
-        if graphing:
-            self._fit_graph_width(rows)
+        self._fit_width(rows)
         # Padding rows, and a capture, write to the runner's own block; with none free, the step runs its own rows
         # only, replayed only if their number is a captured bucket.
         needs_dummy = bucket > num_rows or (graphing and bucket not in self._graphs)
@@ -223,14 +223,18 @@ class DecodeRunner:
         self.stats.eager_steps += 1
         return self._run_model()[:num_rows]
 
-    def _fit_graph_width(self, rows) -> None:
-        """Double the graphs' table width until it holds the longest row (the graphs are captured again)."""
+    def _fit_width(self, rows) -> None:
+        """Double W until it holds the longest row: new buffers, and the graphs captured again."""
         longest = max(len(table) for request, _ in rows for table in request.block_tables)
         if longest > self.graph_width:
             while self.graph_width < longest:
                 self.graph_width *= 2
             self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
             self._graphs.clear()
+            if self._copied is not None:  # the last copy may still read the old staging tensor
+                self._copied.synchronize()
+                self._copied = None
+            self._allocate(self._max_rows)
 
     def _padding_block(self) -> int | None:
         """The block padding rows write to, taken at the first padded step and kept until the Engine has no request
@@ -251,7 +255,7 @@ class DecodeRunner:
         share of it (one copy of the per-row values, one per layer group of the tables). Table entries past a row's
         blocks keep what an earlier step left there: never read (each row stops at its length), and always a block id
         of the pool."""
-        block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.max_blocks_per_seq
+        block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.graph_width
         max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
         if self._copied is not None:  # the last copy may still read the pinned staging tensor (a step that raised)
             self._copied.synchronize()
