@@ -21,6 +21,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .kernels import paged_decode_attention
 from .plan import BACKEND_ATTR, module_backend
 from .shared_prefix import per_row_mask, shared_prefix_attention
+from .torch_attention import torch_attention_forward
 
 
 @dataclass
@@ -63,19 +64,26 @@ class DecodePlan:
     ) -> tuple[torch.Tensor, None]:
         """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
         backend = self.backend(module, query.device)
-        if not self.uniform_kv:  # the paged kernels read K and V of one shape: gather for the torch path
+        sinks = kwargs.get("s_aux")
+        # The paged kernels read K and V of one shape and apply no attention sinks: gather for the torch path.
+        if not self.uniform_kv or sinks is not None:
             backend = "torch"
         kv_start = self.kv_start(attention_mask) if backend == "triton" else None
         if backend == "torch" or kv_start is None or kwargs.get("position_bias") is not None:
-            if self.shares_prefix(attention_mask, dropout, **kwargs):
+            if sinks is None and self.shares_prefix(attention_mask, dropout, **kwargs):
                 return self.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
             # The torch path, masks that are not "left padding then causal", and an additive position bias (Inkling's
-            # relative logits, which SDPA adds and the kernel does not): gather once, plain SDPA.
+            # relative logits, which SDPA adds and the kernel does not): gather once, plain SDPA (the torch attention
+            # for a softcap or sinks, which SDPA has not).
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self.length_mask(sliding_window)
+            if softcap is not None or sinks is not None:
+                is_causal = getattr(module, "is_causal", True)
+                extra = dict(softcap=softcap, sinks=sinks, is_causal=is_causal)
+                return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
             return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
             )
         out = paged_decode_attention(
             query[:, :, 0],  # [B, heads, head_dim]

@@ -22,6 +22,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from .kernels.dispatch import BACKENDS, resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import BACKEND_ATTR
+from .torch_attention import torch_attention_forward
 
 
 @dataclass
@@ -71,8 +72,6 @@ class FixedDecodePlan:
                 return sdpa_attention_forward(
                     module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
                 )
-            from .interface import torch_attention_forward  # interface imports the plans: a call-time import
-
             return torch_attention_forward(
                 query, key, value, attention_mask, dropout, scaling, softcap=softcap, sinks=sinks
             )

@@ -27,9 +27,9 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import UnsupportedModel
-from .decode_plan import DecodePlan
 from .kernels.dispatch import resolve_backend
-from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, module_backend, plan_of
+from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, plan_of
+from .torch_attention import torch_attention_forward
 
 
 def paged_attention_forward(
@@ -84,24 +84,11 @@ def paged_attention_forward(
                 "hf_paged attention",
             )
     sinks = kwargs.get("s_aux")
-    if softcap is not None or sinks is not None:
-        # SDPA has neither a softcap nor attention sinks: where a step would run SDPA, run the torch attention. The
-        # paged kernels apply a softcap, not sinks: a decode step with sinks gathers its K/V.
+    if plan is None and (softcap is not None or sinks is not None):
+        # SDPA has neither a softcap nor attention sinks: run the torch attention. A plan handles both itself (the
+        # paged kernels apply a softcap, not sinks: a decode step with sinks gathers its K/V).
         extra = dict(softcap=softcap, sinks=sinks, is_causal=getattr(module, "is_causal", True))
-        if plan is None:
-            return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
-        if isinstance(plan, DecodePlan) and (
-            sinks is not None
-            or not plan.uniform_kv
-            or module_backend(module, query.device) == "torch"
-            or plan.kv_start(attention_mask) is None
-        ):
-            if sinks is None and plan.shares_prefix(attention_mask, dropout, **kwargs):
-                return plan.attend_shared_prefix(query, attention_mask, scaling=scaling, softcap=softcap), None
-            key, value = plan.gather()
-            if plan.ragged:
-                attention_mask = plan.length_mask(sliding_window)
-            return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
+        return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
@@ -143,56 +130,6 @@ def softcap_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """`torch_attention_forward` with a softcap and an explicit mask (None: every key visible)."""
     return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap=softcap)
-
-
-def torch_attention_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    is_causal: bool = False,
-) -> tuple[torch.Tensor, None]:
-    """Attention in plain torch, for what SDPA does not do: query [B, heads, q_len, head_dim], key/value
-    [B, kv_heads, kv_len, head_dim] -> ([B, q_len, heads, head_dim], None).
-
-    Args:
-        attention_mask: a boolean (True = attend) or additive [B, 1, q_len, >= kv_len] mask. None: every key is
-            visible, or with `is_causal` (and q_len > 1) query i sees the keys up to position kv_len - q_len + i,
-            as SDPA's `is_causal` where transformers skips building the mask.
-        softcap: logits capped at `softcap` (`softcap * tanh(logits / softcap)`).
-        sinks: [heads] attention sinks (transformers' `s_aux`): one more logit per head joins the softmax, and its
-            share of the weight is dropped (GPT-OSS; Granite's sigmoid form is the same).
-    """
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    q_len, kv_len = logits.shape[-2], logits.shape[-1]
-    if attention_mask is not None:
-        mask = attention_mask[:, :, :, :kv_len]
-        if mask.dtype == torch.bool:
-            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
-        else:
-            logits = logits + mask
-    elif is_causal and q_len > 1:
-        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=logits.device).tril(kv_len - q_len)
-        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
-    if sinks is not None:
-        sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(logits.shape[0], -1, q_len, 1)
-        combined = torch.cat([logits, sink], dim=-1)
-        combined = combined - combined.max(dim=-1, keepdim=True).values
-        weights = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
-    else:
-        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
-    weights = torch.nn.functional.dropout(weights, p=dropout)
-    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 def register() -> None:

@@ -33,8 +33,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, length_mask, module_backend, plan_placeholders, store_backend, store_kv_rows
-from ..attention.interface import torch_attention_forward
 from ..attention.plan import EXPANDED_PLAN_KWARG
+from ..attention.torch_attention import torch_attention_forward
 from ..cache.block_tables import head_major_index
 from ..errors import UnsupportedModel
 from ..storage import BlockPool

@@ -1,0 +1,56 @@
+"""Attention in plain torch, for what SDPA does not do (a softcap, attention sinks): the "hf_paged" attention, its
+plans and the Engine's packed step run it where they would run SDPA."""
+
+from __future__ import annotations
+
+import torch
+
+
+def torch_attention_forward(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    is_causal: bool = False,
+) -> tuple[torch.Tensor, None]:
+    """Attention in plain torch, for what SDPA does not do: query [B, heads, q_len, head_dim], key/value
+    [B, kv_heads, kv_len, head_dim] -> ([B, q_len, heads, head_dim], None).
+
+    Args:
+        attention_mask: a boolean (True = attend) or additive [B, 1, q_len, >= kv_len] mask. None: every key is
+            visible, or with `is_causal` (and q_len > 1) query i sees the keys up to position kv_len - q_len + i,
+            as SDPA's `is_causal` where transformers skips building the mask.
+        softcap: logits capped at `softcap` (`softcap * tanh(logits / softcap)`).
+        sinks: [heads] attention sinks (transformers' `s_aux`): one more logit per head joins the softmax, and its
+            share of the weight is dropped (GPT-OSS; Granite's sigmoid form is the same).
+    """
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    logits = torch.matmul(query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    q_len, kv_len = logits.shape[-2], logits.shape[-1]
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :kv_len]
+        if mask.dtype == torch.bool:
+            logits = logits.masked_fill(~mask, torch.finfo(logits.dtype).min)
+        else:
+            logits = logits + mask
+    elif is_causal and q_len > 1:
+        visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=logits.device).tril(kv_len - q_len)
+        logits = logits.masked_fill(~visible, torch.finfo(logits.dtype).min)
+    if sinks is not None:
+        sink = sinks.reshape(1, -1, 1, 1).to(logits.dtype).expand(logits.shape[0], -1, q_len, 1)
+        combined = torch.cat([logits, sink], dim=-1)
+        combined = combined - combined.max(dim=-1, keepdim=True).values
+        weights = torch.softmax(combined, dim=-1, dtype=torch.float32)[..., :-1].to(query.dtype)
+    else:
+        weights = torch.softmax(logits, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = torch.nn.functional.dropout(weights, p=dropout)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
