@@ -16,12 +16,11 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kernels import paged_decode_attention
 from .plan import BACKEND_ATTR, module_backend
 from .shared_prefix import per_row_mask, shared_prefix_attention
-from .torch_attention import torch_attention_forward
+from .torch_attention import sdpa_or_torch_attention
 
 
 @dataclass
@@ -78,12 +77,8 @@ class DecodePlan:
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self.length_mask(sliding_window)
-            if softcap is not None or sinks is not None:
-                is_causal = getattr(module, "is_causal", True)
-                extra = dict(softcap=softcap, sinks=sinks, is_causal=is_causal)
-                return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            return sdpa_or_torch_attention(
+                module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs
             )
         out = paged_decode_attention(
             query[:, :, 0],  # [B, heads, head_dim]

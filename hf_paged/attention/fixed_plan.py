@@ -17,12 +17,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .kernels.dispatch import BACKENDS, resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import BACKEND_ATTR
-from .torch_attention import torch_attention_forward
+from .torch_attention import sdpa_or_torch_attention
 
 
 @dataclass
@@ -68,12 +67,8 @@ class FixedDecodePlan:
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self._length_mask(key.shape[2], sliding_window)
-            if softcap is None and sinks is None:
-                return sdpa_attention_forward(
-                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-                )
-            return torch_attention_forward(
-                query, key, value, attention_mask, dropout, scaling, softcap=softcap, sinks=sinks
+            return sdpa_or_torch_attention(
+                module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs
             )
         out = paged_decode_attention_compiled(
             query[:, :, 0],  # [B, heads, head_dim]

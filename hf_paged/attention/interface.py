@@ -23,13 +23,12 @@ import re
 
 import torch
 from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from ..errors import UnsupportedModel
 from .kernels.dispatch import resolve_backend
 from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, plan_of
-from .torch_attention import torch_attention_forward
+from .torch_attention import sdpa_or_torch_attention, torch_attention_forward
 
 
 def paged_attention_forward(
@@ -83,16 +82,10 @@ def paged_attention_forward(
                 "decode plan the cache returned was lost",
                 "hf_paged attention",
             )
-    sinks = kwargs.get("s_aux")
-    if plan is None and (softcap is not None or sinks is not None):
-        # SDPA has neither a softcap nor attention sinks: run the torch attention. A plan handles both itself (the
-        # paged kernels apply a softcap, not sinks: a decode step with sinks gathers its K/V).
-        extra = dict(softcap=softcap, sinks=sinks, is_causal=getattr(module, "is_causal", True))
-        return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
     if plan is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, softcap=softcap, **kwargs
-        )
+        # SDPA, or the torch attention for a softcap or sinks. A plan handles both itself (the paged kernels apply a
+        # softcap, not sinks: a decode step with sinks gathers its K/V).
+        return sdpa_or_torch_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
     return plan.attend(
         module,
         query,

@@ -1,9 +1,33 @@
 """Attention in plain torch, for what SDPA does not do (a softcap, attention sinks): the "hf_paged" attention, its
-plans and the Engine's packed step run it where they would run SDPA."""
+plans and the Engine's packed step run it where they would run SDPA (`sdpa_or_torch_attention`)."""
 
 from __future__ import annotations
 
 import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+
+def sdpa_or_torch_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention over whole K/V, or `torch_attention_forward` where the step asks for what SDPA
+    has not (a softcap, attention sinks `s_aux`). Shapes as in `torch_attention_forward`."""
+    sinks = kwargs.get("s_aux")
+    if softcap is None and sinks is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+    is_causal = getattr(module, "is_causal", True)
+    extra = dict(softcap=softcap, sinks=sinks, is_causal=is_causal)
+    return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
 
 
 def torch_attention_forward(
