@@ -60,10 +60,10 @@ class FixedDecodePlan:
         if self.ragged:
             attention_mask = None  # the mask describes no row's keys: each row's length does
         kv_start = None
-        if kernel and self._bool_mask(attention_mask) and attention_mask is not None:
-            kv_start = self._kv_start(attention_mask)
+        if kernel and attention_mask is not None:  # the kernel takes a mask of one first visible key per row only
+            kv_start = self._kv_start(attention_mask) if self._bool_mask(attention_mask) else None
             kernel = kv_start is not None
-        if not kernel or not self._bool_mask(attention_mask):
+        if not kernel:
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self._length_mask(key.shape[2], sliding_window)
@@ -109,8 +109,8 @@ class FixedDecodePlan:
         return mask
 
     @staticmethod
-    def _bool_mask(attention_mask: torch.Tensor | None) -> bool:
-        return attention_mask is None or (attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1)
+    def _bool_mask(attention_mask: torch.Tensor) -> bool:
+        return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
 
 
 def fixed_length_mask(seq_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:

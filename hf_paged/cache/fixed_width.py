@@ -28,6 +28,8 @@ import weakref
 
 import torch
 
+from .block_tables import head_major_index
+
 
 class FixedWidthSteps:
     def __init__(self, max_cache_len: int, block_size: int, num_groups: int):
@@ -95,21 +97,14 @@ def gather_fixed(
     cache: torch.Tensor, block_tables: torch.Tensor, max_cache_len: int, index: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A head-major pool tensor `[kv_heads, num_blocks, block_size, head_dim]` read through `block_tables` `[B, W]`:
-    `[B, kv_heads, max_cache_len, head_dim]` (one index_select, no copy after it). `index`: `fixed_gather_index`
-    of the same tables, where the caller keeps it for other layers."""
+    `[B, kv_heads, max_cache_len, head_dim]` (one index_select, no copy after it). `index`: `head_major_index` of
+    the same tables, where the caller keeps it for other layers."""
     num_heads, num_blocks, block_size, head_dim = cache.shape
     batch_size, width = block_tables.shape
     if index is None:
-        index = fixed_gather_index(block_tables, num_heads, num_blocks)
+        index = head_major_index(block_tables, num_heads, num_blocks)
     rows = cache.view(num_heads * num_blocks, block_size, head_dim).index_select(0, index)
     return rows.view(batch_size, num_heads, width * block_size, head_dim)[:, :, :max_cache_len]
-
-
-def fixed_gather_index(block_tables: torch.Tensor, num_heads: int, num_blocks: int) -> torch.Tensor:
-    """`[B * num_heads * W]` rows of a `[num_heads * num_blocks, block_size, head_dim]` pool view, in `[B, num_heads,
-    W]` order, for block tables `[B, W]`."""
-    heads = torch.arange(num_heads, device=block_tables.device) * num_blocks
-    return (heads[None, :, None] + block_tables[:, None, :]).flatten()
 
 
 def _host(values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -35,7 +35,8 @@ from transformers.cache_utils import Cache
 
 from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
-from ..cache.fixed_width import fixed_gather_index, gather_fixed
+from ..cache.block_tables import head_major_index
+from ..cache.fixed_width import gather_fixed
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .step_cache import StepLayer
@@ -116,7 +117,7 @@ class RunnerCache(Cache):
                 key = ("index", group, cache.shape[0], cache.shape[1])
                 index = memo.get(key)
                 if index is None:
-                    index = memo[key] = fixed_gather_index(tables, cache.shape[0], cache.shape[1])
+                    index = memo[key] = head_major_index(tables, cache.shape[0], cache.shape[1])
                 gathered.append(gather_fixed(cache, tables, width, index))
             return gathered[0], gathered[1]
 
