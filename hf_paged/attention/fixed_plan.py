@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .decode_plan import length_mask
 from .kernels.dispatch import BACKENDS, resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import BACKEND_ATTR
@@ -33,7 +34,8 @@ class FixedDecodePlan:
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, W * block_size, head_dim] K and V
     backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
     ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
-    length_masks: dict | None = None  # (window, width) -> the ragged rows' length mask, shared by a step's layers
+    # window -> the ragged rows' length mask (`length_mask`), shared by the layers of a step whose keys span one width
+    length_masks: dict | None = None
     # Ragged rows that all hold exactly as many keys as `gather` returns (known on the host): no length mask then,
     # unless a sliding window hides some.
     full_rows: bool = False
@@ -101,27 +103,12 @@ class FixedDecodePlan:
     def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor | None:
         if self.full_rows and (sliding_window is None or width <= sliding_window):
             return None
-        if self.length_masks is None:
-            return fixed_length_mask(self.seq_lens, width, sliding_window)
-        mask = self.length_masks.get((sliding_window, width))
-        if mask is None:
-            mask = self.length_masks[(sliding_window, width)] = fixed_length_mask(self.seq_lens, width, sliding_window)
-        return mask
+        memo = self.length_masks if self.length_masks is not None else {}
+        return length_mask(self.seq_lens, sliding_window, memo, max_len=width)  # width from the host: no device read
 
     @staticmethod
     def _bool_mask(attention_mask: torch.Tensor) -> bool:
         return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-
-
-def fixed_length_mask(seq_lens: torch.Tensor, width: int, sliding_window: int | None) -> torch.Tensor:
-    """[B, 1, 1, width] bool: key j is visible to row b when j < seq_lens[b] (and, with a sliding window,
-    j > seq_lens[b] - 1 - sliding_window), computed on the device (no host read of the lengths)."""
-    positions = torch.arange(width, device=seq_lens.device)[None, :]
-    lengths = seq_lens[:, None]
-    visible = positions < lengths
-    if sliding_window is not None:
-        visible &= positions > lengths - 1 - sliding_window
-    return visible[:, None, None, :]
 
 
 def resolve_backends(device: torch.device) -> dict:
