@@ -372,9 +372,8 @@ class Engine:
             sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
         if isinstance(sampling.get("logit_bias"), dict):  # OpenAI's {token id: bias}
             sampling["logit_bias"] = tuple((int(token), bias) for token, bias in sampling["logit_bias"].items())
-        vocab_size = self.limits.vocab_size
-        if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in sampling.get("logit_bias", ())):
-            raise ValueError(f"logit_bias names a token id outside the vocabulary of {vocab_size}")
+        if (error := self.limits.logit_bias_error(sampling.get("logit_bias", ()))) is not None:
+            raise ValueError(error)
         params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
         capped = self.limits.cap_new_tokens(len(prompt_ids), params.max_new_tokens)
         if capped != params.max_new_tokens and capped >= 1:

@@ -70,6 +70,13 @@ class PromptLimits:
             )
         return None
 
+    def logit_bias_error(self, logit_bias) -> str | None:
+        """Why the model cannot take `logit_bias` ((token id, bias) pairs): a token id outside its vocabulary, or
+        None."""
+        if self.vocab_size is not None and any(not 0 <= token < self.vocab_size for token, _ in logit_bias):
+            return f"logit_bias names a token id outside the vocabulary of {self.vocab_size}"
+        return None
+
     def cap_new_tokens(self, num_prompt: int, max_new_tokens: int) -> int:
         """`max_new_tokens`, lowered so that a model with learned positions never feeds a position past its table
         (the request then finishes with "length" there, as vLLM's engine caps a request at `max_model_len`); a

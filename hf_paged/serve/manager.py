@@ -156,9 +156,8 @@ class EngineManager(BaseGenerateManager):
         )
         gen_config.max_new_tokens = max_new_tokens  # the handler reads it back for the finish reason
         sampling = engine_sampling(gen_config)
-        vocab_size = self.engine.limits.vocab_size
-        if vocab_size is not None and any(not 0 <= token < vocab_size for token, _ in sampling["logit_bias"]):
-            raise InvalidRequest(f"logit_bias names a token id outside the vocabulary of {vocab_size}", "logit_bias")
+        if (error := self.engine.limits.logit_bias_error(sampling["logit_bias"])) is not None:  # before a stream starts
+            raise InvalidRequest(error, "logit_bias")
         try:
             SamplingParams(max_new_tokens=max_new_tokens, **sampling)
         except ValueError as error:
