@@ -14,6 +14,7 @@ from .errors import (
     PoolTooLarge,
     RequestFailed,
     UnknownBackend,
+    UnsupportedCacheAttribute,
     UnsupportedModel,
 )
 from .registry import available_backends, create_cache, hookimpl
@@ -43,6 +44,7 @@ __all__ = [
     "RequestFailed",
     "SamplingParams",
     "UnknownBackend",
+    "UnsupportedCacheAttribute",
     "UnsupportedModel",
     "available_backends",
     "create_cache",

@@ -73,6 +73,21 @@ class UnsupportedModel(NotImplementedError):
         super().__init__(f"{path} does not support model type {model_type!r}: {reason}")
 
 
+class UnsupportedCacheAttribute(UnsupportedModel, AttributeError):
+    """A model read an attribute of a paged cache layer that transformers' own layer classes have and `PagedLayer`
+    does not (the K/V tensors `keys` / `values`, a state of the model's own): refused by name. It is an
+    `AttributeError` as well, so `hasattr(layer, name)` stays False."""
+
+    def __init__(self, model_type: str | None, name: str, layer_class: str = "PagedLayer"):
+        self.name = name
+        super().__init__(
+            model_type,
+            f"its forward reads cache layer attribute {name!r}, which {layer_class} does not have (the K/V live in the "
+            "shared BlockPool, not in per-layer tensors)",
+            "PagedCache",
+        )
+
+
 class UnknownRequest(ValueError):
     """An Engine was asked about a request id it never issued."""
 

@@ -29,7 +29,15 @@ from transformers.models.mistral_large4.configuration_mistral_large4 import Mist
 from transformers.models.mistral_large4.modeling_mistral_large4 import MistralLarge4TextModel
 
 import hf_paged
-from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PoolMismatch, UnsupportedModel
+from hf_paged import (
+    BlockPool,
+    Engine,
+    KVLayout,
+    PagedCache,
+    PoolMismatch,
+    UnsupportedCacheAttribute,
+    UnsupportedModel,
+)
 from hf_paged.attention import paged_attention_forward, store_kv_rows
 from hf_paged.attention.kernels import paged_decode_attention
 from hf_paged.engine import StepCache
@@ -341,6 +349,65 @@ def test_engine_refuses_indexed_attention_up_front():
     cache = StepCache(pool, [[[0]]], seq_lens=[0], q_lens=[2], model_type="deepseek_v32")
     with pytest.raises(UnsupportedModel, match="indexer keys"):
         cache.update_indexer(torch.randn(1, 2, 32), 0)
+
+
+# ------------------------------------------------------------------------------------------ Qwen4-Exp (QSA indexer)
+@functools.cache
+def qwen4_model():
+    """Qwen4-Exp from the zoo's tiny config: a GatedDeltaNet layer and an "indexed_attention" layer whose QSA indexer
+    keeps 4 keys (blocks of 2) and reads the position ids it keeps on `cache.layers[1].indexer_position_ids`."""
+    return zoo_model("qwen4_exp_text", "Qwen4ExpForCausalLM")
+
+
+@pytest.mark.parametrize("options", [dict(), dict(num_beams=3)], ids=["greedy", "beams"])
+def test_qwen4_exp_equals_dynamic_cache(options):
+    model = qwen4_model()
+    expected = _generate(model, DynamicCache(config=model.config), do_sample=False, **options)
+    cache = PagedCache(config=model.config)
+    _assert_same(_generate(model, cache, do_sample=False, **options), expected)
+    rows = 3 * options.get("num_beams", 1)
+    positions = cache.layers[1].indexer_position_ids  # [3 rope sections, rows, 10 prompt + 5 fed back tokens]
+    assert positions.shape == (3, rows, 15) and cache.get_seq_length() == 15
+    enabled = copy.deepcopy(model)
+    hf_paged.enable(enabled, backend="torch")
+    _assert_same(_generate(enabled, PagedCache(config=model.config), do_sample=False, **options), expected)
+
+
+def test_qwen4_exp_indexer_positions_follow_the_rows_and_lengths_of_the_cache():
+    cache = PagedCache(config=qwen4_model().config)
+    layer = cache.layers[1]
+    assert layer.indexer_position_ids is None
+    positions = torch.arange(10).view(1, 2, 5).expand(3, 2, 5)  # [sections, rows, tokens]: row 1 is 5..9
+    layer.indexer_position_ids = positions
+    cache.update(torch.randn(2, 2, 5, 16), torch.randn(2, 2, 5, 16), 1)
+    cache.reorder_cache(torch.tensor([1, 1]))
+    assert layer.indexer_position_ids[:, 0].tolist() == [[5, 6, 7, 8, 9]] * 3
+    branch = copy.deepcopy(cache)
+    cache.crop(-2)  # 5 tokens held: 3 stay
+    assert layer.indexer_position_ids.shape == (3, 2, 3) and branch.layers[1].indexer_position_ids.shape == (3, 2, 5)
+    cache.batch_repeat_interleave(2)
+    assert layer.indexer_position_ids.shape == (3, 4, 3)
+    with pytest.raises(ValueError, match=r"indexer position ids must be a tensor \[\.\.\., batch, seq_len\]"):
+        layer.indexer_position_ids = torch.arange(3)
+    cache.release()
+    assert layer.indexer_position_ids is None and branch.layers[1].indexer_position_ids is not None
+    # Only the indexed layer keeps them: reading them elsewhere is the generic refusal (and hasattr says no).
+    assert not hasattr(cache.layers[1], "keys")
+
+
+def test_a_cache_layer_attribute_a_paged_layer_lacks_is_refused_by_name():
+    """A model reading what transformers' own layers have and a PagedLayer does not (`keys`, a state of its own)
+    gets UnsupportedModel naming the model type and the attribute, not an AttributeError from inside its forward."""
+    cache = PagedCache(config=mla_config("deepseek_v3")[1])
+    with pytest.raises(UnsupportedCacheAttribute, match="model type 'deepseek_v3'.*cache layer attribute 'keys'") as e:
+        cache.layers[0].keys  # noqa: B018
+    assert isinstance(e.value, UnsupportedModel) and isinstance(e.value, AttributeError) and e.value.name == "keys"
+    assert not hasattr(cache.layers[0], "indexer_position_ids")  # not an indexed layer
+    assert getattr(cache.layers[0], "conv_states", "absent") == "absent"
+    with pytest.raises(AttributeError, match="_private") as e:
+        cache.layers[0]._private  # noqa: B018
+    assert not isinstance(e.value, UnsupportedModel)
+    assert copy.deepcopy(cache).layers[0].layer_idx == 0  # copy's private lookups are plain AttributeErrors
 
 
 # --------------------------------------------------------------------------------------------------- KV sharing

@@ -27,7 +27,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttention
 
 from ..errors import IncompleteStep, UnsupportedModel
 from ..storage.hybrid import HYBRID_LAYER_TYPES
-from .layer import PagedLayer
+from .layer import PagedIndexedLayer, PagedLayer
 
 PREFIX_REUSE_REASON = (
     "it keeps recurrent or convolution states (layers {layers}), which summarize every earlier token and cannot be "
@@ -85,6 +85,8 @@ def decoder_layers(
         window = windows[p]
         if layer_type in HYBRID_LAYER_TYPES:
             layer = PagedHybridLayer(cache, layer_idx, window, kwargs.get("number_of_states", 1))
+        elif layer_type == "indexed_attention":
+            layer = PagedIndexedLayer(cache, layer_idx, window)
         else:
             layer = PagedLayer(cache, layer_idx, window)
         layers.append(layer)

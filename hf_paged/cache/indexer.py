@@ -7,6 +7,10 @@ reads the whole tensor on every step; it is kept contiguous per layer, grown by 
 transformers' `DynamicIndexedLayer` keeps it (the same tensors, so the same top-k choice). It is small next to the
 K/V (one head of `index_head_dim`, 128 for DeepSeek-V3.2, against a 576-wide MLA latent) and not paged: it follows
 the cache's rows (beam reorders, repeats, selections) and lengths (crop, release) instead.
+
+Qwen4-Exp's QSA indexer also keeps the position ids of every cached token on its first indexed layer
+(`cache.layers[i].indexer_position_ids`, `[..., B, S]`: rows on the second-to-last dim, tokens on the last), which
+the model reads and replaces at every forward; they follow the rows and lengths the same way.
 """
 
 from __future__ import annotations
@@ -15,10 +19,22 @@ import torch
 
 
 class IndexerKeys:
-    """Per layer, the `[B, S, index_head_dim]` indexer keys of a cache's rows (layers that never stored any: none)."""
+    """Per layer, the `[B, S, index_head_dim]` indexer keys of a cache's rows (layers that never stored any: none),
+    and the position ids a model keeps beside them."""
 
     def __init__(self):
         self.keys: dict[int, torch.Tensor] = {}
+        self.positions: dict[int, torch.Tensor] = {}  # layer -> `[..., B, S]` position ids (Qwen4-Exp)
+
+    def set_positions(self, layer_idx: int, position_ids: torch.Tensor | None) -> None:
+        """Replace layer `layer_idx`'s position ids (`[..., B, S]`), or forget them (None)."""
+        if position_ids is None:
+            self.positions.pop(layer_idx, None)
+            return
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dim() < 2:
+            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids)
+            raise ValueError(f"indexer position ids must be a tensor [..., batch, seq_len], got {shape}")
+        self.positions[layer_idx] = position_ids
 
     def update(self, layer_idx: int, indexer_key_states: torch.Tensor) -> torch.Tensor:
         """Append `indexer_key_states` ([B, q_len, index_head_dim]) to layer `layer_idx`'s keys; return them all
@@ -45,21 +61,27 @@ class IndexerKeys:
         """Row i becomes old row `rows[i]` in every layer (beam reorder, repeat, selection)."""
         for layer_idx, keys in self.keys.items():
             self.keys[layer_idx] = keys.index_select(0, torch.tensor(rows, device=keys.device))
+        for layer_idx, positions in self.positions.items():
+            self.positions[layer_idx] = positions.index_select(-2, torch.tensor(rows, device=positions.device))
 
     def truncate(self, num_tokens: int) -> None:
         """Keep the first `num_tokens` tokens of every layer's keys (every indexed layer sees every token)."""
         for layer_idx, keys in self.keys.items():
             self.keys[layer_idx] = keys[:, :num_tokens]
+        for layer_idx, positions in self.positions.items():
+            self.positions[layer_idx] = positions[..., :num_tokens]
 
     def copy(self) -> IndexerKeys:
         """A branch: the same tensors (never written in place: `update` makes new ones)."""
         branch = IndexerKeys()
-        branch.keys = dict(self.keys)
+        branch.keys, branch.positions = dict(self.keys), dict(self.positions)
         return branch
 
     def clear(self) -> None:
         self.keys.clear()
+        self.positions.clear()
 
     @property
     def nbytes(self) -> int:
-        return sum(keys.numel() * keys.element_size() for keys in self.keys.values())
+        tensors = [*self.keys.values(), *self.positions.values()]
+        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from ..errors import UnsupportedCacheAttribute
+
 if TYPE_CHECKING:
     import torch
 
@@ -83,3 +85,52 @@ class PagedLayer(CacheLayerMixin):
         raise NotImplementedError("PagedCache layers cannot be offloaded: their K/V live in the shared BlockPool")
 
     prefetch = offload
+
+    # `CacheLayerMixin` layers hold their K/V as `keys` / `values`; a paged layer holds none, so a model that reads
+    # them (to attend another layer's K/V, or a cross-attention cache) is refused by name rather than handed None.
+    @property
+    def keys(self):
+        raise self._missing("keys")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        if value is not None:  # `CacheLayerMixin.__init__` sets None
+            raise self._missing("keys")
+
+    @property
+    def values(self):
+        raise self._missing("values")
+
+    @values.setter
+    def values(self, value) -> None:
+        if value is not None:
+            raise self._missing("values")
+
+    def _missing(self, name: str) -> UnsupportedCacheAttribute:
+        try:
+            model_type = self._cache.model_type
+        except ReferenceError:  # the cache is gone
+            model_type = None
+        return UnsupportedCacheAttribute(model_type, name, type(self).__name__)
+
+    def __getattr__(self, name: str):
+        # Reached only for an attribute the layer lacks. A model that reads one of transformers' own layer classes
+        # (`keys`, `values`, a state of its own) gets a typed refusal naming it, not an AttributeError from deep in
+        # its forward; the error is an AttributeError too, so `hasattr` and `getattr(layer, name, default)` work.
+        if name.startswith("_"):
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        raise self._missing(name)
+
+
+class PagedIndexedLayer(PagedLayer):
+    """An "indexed_attention" layer's view (DeepSeek Sparse Attention, Qwen4-Exp's QSA): a `PagedLayer` whose
+    `indexer_position_ids` (`[..., B, S]`, the position ids Qwen4-Exp keeps on its first indexed layer) live in the
+    cache beside the indexer keys, so beams, repeats, crop, branches and release move them with the rows."""
+
+    @property
+    def indexer_position_ids(self) -> torch.Tensor | None:
+        return self._cache.get_indexer_position_ids(self.layer_idx)
+
+    @indexer_position_ids.setter
+    def indexer_position_ids(self, position_ids: torch.Tensor | None) -> None:
+        self._cache.set_indexer_position_ids(self.layer_idx, position_ids)

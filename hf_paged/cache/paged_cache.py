@@ -27,6 +27,7 @@ from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_of_layer, group_windows, sliding_windows
+from ..storage.layout import refuse_generate_cache
 from ..storage.pool import check_positive_int, resolve_dtype
 from .fixed_width import FixedWidthSteps, gather_fixed
 from .gather import shared_prefix_kv, visible_kv, workspace_for
@@ -124,6 +125,7 @@ class PagedCache(Cache):
         if config is not None:
             layout = KVLayout.from_config(config, tp_size=tp_size)
             config = config.get_text_config(decoder=True)
+            refuse_generate_cache(config)
             if pool is not None:
                 pool.check_compatible(layout)
                 pool.serve_model(config)
@@ -482,6 +484,21 @@ class PagedCache(Cache):
         if layer_idx >= len(self.layers):
             raise PoolMismatch(f"layer_idx {layer_idx}: this PagedCache was built for {len(self.layers)} layers")
         return self._indexer.update(layer_idx, indexer_key_states)
+
+    def get_indexer_position_ids(self, layer_idx: int) -> torch.Tensor | None:
+        """The position ids decoder layer `layer_idx` keeps beside its indexer keys (Qwen4-Exp's QSA indexer:
+        `[..., B, S]`), as `DynamicIndexedLayer.indexer_position_ids`; None before a forward set them."""
+        return self._indexer.positions.get(layer_idx)
+
+    def set_indexer_position_ids(self, layer_idx: int, position_ids: torch.Tensor | None) -> None:
+        """Replace decoder layer `layer_idx`'s indexer position ids (`[..., B, S]`: every cached token's); they then
+        follow the rows (beams, repeats, selections) and lengths (crop, release) as the indexer keys do."""
+        self._indexer.set_positions(layer_idx, position_ids)
+
+    @property
+    def model_type(self) -> str | None:
+        """The model type of the config this cache was built for (None for a cache built from a pool alone)."""
+        return getattr(self._config, "model_type", None)
 
     @property
     def indexer_bytes(self) -> int:

@@ -260,11 +260,30 @@ def block_windows(config) -> list[int | None]:
 NO_PAGED_CACHE = {
     "xlnet": "it keeps its own memory (mems) and never stores K/V in a transformers Cache",
     "reformer": "its LSH and local attention keep their own buckets and states, never K/V in a transformers Cache",
+    "minimax": "it keeps its lightning-attention states in a cache of its own (MiniMaxCache) and refuses any other",
+    "openai-gpt": "its forward takes no cache: every step computes the whole sequence again",
     **dict.fromkeys(
         ("mllama", "mllama_text_model"),
         "its cross-attention layers read cache.layers[i].keys, which a paged layer does not have",
     ),
 }
+
+
+# Models whose `generate()` fills any cache passed to it wrong, by model type: refused by `PagedCache` (the Engine
+# runs their forward itself and is not concerned).
+NO_GENERATE_CACHE = {
+    "mpt": (
+        "its generate() feeds every token again at each step, also with a cache passed in, so a cache given to it "
+        "holds each token several times; it generates right only with no cache passed (its default)"
+    ),
+}
+
+
+def refuse_generate_cache(config) -> None:
+    """Raise `UnsupportedModel` for a (decoder text) config whose `generate()` would fill a `PagedCache` wrong."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in NO_GENERATE_CACHE:
+        raise UnsupportedModel(model_type, NO_GENERATE_CACHE[model_type], "PagedCache")
 
 
 def refuse_unsupported(config) -> None:
