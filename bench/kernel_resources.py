@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from tabulate import tabulate
@@ -44,18 +45,20 @@ timings on a GPU come from `bench/decode_attention.py` (`make bench-gpu`).
 
 ## How the variants are found
 
-`hf_paged.attention.kernels.resources` calls the real launchers, `paged_decode_attention_triton` and
-`store_kv_triton`, on small CPU tensors laid out as the pool and the models lay them out, with Triton's
-`JITFunction.run` replaced by a recorder and `launch_config.device_capability` answering the target's capability:
-the recorded launches are exactly what the launchers choose on that GPU (tile sizes, warps, stages). Each distinct
-launch (Triton's own specialization key: argument types, 16-divisibility of ints and pointers, constexprs,
-options) is compiled once per target.
+`hf_paged.attention.kernels.resources` calls the real launchers, `paged_decode_attention_triton`,
+`paged_prefill_attention_triton` and `store_kv_triton`, on small CPU tensors laid out as the pool and the models lay
+them out, with Triton's `JITFunction.run` replaced by a recorder and `launch_config.device_capability` answering the
+target's capability: the recorded launches are exactly what the launchers choose on that GPU (tile sizes, warps,
+stages). Each distinct launch (Triton's own specialization key: argument types, 16-divisibility of ints and
+pointers, constexprs, options) is compiled once per target.
 
 Driven: {num_calls} launcher calls:
 
 - decode: dtypes fp16, bf16, fp32 x head_dim {head_dims}, each with 1 and 8 splits and every option (none,
   kv_start, sliding window, softcap, all three), and each with every GQA group ({groups}) and block size
   ({block_sizes});
+- prefill: the same dtypes and head dims, each with every GQA group, and each with every option (none, kv_start,
+  sliding window, softcap, sinks, all four) at block sizes 8 and 128;
 - store: each dtype into a pool of the same dtype, and fp32 rows into fp16 / bf16 pools, over the same head dims
   and block sizes.
 
@@ -152,6 +155,35 @@ def decode_rows(variants: list[dict]) -> list[list]:
     return rows
 
 
+PREFILL_TEXT = (
+    "One program per (tile of new tokens of one sequence, kv head, up to 16 of its q heads): `BLOCK_M` query rows, "
+    "the tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA "
+    "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
+    "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
+    "CUDA cores and hold more per thread)."
+)
+
+
+def prefill_rows(variants: list[dict]) -> list[list]:
+    rows = []
+    for v in variants:
+        c = v["constexprs"]
+        rows.append(
+            [
+                f"sm_{v['capability']}",
+                _dtype(v),
+                c["HEAD_DIM_PAD"],
+                "yes" if c["USE_SOFTCAP"] else "no",
+                c["BLOCK_M"],
+                c["BLOCK_N"],
+                v["num_warps"],
+                v["num_stages"],
+                *_common(v),
+            ]
+        )
+    return rows
+
+
 def roofline_section() -> str:
     """Bytes of K/V one generated token reads in a whole model, and the time that takes at the HBM peak."""
     layers, kv_heads, head_dim = EXAMPLE_MODEL
@@ -189,7 +221,7 @@ def _order(variant: dict) -> tuple:
     """Table order: target, then the dtype of the K/V (the cache's for the decode and the store, the output's for
     the merge; fp16, bf16, fp32), tile width, softcap."""
     dtypes = [DTYPE_ORDER.index(t.removeprefix("*")) for t in variant["dtypes"].split()]
-    main = dtypes[0] if variant["kernel"] == "_paged_decode_kernel" else dtypes[-1]
+    main = dtypes[0] if variant["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel") else dtypes[-1]
     constexprs = variant["constexprs"]
     return (variant["capability"], main, dtypes, constexprs["HEAD_DIM_PAD"], constexprs.get("USE_SOFTCAP", False))
 
@@ -233,6 +265,10 @@ def render(report: dict) -> str:
     text += tabulate(
         small_kernel_rows(by_kernel["_merge_splits_kernel"], False), headers, tablefmt="github", disable_numparse=True
     )
+    text += "\n\n## Prefill (`_paged_prefill_kernel`)\n\n" + textwrap.fill(PREFILL_TEXT, 120) + "\n\n"
+    headers = ["arch", "dtype", "head_dim tile", "softcap", "BLOCK_M", "BLOCK_N", "warps", "stages", *COMMON_HEADERS]
+    rows = prefill_rows(by_kernel["_paged_prefill_kernel"])
+    text += tabulate(rows, headers, tablefmt="github", disable_numparse=True)
     text += "\n\n## Store (`_store_kv_kernel`)\n\nOne program per (token, kv head) copies one K and one V row.\n\n"
     headers = ["arch", "rows -> cache", "head_dim tile", "warps", *COMMON_HEADERS]
     text += tabulate(

@@ -3,14 +3,23 @@
 - `paged_decode_attention` / `store_kv`: dispatch to Triton (CUDA tensors) or the PyTorch reference (otherwise);
   see `dispatch.py` for the `backend` argument and the `HF_PAGED_ATTENTION_BACKEND` variable.
 - `*_torch`: the PyTorch references (`reference.py`), also the CPU fallback.
-- `*_triton`: the Triton kernels (`triton_decode.py`, `triton_store.py`), imported on first attribute access so
-  that this package imports without Triton installed; their launch choices (tiles, warps, stages) per GPU are in
-  `launch_config.py`, and `resources.py` compiles every variant they pick for sm_80 / sm_90 without a GPU
-  (registers, spills, shared memory: tests/test_kernel_compile.py, docs/kernels.md).
+- `paged_prefill_attention`: the new tokens of several sequences (packed, varlen) over their paged K/V, causal
+  (prefill chunks, prompts after a prefix-cache hit); same dispatch.
+- `*_triton`: the Triton kernels (`triton_decode.py`, `triton_prefill.py`, `triton_store.py`), imported on first
+  attribute access so that this package imports without Triton installed; their launch choices (tiles, warps,
+  stages) per GPU are in `launch_config.py`, and `resources.py` compiles every variant they pick for sm_80 /
+  sm_90 without a GPU (registers, spills, shared memory: tests/test_kernel_compile.py, docs/kernels.md).
 """
 
-from .dispatch import BACKEND_ENV_VAR, BACKENDS, paged_decode_attention, resolve_backend, store_kv
-from .reference import gather_kv, paged_decode_attention_torch, store_kv_torch
+from .dispatch import (
+    BACKEND_ENV_VAR,
+    BACKENDS,
+    paged_decode_attention,
+    paged_prefill_attention,
+    resolve_backend,
+    store_kv,
+)
+from .reference import gather_kv, paged_decode_attention_torch, paged_prefill_attention_torch, store_kv_torch
 
 __all__ = [
     "BACKENDS",
@@ -19,6 +28,9 @@ __all__ = [
     "paged_decode_attention",
     "paged_decode_attention_torch",
     "paged_decode_attention_triton",
+    "paged_prefill_attention",
+    "paged_prefill_attention_torch",
+    "paged_prefill_attention_triton",
     "resolve_backend",
     "store_kv",
     "store_kv_torch",
@@ -31,6 +43,10 @@ def __getattr__(name: str):
         from .triton_decode import paged_decode_attention_triton
 
         return paged_decode_attention_triton
+    if name == "paged_prefill_attention_triton":
+        from .triton_prefill import paged_prefill_attention_triton
+
+        return paged_prefill_attention_triton
     if name == "store_kv_triton":
         from .triton_store import store_kv_triton
 

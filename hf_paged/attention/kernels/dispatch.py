@@ -15,7 +15,7 @@ import os
 
 import torch
 
-from .reference import paged_decode_attention_torch, store_kv_torch
+from .reference import paged_decode_attention_torch, paged_prefill_attention_torch, store_kv_torch
 
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV_VAR = "HF_PAGED_ATTENTION_BACKEND"
@@ -84,6 +84,38 @@ def paged_decode_attention(
     from .triton_decode import paged_decode_attention_triton
 
     return paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Causal attention of several sequences' new tokens (packed) over their paged K/V; arguments and shapes as in
+    `paged_prefill_attention_torch`.
+
+    query `[num_tokens, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`,
+    block_tables `[B, max_blocks_per_seq]` int32, cu_seqlens_q `[B + 1]` int32, seq_lens `[B]` int32 ->
+    `[num_tokens, num_q_heads, head_dim]` in `query.dtype`. `backend` as in `paged_decode_attention`.
+    """
+    args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)
+    kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out)
+    if resolve_backend(backend, query.device) == "torch":
+        return paged_prefill_attention_torch(*args, **kwargs)
+    from .triton_prefill import paged_prefill_attention_triton
+
+    return paged_prefill_attention_triton(*args, **kwargs)
 
 
 def store_kv(

@@ -80,6 +80,55 @@ def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
     )
 
 
+@dataclass(frozen=True)
+class PrefillConfig:
+    """How `_paged_prefill_kernel` is launched for one (head_dim, GQA group, dtype, GPU)."""
+
+    head_dim_pad: int
+    block_m: int  # query rows per program: block_q tokens x heads q heads
+    heads: int  # q heads of one kv head per program (a power of two up to 16)
+    block_q: int  # new tokens per program
+    block_n: int  # keys per K/V tile
+    num_warps: int
+    num_stages: int
+    dot_precision: str
+    dot_upcast: bool
+
+
+# Query rows per prefill program (tokens x q heads): a tile of 64 rows against a K/V tile keeps the fp32
+# accumulator, the query tile and one K and one V tile in registers at every head width (8 warps from 128 wide).
+PREFILL_BLOCK_M = 64
+
+
+def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: int | None) -> PrefillConfig:
+    """The prefill kernel's launch for K/V of `head_dim` in `dtype`, `group` q heads per kv head, on a GPU of
+    `capability` (None: interpreter).
+
+    Why: a program's rows are `block_q` tokens x `heads` q heads, so a K/V tile read from the pool serves the whole
+    GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
+    arguments, so one variant serves every group); 64 rows, K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
+    wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256), 2 stages:
+    per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
+    spills (tests/test_kernel_compile.py).
+    """
+    pad = head_dim_pad(head_dim)
+    heads = min(16, 1 << (max(group, 1) - 1).bit_length())
+    block_m, block_n, num_warps = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8
+    if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
+        block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
+    return PrefillConfig(
+        head_dim_pad=pad,
+        block_m=block_m,
+        heads=heads,
+        block_q=block_m // heads,
+        block_n=block_n,
+        num_warps=num_warps,
+        num_stages=2,
+        dot_precision="ieee" if dtype == torch.float32 else "tf32",
+        dot_upcast=dtype == torch.bfloat16 and capability is None,
+    )
+
+
 def merge_num_warps(head_dim: int) -> int:
     """Warps of the split-K merge kernel: one fp32 `head_dim` row per program, two elements or more per thread."""
     return 1 if head_dim_pad(head_dim) <= 64 else 2

@@ -155,3 +155,117 @@ def store_kv_torch(
     # .view, not .reshape: a copy would make the in-place write silently vanish.
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
+
+
+def check_prefill_args(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    sinks: torch.Tensor | None = None,
+) -> None:
+    """Raise ValueError, with the shapes, when prefill-attention inputs do not fit together (shared by both
+    backends; nothing here reads a device value)."""
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(
+            "query must be [num_tokens, num_q_heads, head_dim] and key_cache [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(query.shape)} and {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
+    if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(cu_seqlens_q.shape) != (batch + 1,):
+        raise ValueError(
+            "seq_lens [B] needs block_tables [B, max_blocks_per_seq] and cu_seqlens_q [B + 1], got seq_lens "
+            f"{tuple(seq_lens.shape)}, block_tables {tuple(block_tables.shape)}, "
+            f"cu_seqlens_q {tuple(cu_seqlens_q.shape)}"
+        )
+    if sinks is not None and tuple(sinks.shape) != (num_q_heads,):
+        raise ValueError(f"sinks must be [num_q_heads] = [{num_q_heads}], got {tuple(sinks.shape)}")
+
+
+def paged_prefill_attention_torch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal attention of the new tokens of several sequences (packed, varlen) over their paged K/V (pure PyTorch,
+    fp32 math): the prefill or extend step of a chunked prompt, a prompt after a prefix-cache hit, or several new
+    tokens per sequence.
+
+    Args:
+        query: `[num_tokens, num_q_heads, head_dim]`: sequence `b`'s new tokens are rows
+            `cu_seqlens_q[b] : cu_seqlens_q[b + 1]`, in order. Their K/V must already be in the cache.
+        key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (q head `h` reads kv head
+            `h // (num_q_heads // num_kv_heads)`).
+        block_tables: `[B, max_blocks_per_seq]` int32 block ids; entries past a sequence's length are ignored.
+        cu_seqlens_q: `[B + 1]` int32, the cumulative new-token counts (`cu_seqlens_q[0] == 0`).
+        seq_lens: `[B]` int32, tokens in the cache per sequence, its new ones included: new token `i` of sequence
+            `b` is at position `seq_lens[b] - q_len_b + i` and sees the keys at positions up to its own.
+        scale: logit scale, usually `head_dim ** -0.5`.
+        kv_start: `[B]` int32, optional; positions `< kv_start[b]` are masked out (left padding).
+        sliding_window: optional; a query at position `p` sees keys `k` with `p - k < sliding_window`.
+        softcap: optional; logits become `softcap * tanh(logits / softcap)` after scaling (Gemma 2).
+        sinks: `[num_q_heads]` float, optional; one more logit per head in the softmax denominator that attends to
+            nothing (gpt-oss's attention sinks).
+        out: optional `[num_tokens, num_q_heads, head_dim]` tensor to write into.
+
+    Returns:
+        `[num_tokens, num_q_heads, head_dim]` in `query.dtype` (`out` if given). A query with no visible key gets
+        zeros.
+    """
+    check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, sinks)
+    num_tokens, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    result = torch.zeros(num_tokens, num_q_heads, head_dim, dtype=torch.float32, device=query.device)
+    bounds = cu_seqlens_q.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        first, last = bounds[b], bounds[b + 1]
+        q_len = last - first
+        if q_len == 0:
+            continue
+        k = gather_kv(key_cache, block_tables[b : b + 1], seq_len)[0].float()  # [H_kv, S, D]
+        v = gather_kv(value_cache, block_tables[b : b + 1], seq_len)[0].float()
+        q = query[first:last].float().transpose(0, 1).reshape(num_kv_heads, group, q_len, head_dim)
+        logits = torch.einsum("hgqd,hsd->hgqs", q, k) * scale
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)[:, None]
+        k_pos = torch.arange(seq_len, device=query.device)[None, :]
+        mask = k_pos <= q_pos  # [q_len, S]
+        if kv_start is not None:
+            mask &= k_pos >= int(kv_start[b])
+        if sliding_window is not None:
+            mask &= q_pos - k_pos < sliding_window
+        logits = logits.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column per head, dropped after the softmax
+            sink = sinks.float().reshape(num_kv_heads, group, 1, 1).expand(-1, -1, q_len, 1)
+            probs = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(logits, dim=-1)
+        probs = probs.nan_to_num(0.0)  # a query with every key masked: zeros
+        o = torch.einsum("hgqs,hsd->hgqd", probs, v.masked_fill(~mask.any(0)[None, :, None], 0.0))
+        result[first:last] = o.reshape(num_q_heads, q_len, head_dim).transpose(0, 1)
+    if out is None:
+        return result.to(query.dtype)
+    out.copy_(result)
+    return out

@@ -1,11 +1,11 @@
 """Every Triton kernel variant the launchers pick, compiled for sm_80 / sm_90 without a GPU, with its resources.
 
-How: the launchers (`paged_decode_attention_triton`, `store_kv_triton`) run on small CPU tensors while
-`JITFunction.run` only records each launch (kernel, arguments, constexprs, num_warps / num_stages) and
+How: the launchers (`paged_decode_attention_triton`, `paged_prefill_attention_triton`, `store_kv_triton`) run on small
+CPU tensors while `JITFunction.run` only records each launch (kernel, arguments, constexprs, num_warps / num_stages) and
 `launch_config.device_capability` answers the target's capability, so the recorded launches are exactly what the
-launchers choose on that GPU. Each distinct launch (Triton's own specialization key: argument types, divisibility
-of ints and pointers, constexprs, options) is compiled with `triton.compile(..., target=GPUTarget("cuda", cap, 32))`
-and `cuobjdump --dump-resource-usage` on its cubin gives registers, stack (register spills) and shared memory.
+launchers choose on that GPU. Each distinct launch (Triton's own specialization key: argument types, divisibility of
+ints and pointers, constexprs, options) is compiled with `triton.compile(..., target=GPUTarget("cuda", cap, 32))` and
+`cuobjdump --dump-resource-usage` on its cubin gives registers, stack (register spills) and shared memory.
 
 Used by tests/test_kernel_compile.py (no variant may spill) and `python -m bench.kernel_resources` (the table in
 docs/kernels.md). Needs the kernels defined as real JIT functions: run it in a process without TRITON_INTERPRET
@@ -40,7 +40,8 @@ GROUPS = (1, 2, 4, 7, 8, 16, 32)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SPLITS = (1, 8)
 DECODE_OPTIONS = ("plain", "kv_start", "window", "softcap", "all")
-KERNEL_NAMES = ("_paged_decode_kernel", "_merge_splits_kernel", "_store_kv_kernel")
+PREFILL_OPTIONS = ("plain", "kv_start", "window", "softcap", "sinks", "all")
+KERNEL_NAMES = ("_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_store_kv_kernel")
 
 # Per-SM limits (CUDA occupancy calculator): registers, shared memory per SM and per block (opt-in), warps, blocks.
 ARCH_LIMITS = {
@@ -164,6 +165,31 @@ def _small_decode_call(dtype, head_dim, group, block_size, num_splits, option) -
     )
 
 
+def _small_prefill_call(dtype, head_dim, group, block_size, option) -> None:
+    """One `paged_prefill_attention_triton` call as the packed step makes it: a query from a transposed projection,
+    two sequences' chunks, the NHD view of the head-major pool."""
+    from .triton_prefill import paged_prefill_attention_triton
+
+    num_kv_heads, num_blocks, num_tokens = 2, 6, 5
+    query = torch.zeros(1, num_kv_heads * group, num_tokens, head_dim, dtype=dtype).transpose(1, 2)[0]
+    pool = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
+    block_tables = torch.zeros(2, 3, dtype=torch.int32)
+    cu_seqlens_q = torch.tensor([0, 2, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([block_size + 2, 3], dtype=torch.int32)
+    kwargs = {}
+    if option in ("kv_start", "all"):
+        kwargs["kv_start"] = torch.zeros(2, dtype=torch.int32)
+    if option in ("window", "all"):
+        kwargs["sliding_window"] = 4096
+    if option in ("softcap", "all"):
+        kwargs["softcap"] = 30.0
+    if option in ("sinks", "all"):
+        kwargs["sinks"] = torch.zeros(num_kv_heads * group)
+    paged_prefill_attention_triton(
+        query, pool, pool, block_tables, cu_seqlens_q, seq_lens, scale=head_dim**-0.5, **kwargs
+    )
+
+
 def _small_store_call(key_dtype, cache_dtype, head_dim, block_size, num_tokens) -> None:
     """One `store_kv_triton` call as `store_kv_rows` makes it: rows from [W, kv_heads, q_len, head_dim] states into
     the NHD view of the head-major pool."""
@@ -194,6 +220,17 @@ def _driven_calls():
             f"decode {name} head_dim={head_dim} group={group} block_size={block_size} splits={num_splits} {option}"
         )
         yield description, lambda a=(dtype, head_dim, group, block_size, num_splits, option): _small_decode_call(*a)
+    # the prefill kernel: a variant per (dtype, head_dim tile, q heads per program, softcap, sinks)
+    prefill_calls = [
+        (dtype, head_dim, group, 16, "plain") for dtype, head_dim, group in itertools.product(DTYPES, HEAD_DIMS, GROUPS)
+    ] + [
+        (dtype, head_dim, 4, block_size, option)
+        for dtype, head_dim, block_size, option in itertools.product(DTYPES, HEAD_DIMS, (8, 128), PREFILL_OPTIONS)
+    ]
+    for dtype, head_dim, group, block_size, option in prefill_calls:
+        name = str(dtype).removeprefix("torch.")
+        description = f"prefill {name} head_dim={head_dim} group={group} block_size={block_size} {option}"
+        yield description, lambda a=(dtype, head_dim, group, block_size, option): _small_prefill_call(*a)
     # a model's K/V rows arrive in its dtype; fp32 rows into a 16-bit pool are a supported conversion too
     dtype_pairs = [(dtype, dtype) for dtype in DTYPES] + [
         (torch.float32, torch.float16),

@@ -1,0 +1,282 @@
+"""Triton paged prefill (extend) attention: the new tokens of several sequences, packed, over their paged K/V.
+
+Reference: `reference.paged_prefill_attention_torch` (same signature, same semantics).
+
+A prefill chunk, a prompt after a prefix-cache hit, or any step that adds several tokens to a sequence: new token `i`
+of sequence `b` sits at position `seq_lens[b] - q_len_b + i` and attends causally to every key of its sequence up
+to itself, read from the pool through the block table (its own K/V are stored before the kernel runs). The queries
+of all sequences arrive packed, `[num_tokens, num_q_heads, head_dim]`, with `cu_seqlens_q` marking each sequence's
+rows, so no query is padded and no mask is built.
+
+Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Triton extend kernels do):
+- one program per (tile of `block_q` new tokens of one sequence, kv head, tile of q heads): its `BLOCK_M =
+  block_q * heads` query rows are the tokens x the q heads that share the kv head, so each K/V tile read from the
+  pool serves the whole GQA group (row `r` is token `r // heads`, head `r % heads`; both runtime arguments, so the
+  group compiles nothing new);
+- the grid is sized from the token count alone (`num_tokens // block_q + B` tiles, an upper bound), and each program
+  finds its sequence by a binary search over `cu_seqlens_q`: no host sync, so a step's launch can be captured;
+- the key loop runs over the union of the tile's visible ranges (from the earliest query's window start to the
+  last query's own position) in tiles of `BLOCK_N` tokens; per (query, key) the mask is causal, window and
+  `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
+- online softmax in fp32 (exp2, the scale folded into log2(e)); a row whose keys so far are all masked keeps a
+  running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at the end.
+
+Tiles, warps and stages come from `launch_config.prefill_config` (head_dim, dtype, GPU); the GQA group, block size,
+window and sequence lengths are runtime arguments.
+
+Import this module only through `hf_paged.kernels` (lazily): `triton.jit` reads `TRITON_INTERPRET` when the
+kernels below are defined.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import launch_config
+from .reference import check_prefill_args
+from .triton_decode import LOG2E, NO_WINDOW, _dot, on_device
+
+
+@triton.jit
+def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q):
+    """The sequence whose tiles hold grid tile `tile`: sequence b's tiles start at `cu_seqlens_q[b] // block_q + b`
+    (each sequence may waste one tile), so the last b with a start <= tile, by binary search."""
+    left = 0
+    right = num_seqs
+    while left < right:
+        mid = (left + right) // 2
+        start = tl.load(cu_seqlens_q_ptr + mid) // block_q + mid
+        if start <= tile:
+            left = mid + 1
+        else:
+            right = mid
+    return left - 1
+
+
+@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size", "num_seqs", "heads", "block_q"])
+def _paged_prefill_kernel(
+    q_ptr,  # [num_tokens, num_q_heads, head_dim]
+    k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables_ptr,  # [B, max_blocks_per_seq]
+    cu_seqlens_q_ptr,  # [B + 1]
+    seq_lens_ptr,  # [B]
+    kv_start_ptr,  # [B], read only if has_kv_start
+    sinks_ptr,  # [num_q_heads] fp32, read only if USE_SINKS
+    out_ptr,  # [num_tokens, num_q_heads, head_dim]
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    scale,
+    softcap,
+    sliding_window,  # larger than any sequence when there is no window
+    group,  # q heads per kv head
+    head_dim,
+    block_size,
+    num_seqs,
+    has_kv_start,  # bool
+    use_sinks,  # bool
+    heads,  # q heads per program (a power of two up to 16)
+    block_q,  # new tokens per program: BLOCK_M // heads
+    BLOCK_M: tl.constexpr,  # query rows per program: block_q tokens x heads q heads
+    HEAD_DIM_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    # grid: (num_tokens // BLOCK_Q + B, num_kv_heads * head_tiles)
+    tile = tl.program_id(0)
+    seq_idx = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q)
+    q_first = tl.load(cu_seqlens_q_ptr + seq_idx)
+    q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_first
+    q_tile = tile - (q_first // block_q + seq_idx)
+    if q_tile * block_q >= q_len:  # one of the spare tiles of the grid's upper bound
+        return
+    head_tiles = tl.cdiv(group, heads)
+    kv_head = (tl.program_id(1) // head_tiles).to(tl.int64)  # int64: see the decode kernel
+    head_start = (tl.program_id(1) % head_tiles) * heads
+
+    rows = tl.arange(0, BLOCK_M)
+    token = q_tile * block_q + rows // heads  # the row's new token, within its sequence
+    head = head_start + rows % heads  # the row's q head, within the kv head's group
+    row_mask = (token < q_len) & (head < group)
+    q_heads = kv_head * group + head
+    d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = d < head_dim
+    q_rows = (q_first + token).to(tl.int64)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + q_heads[:, None] * stride_qh + d[None, :] * stride_qd,
+        mask=row_mask[:, None] & d_mask[None, :],
+        other=0.0,
+    )
+
+    seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int32)
+    context = seq_len - q_len
+    q_pos = context + token  # [BLOCK_M] absolute positions
+    kv_lo = 0
+    if has_kv_start:
+        kv_lo = tl.load(kv_start_ptr + seq_idx).to(tl.int32)
+    # Keys any row of the tile sees: from the first token's window start to the last token's own position.
+    first_pos = context + q_tile * block_q
+    last_pos = context + tl.minimum(q_len, (q_tile + 1) * block_q) - 1
+    start = tl.maximum(kv_lo, first_pos - sliding_window + 1)
+    end = last_pos + 1
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)  # running max, log2 units
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM_PAD), dtype=tl.float32)
+    bt_row = block_tables_ptr + seq_idx * stride_bt
+
+    tile_lo = (tl.maximum(start, 0) // BLOCK_N) * BLOCK_N
+    tile_hi = tl.where(start < end, end, tile_lo)
+    for tile_start in range(tile_lo, tile_hi, BLOCK_N):
+        pos = tile_start + tl.arange(0, BLOCK_N)
+        in_range = (pos >= start) & (pos < end)
+        block_idx = pos // block_size
+        block_ids = tl.load(bt_row + block_idx, mask=in_range, other=0).to(tl.int64)
+        offsets = pos - block_idx * block_size
+        kv_mask = in_range[:, None] & d_mask[None, :]
+        k = tl.load(
+            k_cache_ptr
+            + block_ids[:, None] * stride_kb
+            + offsets[:, None] * stride_ks
+            + kv_head * stride_kh
+            + d[None, :] * stride_kd,
+            mask=kv_mask,
+            other=0.0,
+        )
+        v = tl.load(
+            v_cache_ptr
+            + block_ids[:, None] * stride_vb
+            + offsets[:, None] * stride_vs
+            + kv_head * stride_vh
+            + d[None, :] * stride_vd,
+            mask=kv_mask,
+            other=0.0,
+        )
+
+        logits = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
+        if USE_SOFTCAP:
+            x = logits / softcap
+            e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+            tanh_abs = (1.0 - e) / (1.0 + e)
+            logits = softcap * tl.where(x < 0.0, -tanh_abs, tanh_abs)
+        visible = (
+            in_range[None, :]
+            & (pos[None, :] <= q_pos[:, None])
+            & (q_pos[:, None] - pos[None, :] < sliding_window)
+            & row_mask[:, None]
+        )
+        logits = tl.where(visible, logits * LOG2E, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(logits - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        m_i = m_new
+
+    if use_sinks:
+        # One more logit per head that attends to nothing: it only grows the denominator.
+        sink = tl.load(sinks_ptr + q_heads, mask=row_mask, other=float("-inf")).to(tl.float32) * LOG2E
+        m_final = tl.maximum(m_i, sink)
+        m_final = tl.where(m_final == float("-inf"), 0.0, m_final)
+        alpha = tl.exp2(m_i - m_final)
+        l_i = l_i * alpha + tl.exp2(sink - m_final)
+        acc = acc * alpha[:, None]
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]  # a row with no visible key: zeros
+    out_rows = out_ptr + q_rows[:, None] * stride_ot + q_heads[:, None] * stride_oh
+    o_mask = row_mask[:, None] & d_mask[None, :]
+    tl.store(out_rows + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    kv_start: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Triton version of `paged_prefill_attention_torch`; see there for the arguments and shapes. Reads no device
+    value on the host (the grid comes from `query.shape[0]` and the number of sequences)."""
+    check_prefill_args(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, sinks)
+    num_tokens, num_q_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_q_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    if block_tables.shape[1] == 0:  # no sequence holds a key
+        return out.zero_()
+
+    config = launch_config.prefill_config(
+        head_dim, group, key_cache.dtype, launch_config.device_capability(query.device)
+    )
+    head_tiles = triton.cdiv(group, config.heads)
+    num_tiles = num_tokens // config.block_q + num_seqs
+    # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
+    sinks = sinks.to(torch.float32) if sinks is not None else torch.empty(0, dtype=torch.float32, device=query.device)
+    with on_device(query):
+        _paged_prefill_kernel[(num_tiles, num_kv_heads * head_tiles)](
+            query,
+            key_cache,
+            value_cache,
+            block_tables,
+            cu_seqlens_q,
+            seq_lens,
+            kv_start if kv_start is not None else seq_lens,  # unused when has_kv_start is False
+            sinks,
+            out,
+            *query.stride(),
+            *key_cache.stride(),
+            *value_cache.stride(),
+            block_tables.stride(0),
+            *out.stride(),
+            float(scale),
+            float(softcap) if softcap is not None else 1.0,
+            min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW,
+            group,
+            head_dim,
+            block_size,
+            num_seqs,
+            kv_start is not None,
+            sinks.numel() > 0,
+            config.heads,
+            config.block_q,
+            BLOCK_M=config.block_m,
+            HEAD_DIM_PAD=config.head_dim_pad,
+            BLOCK_N=config.block_n,
+            USE_SOFTCAP=softcap is not None,
+            DOT_PRECISION=config.dot_precision,
+            DOT_UPCAST=config.dot_upcast,
+            num_warps=config.num_warps,
+            num_stages=config.num_stages,
+        )
+    return out

@@ -1,0 +1,202 @@
+"""Paged prefill (extend) attention, Triton and PyTorch, against an independent per-query fp64 reference.
+
+The new tokens of several sequences arrive packed (`cu_seqlens_q`), each sequence's last `q_len` tokens of
+`seq_len`: a whole prompt (`q_len == seq_len`), a chunk over cached tokens that starts mid-block or on a block
+boundary, one token (decode-like), or none. The pool is poisoned as in tests/test_kernels.py (NaN outside every
+sequence's tokens, random table entries past its blocks), so a kernel that reads an invisible key fails.
+Without a GPU the Triton kernel runs in Triton's CPU interpreter (conftest.py sets TRITON_INTERPRET=1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from test_kernels import CAN_RUN_TRITON, DEVICE, TOLERANCES, make_batch
+
+import hf_paged.attention.kernels as kernels
+from hf_paged.attention.kernels import paged_prefill_attention
+
+
+def prefill_impl(name: str):
+    if name == "torch":
+        return kernels.paged_prefill_attention_torch
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    return kernels.paged_prefill_attention_triton
+
+
+IMPLS = pytest.mark.parametrize("impl", ["torch", "triton"])
+
+
+def make_prefill(
+    seq_lens: list[int],
+    q_lens: list[int],
+    *,
+    block_size: int = 16,
+    num_q_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 32,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+):
+    """(query [sum(q_lens), H, D], key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens) on DEVICE."""
+    batch = make_batch(
+        seq_lens,
+        block_size=block_size,
+        num_q_heads=num_q_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        dtype=dtype,
+        seed=seed,
+    )
+    gen = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(q_lens), num_q_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    cu_seqlens_q = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=DEVICE)
+    return query, batch.key_cache, batch.value_cache, batch.block_tables, cu_seqlens_q, batch.seq_lens
+
+
+def reference_prefill(args, *, scale, kv_start=None, sliding_window=None, softcap=None, sinks=None):
+    """Per query: concatenate its sequence's blocks, keep the keys it sees, fp64 softmax (plus the sink)."""
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens = (t.cpu() for t in args)
+    num_q_heads, head_dim = query.shape[1:]
+    block_size, num_kv_heads = key_cache.shape[1:3]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    for b in range(seq_lens.shape[0]):
+        n, first, last = int(seq_lens[b]), int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        if first == last:
+            continue
+        block_ids = block_tables[b, : math.ceil(n / block_size)].tolist()
+        k = torch.cat([key_cache[i] for i in block_ids])[:n].double().repeat_interleave(group, dim=1)
+        v = torch.cat([value_cache[i] for i in block_ids])[:n].double().repeat_interleave(group, dim=1)
+        for row in range(first, last):
+            position = n - (last - first) + (row - first)
+            pos = torch.arange(n)
+            visible = pos <= position
+            if kv_start is not None:
+                visible &= pos >= int(kv_start[b])
+            if sliding_window is not None:
+                visible &= position - pos < sliding_window
+            logits = torch.einsum("hd,shd->hs", query[row].double(), k[visible]) * scale
+            if softcap is not None:
+                logits = softcap * torch.tanh(logits / softcap)
+            if sinks is not None:
+                logits = torch.cat([logits, sinks.cpu().double()[:, None]], dim=1)
+            elif not visible.any():
+                continue  # no visible key: zeros
+            probs = torch.softmax(logits, dim=-1)[:, : int(visible.sum())]
+            out[row] = torch.einsum("hs,shd->hd", probs, v[visible])
+    return out
+
+
+def check_prefill(impl_name: str, args, **kwargs) -> torch.Tensor:
+    query = args[0]
+    scale = query.shape[-1] ** -0.5
+    result = prefill_impl(impl_name)(*args, scale=scale, **kwargs)
+    assert result.shape == query.shape and result.dtype == query.dtype
+    expected = reference_prefill(args, scale=scale, **kwargs)
+    torch.testing.assert_close(result.cpu().double(), expected, **TOLERANCES[query.dtype])
+    return result
+
+
+# ------------------------------------------------------------------ lengths, chunks and block boundaries
+@IMPLS
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "seq_lens,q_lens",
+    [
+        ([5], [5]),  # a whole prompt inside one block
+        ([37, 64, 20], [6, 16, 20]),  # a chunk starting mid-block, one on a block boundary, a whole prompt
+        ([100, 1, 33], [1, 1, 0]),  # decode-like rows and a sequence with no new token
+        ([150], [70]),  # a chunk longer than a program's token tile, over a long cached prefix
+    ],
+    ids=["prompt", "chunks", "decode-and-empty", "long-chunk"],
+)
+def test_prefill_lengths_and_block_sizes(impl, block_size, seq_lens, q_lens):
+    check_prefill(impl, make_prefill(seq_lens, q_lens, block_size=block_size))
+
+
+@IMPLS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "num_q_heads,num_kv_heads,head_dim",
+    [(4, 4, 64), (8, 2, 80), (4, 1, 128), (32, 1, 16)],
+    ids=["MHA-64", "GQA-80", "MQA-128", "group32-16"],
+)
+def test_prefill_heads_head_dim_dtype(impl, num_q_heads, num_kv_heads, head_dim, dtype):
+    args = make_prefill(
+        [40, 23], [9, 23], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
+    )
+    check_prefill(impl, args)
+
+
+@IMPLS
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(sliding_window=7),
+        dict(sliding_window=1),
+        dict(kv_start=[3, 0, 20]),
+        dict(softcap=5.0),
+        dict(sinks=True),
+        dict(sliding_window=9, kv_start=[2, 5, 0], softcap=30.0, sinks=True),
+    ],
+    ids=["window", "window-1", "kv-start", "softcap", "sinks", "all"],
+)
+def test_prefill_masking(impl, dtype, options):
+    args = make_prefill([37, 30, 12], [12, 30, 4], num_q_heads=4, num_kv_heads=2, dtype=dtype)
+    kwargs = dict(options)
+    if "kv_start" in kwargs:
+        kwargs["kv_start"] = torch.tensor(kwargs["kv_start"], dtype=torch.int32, device=DEVICE)
+    if kwargs.get("sinks"):
+        kwargs["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    check_prefill(impl, args, **kwargs)
+
+
+@IMPLS
+def test_prefill_query_with_no_visible_key_gives_zeros(impl):
+    args = make_prefill([6], [3])
+    kv_start = torch.tensor([6], dtype=torch.int32, device=DEVICE)  # every key is padding
+    result = prefill_impl(impl)(*args, scale=1.0, kv_start=kv_start)
+    assert torch.equal(result.cpu(), torch.zeros_like(result.cpu()))
+
+
+@IMPLS
+def test_prefill_strided_query_and_out(impl):
+    """A query as attention hands it over ([1, heads, tokens, D] transposed) and a preallocated output view."""
+    query, *rest = make_prefill([20, 9], [7, 9], head_dim=32)
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)  # same values, head-major strides
+    assert not strided.is_contiguous()
+    out = torch.full((query.shape[1], query.shape[0], 32), float("nan"), device=DEVICE).transpose(0, 1)
+    result = prefill_impl(impl)(strided, *rest, scale=32**-0.5, out=out)
+    assert result is out
+    expected = reference_prefill((query, *rest), scale=32**-0.5)
+    torch.testing.assert_close(out.cpu().double(), expected, **TOLERANCES[torch.float32])
+
+
+def test_prefill_equals_decode_for_one_token_per_sequence():
+    """One new token per sequence is a decode step: the prefill and decode references agree."""
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens = make_prefill([30, 17, 64], [1, 1, 1])
+    prefill = paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=0.2, sliding_window=9
+    )
+    decode = kernels.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, seq_lens, scale=0.2, sliding_window=9
+    )
+    torch.testing.assert_close(prefill, decode, atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_rejects_inputs_that_do_not_fit():
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens = make_prefill([10, 5], [2, 5])
+    with pytest.raises(ValueError, match=r"cu_seqlens_q \[B \+ 1\]"):
+        paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q[:2], seq_lens, scale=1.0)
+    with pytest.raises(ValueError, match=r"sinks must be \[num_q_heads\] = \[4\]"):
+        paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=1.0, sinks=torch.zeros(2)
+        )
+    with pytest.raises(ValueError, match="query head_dim 16 != cache head_dim 32"):
+        paged_prefill_attention(query[..., :16], key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=1)
