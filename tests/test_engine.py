@@ -6,6 +6,7 @@ import torch
 from hf_paged import BlockPool, Engine, KVLayout, RequestFailed, SamplingParams
 from hf_paged.engine import Request, Scheduler
 from hf_paged.storage import block_hashes
+from tests import zoo
 from tests.models import greedy_reference, random_prompts, require_triton_on_cpu, tiny_engine, tiny_model
 
 NEW_TOKENS = [8, 12, 5, 10, 7]
@@ -70,6 +71,54 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
     )
     assert pool.num_used_blocks == 0
     assert batch_sizes and max(batch_sizes) == 3  # rows of lengths 6, 12 and 4 went through one kernel call
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])  # full, every layer sliding, sliding tables late
+def test_prefill_chunks_through_the_paged_prefill_kernel(monkeypatch, name):
+    """With the Triton backend every step's prefill chunks go through one launch of the paged prefill kernel per
+    layer (chunks over cached tokens, several packed in a step, beside decode rows): generate()'s tokens."""
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    chunks = []
+    import hf_paged.attention.kernels.triton_prefill as triton_prefill
+
+    kernel = triton_prefill.paged_prefill_attention_triton
+    monkeypatch.setattr(
+        triton_prefill,
+        "paged_prefill_attention_triton",
+        lambda query, k, v, tables, cu_seqlens_q, *a, **kw: (
+            chunks.append(len(cu_seqlens_q) - 1) or kernel(query, k, v, tables, cu_seqlens_q, *a, **kw)
+        ),
+    )
+    prompts = random_prompts((13, 22, 5))
+    engine, pool = tiny_engine(name, 64, max_num_seqs=3, max_num_batched_tokens=10)
+    new_tokens = [5, 12, 6]  # past the window of 8 of the sliding layers
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
+    assert pool.num_used_blocks == 0
+    assert chunks and max(chunks) >= 2  # several prompts' chunks in one launch
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])  # logit softcap; attention sinks (s_aux)
+def test_paged_prefill_kernel_applies_softcap_and_sinks(monkeypatch, model_type):
+    """The zoo's Engine path with the Triton backend: prefill chunks through the paged prefill kernel, which applies
+    the softcap and sinks the attention function is handed, give each prompt's generate() tokens and logits."""
+    require_triton_on_cpu()
+    model = zoo.tiny_model(model_type, zoo.architectures()[model_type])
+    model_inputs = zoo.inputs()
+    expected = zoo.single_reference(model, model_inputs)
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    calls = []
+    import hf_paged.attention.kernels.triton_prefill as triton_prefill
+
+    kernel = triton_prefill.paged_prefill_attention_triton
+    monkeypatch.setattr(
+        triton_prefill, "paged_prefill_attention_triton", lambda *a, **kw: calls.append(kw) or kernel(*a, **kw)
+    )
+    assert zoo.compare(zoo._engine(model, model_inputs), expected) is None
+    option = "softcap" if model_type == "gemma2" else "sinks"
+    assert calls and all(call[option] is not None for call in calls)
 
 
 def test_a_request_larger_than_the_pool_fails_alone():

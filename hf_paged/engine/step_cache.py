@@ -11,8 +11,10 @@ attention does. `update` stores every new token in its slot and returns an empty
 which the "hf_paged" attention hands the whole step to (`StepPlan.attend`):
 - the decode rows (one query each) go through the paged decode path as one ragged batch (Triton kernel on the
   pool, or one gather + SDPA with a per-row length mask), so no row is padded to the longest for storage;
-- each prefill chunk gathers its own row's K/V and runs SDPA with a causal mask offset by its cached length (the
-  mask `generate()` would build for that row alone, so the numbers match a batch-1 forward).
+- the prefill chunks: with the Triton backend, one launch of the paged prefill kernel for all of them (each chunk
+  attends causally to its row's keys in the pool, no gather and no mask); otherwise each chunk gathers its own row's
+  K/V and runs SDPA with a causal mask offset by its cached length (the mask `generate()` would build for that row
+  alone, so the numbers match a batch-1 forward).
 
 Layer groups: each row has one block table per layer group of the pool, and layer l reads and writes through the
 table of its group (`pool.group_of_layer[l]`). A sliding group's table may start after blocks that were released:
@@ -33,6 +35,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from ..attention import DecodePlan, length_mask, module_backend, plan_placeholders, store_backend, store_kv_rows
+from ..attention.kernels import paged_prefill_attention
 from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..attention.torch_attention import torch_attention_forward
 from ..cache.block_tables import head_major_index
@@ -112,6 +115,10 @@ class StepPlan:
         out = query.new_empty(1, num_tokens, num_heads, cache.value_head_dim(self.layer_idx, expanded))
         if decoded is not None:
             out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
+        if expanded is None and cache.prefill_kernel_runs(module, self.layer_idx, query.device):
+            # Every prefill chunk in one launch of the paged prefill kernel, reading the pool in place.
+            cache.attend_prefill(self.layer_idx, query, out, sliding_window=sliding_window, **kwargs)
+            return out, None
         for row in range(num_decode, len(cache.seq_lens)):
             start, q_len, seq_len = cache.starts[row], cache.q_lens[row], cache.seq_lens[row]
             key, value = cache.row_kv(self.layer_idx, row, expanded)  # [1, kv_heads, seq_len + q_len - first, D]
@@ -260,6 +267,7 @@ class StepCache(Cache):
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = {} if workspace is None else workspace
         self._index: dict[tuple, torch.Tensor] = {}  # (group, first row, end row, kv_heads, pool blocks) -> index
+        self._prefill_cu_seqlens: torch.Tensor | None = None  # [chunks + 1] int32, made on the first kernel call
         super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> _GroupStep:
@@ -401,6 +409,43 @@ class StepCache(Cache):
             length_masks=group.length_masks,
         )
         return plan.attend(module, query, None, **kwargs)[0]
+
+    def prefill_kernel_runs(self, module: torch.nn.Module, layer_idx: int, device: torch.device) -> bool:
+        """Whether the step's prefill chunks of layer `layer_idx` go through the paged prefill kernel: the Triton
+        backend for `module` (as `attend_decode` resolves it), K and V of one shape (the kernel reads both alike)."""
+        pool = self.pool
+        if pool.key_cache[layer_idx].shape != pool.value_cache[layer_idx].shape:
+            return False
+        return module_backend(module, device) == "triton"
+
+    def attend_prefill(
+        self, layer_idx: int, query: torch.Tensor, out: torch.Tensor, sliding_window: int | None = None, **kwargs
+    ) -> None:
+        """The prefill chunks' attention in layer `layer_idx` by the paged prefill kernel, in place: query
+        [1, heads, num_tokens, head_dim] (the chunks after the decode rows) -> `out` [1, num_tokens, heads, head_dim]
+        rows `num_decode:`. Each chunk attends causally to its row's keys from its first held block (positions and
+        the window count from there, as the decode rows' do), with the attention function's scaling, softcap and
+        sinks (`s_aux`)."""
+        pool, first = self.pool, self.num_decode
+        group = self._groups[pool.group_of_layer[layer_idx]]
+        if self._prefill_cu_seqlens is None:
+            lengths = itertools.accumulate(self.q_lens[first:], initial=0)
+            self._prefill_cu_seqlens = torch.tensor(list(lengths), dtype=torch.int32, device=pool.device)
+        scaling = kwargs.get("scaling")
+        paged_prefill_attention(
+            query[0, :, self.starts[first] :].transpose(0, 1),  # [chunk tokens, heads, head_dim]
+            pool.nhd_view(pool.key_cache[layer_idx]),
+            pool.nhd_view(pool.value_cache[layer_idx]),
+            group.tables[first:],
+            self._prefill_cu_seqlens,
+            group.seq_lens[first:],
+            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+            sliding_window=sliding_window,
+            softcap=kwargs.get("softcap"),
+            sinks=kwargs.get("s_aux"),
+            out=out[0, self.starts[first] :],
+            backend="triton",
+        )
 
     def attend_chunked(
         self,
