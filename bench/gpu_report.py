@@ -1,16 +1,19 @@
 """`python -m bench.gpu_report` (`make bench-gpu`): everything that needs a CUDA GPU, in one run and one report.
 
 1. the GPU tests: tests/test_gpu.py (the paged path end to end on CUDA models) and tests/test_kernels.py /
-   tests/test_kernel_dispatch.py on CUDA tensors (the Triton kernels against their reference on the GPU);
+   tests/test_prefill_kernel.py / tests/test_kernel_dispatch.py on CUDA tensors (the Triton kernels against their
+   reference on the GPU);
 2. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
    contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
-3. bench/generate_speed.py: plain generate() on a Llama-3.2-1B-shaped bf16 model (1024-token prompt, 128 new
+3. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
+   2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
+4. bench/generate_speed.py: plain generate() on a Llama-3.2-1B-shaped bf16 model (1024-token prompt, 128 new
    tokens, batch 1 and 16) with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and
    PagedCache(max_cache_len), milliseconds per new token, and each one's tokens against DynamicCache's in float32;
-4. bench/engine_speed.py: the Engine on the same model, a burst of 128 requests (prompts 128-1024, outputs 64-256)
+5. bench/engine_speed.py: the Engine on the same model, a burst of 128 requests (prompts 128-1024, outputs 64-256)
    at 1 GiB of K/V, with and without CUDA graphs, beside transformers' continuous batching and static generate()
    batches; GPU busy share of its decode steps (torch.profiler); graph tokens against eager ones in float32;
-5. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+6. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
 does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
@@ -37,8 +40,9 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "decode", "generate", "engine", "serving")
+STEP_KINDS = ("tests", "decode", "prefill", "generate", "engine", "serving")
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
+PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
 
 
@@ -56,13 +60,19 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     python = sys.executable
     steps = []
     if "tests" not in skip:
-        tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_kernel_dispatch.py"]
+        tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_prefill_kernel.py"]
+        tests.append("tests/test_kernel_dispatch.py")
         steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *tests]))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
             command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
             steps.append(Step("decode", f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+    if "prefill" not in skip:
+        for dtype, head_dim in PREFILL_RUNS:
+            json_path = out / f"prefill_{dtype}_d{head_dim}.json"
+            command = [python, "-m", "bench.prefill_attention", "--dtype", dtype, "--head-dim", str(head_dim)]
+            steps.append(Step("prefill", f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
     if "generate" not in skip:
         command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
         steps.append(Step("generate", "generate speed", command))
@@ -118,6 +128,36 @@ def _decode_section(out: Path) -> str:
         headers = ["batch", "context", "method", "time (us)", "GB/s", "% of HBM peak", "splits"]
         parts.append(tabulate(rows, headers, tablefmt="github", disable_numparse=True) + "\n")
     return "\n".join(parts) if parts else "(no decode results)\n"
+
+
+def _prefill_section(out: Path) -> str:
+    parts = []
+    for dtype, head_dim in PREFILL_RUNS:
+        path = out / f"prefill_{dtype}_d{head_dim}.json"
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        args = report["args"]
+        parts.append(
+            f"### {args['dtype']}, head_dim {args['head_dim']}, {args['num_q_heads']} q / {args['num_kv_heads']} kv "
+            f"heads, block_size {args['block_size']}\n\n{report['device']}\n"
+        )
+        rows = [
+            [
+                r["batch"],
+                r["new"],
+                r["cached"],
+                r["method"],
+                r.get("skipped") or f"{r['ms'] * 1e3:.0f}",
+                f"{r['tflops']:.0f}" if "ms" in r else "",
+                f"{r['speed_vs_sdpa']:.2f}x" if "speed_vs_sdpa" in r else "",
+                f"{r['max_abs_err_vs_sdpa']:.1e}" if "max_abs_err_vs_sdpa" in r else "",
+            ]
+            for r in report["results"]
+        ]
+        headers = ["batch", "new", "cached", "method", "time (us)", "TFLOP/s", "vs SDPA", "max |err|"]
+        parts.append(tabulate(rows, headers, tablefmt="github", disable_numparse=True) + "\n")
+    return "\n".join(parts) if parts else "(no prefill results)\n"
 
 
 def _generate_section(out: Path) -> str:
@@ -226,6 +266,7 @@ def report(steps: list[Step], out: Path) -> str:
         if step.kind == "tests" or step.returncode != 0:
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
     lines += ["## Decode attention", "", _decode_section(out)]
+    lines += ["## Prefill attention", "", _prefill_section(out)]
     lines += ["## generate() per cache", "", _generate_section(out), "## Engine", "", _engine_section(out)]
     lines += ["## Serving", "", _serving_section(out)]
     return "\n".join(lines)

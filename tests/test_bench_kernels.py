@@ -2,15 +2,20 @@
 
 `pytest tests/test_bench_kernels.py --benchmark-disable` runs each once as a smoke test (the default test run does
 this too, in well under a second); `--benchmark-only` times them. GPU timings of the Triton kernels live in
-`bench/decode_attention.py`.
+`bench/decode_attention.py` and `bench/prefill_attention.py` (smoke-run here on CPU).
 """
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
+from bench import prefill_attention
+from bench.gpu_report import _prefill_section
 from hf_paged.attention.kernels import paged_decode_attention_torch, store_kv_torch
+from tests.models import require_triton_on_cpu
 
 pytest.importorskip("pytest_benchmark")
 
@@ -43,3 +48,25 @@ def test_bench_store_kv_torch(benchmark, num_tokens):
     slot_mapping = torch.randperm(key_cache.shape[0] * key_cache.shape[1])[:num_tokens]
     benchmark(store_kv_torch, key, value, key_cache, value_cache, slot_mapping)
     assert torch.equal(key_cache.view(-1, 2, 64)[slot_mapping], key)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_prefill_benchmark_smoke_run_matches_sdpa(tmp_path, backend):
+    """`python -m bench.prefill_attention --device cpu --tiny` (the GPU benchmark's script on CPU; the Triton kernel
+    in the interpreter): every cell timed for both methods, the paged output equal to SDPA's."""
+    if backend == "triton":
+        require_triton_on_cpu()
+    path = tmp_path / "prefill_bf16_d64.json"  # the name `make bench-gpu` gives its first prefill run
+    argv = ["--device", "cpu", "--tiny", "--backend", backend, "--rep-ms", "1", "--json", str(path)]
+    assert prefill_attention.main(argv) == 0
+    results = json.loads(path.read_text())["results"]
+    assert [(r["batch"], r["new"], r["cached"], r["method"]) for r in results] == [
+        (1, 48, 0, f"paged ({backend})"),
+        (1, 48, 0, "sdpa-contig"),
+        (2, 16, 40, f"paged ({backend})"),
+        (2, 16, 40, "sdpa-contig"),
+    ]
+    assert all(r["ms"] > 0 and r["tflops"] > 0 for r in results)
+    assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in results if "max_abs_err_vs_sdpa" in r)
+    section = _prefill_section(tmp_path)  # the GPU report's table of it
+    assert section.count("sdpa-contig") == 2 and f"paged ({backend})" in section
