@@ -19,8 +19,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from bench.cache_report import kv_bytes_held
 from hf_paged import PAGED_ATTENTION, BlockPool, KVLayout, PagedCache
 from hf_paged.attention import plan_of
-from hf_paged.attention.interface import torch_attention_forward
 from hf_paged.attention.shared_prefix import shared_prefix_attention
+from hf_paged.attention.torch_attention import torch_attention_forward
 from hf_paged.cache.gather import workspace_for
 
 NUM_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 8, 4

@@ -247,12 +247,46 @@ def test_a_cache_on_a_hybrid_pool_needs_the_config():
         PagedCache(pool=pool)
 
 
-def test_engine_refuses_hybrids_up_front():
+def test_engine_serves_hybrids_one_forward_per_request():
+    """Qwen3-Next in the Engine: the per-request step, each request's recurrent states kept between its forwards
+    (prompts in chunks over cached tokens, preemption computing one again from scratch), prefix caching off; every
+    request's tokens equal generate() of its prompt alone."""
+    model = tiny("qwen3_next")
+    prompts = [zoo.inputs(batch=1, length=n)["input_ids"][0].tolist() for n in (13, 7, 10)]
+    new_tokens = [6, 9, 4]
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p) :].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]
+    # blocks of 4, 5 tokens a step: prompts in chunks; 9 blocks for 3 requests of up to 19 tokens: preemption
+    pool = BlockPool.for_model(model, num_blocks=9, block_size=4)
+    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=5, decode_reserve_tokens=0)
+    assert engine.step_mode == "per-request" and "hybrid model" in engine.step_mode_reason
+    assert not engine.scheduler.prefix.enabled
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == expected
+    assert engine.stats.num_preemptions > 0 and pool.num_used_blocks == 0
+
+
+def test_a_hybrid_request_whose_forward_failed_part_way_does_not_continue():
+    """Its states may have advanced in the layers before the failure: the request fails alone with a clear error
+    rather than continue from them, and the request beside it gives generate()'s tokens."""
     model = tiny("qwen3_next")
     pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
-    with pytest.raises(UnsupportedModel, match="'qwen3_next': it is a hybrid model.*recurrent") as error:
-        Engine(model, pool)
-    assert error.value.path == "Engine"
+    engine = Engine(model, pool, max_num_seqs=2, max_num_batched_tokens=8)
+    prompts = [zoo.inputs(batch=1, length=n)["input_ids"][0].tolist() for n in (10, 6)]
+    broken = engine.add_request(prompts[0], max_new_tokens=3)
+    engine.step()  # the first prompt's first chunk: its states made
+    request = engine.request(broken)
+    assert request.states is not None and 0 < request.num_computed < 10
+    request.states = None  # what a forward that raised part-way leaves
+    other = engine.add_request(prompts[1], max_new_tokens=3)
+    while engine.has_unfinished():
+        engine.step()
+    finished = {request.request_id: request for request in engine.pop_finished()}
+    assert finished[broken].finish_reason == "error" and "recurrent states are gone" in finished[broken].error
+    expected = model.generate(torch.tensor([prompts[1]]), max_new_tokens=3, do_sample=False)[0, 6:].tolist()
+    assert finished[other].output_ids == expected and finished[other].states is None
+    assert pool.num_used_blocks == 0
 
 
 def test_models_without_attention_layers_stay_refused():
@@ -297,9 +331,10 @@ def test_paged_decode_applies_a_position_bias():
     assert_same(run(model, PagedCache(config=model.config)), expected)
 
 
-def test_engine_refuses_mlp_only_layers_that_paged_generate_serves():
-    """Nemotron-H's MLP-only layers take no pool layer; the Engine maps cache layers to pool layers one to one, so it
-    refuses such a model up front (before any block is written), while generate() with a PagedCache serves it."""
+def test_mlp_only_layers_in_generate_and_the_engine():
+    """Nemotron-H's MLP-only layers take no pool layer: generate() with a PagedCache serves it, and the Engine runs
+    it per request (its packed step maps cache layers to pool layers one to one), mapping decoder layers to the
+    pool's."""
     config = transformers.NemotronHConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
         head_dim=16, layer_types=["mlp", "full_attention", "mlp", "full_attention"], mamba_num_heads=4,
@@ -314,6 +349,7 @@ def test_engine_refuses_mlp_only_layers_that_paged_generate_serves():
     expected = model.generate(prompt, past_key_values=DynamicCache(config=config), **options)
     assert torch.equal(model.generate(prompt, past_key_values=PagedCache(config=config), **options), expected)
     pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
-    with pytest.raises(UnsupportedModel, match=r"layers \[0, 2\] are MLP-only") as error:
-        Engine(model, pool)
-    assert error.value.path == "Engine" and pool.num_used_blocks == 0
+    engine = Engine(model, pool, max_num_seqs=2, max_num_batched_tokens=4)  # the prompt in chunks
+    assert engine.step_mode == "per-request" and "layers [0, 2] are MLP-only" in engine.step_mode_reason
+    assert engine.generate([prompt[0].tolist()], max_new_tokens=6, ignore_eos=True) == [expected[0, 9:].tolist()]
+    assert pool.num_used_blocks == 0

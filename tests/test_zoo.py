@@ -131,7 +131,7 @@ def test_the_attention_function_applies_sinks_as_transformers_does():
 
 def test_torch_attention_without_a_mask_is_causal_like_sdpa():
     # Where transformers skips the mask (SDPA's is_causal), the torch attention of softcap and sinks masks itself.
-    from hf_paged.attention.interface import torch_attention_forward
+    from hf_paged.attention.torch_attention import torch_attention_forward
 
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, 4, 3, 16, generator=generator)

@@ -28,7 +28,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from ..errors import UnsupportedModel
 from .kernels.dispatch import resolve_backend
 from .plan import BACKEND_ATTR, EXPANDED_PLAN_KWARG, PAGED_ATTENTION, plan_of
-from .torch_attention import sdpa_or_torch_attention, torch_attention_forward
+from .torch_attention import sdpa_or_torch_attention
 
 
 def paged_attention_forward(
@@ -110,19 +110,6 @@ def index_masked(attention_mask: torch.Tensor, indices: torch.Tensor, kv_len: in
     if attention_mask.dtype == torch.bool:
         return attention_mask & ~hidden
     return attention_mask.masked_fill(hidden, torch.finfo(dtype).min)
-
-
-def softcap_attention_forward(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    softcap: float,
-) -> tuple[torch.Tensor, None]:
-    """`torch_attention_forward` with a softcap and an explicit mask (None: every key visible)."""
-    return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, softcap=softcap)
 
 
 def register() -> None:

@@ -32,14 +32,24 @@ raises fails alone, without the halving of the packed step).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import (
+    Cache,
+    DynamicCache,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    get_layer_types_and_kwargs,
+)
 
 from ..cache.block_tables import head_major_index
 from ..cache.gather import visible_kv
+from ..cache.hybrid import PagedHybridLayer, decoder_layers
 from ..cache.layer import PagedLayer
 from ..errors import UnsupportedModel
-from ..storage import BlockPool, sliding_windows
+from ..storage import BlockPool, KVLayout, sliding_windows
+from ..storage.hybrid import holds_state
 from .request import Request
 from .step_cache import StepCache
 from .support import never_stored, takes
@@ -75,6 +85,7 @@ class RowCache(Cache):
         windows: list[int | None],
         *,
         model_type: str | None = None,
+        states: RequestStates | None = None,
     ):
         # NOTE: the one-row StepCache stores the new tokens in their slots (and checks the layer and shapes).
         self._step = StepCache(
@@ -87,8 +98,13 @@ class RowCache(Cache):
         )
         self.seq_len, self.q_len = seq_len, q_len
         self._tables = [_RowTables(pool, table, first) for table, first in zip(block_tables, first_blocks)]
-        layers = [PagedLayer(self, layer_idx, window) for layer_idx, window in enumerate(windows)]
-        for layer in layers:
+        if states is None:  # an attention-only model: decoder layer i is pool layer i
+            layers = [PagedLayer(self, layer_idx, window) for layer_idx, window in enumerate(windows)]
+            self._paged, self._pool_layers = layers, list(range(len(layers)))
+        else:
+            layers, self._paged = states.layers_for(self, windows, fresh=seq_len == 0)
+            self._pool_layers = states.pool_layers
+        for layer in self._paged:
             layer.cumulative_length = seq_len
         super().__init__(layers=layers)
 
@@ -100,7 +116,14 @@ class RowCache(Cache):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """Store `key_states`/`value_states` ([1, kv_heads, q_len, head_dim]) in the request's blocks and return
         layer `layer_idx`'s visible K/V ([1, kv_heads, kv_len, head_dim]), as `DynamicCache.update` would."""
-        self._step.update(key_states, value_states, layer_idx)  # checks the layer and shapes, stores
+        pool_layer = self._pool_layers[layer_idx] if 0 <= layer_idx < len(self._pool_layers) else layer_idx
+        if pool_layer is None:
+            raise UnsupportedModel(
+                self._step.model_type,
+                f"it writes K/V to its layer {layer_idx}, which keeps a recurrent or convolution state only",
+                "Engine",
+            )
+        self._step.update(key_states, value_states, pool_layer)  # checks the layer and shapes, stores
         layer = self.layers[layer_idx]
         if not layer.is_initialized:
             layer.lazy_initialization(key_states, value_states)
@@ -108,13 +131,67 @@ class RowCache(Cache):
         if self.seq_len == 0:  # a first prefill: the visible K/V are this forward's
             return key_states, value_states
         # A view of the pool where the row's blocks are consecutive, else a gather into the pool's workspace.
-        tables = self._tables[self._step.pool.group_of_layer[layer_idx]]
-        return visible_kv(tables, layer_idx, layer.first_visible(self.seq_len), self.seq_len + self.q_len)
+        tables = self._tables[self._step.pool.group_of_layer[pool_layer]]
+        return visible_kv(tables, pool_layer, layer.first_visible(self.seq_len), self.seq_len + self.q_len)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached in decoder layer `layer_idx`; a layer with no K/V (a recurrent state) means the first
+        attention layer, as in `Cache.get_seq_length`."""
         if layer_idx >= len(self.layers):
             return 0
-        return self.layers[layer_idx].cumulative_length
+        layer = self.layers[layer_idx]
+        return getattr(layer, "cumulative_length", None) or self._paged[0].cumulative_length
+
+
+class RequestStates:
+    """A hybrid model's per-request recurrent and convolution states, kept by its `Request` between the forwards of
+    the per-request step (the pool holds only K/V), and the map from its decoder layers to the pool's (also for a
+    model with MLP-only layers, which hold nothing).
+
+    The cache layers of every decoder layer are transformers' own state layers (`LinearAttentionLayer`, as
+    `DynamicCache` makes them), paged layers for the attention layers, and `PagedHybridLayer`s for layers that keep
+    both. A request's first forward (nothing cached: a new request, or a preempted one computed again) makes fresh
+    states; each later forward of the request reuses them, so a prompt computed in chunks carries its state from
+    chunk to chunk, as one forward would. A state cannot be rebuilt from blocks, so the Engine turns prefix caching
+    off for such a model (`prefix_caching_reason`).
+    """
+
+    def __init__(self, config):
+        self.layer_types, self.layer_kwargs = get_layer_types_and_kwargs(config)
+        kv_layers = KVLayout.from_config(config).kv_layers
+        self.pool_layers: list[int | None] = [None] * len(self.layer_types)  # decoder layer -> pool layer
+        for pool_layer, layer_idx in enumerate(kv_layers):
+            self.pool_layers[layer_idx] = pool_layer
+        self.kv_layers = kv_layers
+        self.keeps_state = any(holds_state(layer_type) for layer_type in self.layer_types)  # else MLP-only layers
+        self.layers: list | None = None  # the last forward's cache layers, holding the states
+
+    def layers_for(self, cache: Cache, windows: list[int | None], fresh: bool) -> tuple[list, list[PagedLayer]]:
+        """(cache layers of every decoder layer, the paged ones in pool-layer order) for a forward of `cache`:
+        new states when `fresh`, else the request's from its last forward."""
+        if fresh or self.layers is None or not self.keeps_state:
+            if not fresh and self.keeps_state:
+                raise RuntimeError(
+                    "the request's recurrent states are gone (an earlier forward of it failed part-way), so it cannot "
+                    "continue over its cached tokens"
+                )
+            layers, paged = decoder_layers(cache, self.layer_types, self.layer_kwargs, self.kv_layers, windows)
+        else:
+            layers, paged = [], []
+            for layer_idx, previous in enumerate(self.layers):
+                pool_layer = self.pool_layers[layer_idx]
+                if pool_layer is None:  # a state-only layer: the same object, its states advance
+                    layers.append(previous)
+                    continue
+                if isinstance(previous, PagedHybridLayer):  # its states and a view of this forward's cache
+                    previous._cache = weakref.proxy(cache)
+                    layer = previous
+                else:
+                    layer = PagedLayer(cache, layer_idx, windows[pool_layer])
+                layers.append(layer)
+                paged.append(layer)
+        self.layers = layers
+        return layers, paged
 
 
 class _RowTables:
@@ -163,8 +240,14 @@ class PerRequestStep:
     def __init__(self, model, pool: BlockPool, cache_keyword: str):
         self.model, self.pool = model, pool
         self._cache_keyword = cache_keyword
-        self._windows = sliding_windows(model.config.get_text_config(decoder=True))
+        config = model.config.get_text_config(decoder=True)
+        self._windows = sliding_windows(config)
         self._model_type = getattr(model.config, "model_type", None)
+        # A hybrid model (recurrent / conv states, which each request keeps between its forwards) or one with MLP-only
+        # layers: the decoder's layers are not the pool's (`RequestStates` maps them).
+        self._state_config = (
+            config if KVLayout.from_config(config).kv_layers != tuple(range(config.num_hidden_layers)) else None
+        )
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """rows (request, new tokens) -> [len(rows), vocab] logits at each row's last new token."""
@@ -175,10 +258,16 @@ class PerRequestStep:
         forward, then each generated token fed back (a preempted request's recomputation) in one of its own."""
         start, end = request.num_computed, request.num_computed + num_tokens
         prompt_end = min(end, len(request.prompt_ids))
-        if start < prompt_end:
-            logits = self._forward(request, start, prompt_end - start, prompt=True)
-        for position in range(max(start, prompt_end), end):
-            logits = self._forward(request, position, 1, prompt=False)
+        try:
+            if start < prompt_end:
+                logits = self._forward(request, start, prompt_end - start, prompt=True)
+            for position in range(max(start, prompt_end), end):
+                logits = self._forward(request, position, 1, prompt=False)
+        except BaseException:
+            # Its states may have advanced part-way (the layers before the failure): never reused. A later forward
+            # over its cached tokens then raises (`RequestStates.layers_for`); one from scratch makes new states.
+            request.states = None
+            raise
         return logits
 
     def _forward(self, request: Request, seq_len: int, num_tokens: int, prompt: bool) -> torch.Tensor:
@@ -187,6 +276,10 @@ class PerRequestStep:
         (`generate()` truncates a sliding layer's cache only after it); a generated token sees what its sliding
         layers keep after the tokens before it."""
         windows = [None] * len(self._windows) if prompt else self._windows
+        if self._state_config is not None and (
+            seq_len == 0 or request.states is None or not request.states.keeps_state
+        ):
+            request.states = RequestStates(self._state_config)  # a first forward (or a preempted one's again)
         cache = RowCache(
             self.pool,
             request.block_tables,
@@ -195,6 +288,7 @@ class PerRequestStep:
             num_tokens,
             windows,
             model_type=self._model_type,
+            states=request.states if self._state_config is not None else None,
         )
         token_ids = request.token_ids[seq_len : seq_len + num_tokens]
         out = run_row(self.model, token_ids, seq_len, {self._cache_keyword: cache}, last_only=True)
@@ -222,7 +316,14 @@ def prefix_caching_reason(model) -> str | None:
     """Why the per-request step turns prefix caching off for `model`, else None: a sliding layer computes a
     generated token through its window and a prompt token over the whole prompt before it (as `generate()` does),
     so the blocks of one request's output are not what another request's prompt would compute."""
-    windows = sliding_windows(model.config.get_text_config(decoder=True))
+    config = model.config.get_text_config(decoder=True)
+    layer_types, _ = get_layer_types_and_kwargs(config)
+    if any(holds_state(t) for t in layer_types):
+        return (
+            "prefix caching is off: its recurrent / convolution states summarize every token before them and cannot "
+            "be rebuilt from the K/V blocks of a cached prefix"
+        )
+    windows = sliding_windows(config)
     if all(window is None for window in windows):
         return None
     return (
@@ -233,6 +334,16 @@ def prefix_caching_reason(model) -> str | None:
 
 # A prompt's first chunk, a chunk over cached tokens, a decode token.
 PROBE_CHUNKS = (4, 3, 1)
+
+
+def _probe_cache(config) -> DynamicCache:
+    """A `DynamicCache` of full attention layers (a prompt chunk sees the whole prompt before it), with a hybrid
+    model's state layers and MLP-only layers as `DynamicCache(config=...)` makes them."""
+    if KVLayout.from_config(config).kv_layers == tuple(range(config.num_hidden_layers)):
+        return DynamicCache()
+    cache = DynamicCache(config=config)  # state layers, attention layers and MLP-only ones, by layer type
+    cache.layers = [DynamicLayer() if isinstance(layer, DynamicSlidingWindowLayer) else layer for layer in cache.layers]
+    return cache
 
 
 def check_chunked_prompt(model, cache_keyword: str) -> None:
@@ -247,8 +358,9 @@ def check_chunked_prompt(model, cache_keyword: str) -> None:
     reason = None
     with torch.inference_mode():
         try:
-            whole = run_row(model, token_ids, 0, {cache_keyword: DynamicCache()}).logits[0, -num_tokens:].float()
-            cache, chunks, start = DynamicCache(), [], 0
+            whole = run_row(model, token_ids, 0, {cache_keyword: _probe_cache(config)}).logits[0, -num_tokens:]
+            whole = whole.float()
+            cache, chunks, start = _probe_cache(config), [], 0
             for size in PROBE_CHUNKS:
                 out = run_row(model, token_ids[start : start + size], start, {cache_keyword: cache})
                 chunks.append(out.logits[0, -size:].float())
@@ -265,10 +377,13 @@ def check_chunked_prompt(model, cache_keyword: str) -> None:
         if chunked.shape != whole.shape or not torch.allclose(
             chunked, whole, rtol=0.0, atol=1e-2 * whole.abs().max().item() + 1e-5
         ):
-            reason = (
-                "its logits differ when a prompt is computed in chunks over cached tokens (attention that is not "
-                "causal over a prompt?)"
+            layer_types, _ = get_layer_types_and_kwargs(config)
+            why = (
+                "recurrent or convolution layers that do not continue a prompt from their cached state?"
+                if any(holds_state(t) for t in layer_types)
+                else "attention that is not causal over a prompt?"
             )
+            reason = f"its logits differ when a prompt is computed in chunks over cached tokens ({why})"
     if reason is not None:
         raise UnsupportedModel(
             getattr(model.config, "model_type", None),

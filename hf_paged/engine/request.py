@@ -35,6 +35,7 @@ class Request:
     scheduled_time: float | None = None  # its first admission (a preempted request keeps it)
     first_token_time: float | None = None
     finish_time: float | None = None
+    states: object | None = None  # a hybrid model's recurrent states between per-request forwards (RequestStates)
 
     @property
     def token_ids(self) -> list[int]:

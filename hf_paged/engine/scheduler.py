@@ -231,6 +231,7 @@ class Scheduler:
 
     def retire(self, request: Request) -> None:
         self._free_blocks(request)
+        request.states = None  # a hybrid model's recurrent states: no forward of it follows
         request.finished = True
         request.finish_time = time.perf_counter()
         self.running.remove(request)
@@ -266,7 +267,7 @@ class Scheduler:
             self.waiting = deque(r for r in self.waiting if r not in leaving)
             now = time.perf_counter()
             for request in leaving:
-                request.finished, request.finish_time = True, now
+                request.finished, request.finish_time, request.states = True, now, None
 
     def schedule(self) -> ScheduledStep:
         # Out-of-window blocks go back first, so admission sees them free and every running request holds at most

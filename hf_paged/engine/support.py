@@ -21,7 +21,7 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
   mask or the cache's truncation, neither of which the packed step reads);
 - looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
 - hybrid models (linear-attention, mamba or conv layers): each request has a recurrent or conv state the pool does
-  not hold (they run with `PagedCache` under `generate()`).
+  not hold and a packed row cannot carry (the per-request step keeps it per request: `per_request.RequestStates`).
 - indexed attention (DeepSeek Sparse Attention: indexer keys beside the K/V, which the pool does not hold).
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
@@ -62,9 +62,10 @@ def choose_step_mode(model) -> tuple[str, str | None]:
     """How the Engine runs `model`: `("packed", None)`, or `("per-request", why the packed step cannot)`; raises
     `UnsupportedModel` for a model neither step serves (see the module docstring)."""
     if isinstance(model, torch.nn.Module):
-        # Neither step holds a per-request recurrent or conv state, nor indexer keys: refused, never run per request.
+        # Neither step holds indexer keys: refused, never run per request. (Recurrent or conv states and MLP-only
+        # layers: the per-request step keeps the states per request and maps the layers, see below.)
         config = model.config.get_text_config(decoder=True)
-        state_reason = _recurrent_state_reason(config) or _indexed_reason(config) or _mlp_only_reason(config)
+        state_reason = _indexed_reason(config)
         if state_reason is not None:
             raise UnsupportedModel(getattr(model.config, "model_type", None), state_reason, PATH)
     try:
@@ -208,7 +209,7 @@ def _recurrent_state_reason(config) -> str | None:
     return (
         f"it is a hybrid model: its layers {state_layers} keep a per-request recurrent or convolution state "
         f"(layer types {sorted({layer_types[i] for i in state_layers})}), which the paged pool does not hold and a "
-        "packed step does not carry; run it with generate(past_key_values=PagedCache(config=model.config))"
+        "packed step does not carry"
     )
 
 
@@ -225,8 +226,8 @@ def _mlp_only_reason(config) -> str | None:
     if not mlp_only:
         return None
     return (
-        f"its layers {list(mlp_only)} are MLP-only (no K/V), and the Engine's step maps the model's cache layers to "
-        "the pool's layers one to one; run it with generate(past_key_values=PagedCache(config=model.config))"
+        f"its layers {list(mlp_only)} are MLP-only (no K/V), and the packed step maps the model's cache layers to "
+        "the pool's layers one to one"
     )
 
 
