@@ -8,7 +8,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from hf_paged import BlockPool, PagedCache
+from hf_paged import BlockPool, PagedCache, UnsupportedCacheAttribute
+from tests import zoo
 from tests.models import tiny_model
 
 
@@ -131,3 +132,29 @@ def test_batch_size_change_without_reorder_is_an_error():
     with pytest.raises(ValueError, match="holds 2 rows but layer 0 got key_states for 3"):
         cache.update(*(torch.zeros(_kv_shape(config, 3, 1)),) * 2, 0)
     cache.release()
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_looped_layers_with_a_cache_per_loop_equal_dynamic_cache(num_beams):
+    """Dory loops its middle layers, each loop after the first writing copies of their cache layers that the model
+    appends to a cache of its decoder's length. A PagedCache holds those copies from the start (pool layers of their
+    own: `cache_layers`), so the model appends none, and generates what DynamicCache does."""
+    model = zoo.tiny_model("dory", "DoryForCausalLM")
+    assert model.config.n_recurrent_loops == 2 and model.config.recurrent_kv_cache_mode == "per_loop"
+    model_inputs = zoo.inputs()
+    expected = zoo.generate(model, model_inputs, past_key_values=DynamicCache(config=model.config), num_beams=num_beams)
+    cache = PagedCache(config=model.config)
+    assert len(cache.layers) == 4 and cache.layout.num_layers == 4  # 3 decoder layers, the looped one twice
+    got = zoo.generate(model, model_inputs, past_key_values=cache, num_beams=num_beams)
+    assert zoo.compare(got, expected) is None
+
+
+def test_looped_layers_reading_the_last_loops_keys_are_refused_by_name():
+    """Dory's "last_loop" mode has earlier loops read the cached `keys` / `values` of the layers: a paged layer has
+    none, and says so (UnsupportedCacheAttribute), rather than hand the model None."""
+    model = zoo.tiny_model("dory", "DoryForCausalLM")
+    model.config.recurrent_kv_cache_mode = "last_loop"
+    cache = PagedCache(config=model.config)
+    assert len(cache.layers) == 3  # no copies: the last loop writes the layers themselves
+    with pytest.raises(UnsupportedCacheAttribute, match="model type 'dory'.*cache layer attribute 'keys'"):
+        zoo.generate(model, zoo.inputs(), past_key_values=cache)

@@ -20,14 +20,14 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, get_layer_types_and_kwargs
+from transformers.cache_utils import Cache
 
 from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..attention.kernels.dispatch import triton_possible
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_of_layer, group_windows, sliding_windows
-from ..storage.layout import refuse_generate_cache
+from ..storage.layout import cache_layers, refuse_generate_cache
 from ..storage.pool import check_positive_int, resolve_dtype
 from .fixed_width import FixedWidthSteps, gather_fixed
 from .gather import shared_prefix_kv, visible_kv, workspace_for
@@ -130,7 +130,7 @@ class PagedCache(Cache):
                 pool.check_compatible(layout)
                 pool.serve_model(config)
             windows = sliding_windows(config)
-            layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+            layer_types, layer_kwargs, _ = cache_layers(config)  # a looped model's per-loop copies included
         else:
             layout = pool.layout
             windows = list(layout.windows)  # the windows of the model the pool was built for

@@ -150,8 +150,9 @@ class KVLayout:
         # A heterogeneous config (Gemma 4, dots) gives some layers other kv heads or head_dim: read each layer's.
         layer_configs = list(config.per_layer_config) if getattr(config, "is_heterogeneous", False) else None
         kv_layers, layer_types, layer_kwargs = _kv_layers(config)
+        sources = cache_layers(config)[2]  # a looped layer's copies have its shapes
         shapes = [
-            _kv_shape(config if layer_configs is None else layer_configs[i], layer_type)
+            _kv_shape(config if layer_configs is None else layer_configs[sources[i]], layer_type)
             for i, layer_type in zip(kv_layers, layer_types)
         ]
         windows = _windows(layer_types, layer_kwargs)
@@ -231,10 +232,28 @@ def sliding_windows(config) -> list[int | None]:
     return _windows(layer_types, layer_kwargs)
 
 
-def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
-    """The decoder layers holding K/V (see hybrid.py) and their `get_layer_types_and_kwargs`, a hybrid layer typed as
-    its attention part."""
+def cache_layers(config) -> tuple[list[str], list[dict], list[int]]:
+    """The cache layers a model writes: transformers' `get_layer_types_and_kwargs` per decoder layer, then, for a
+    model that loops its middle layers with a cache per loop (Dory, `recurrent_kv_cache_mode="per_loop"`), a copy of
+    the looped layers per loop after the first, where the model appends them; and each cache layer's decoder layer.
+    A cache that has all of them from the start is one the model does not extend."""
     layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+    sources = list(range(len(layer_types)))
+    loops = getattr(config, "n_recurrent_loops", None)
+    if isinstance(loops, int) and loops > 1 and getattr(config, "recurrent_kv_cache_mode", None) == "per_loop":
+        start = config.n_input_layers
+        looped = list(range(start, start + config.n_recurrent_layers))
+        for _ in range(loops - 1):
+            layer_types += [layer_types[i] for i in looped]
+            layer_kwargs += [layer_kwargs[i] for i in looped]
+            sources += looped
+    return layer_types, layer_kwargs, sources
+
+
+def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
+    """The cache layers holding K/V (see hybrid.py and `cache_layers`) and their `get_layer_types_and_kwargs`, a
+    hybrid layer typed as its attention part."""
+    layer_types, layer_kwargs, _ = cache_layers(config)
     # A KV-sharing layer that keeps only indexer keys of its own (Mistral-Large-4's "reuse_but_indexer", which
     # transformers types "indexed_attention") stores no K/V: a "dummy" layer here, its indexer keys beside the pool.
     modes = getattr(config, "kv_sharing_modes", None) or ()
