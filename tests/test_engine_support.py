@@ -156,3 +156,12 @@ def test_a_write_to_a_layer_the_pool_does_not_hold_is_refused():
     states = torch.zeros(1, 2, 2, 16)
     with pytest.raises(UnsupportedModel, match="'llama': it writes cache layer 2, while the pool holds its 2 layers"):
         cache.update(states, states, 2)
+
+
+def test_a_model_with_a_generate_of_its_own_is_refused_by_the_engine():
+    """MusicGen's generate() applies a codebook delay pattern around the forward; the Engine only takes tokens from
+    the logits, so it refuses the model up front (generate() with a PagedCache serves it: the zoo)."""
+    model = zoo.tiny_model("musicgen", "MusicgenForCausalLM")
+    with pytest.raises(UnsupportedModel, match=r"generate\(\) of its own \(MusicgenForCausalLM.generate\)") as error:
+        Engine(model, BlockPool.for_model(model, num_blocks=8, block_size=4))
+    assert error.value.path == "Engine"

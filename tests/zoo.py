@@ -150,6 +150,8 @@ OVERRIDES: dict[str, dict] = {
         "num_centroids": 16,
         "centroid_intermediate_top_k": 4,
     },
+    # MusicGen's decoder over one codebook (no delay pattern between codebooks); its generation settings below
+    **dict.fromkeys(("musicgen", "musicgen_melody"), {"num_codebooks": 1}),
     # Dory loops its middle layers: one input, one looped and one output layer
     "dory": {
         "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
@@ -236,8 +238,18 @@ def _source(class_name: str) -> str:
     return inspect.getsource(getattr(transformers, class_name))
 
 
+# Per family, generation settings a random model's generation config lacks and its own generate() needs.
+GENERATION_OVERRIDES: dict[str, dict] = {
+    # MusicGen's generate() starts from, and filters out, its special token (id vocab_size, never generated)
+    **dict.fromkeys(
+        ("musicgen", "musicgen_melody"),
+        {"decoder_start_token_id": VOCAB_SIZE, "pad_token_id": VOCAB_SIZE, "num_return_sequences": 1},
+    ),
+}
+
+
 def tiny_model(model_type: str, class_name: str):
-    """The tiny fp32 random-weight model of `model_type` (seed 0), in eval mode."""
+    """The tiny fp32 random-weight model of `model_type` (seed 0), in eval mode, with `GENERATION_OVERRIDES`."""
     import transformers
 
     config = tiny_config(model_type)
@@ -247,7 +259,9 @@ def tiny_model(model_type: str, class_name: str):
     if num_parameters > MAX_PARAMETERS:
         raise ValueError(f"the tiny config still has {num_parameters / 1e6:.0f}M parameters; add an OVERRIDES entry")
     torch.manual_seed(0)
-    return model_class(config).float().eval()
+    model = model_class(config).float().eval()
+    model.generation_config.update(**GENERATION_OVERRIDES.get(model_type, {}))
+    return model
 
 
 def inputs(batch: int = 2, length: int = PROMPT_LEN) -> dict:
@@ -289,7 +303,7 @@ def reference(model, model_inputs: dict, **options) -> GenerateResult:
 
 
 def _checked(run: Callable[..., GenerateResult], config) -> GenerateResult:
-    """`run()` (the model's default cache), after `run(past_key_values=DynamicCache)`. Where the model refuses a
+    """`run()` (the model's default cache), after `run(cache=DynamicCache)`. Where the model refuses a
     DynamicCache (it keeps a cache of its own, or none) or the two differ (its generate() mishandles any cache
     passed in: MPT feeds every token again at each step), the default is still the reference, and hf_paged must
     refuse the model to pass; the reference's `note` says which."""
@@ -297,7 +311,7 @@ def _checked(run: Callable[..., GenerateResult], config) -> GenerateResult:
 
     default = run()
     try:
-        passed = run(past_key_values=DynamicCache(config=config))
+        passed = run(cache=DynamicCache(config=config))
     except Exception as error:  # noqa: BLE001 (a cache of its own, or none)
         default.note = f"a DynamicCache passed in raises {type(error).__name__}"
         return default
@@ -327,7 +341,10 @@ def single_reference(model, model_inputs: dict) -> GenerateResult:
             return_dict_in_generate=True,
             **options,
         )
-        return GenerateResult(out.sequences[:, input_ids.shape[1] :], tuple(out.logits))
+        sequences = out.sequences
+        if sequences.dim() == 3:  # MusicGen: [batch, codebooks, length], one codebook here
+            sequences = sequences.flatten(0, 1)
+        return GenerateResult(sequences[:, input_ids.shape[1] :], tuple(out.logits))
 
     # The Engine applies no logits processors: none that the model's generation config turns on either (BART's
     # forced eos at the last step). generate() fills a None it is passed from the model's config, so the model's
@@ -392,7 +409,7 @@ class ZooPath:
 def _paged(model, model_inputs, **options) -> GenerateResult:
     import hf_paged
 
-    return generate(model, model_inputs, past_key_values=hf_paged.create_cache("paged", model), **options)
+    return generate(model, model_inputs, cache=hf_paged.create_cache("paged", model), **options)
 
 
 def _attention(model, model_inputs) -> GenerateResult:
@@ -441,7 +458,7 @@ def _engine(model, model_inputs) -> GenerateResult:
 PATHS: list[ZooPath] = [
     ZooPath(
         "paged",
-        'generate(past_key_values=create_cache("paged", model))',
+        'generate(cache=create_cache("paged", model))',
         _paged,
         "greedy",
         lambda counts: counts.updates > 0,

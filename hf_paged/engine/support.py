@@ -22,7 +22,8 @@ assumptions would compute the packed step wrong without any error, so `refuse_un
 - looped layers (`n_recurrent_loops`: each loop writes cache layers beyond the model's, which the pool lacks);
 - hybrid models (linear-attention, mamba or conv layers): each request has a recurrent or conv state the pool does
   not hold and a packed row cannot carry (the per-request step keeps it per request: `per_request.RequestStates`).
-- indexed attention (DeepSeek Sparse Attention: indexer keys beside the K/V, which the pool does not hold).
+- indexed attention (DeepSeek Sparse Attention: indexer keys beside the K/V, which the pool does not hold);
+- a model class with a `generate()` of its own (MusicGen): the Engine only takes tokens from the logits.
 
 Two checks run with every step instead, for what the classes do not show: a forward that never stores K/V in the
 step's cache (it ran on a cache of its own), and a write to a cache layer the pool does not hold; both raise
@@ -65,7 +66,7 @@ def choose_step_mode(model) -> tuple[str, str | None]:
         # Neither step holds indexer keys: refused, never run per request. (Recurrent or conv states and MLP-only
         # layers: the per-request step keeps the states per request and maps the layers, see below.)
         config = model.config.get_text_config(decoder=True)
-        state_reason = _indexed_reason(config)
+        state_reason = _indexed_reason(config) or _own_generate_reason(model)
         if state_reason is not None:
             raise UnsupportedModel(getattr(model.config, "model_type", None), state_reason, PATH)
     try:
@@ -260,6 +261,22 @@ def _indexed_reason(config) -> str | None:
         "its indexed-attention layers (DeepSeek Sparse Attention) keep indexer keys beside the K/V, which the Engine's "
         "pool does not hold (generate() with a PagedCache serves it)"
     )
+
+
+def _own_generate_reason(model) -> str | None:
+    """A model class with a `generate()` of its own (MusicGen's codebook delay pattern) generates otherwise than
+    greedy or sampled tokens from its forward's logits, which is all the Engine does."""
+    from transformers import GenerationMixin
+
+    for cls in type(model).__mro__:
+        if "generate" in cls.__dict__:
+            if cls is GenerationMixin or not issubclass(cls, GenerationMixin):
+                return None
+            return (
+                f"its class has a generate() of its own ({cls.__name__}.generate), which the Engine does not run: it "
+                "takes each next token from the forward's logits"
+            )
+    return None
 
 
 def _window_reason(model, config) -> str | None:
