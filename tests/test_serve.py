@@ -411,8 +411,9 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
 @pytest.mark.parametrize(
     "path, fields, param",
     [
-        ("/v1/chat/completions", {"n": 3}, "n"),
+        ("/v1/chat/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"n": 0}, "n"),
+        ("/v1/responses", {"n": 2}, "n"),
         ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
@@ -425,16 +426,84 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 2}, "logprobs"),
-        ("/v1/completions", {"n": 2}, "n"),
+        ("/v1/completions", {"n": 1.5}, "n"),
     ],
 )
 def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):
     """Each would change the output as OpenAI's reference says; the server does not (or the value is out of range),
     so it answers 400 naming it (never 200 with the field dropped)."""
-    body = (CHAT_BODY if "chat" in path else {"prompt": "hello there", "max_tokens": 3}) | fields
+    if "responses" in path:
+        body = {"input": "hello there", "max_output_tokens": 3} | fields
+    else:
+        body = (CHAT_BODY if "chat" in path else {"prompt": "hello there", "max_tokens": 3}) | fields
     status, error = post_json(server, path, body)
     assert status == 400, error
     assert error["error"]["param"] == param and error["error"]["type"] == "invalid_request_error"
+
+
+def test_n_choices_are_parallel_samples_that_hold_the_prompt_once(server, saved):
+    """n=4 on a long prompt: four choices (greedy: four times generate()'s text; seeded sampling: sample i seeded
+    with seed + i, so each choice is what n=1 with that seed gives), usage summed, and the prompt's full blocks held
+    once while they run (the Engine's parallel samples wait for the first one's prompt blocks, then share them)."""
+    prompt = saved[1].decode(saved[1](" ".join(SENTENCES * 8))["input_ids"][: 24 * BLOCK_SIZE + 5])
+    prompt_ids = saved[1](prompt)["input_ids"]
+    full_blocks = len(prompt_ids) // BLOCK_SIZE
+    assert full_blocks >= 20
+    server.wait_idle()
+    peak = {"blocks": 0}
+
+    async def watch(done: asyncio.Event):
+        while not done.is_set():
+            metrics = await asyncio.to_thread(server.metrics)
+            peak["blocks"] = max(peak["blocks"], metrics["hf_paged_kv_blocks_used"])
+            await asyncio.sleep(0.02)
+
+    async def run():
+        done = asyncio.Event()
+        watcher = asyncio.ensure_future(watch(done))
+        async with server.async_client() as client:
+            response = await client.completions.create(
+                model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0, n=4
+            )
+        done.set()
+        await watcher
+        return response
+
+    response = asyncio.run(run())
+    expected = greedy_text(saved, prompt_ids, 12)
+    assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
+    assert all(choice.text == expected and choice.finish_reason == "length" for choice in response.choices)
+    assert response.usage.completion_tokens == 48 and response.usage.prompt_tokens == len(prompt_ids)
+    # the prompt's full blocks once, and each sample's own for its last prompt tokens and 12 new ones (2 at most)
+    assert full_blocks <= peak["blocks"] <= full_blocks + 4 * 2, (peak, full_blocks)
+    # seeded sampling: choice i is the n=1 answer with seed + i
+    body = CHAT_BODY | {"max_tokens": 8, "temperature": 1.0, "seed": 7, "n": 3}
+    status, answer = post_json(server, "/v1/chat/completions", body)
+    assert status == 200 and [c["index"] for c in answer["choices"]] == [0, 1, 2]
+    completion_tokens = 0
+    for index, choice in enumerate(answer["choices"]):
+        status, alone = post_json(server, "/v1/chat/completions", body | {"n": 1, "seed": 7 + index})
+        assert choice["message"]["content"] == alone["choices"][0]["message"]["content"]
+        completion_tokens += alone["usage"]["completion_tokens"]
+    assert answer["usage"]["completion_tokens"] == completion_tokens
+    assert len({choice["message"]["content"] for choice in answer["choices"]}) > 1  # three seeds, not one
+    assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+
+
+def test_n_choices_stream_interleaved_with_their_index(server, saved):
+    messages = [{"role": "user", "content": "hello there"}]
+    stream = server.client.chat.completions.create(
+        model=server.model_dir, messages=messages, max_tokens=6, temperature=0, n=3, stream=True
+    )
+    texts, reasons, usage = {}, {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            reasons[choice.index] = choice.finish_reason or reasons.get(choice.index)
+        usage = chunk.usage or usage
+    expected = greedy_text(saved, chat_ids(saved, messages), 6)
+    assert texts == {0: expected, 1: expected, 2: expected} and reasons == {0: "length", 1: "length", 2: "length"}
+    assert usage.completion_tokens == 18 and usage.total_tokens == usage.prompt_tokens + 18
 
 
 def test_fields_at_their_openai_defaults_are_accepted(server):

@@ -5,7 +5,7 @@ most), apply others to a `GenerationConfig` the Engine does not read (`frequency
 `logit_bias` as `sequence_bias`), and fail with a 500 and a traceback on bodies they cannot read (no `messages`, a
 message without `role`). A client is never told. So one check runs before each handler (`check_body`): the body's
 shape for its endpoint, then every field that changes the output and that the Engine does not apply, which is
-refused unless it holds its OpenAI default (the value that changes nothing: `n=1`, `presence_penalty=0`, ...).
+refused unless it holds its OpenAI default (the value that changes nothing: `best_of=1`, `echo=false`, ...).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ CHAT, COMPLETIONS, RESPONSES = "chat.completions", "completions", "responses"
 
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
 UNAPPLIED_FIELDS = {
-    "n": ((1,), "several choices per request"),
     "best_of": ((1,), "the best of several completions"),
     "logprobs": ((False, 0), "log probabilities"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
@@ -82,7 +81,9 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_prompt(body)
     elif endpoint == RESPONSES:
         _check_input(body)
-    for name, (neutral, asks_for) in UNAPPLIED_FIELDS.items():
+    # Chat and completions serve `n` choices (handlers.py); the Responses API has no such field.
+    unapplied = {**UNAPPLIED_FIELDS, "n": ((1,), "several choices per request")} if endpoint == RESPONSES else None
+    for name, (neutral, asks_for) in (unapplied or UNAPPLIED_FIELDS).items():
         value = body.get(name)
         if value is None or _is_neutral(value, neutral):
             continue

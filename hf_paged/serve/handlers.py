@@ -6,20 +6,26 @@ read or a field the Engine would not apply (`fields.check_body`), and also accep
 extensions, which load generators such as guidellm send); its generation config carries the request's options
 (`options.RequestOptions`), checked first so a bad value is an HTTP 400 naming it; a streamed chat or completion ends
 with `data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request alone instead of torch's global
-generator.
+generator. `n` > 1 (chat and completions) runs the request's `n` samples as Engine requests of their own, which
+share the prompt's blocks, and answers with one choice per sample (streamed: their chunks interleaved, each with its
+choice index).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
 import json
 
+from starlette.responses import JSONResponse, StreamingResponse
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
 from ..errors import ModelNotFound
 from .fields import CHAT, COMPLETIONS, RESPONSES, check_body
-from .options import EXTENSION_FIELDS, apply_options, read_options
+from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
 
 DONE = "data: [DONE]\n\n"
 
@@ -66,19 +72,123 @@ class RequestOptionsMixin:
         return generation_config
 
 
+class ChoicesMixin:
+    """`n` > 1 for chat and completions (put before the transformers handler in the bases): the request's `n`
+    samples, each an Engine request of its own (the Engine shares the prompt's blocks among them: parallel samples
+    wait for the blocks the first one computes, then reuse them), merged into one answer whose choice i is sample i,
+    seeded with seed + i."""
+
+    async def _non_streaming(
+        self, request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs
+    ):
+        samples = _samples(gen_config)
+        run = super()._non_streaming
+        if len(samples) == 1:
+            return await run(request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs)
+        responses = await asyncio.gather(
+            *(
+                run(request_id, model, processor, model_id, inputs, config, gen_manager, *args, **kwargs)
+                for config in samples
+            )
+        )
+        bodies = [json.loads(response.body) for response in responses]
+        merged = bodies[0]
+        merged["choices"] = [{**body["choices"][0], "index": index} for index, body in enumerate(bodies)]
+        if merged.get("usage"):
+            completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
+            merged["usage"] = {
+                **merged["usage"],
+                "completion_tokens": completion_tokens,
+                "total_tokens": merged["usage"]["prompt_tokens"] + completion_tokens,
+            }
+        return JSONResponse(merged, media_type="application/json")
+
+    def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs):
+        samples = _samples(gen_config)
+        run = super()._streaming
+        if len(samples) == 1:
+            return run(request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs)
+        streams = [
+            run(request_id, model, processor, model_id, inputs, config, gen_manager, *args, **kwargs).body_iterator
+            for config in samples
+        ]
+        return StreamingResponse(_merged_streams(streams), media_type="text/event-stream")
+
+
+def _samples(gen_config) -> list:
+    """One generation config per choice of the request: itself for n = 1, else copies whose options carry n = 1 and
+    the seed of their sample."""
+    options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
+    if options is None or options.n == 1:
+        return [gen_config]
+    samples = []
+    for index in range(options.n):
+        config = copy.deepcopy(gen_config)
+        seed = None if options.seed is None else options.seed + index
+        setattr(config, OPTIONS_ATTRIBUTE, dataclasses.replace(options, n=1, seed=seed))
+        samples.append(config)
+    return samples
+
+
+async def _merged_streams(streams: list):
+    """The SSE chunks of several one-choice streams as one stream: each chunk's choice gets its stream's index, and
+    the usage the streams end with comes once, summed, in a last chunk with no choices (as OpenAI's `n` streams
+    end). A client that goes away closes every stream (each aborts its Engine request)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    usage: dict = {}
+
+    async def pump(index: int, stream) -> None:
+        try:
+            async for chunk in stream:
+                queue.put_nowait((index, chunk))
+        finally:
+            queue.put_nowait((index, None))
+
+    tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+    try:
+        last = None
+        remaining = len(streams)
+        while remaining:
+            index, chunk = await queue.get()
+            if chunk is None:
+                remaining -= 1
+                continue
+            for event in chunk.split("\n\n"):
+                if not event.startswith("data: "):
+                    continue
+                data = json.loads(event.removeprefix("data: "))
+                if not isinstance(data, dict) or "choices" not in data:  # an error event: as it came
+                    yield event + "\n\n"
+                    continue
+                for choice in data["choices"]:
+                    choice["index"] = index
+                for key, value in (data.pop("usage", None) or {}).items():
+                    usage[key] = usage.get(key, 0) + value if key != "prompt_tokens" else value
+                last = data
+                yield f"data: {json.dumps(data)}\n\n"
+        if usage and last is not None:
+            usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
+            yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
+    finally:
+        for task in tasks:
+            task.cancel()
+        for stream in streams:
+            await stream.aclose()
+
+
 async def _ending_with_done(chunks):
     async for chunk in chunks:
         yield chunk
     yield DONE
 
 
-class PagedChatCompletionHandler(RequestOptionsMixin, ChatCompletionHandler):
+class PagedChatCompletionHandler(RequestOptionsMixin, ChoicesMixin, ChatCompletionHandler):
     """`/v1/chat/completions`."""
 
     endpoint = CHAT
 
 
-class PagedCompletionHandler(RequestOptionsMixin, CompletionHandler):
+class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, CompletionHandler):
     """`/v1/completions`."""
 
     endpoint = COMPLETIONS

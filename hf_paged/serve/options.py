@@ -22,9 +22,13 @@ MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 OPTIONS_ATTRIBUTE = "hf_paged_options"
 
 
+MAX_CHOICES = 128  # OpenAI's limit on `n`
+
+
 @dataclass(frozen=True)
 class RequestOptions:
     seed: int | None = None
+    n: int = 1  # choices: parallel samples of the prompt, each an Engine request (sample i seeded with seed + i)
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -69,10 +73,15 @@ def read_options(body: dict) -> RequestOptions:
     top_k = _int(body, "top_k")
     if top_k is not None and top_k < -1:
         raise InvalidRequest(f"top_k must be >= -1 (-1 and 0 keep every token), got {top_k}", "top_k")
+    n = _int(body, "n")
+    if n is not None and not 1 <= n <= MAX_CHOICES:
+        raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
+    n = n or 1
     seed = _int(body, "seed")
     if seed is not None:
         try:
             check_seed(seed)
+            check_seed(seed + n - 1)  # sample i is seeded with seed + i
         except ValueError as error:
             raise InvalidRequest(str(error), "seed") from None
     for name in MAX_TOKENS_FIELDS:
@@ -116,6 +125,7 @@ def read_options(body: dict) -> RequestOptions:
         raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
     return RequestOptions(
         seed=seed,
+        n=n,
         ignore_eos=ignore_eos,
         max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS)
         or generation.get("max_new_tokens") is not None,
