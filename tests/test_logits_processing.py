@@ -90,3 +90,35 @@ def test_a_frequency_penalty_changes_greedy_output_and_repeats_less():
 def test_bad_values_are_refused_by_name(options, words):
     with pytest.raises(ValueError, match=__import__("re").escape(words)):
         SamplingParams(**options)
+
+
+@pytest.mark.parametrize("engine_options", [dict(), dict(logit_bias={7: 5.0}), dict(temperature=0.8, seed=3)])
+def test_logprobs_are_the_log_softmax_of_the_logits_each_token_is_chosen_from(engine_options):
+    """Request.logprobs: per generated token, its log probability and the top k (token id, log probability), from
+    the logits after penalties and bias, before temperature: against generate()'s own logits (output_logits) with
+    the same bias, fed the tokens the Engine chose."""
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=3)
+    request_ids = [engine.add_request(p, max_new_tokens=6, logprobs=3, **engine_options) for p in PROMPTS]
+    while engine.has_unfinished():
+        engine.step()
+    finished = {request.request_id: request for request in engine.pop_finished()}
+    model = tiny_model("llama", "sdpa")
+    bias = {(token,): value for token, value in engine_options.get("logit_bias", {}).items()}
+    for request_id, prompt in zip(request_ids, PROMPTS):
+        request = finished[request_id]
+        assert len(request.logprobs) == len(request.output_ids) == 6
+        with torch.inference_mode():  # generate()'s logits at each output position, for the Engine's tokens
+            ids = torch.tensor([prompt + request.output_ids])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        logits = logits.clone()  # a tensor made in inference mode is read-only outside it
+        for token, recorded, row in zip(request.output_ids, request.logprobs, logits):
+            for (biased,), value in bias.items():
+                row[biased] += value
+            expected = torch.log_softmax(row, dim=-1)
+            assert recorded.logprob == pytest.approx(expected[token].item(), abs=1e-4)
+            top = torch.topk(expected, 3)
+            assert [t for t, _ in recorded.top] == top.indices.tolist()
+            assert [lp for _, lp in recorded.top] == pytest.approx(top.values.tolist(), abs=1e-4)
+    assert pool.num_used_blocks == 0
+    with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\]"):
+        SamplingParams(logprobs=21)

@@ -34,7 +34,7 @@ from .lockstep import Lockstep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
 from .runner import DecodeRunner, runner_reason
-from .sampling import SamplingParams, apply_logits_processing, sample
+from .sampling import SamplingParams, apply_logits_processing, sample, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_cache import StepCache
@@ -512,7 +512,7 @@ class Engine:
                 raise lockstep.fail(error) from error
             raise
         events: list[tuple[int, int]] = []
-        for (request, num_tokens), decision in zip(rows, decisions):
+        for row, ((request, num_tokens), decision) in enumerate(zip(rows, decisions)):
             if isinstance(decision, str):
                 request.error = decision
                 continue
@@ -524,6 +524,8 @@ class Engine:
             self.scheduler.cache_full_blocks(request)
             if decision is not None:  # None: a prefill chunk short of the end of its input, nothing sampled
                 events.append(self._append(request, decision))
+                if request.params.logprobs is not None:
+                    request.logprobs.append(token_logprob(results[row][2], decision, request.params.logprobs))
         for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
             self.scheduler.retire(request)
         for request in checkpoint.saved:  # every request the step could have finished
@@ -543,7 +545,7 @@ class Engine:
             return f"request {request.request_id} failed in the model's forward: {result!r}"
         if request.num_pending > num_tokens:
             return None
-        greedy_id, logits = result
+        greedy_id, logits, _ = result
         if request.params.temperature == 0.0:
             return greedy_id
         try:
@@ -624,7 +626,18 @@ class Engine:
                 if request.params.temperature > 0.0 and request.num_pending == num_tokens
             ]
             host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
-        return {index: (greedy_ids[row], host_logits.get(row)) for row, index in enumerate(indices)}
+            # Log probabilities of the rows whose requests record them (Request.logprobs), from the same logits.
+            recording = [
+                row
+                for row, request in enumerate(picking)
+                if request is not None and request.params.logprobs is not None
+            ]
+            host_logprobs = (
+                dict(zip(recording, torch.log_softmax(logits[recording].float(), dim=-1).cpu())) if recording else {}
+            )
+        return {
+            index: (greedy_ids[row], host_logits.get(row), host_logprobs.get(row)) for row, index in enumerate(indices)
+        }
 
     def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns

@@ -36,6 +36,7 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     states: object | None = None  # a hybrid model's recurrent states between per-request forwards (RequestStates)
+    logprobs: list = field(default_factory=list)  # one TokenLogprob per output token, when params.logprobs is set
 
     @property
     def token_ids(self) -> list[int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,9 @@ class SamplingParams:
             or the output is divided by it where positive, multiplied where negative.
         logit_bias (`tuple[tuple[int, float], ...]`): (token id, bias) pairs added to the logits (OpenAI's).
         min_tokens (`int`, defaults to 0): no eos or stop token before this many tokens.
+        logprobs (`int`, *optional*): record each generated token's log probability and the `logprobs` most likely
+            tokens' (0 to 20; None records nothing) in `Request.logprobs`: the log-softmax of the logits the token is
+            chosen from (after penalties and logit bias, before temperature, top-k and top-p), as OpenAI reports.
     """
 
     max_new_tokens: int = 16
@@ -42,6 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    logprobs: int | None = None
 
     def __post_init__(self):
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
@@ -75,6 +80,8 @@ class SamplingParams:
             raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {self.logit_bias!r}")
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def processes_logits(self) -> bool:
@@ -91,6 +98,23 @@ class SamplingParams:
         if token_id in self.stop_token_ids:
             return True
         return not self.ignore_eos and self.eos_token_id is not None and token_id == self.eos_token_id
+
+
+MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
+
+
+class TokenLogprob(NamedTuple):
+    """A generated token's log probability, and the most likely tokens' (token id, log probability), best first."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
+    """The `TokenLogprob` of `token` from one row's host log-probabilities ([vocab] float32), with the top `k`."""
+    top = torch.topk(logprobs, k) if k else None
+    pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return TokenLogprob(float(logprobs[token]), pairs)
 
 
 def apply_logits_processing(logits: torch.Tensor, requests: list) -> torch.Tensor:
