@@ -414,8 +414,11 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/chat/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/responses", {"n": 2}, "n"),
-        ("/v1/chat/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "stream": True}, "logprobs"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"5": 1000}}, "logit_bias"),
         ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
@@ -425,7 +428,7 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/chat/completions", {"generation_config": '{"length_penalty": 2.0}'}, "generation_config.length_penalty"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
-        ("/v1/completions", {"logprobs": 2}, "logprobs"),
+        ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
     ],
 )
@@ -488,6 +491,37 @@ def test_n_choices_are_parallel_samples_that_hold_the_prompt_once(server, saved)
     assert answer["usage"]["completion_tokens"] == completion_tokens
     assert len({choice["message"]["content"] for choice in answer["choices"]}) > 1  # three seeds, not one
     assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+
+
+def test_logprobs_are_the_models_log_probabilities_of_each_generated_token(server, saved):
+    """Greedy, so each token is the most likely one: its log probability is the top alternative's, and equals the
+    log-softmax of the saved model's logits at that position."""
+    _, tokenizer, model = saved
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 5, "temperature": 0, "logprobs": True, "top_logprobs": 3}
+    status, answer = post_json(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    content = answer["choices"][0]["logprobs"]["content"]
+    prompt_ids = chat_ids(saved, messages)
+    generated = tokenizer(answer["choices"][0]["message"]["content"], add_special_tokens=False)["input_ids"]
+    assert len(content) == answer["usage"]["completion_tokens"] == 5
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt_ids + generated[:5]])).logits[0, len(prompt_ids) - 1 :]
+    expected = torch.log_softmax(logits.float(), dim=-1)
+    for position, entry in enumerate(content[: len(generated)]):
+        assert len(entry["top_logprobs"]) == 3
+        assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
+        assert entry["logprob"] == pytest.approx(expected[position].max().item(), abs=1e-3)
+        assert bytes(entry["bytes"]).decode() == entry["token"]
+    status, answer = post_json(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "logprobs": 2})
+    assert status == 200, answer
+    logprobs = answer["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) == 4
+    assert all(
+        len(top) <= 2 and max(top.values()) == pytest.approx(lp)
+        for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"])
+    )
+    assert "".join(logprobs["tokens"]).startswith(answer["choices"][0]["text"][:1])
 
 
 def test_n_choices_stream_interleaved_with_their_index(server, saved):

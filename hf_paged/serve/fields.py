@@ -19,8 +19,6 @@ CHAT, COMPLETIONS, RESPONSES = "chat.completions", "completions", "responses"
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
 UNAPPLIED_FIELDS = {
     "best_of": ((1,), "the best of several completions"),
-    "logprobs": ((False, 0), "log probabilities"),
-    "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
     "echo": ((False,), "the prompt echoed in the completion"),
     "response_format": (({"type": "text"},), "structured output"),
     "tool_choice": (("none", "auto"), "a forced tool call"),
@@ -30,6 +28,10 @@ UNAPPLIED_FIELDS = {
     "modalities": ((["text"],), "output modalities other than text"),
     "previous_response_id": ((), "a stored earlier response"),
     "text": (({"format": {"type": "text"}},), "structured output"),
+}
+RESPONSES_UNAPPLIED = {
+    "n": ((1,), "several choices per request"),
+    "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
 }
 # generation_config (transformers' extension, a JSON object) keys the Engine applies; any other that differs from
 # its default changes the output and is refused.
@@ -81,8 +83,8 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_prompt(body)
     elif endpoint == RESPONSES:
         _check_input(body)
-    # Chat and completions serve `n` choices (handlers.py); the Responses API has no such field.
-    unapplied = {**UNAPPLIED_FIELDS, "n": ((1,), "several choices per request")} if endpoint == RESPONSES else None
+    # Chat and completions serve `n` choices and log probabilities (handlers.py); the Responses API refuses them.
+    unapplied = {**UNAPPLIED_FIELDS, **RESPONSES_UNAPPLIED} if endpoint == RESPONSES else None
     for name, (neutral, asks_for) in (unapplied or UNAPPLIED_FIELDS).items():
         value = body.get(name)
         if value is None or _is_neutral(value, neutral):

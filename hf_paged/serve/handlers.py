@@ -8,7 +8,8 @@ extensions, which load generators such as guidellm send); its generation config 
 with `data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request alone instead of torch's global
 generator. `n` > 1 (chat and completions) runs the request's `n` samples as Engine requests of their own, which
 share the prompt's blocks, and answers with one choice per sample (streamed: their chunks interleaved, each with its
-choice index).
+choice index). `logprobs` (chat: `logprobs` / `top_logprobs`; completions: `logprobs`) adds each generated token's
+log probability and the top alternatives, as the Engine records them, to each choice (not with `stream`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import itertools
 import json
 
 from starlette.responses import JSONResponse, StreamingResponse
@@ -60,7 +62,7 @@ class RequestOptionsMixin:
         super()._validate_request({key: value for key, value in body.items() if key not in EXTENSION_FIELDS})
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
-        options = read_options(body)
+        options = read_options(body, chat=self.endpoint != COMPLETIONS)
         # Without "seed": the handler would reseed torch's global generator, which every unseeded request shares.
         handler_body = {key: value for key, value in body.items() if key != "seed"}
         if isinstance(handler_body.get("generation_config"), dict):  # the handler reads it as JSON text
@@ -82,16 +84,23 @@ class ChoicesMixin:
         self, request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs
     ):
         samples = _samples(gen_config)
+        options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
+        top = None if options is None else options.logprobs
         run = super()._non_streaming
-        if len(samples) == 1:
+        if len(samples) == 1 and top is None:
             return await run(request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs)
-        responses = await asyncio.gather(
-            *(
-                run(request_id, model, processor, model_id, inputs, config, gen_manager, *args, **kwargs)
-                for config in samples
-            )
-        )
-        bodies = [json.loads(response.body) for response in responses]
+
+        async def one(config) -> dict:
+            recorder = _Recorder(gen_manager)
+            response = await run(request_id, model, processor, model_id, inputs, config, recorder, *args, **kwargs)
+            body = json.loads(response.body)
+            if top is not None:  # the log probabilities of the tokens it generated (GeneratedIds)
+                tokenizer = getattr(processor, "tokenizer", processor)
+                describe = _chat_logprobs if self.endpoint == CHAT else _completion_logprobs
+                body["choices"][0]["logprobs"] = describe(tokenizer, recorder.generated)
+            return body
+
+        bodies = await asyncio.gather(*(one(config) for config in samples))
         merged = bodies[0]
         merged["choices"] = [{**body["choices"][0], "index": index} for index, body in enumerate(bodies)]
         if merged.get("usage"):
@@ -113,6 +122,53 @@ class ChoicesMixin:
             for config in samples
         ]
         return StreamingResponse(_merged_streams(streams), media_type="text/event-stream")
+
+
+class _Recorder:
+    """The generation manager as a handler sees it, keeping the generated ids (with their log probabilities) of the
+    request it runs."""
+
+    def __init__(self, manager):
+        self._manager, self.generated = manager, None
+
+    async def generate_non_streaming(self, *args, **kwargs):
+        text, prompt_length, generated = await self._manager.generate_non_streaming(*args, **kwargs)
+        self.generated = generated
+        return text, prompt_length, generated
+
+    def __getattr__(self, name: str):
+        return getattr(self._manager, name)
+
+
+def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
+    text = tokenizer.decode([token_id])
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _chat_logprobs(tokenizer, generated) -> dict:
+    """OpenAI's chat `logprobs` object: per generated token, its text, log probability, UTF-8 bytes and the top
+    alternatives."""
+    content = [
+        {
+            **_token_entry(tokenizer, token_id, record.logprob),
+            "top_logprobs": [_token_entry(tokenizer, top_id, logprob) for top_id, logprob in record.top],
+        }
+        for token_id, record in zip(generated, generated.logprobs)
+    ]
+    return {"content": content, "refusal": None}
+
+
+def _completion_logprobs(tokenizer, generated) -> dict:
+    """OpenAI's completions `logprobs` object: the generated tokens' texts, log probabilities, top alternatives
+    ({text: log probability}) and character offsets in the completion."""
+    records = generated.logprobs[: len(generated)]
+    tokens = [tokenizer.decode([token_id]) for token_id in generated[: len(records)]]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [record.logprob for record in records],
+        "top_logprobs": [{tokenizer.decode([t]): logprob for t, logprob in record.top} for record in records],
+        "text_offset": list(itertools.accumulate((len(token) for token in tokens), initial=0))[: len(tokens)],
+    }
 
 
 def _samples(gen_config) -> list:

@@ -88,6 +88,15 @@ class EngineMetrics:
     latencies: dict[str, Histogram] = field(default_factory=lambda: {name: Histogram() for name in LATENCIES})
 
 
+class GeneratedIds(list):
+    """A request's generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the
+    request asked for log probabilities (`logprobs`, else empty)."""
+
+    def __init__(self, token_ids, logprobs):
+        super().__init__(token_ids)
+        self.logprobs = list(logprobs)
+
+
 class EngineManager(BaseGenerateManager):
     """Serve transformers' handlers from one Engine on one thread (see the module docstring).
 
@@ -128,7 +137,7 @@ class EngineManager(BaseGenerateManager):
         except asyncio.CancelledError:  # the client went away (see DisconnectGuard)
             stream.cancel()
             raise
-        return text, len(stream.prompt_ids), stream.token_ids
+        return text, len(stream.prompt_ids), GeneratedIds(stream.token_ids, stream.logprobs)
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -266,6 +275,8 @@ class EngineManager(BaseGenerateManager):
             if not (new_tokens or request.finished):
                 continue
             error = request.error if request.finish_reason == "error" else None
+            if request.finished:
+                stream.logprobs = request.logprobs  # before the end is posted: the handler reads it after
             self._post(stream, new_tokens, request.finished, error, False)
             if request.finished:
                 del self._live[request_id]

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass
 
 from ..engine.inputs import check_seed
+from ..engine.sampling import MAX_LOGPROBS
 from ..errors import InvalidRequest
 
 # Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
@@ -29,6 +30,7 @@ MAX_CHOICES = 128  # OpenAI's limit on `n`
 class RequestOptions:
     seed: int | None = None
     n: int = 1  # choices: parallel samples of the prompt, each an Engine request (sample i seeded with seed + i)
+    logprobs: int | None = None  # None: none; k: each token's log probability and the top k (SamplingParams)
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -61,9 +63,37 @@ def _int(body: dict, name: str) -> int | None:
     return value
 
 
-def read_options(body: dict) -> RequestOptions:
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """How many top log probabilities per token the request asks for (None: no log probabilities): chat's
+    `logprobs` (true / false) and `top_logprobs` (0-20), completions' `logprobs` (0-5). Not with `stream`: the
+    streamed chunks carry text, not tokens."""
+    if chat:
+        wanted = body.get("logprobs")
+        if wanted is not None and not isinstance(wanted, bool):
+            raise InvalidRequest(f"logprobs must be true or false, got {wanted!r}", "logprobs")
+        top = _int(body, "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        if top and not wanted:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        count = (top or 0) if wanted else None
+    else:
+        count = _int(body, "logprobs")
+        if count is not None and not 0 <= count <= MAX_COMPLETION_LOGPROBS:
+            raise InvalidRequest(
+                f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {count}", "logprobs"
+            )
+    if count is not None and body.get("stream"):
+        raise InvalidRequest("logprobs are returned without stream only: ask with stream false", "logprobs")
+    return count
+
+
+def read_options(body: dict, chat: bool = True) -> RequestOptions:
     """Check a request body's sampling fields; raise `InvalidRequest` naming the first bad one and its allowed
-    values."""
+    values. `chat`: a chat body (else a completions one), for the fields the two spell differently (logprobs)."""
     temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
@@ -126,6 +156,7 @@ def read_options(body: dict) -> RequestOptions:
     return RequestOptions(
         seed=seed,
         n=n,
+        logprobs=_logprobs(body, chat),
         ignore_eos=ignore_eos,
         max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS)
         or generation.get("max_new_tokens") is not None,
@@ -199,6 +230,7 @@ def engine_sampling(generation_config) -> dict:
         "repetition_penalty": options.repetition_penalty,
         "logit_bias": options.logit_bias,
         "min_tokens": options.min_tokens,
+        "logprobs": options.logprobs,
     }
 
 

@@ -56,6 +56,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result: asyncio.Future = loop.create_future()
         self.token_ids: list[int] = []
+        self.logprobs: list = []  # the request's TokenLogprobs, set when it finishes (when it asked for them)
         self.total_tokens = 0
         # When the server took the request, and (Engine thread only) its queue time and last token's time.
         self.created = time.perf_counter()
