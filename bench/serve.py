@@ -1,7 +1,7 @@
 """The HTTP benchmark: one workload against three OpenAI-compatible servers on localhost, one after another.
 
     python -m bench.serve [--quick] [--concurrency 1 8 16 32] [--max-memory 128MiB] [--level-seconds 150]
-                          [--aiperf PATH]
+                          [--aiperf PATH] [--model DIR]
 
 Servers, each given the same KV budget (`--max-memory`):
 
@@ -10,12 +10,13 @@ Servers, each given the same KV budget (`--max-memory`):
     hf-paged serve                              the Engine behind transformers' handlers, --max-memory
 
 The model is the embedded benchmark model's sizes (`bench.models.DEFAULT_CONFIG`) with random weights and a 512-token
-BPE tokenizer trained here, saved once under `--workdir`. Each server gets the same streaming chat workload from
-aiperf (PyPI; `make bench-serve` installs it): at each concurrency, `requests_per_concurrency x concurrency` requests
-whose prompts share one system prompt, with fixed prompt and output lengths. The table gives output tok/s,
-requests/s, TTFT and ITL p50/p99, each server's ratio to hf-paged serve, and the CPU aiperf itself used (it shares
-the machine with the server). Before the load, one greedy request to each server checks that all three answer with
-the same text.
+BPE tokenizer trained here, saved once under `--workdir`; `--model DIR` benchmarks a checkpoint of one's own instead (a
+directory `from_pretrained` reads, with a tokenizer and a chat template). Each server gets the same streaming chat
+workload from aiperf (PyPI; `make bench-serve` installs it): at each concurrency, `requests_per_concurrency x
+concurrency` requests whose prompts share one system prompt, with fixed prompt and output lengths. The table gives
+output tok/s, requests/s, TTFT and ITL p50/p99, each server's ratio to hf-paged serve, and the CPU aiperf itself used
+(it shares the machine with the server). Before the load, one greedy request to each server checks that all three answer
+with the same text.
 
 A full run writes its table into SERVING_LOG.md (the section between `HTTP_BEGIN` and `HTTP_END`, which `python -m
 bench` keeps when it rewrites the log) and its plot beside it (`serving_plot_http.png`); a quick run writes
@@ -83,6 +84,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--port", type=int, default=0, help="the servers' port (default: a free one)")
     parser.add_argument(
+        "--model", type=Path, default=None, help="a checkpoint directory to serve (default: the embedded model)"
+    )
+    parser.add_argument(
         "--log", default="SERVING_LOG.md", help="the log a full run writes its section into (default: %(default)s)"
     )
     return parser.parse_args(argv)
@@ -118,6 +122,17 @@ def save_model(model_dir: Path) -> Path:
     fast.save_pretrained(model_dir)
     model.save_pretrained(model_dir)
     return model_dir
+
+
+def model_directory(args, workdir: Path) -> Path:
+    """`--model`, checked (a directory with a config and a tokenizer), else the embedded model saved under `workdir`."""
+    if args.model is None:
+        return save_model(workdir / "model")
+    model_dir = Path(args.model)
+    missing = [name for name in ("config.json", "tokenizer_config.json") if not (model_dir / name).is_file()]
+    if missing:
+        raise SystemExit(f"--model {model_dir}: not a checkpoint directory (no {' or '.join(missing)})")
+    return model_dir.resolve()
 
 
 def num_blocks_for(model_dir: Path, max_memory: str) -> int:
@@ -298,7 +313,8 @@ def render(
         "",
         f"- command: `python -m bench.serve{' --quick' if args.quick else ''} --concurrency "
         f"{' '.join(map(str, args.concurrency))} --max-memory {args.max_memory} "
-        f"--level-seconds {args.level_seconds:g}`",
+        f"--level-seconds {args.level_seconds:g}"
+        f"{f' --model {args.model}' if getattr(args, 'model', None) else ''}`",
         f"- machine: `{host()}`",
         f"- date: `{time.strftime('%Y-%m-%d', time.gmtime())}`",
         "",
@@ -361,7 +377,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     workload = Workload(prompt_tokens=64, output_tokens=16, requests_per_concurrency=1) if args.quick else Workload()
     workdir = Path(args.workdir)
-    model_dir = save_model(workdir / "model")
+    model_dir = model_directory(args, workdir)
     num_blocks = num_blocks_for(model_dir, args.max_memory)
     rows, greedy = [], {}
     for name in args.servers:

@@ -62,3 +62,17 @@ def test_the_plot_has_a_line_per_server(tmp_path):
 
     path = plot_http(ROWS + [row("hf-paged", 32, 400.0, 900.0)], tmp_path / "http.png", title="t")
     assert path.exists() and path.stat().st_size > 10_000
+
+
+def test_model_serves_a_checkpoint_of_ones_own(tmp_path):
+    """`--model DIR` instead of the embedded model: a directory with a config and a tokenizer, else one line."""
+    args = serve.parse_args(["--model", str(tmp_path)])
+    with pytest.raises(SystemExit, match="not a checkpoint directory .no config.json or tokenizer_config.json"):
+        serve.model_directory(args, tmp_path / "work")
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    assert serve.model_directory(args, tmp_path / "work") == tmp_path.resolve()
+    assert serve.parse_args([]).model is None
+    args = argparse.Namespace(quick=True, concurrency=[1], max_memory="64MiB", level_seconds=10, model=tmp_path)
+    report = serve.render(ROWS, args, serve.Workload(), 64, {"a": "same"}, None)
+    assert f"--model {tmp_path}`" in report
