@@ -169,7 +169,7 @@ def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
     }
     if not attention_classes:  # no module says it is an attention layer: look at every layer-indexed module
         attention_classes = {type(module) for module in model.modules() if hasattr(module, "layer_idx")}
-    if not any(INTERFACE_NAME in _class_source(cls) for cls in attention_classes):
+    if not any(INTERFACE_NAME in class_source(cls) for cls in attention_classes):
         which = ", ".join(sorted(cls.__name__ for cls in attention_classes)) or "no module with a layer_idx"
         raise UnsupportedModel(
             model_type,
@@ -178,7 +178,7 @@ def refuse_unsupported_attention(model, path: str = "hf_paged.enable") -> None:
             path,
         )
     for name, reason in UNAPPLIED_ATTENTION_KWARGS.items():
-        if any(name in _attention_call_keywords(_class_source(cls)) for cls in attention_classes):
+        if any(name in _attention_call_keywords(class_source(cls)) for cls in attention_classes):
             raise UnsupportedModel(model_type, reason, path)
 
 
@@ -195,7 +195,7 @@ def _attention_call_keywords(source: str) -> set[str]:
 
 
 @functools.cache
-def _class_source(cls: type) -> str:
+def class_source(cls: type) -> str:
     """The source of `cls` and of its bases up to torch's `nn.Module` ("" where it cannot be read)."""
     sources = []
     for klass in cls.__mro__:

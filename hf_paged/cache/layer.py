@@ -40,6 +40,11 @@ class PagedLayer(CacheLayerMixin):
     def activate_past_recording(self) -> None:
         self.record_past = True
 
+    def rebind(self, cache: Cache) -> None:
+        """View `cache` from now on (the Engine's per-request step keeps a hybrid layer, and its states, from one
+        forward's cache to the next)."""
+        self._cache = weakref.proxy(cache)
+
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True

@@ -32,8 +32,6 @@ raises fails alone, without the halving of the packed step).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from transformers.cache_utils import (
     Cache,
@@ -184,7 +182,7 @@ class RequestStates:
                     layers.append(previous)
                     continue
                 if isinstance(previous, PagedHybridLayer):  # its states and a view of this forward's cache
-                    previous._cache = weakref.proxy(cache)
+                    previous.rebind(cache)
                     layer = previous
                 else:
                     layer = PagedLayer(cache, layer_idx, windows[pool_layer])

@@ -50,7 +50,7 @@ import inspect
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from ..attention.interface import _class_source, refuse_unsupported_attention
+from ..attention.interface import class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
 from ..storage import KVLayout, sliding_windows
 from ..storage.hybrid import holds_state, mlp_only_layers
@@ -289,7 +289,7 @@ def _window_reason(model, config) -> str | None:
             continue
         if chunks[layer_idx] is not None:  # chunked attention: the step masks the chunks itself (StepCache)
             continue
-        if "sliding_window" not in _class_source(type(module)):
+        if "sliding_window" not in class_source(type(module)):
             return (
                 f"layer {layer_idx} slides (window {windows[layer_idx]}) but its attention "
                 f"({type(module).__name__}) does not pass sliding_window to the attention function: the window "

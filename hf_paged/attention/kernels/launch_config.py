@@ -41,7 +41,7 @@ class DecodeConfig:
     num_warps: int
     num_stages: int
     dot_precision: str  # "ieee" for fp32 caches (no tf32 rounding), "tf32" (ignored for 16-bit inputs) otherwise
-    dot_upcast: bool  # widen bf16 dot inputs to fp32: only in Triton's CPU interpreter (see triton_decode._dot)
+    dot_upcast: bool  # widen bf16 dot inputs to fp32: only in Triton's CPU interpreter (see triton_decode.fp32_dot)
 
 
 def head_dim_pad(head_dim: int) -> int:

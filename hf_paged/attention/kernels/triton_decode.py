@@ -39,7 +39,7 @@ NO_WINDOW = 1 << 30  # the sliding_window argument without a window: wider than 
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+def fp32_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     """`tl.dot(a, b)` in fp32; UPCAST first widens bf16 inputs, because Triton's CPU interpreter multiplies the raw
     uint16 bits of bf16 operands (GPU builds never set it)."""
     if UPCAST:
@@ -159,7 +159,7 @@ def _paged_decode_kernel(
             other=0.0,
         )
 
-        logits = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_G, BLOCK_N] fp32
+        logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_G, BLOCK_N] fp32
         if USE_SOFTCAP:
             # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x.
             x = logits / softcap
@@ -172,7 +172,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(logits - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     # A split (or a sequence) with no visible key has l_i == 0: emit zeros, and lse = -inf so the merge ignores it.

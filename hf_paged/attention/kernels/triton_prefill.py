@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import launch_config
 from .reference import check_prefill_args
-from .triton_decode import LOG2E, NO_WINDOW, _dot, on_device
+from .triton_decode import LOG2E, NO_WINDOW, fp32_dot, on_device
 
 
 @triton.jit
@@ -170,7 +170,7 @@ def _paged_prefill_kernel(
             other=0.0,
         )
 
-        logits = _dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
+        logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
         if USE_SOFTCAP:
             x = logits / softcap
             e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
@@ -190,7 +190,7 @@ def _paged_prefill_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(logits - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+        acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
         m_i = m_new
 
     if use_sinks:
