@@ -133,3 +133,40 @@ def test_from_pretrained_with_the_registered_name(tmp_path):
     reference = _generate(tiny_model("qwen3", "sdpa"), DynamicCache(), "padded3")
     with PagedCache(config=model.config) as cache:
         assert torch.equal(_generate(model, cache, "padded3"), reference)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])  # full; every layer sliding; mixed
+def test_a_second_turn_reads_the_pool_through_the_paged_prefill_kernel(name, backend, monkeypatch):
+    """A second generate() on the same cache (a chat's next turn): its prompt is several tokens over cached ones, a
+    step the "hf_paged" attention runs through the paged prefill kernel on the Triton backend (the mask checked to
+    be causal after each row's padding, within the window), and through gather + SDPA on torch; both give
+    DynamicCache's tokens, on a left-padded batch."""
+    if backend == "triton":
+        require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
+    calls = []
+    kernel = hf_paged.attention.prefill_plan.paged_prefill_attention
+    monkeypatch.setattr(
+        hf_paged.attention.prefill_plan, "paged_prefill_attention", lambda *a, **k: calls.append(1) or kernel(*a, **k)
+    )
+    input_ids, attention_mask = left_padded_batch(3, 12)
+    follow_up = torch.randint(1, 128, (3, 5), generator=torch.Generator().manual_seed(1))
+
+    def two_turns(model, cache):
+        first = model.generate(
+            input_ids, attention_mask=attention_mask, past_key_values=cache, max_new_tokens=4, do_sample=False
+        )
+        second_ids = torch.cat([first, follow_up], dim=1)
+        second_mask = torch.cat([attention_mask, torch.ones(3, 4 + 5, dtype=attention_mask.dtype)], dim=1)
+        return model.generate(
+            second_ids, attention_mask=second_mask, past_key_values=cache, max_new_tokens=4, do_sample=False
+        )
+
+    sdpa = tiny_model(name, "sdpa")
+    expected = two_turns(sdpa, DynamicCache(config=sdpa.config))
+    model = tiny_model(name, PAGED_ATTENTION)
+    with PagedCache(config=model.config, pool=BlockPool.for_model(model, num_blocks=64, block_size=4)) as cache:
+        assert torch.equal(two_turns(model, cache), expected)
+    # the second turn's prompt step, in every layer
+    assert len(calls) == (model.config.num_hidden_layers if backend == "triton" else 0)

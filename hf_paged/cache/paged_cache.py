@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache
 from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..attention.kernels.dispatch import triton_possible
+from ..attention.prefill_plan import PrefillPlan
 from ..errors import PoolExhausted, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, block_hashes, group_of_layer, group_windows, sliding_windows
 from ..storage.layout import cache_layers, refuse_generate_cache
@@ -449,6 +450,16 @@ class PagedCache(Cache):
             split = self._shared_split(blocks, first, num_tokens)
             if split is not None or self._kernel_possible:
                 return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
+        elif (
+            self._paged_attention
+            and self._kernel_possible
+            and not self._multi_device
+            and not self._latent(pool)
+            and layer_idx not in self._kv_sources
+        ):
+            # Several tokens over cached ones (a prompt chunk, a prompt after a prefix hit): the paged prefill kernel
+            # may read the pool in place (PrefillPlan); it gathers when it cannot.
+            return self._prefill_placeholders(layer_idx, key_states, value_states, first, num_tokens)
         keys, values = self._gather_visible(layer_idx, first, num_tokens)
         if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
             return keys.clone(), values.clone()
@@ -651,6 +662,25 @@ class PagedCache(Cache):
             split_gather=None
             if split is None
             else (lambda: shared_prefix_kv(blocks, layer_idx, first, split, num_tokens)),
+            _kv_starts=step["kv_starts"],
+            _backends=step["backends"],
+        )
+        return plan_placeholders(key_states, value_states, plan)
+
+    def _prefill_placeholders(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+    ):
+        blocks = self._tables.of_layer(layer_idx)
+        step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
+        key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
+        plan = PrefillPlan(
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_tables=step["block_tables"],
+            seq_lens=step["seq_lens"],
+            kv_offset=first,
+            position_offset=step["position_offset"],
+            gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
         )
