@@ -426,6 +426,9 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("/v1/chat/completions", {"generation_config": '{"num_beams": 4}'}, "generation_config.num_beams"),
         ("/v1/chat/completions", {"generation_config": '{"length_penalty": 2.0}'}, "generation_config.length_penalty"),
+        ("/v1/chat/completions", {"generation_config": {"max_length": 100}}, "generation_config.max_length"),
+        ("/v1/chat/completions", {"generation_config": {"min_p": 0.1}}, "generation_config.min_p"),
+        ("/v1/chat/completions", {"generation_config": {"no_such_setting": 1}}, "generation_config.no_such_setting"),
         ("/v1/completions", {"echo": True}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
@@ -541,6 +544,9 @@ def test_n_choices_stream_interleaved_with_their_index(server, saved):
 
 
 def test_fields_at_their_openai_defaults_are_accepted(server):
+    neutral_generation = {"num_beams": 1, "length_penalty": 1.0, "pad_token_id": 0, "output_scores": True}
+    status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | {"generation_config": neutral_generation})
+    assert status == 200, body
     neutral = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
     status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | neutral | {"temperature": 0})
     assert status == 200 and body["usage"]["completion_tokens"] == 3

@@ -10,6 +10,7 @@ refused unless it holds its OpenAI default (the value that changes nothing: `bes
 
 from __future__ import annotations
 
+import functools
 import json
 
 from ..errors import InvalidRequest
@@ -33,8 +34,10 @@ RESPONSES_UNAPPLIED = {
     "n": ((1,), "several choices per request"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
 }
-# generation_config (transformers' extension, a JSON object) keys the Engine applies; any other that differs from
-# its default changes the output and is refused.
+# generation_config (transformers' extension, a JSON object): the keys the Engine applies, and those that change no
+# token (output formats, special ids the server reads from the model). Any other key must be a `GenerationConfig`
+# setting at its default (one that differs would change the output and is refused), and a key `GenerationConfig` does
+# not know is refused too.
 APPLIED_GENERATION_KEYS = {
     "max_new_tokens",
     "temperature",
@@ -45,7 +48,24 @@ APPLIED_GENERATION_KEYS = {
     "seed",
     "repetition_penalty",
     "min_new_tokens",
+    "stop_strings",
 }
+NEUTRAL_GENERATION_KEYS = {
+    "pad_token_id",
+    "bos_token_id",
+    "decoder_start_token_id",
+    "use_cache",
+    "cache_implementation",
+    "output_scores",
+    "output_logits",
+    "output_attentions",
+    "output_hidden_states",
+    "return_dict_in_generate",
+    "transformers_version",
+    "_from_model_config",
+}
+
+# The value of each setting that changes nothing, where GenerationConfig() leaves it unset (None) and fills it later.
 GENERATION_DEFAULTS = {
     "num_beams": 1,
     "num_beam_groups": 1,
@@ -69,6 +89,16 @@ GENERATION_DEFAULTS = {
     "forced_bos_token_id": None,
     "forced_eos_token_id": None,
 }
+
+
+@functools.cache
+def generation_defaults() -> dict:
+    """`GenerationConfig()`'s settings: what each key of a request's generation_config may hold unless applied."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig().to_dict()
+
+
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -153,12 +183,22 @@ def _check_generation_config(value) -> None:
             raise InvalidRequest(f"generation_config must be a JSON object: {error}", "generation_config") from None
     if not isinstance(value, dict):
         raise InvalidRequest(f"generation_config must be a JSON object, got {_short(value)}", "generation_config")
+    defaults = generation_defaults()
     for key, setting in value.items():
-        if key in APPLIED_GENERATION_KEYS or key not in GENERATION_DEFAULTS or setting == GENERATION_DEFAULTS[key]:
+        if key in APPLIED_GENERATION_KEYS or key in NEUTRAL_GENERATION_KEYS:
+            continue
+        if key not in defaults:
+            raise InvalidRequest(
+                f"generation_config.{key} is not a generation setting (transformers' GenerationConfig has no such "
+                "field)",
+                f"generation_config.{key}",
+            )
+        neutral = [defaults[key], *([GENERATION_DEFAULTS[key]] if key in GENERATION_DEFAULTS else [])]
+        if setting in neutral:
             continue
         raise InvalidRequest(
-            f"generation_config.{key}={json.dumps(setting)} is not applied by hf-paged serve; allowed: "
-            f"{json.dumps(GENERATION_DEFAULTS[key])}",
+            f"generation_config.{key}={_short(setting)} is not applied by hf-paged serve; allowed: "
+            f"{' or '.join(dict.fromkeys(map(json.dumps, neutral)))}",
             f"generation_config.{key}",
         )
 
