@@ -756,6 +756,22 @@ def test_disconnect_frees_its_blocks(server):
     assert after["hf_paged_generation_tokens_total"] - before["hf_paged_generation_tokens_total"] < 2000
 
 
+def test_a_client_leaving_an_n_choices_request_aborts_every_sample(server):
+    before = server.wait_idle()
+    stream = server.client.completions.create(
+        model=server.model_dir, prompt="a paged cache keeps the keys", max_tokens=1000, temperature=0, n=3, stream=True
+    )
+    for _, _chunk in zip(range(6), stream):
+        pass
+    assert server.metrics()["hf_paged_kv_blocks_used"] > 0
+    stream.close()
+    after = server.wait_idle()
+    assert after["hf_paged_requests_running"] == after["hf_paged_kv_blocks_used"] == 0
+    assert after["hf_paged_requests_aborted_total"] == before["hf_paged_requests_aborted_total"] + 3
+    status, _ = post_json(server, "/v1/completions", {"prompt": "hello", "max_tokens": 2, "n": 2})  # still serving
+    assert status == 200
+
+
 def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server):
     """Without max_tokens a request may run to the pool's and the model's limits (about 1,000 tokens here), but
     admission reserves only --decode-reserve-tokens (256) of growth for it: three such streams run together in a pool

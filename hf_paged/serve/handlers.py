@@ -219,15 +219,19 @@ async def _merged_streams(streams: list):
                 for choice in data["choices"]:
                     choice["index"] = index
                 for key, value in (data.pop("usage", None) or {}).items():
-                    usage[key] = usage.get(key, 0) + value if key != "prompt_tokens" else value
+                    if isinstance(value, int):  # token counts; the prompt is the same for every sample
+                        usage[key] = value if key == "prompt_tokens" else usage.get(key, 0) + value
                 last = data
                 yield f"data: {json.dumps(data)}\n\n"
         if usage and last is not None:
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)
             yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
     finally:
+        # A client gone, or the end: a stream still running is cancelled where it waits (its handler then cancels
+        # its Engine request), and each is closed once no task runs it.
         for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
 
