@@ -414,7 +414,6 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/chat/completions", {"n": 129}, "n"),
         ("/v1/chat/completions", {"n": 0}, "n"),
         ("/v1/responses", {"n": 2}, "n"),
-        ("/v1/chat/completions", {"logprobs": True, "stream": True}, "logprobs"),
         ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -525,6 +524,36 @@ def test_logprobs_are_the_models_log_probabilities_of_each_generated_token(serve
         for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"])
     )
     assert "".join(logprobs["tokens"]).startswith(answer["choices"][0]["text"][:1])
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
+    """Each chunk carries the log probabilities of the tokens whose text it brings: over the stream, every generated
+    token's once, equal to the non-streamed answer's (greedy)."""
+    chat = "chat" in path
+    body = {"max_tokens": 7, "temperature": 0} | (
+        {"messages": [{"role": "user", "content": "hello there"}], "logprobs": True, "top_logprobs": 2}
+        if chat
+        else {"prompt": "a paged cache", "logprobs": 2}
+    )
+    status, answer = post_json(server, path, body)
+    assert status == 200, answer
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", path, json.dumps(body | {"stream": True}), JSON_HEADERS)
+    events = connection.getresponse().read().decode().split("\n\n")
+    connection.close()
+    streamed = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    pieces = [c["choices"][0]["logprobs"] for c in streamed if c["choices"] and c["choices"][0].get("logprobs")]
+    expected = answer["choices"][0]["logprobs"]
+    if chat:
+        got = [entry for piece in pieces for entry in piece["content"]]
+        assert [e["logprob"] for e in got] == pytest.approx([e["logprob"] for e in expected["content"]], abs=1e-5)
+        assert [e["token"] for e in got] == [e["token"] for e in expected["content"]]
+        assert [len(e["top_logprobs"]) for e in got] == [2] * answer["usage"]["completion_tokens"]
+    else:
+        got = [lp for piece in pieces for lp in piece["token_logprobs"]]
+        assert got == pytest.approx(expected["token_logprobs"], abs=1e-5)
+        assert [t for piece in pieces for t in piece["tokens"]] == expected["tokens"]
 
 
 def test_n_choices_stream_interleaved_with_their_index(server, saved):

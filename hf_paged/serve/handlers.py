@@ -9,7 +9,8 @@ with `data: [DONE]`, as OpenAI's does. The request's `seed` seeds that request a
 generator. `n` > 1 (chat and completions) runs the request's `n` samples as Engine requests of their own, which
 share the prompt's blocks, and answers with one choice per sample (streamed: their chunks interleaved, each with its
 choice index). `logprobs` (chat: `logprobs` / `top_logprobs`; completions: `logprobs`) adds each generated token's
-log probability and the top alternatives, as the Engine records them, to each choice (not with `stream`).
+log probability and the top alternatives, as the Engine records them, to each choice (streamed: each chunk carries
+those of the tokens whose text it brings).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from transformers.cli.serving.response import ResponseHandler
 from ..errors import ModelNotFound
 from .fields import CHAT, COMPLETIONS, RESPONSES, check_body
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
+from .stream import LoggedText
 
 DONE = "data: [DONE]\n\n"
 
@@ -111,6 +113,18 @@ class ChoicesMixin:
                 "total_tokens": merged["usage"]["prompt_tokens"] + completion_tokens,
             }
         return JSONResponse(merged, media_type="application/json")
+
+    def _build_chunk_sse(self, *args, **kwargs) -> str:
+        """transformers' chunk, with the log probabilities its piece of text carries (a `LoggedText`: a request that
+        asked for them) in its choice's `logprobs`."""
+        sse = super()._build_chunk_sse(*args, **kwargs)
+        piece = kwargs.get("content", kwargs.get("text"))
+        if not isinstance(piece, LoggedText):
+            return sse
+        data = json.loads(sse.removeprefix("data: "))
+        describe = _chat_logprobs if self.endpoint == CHAT else _completion_logprobs
+        data["choices"][0]["logprobs"] = describe(piece.tokenizer, piece.generated)
+        return f"data: {json.dumps(data)}\n\n"
 
     def _streaming(self, request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs):
         samples = _samples(gen_config)

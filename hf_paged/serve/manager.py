@@ -29,7 +29,7 @@ from ..engine import Engine, SamplingParams
 from ..errors import InvalidRequest
 from .limits import RequestLimits
 from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_strings
-from .stream import RequestStream
+from .stream import GeneratedIds, RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -86,15 +86,6 @@ class EngineMetrics:
     num_preemptions: int = 0  # running requests sent back to the queue to free blocks
     # Latency histograms (`LATENCIES`), seconds from the moment the server took the request.
     latencies: dict[str, Histogram] = field(default_factory=lambda: {name: Histogram() for name in LATENCIES})
-
-
-class GeneratedIds(list):
-    """A request's generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the
-    request asked for log probabilities (`logprobs`, else empty)."""
-
-    def __init__(self, token_ids, logprobs):
-        super().__init__(token_ids)
-        self.logprobs = list(logprobs)
 
 
 class EngineManager(BaseGenerateManager):
@@ -268,7 +259,12 @@ class EngineManager(BaseGenerateManager):
         now = time.perf_counter()
         for request_id, stream in list(self._live.items()):
             request = finished.get(request_id) or self.engine.request(request_id)
-            new_tokens = request.output_ids[stream.num_sent :]
+            start = stream.num_sent
+            new_tokens = request.output_ids[start:]
+            # their TokenLogprobs, when the request records them (Request.logprobs grows with output_ids)
+            logprobs = (
+                request.logprobs[start : start + len(new_tokens)] if request.params.logprobs is not None else None
+            )
             self._observe(stream, request, len(new_tokens), now)
             stream.num_sent += len(new_tokens)
             self._counts["generation_tokens"] += len(new_tokens)
@@ -277,7 +273,7 @@ class EngineManager(BaseGenerateManager):
             error = request.error if request.finish_reason == "error" else None
             if request.finished:
                 stream.logprobs = request.logprobs  # before the end is posted: the handler reads it after
-            self._post(stream, new_tokens, request.finished, error, False)
+            self._post(stream, new_tokens, request.finished, error, False, logprobs)
             if request.finished:
                 del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
@@ -298,9 +294,17 @@ class EngineManager(BaseGenerateManager):
         if request.finished and request.finish_reason != "error":
             latencies["e2e_request_latency"].observe(now - stream.created)
 
-    def _post(self, stream: RequestStream, tokens: list[int], finished: bool, error: str | None, invalid: bool):
+    def _post(
+        self,
+        stream: RequestStream,
+        tokens: list[int],
+        finished: bool,
+        error: str | None,
+        invalid: bool,
+        logprobs: list | None = None,
+    ):
         try:
-            stream.result.get_loop().call_soon_threadsafe(stream.deliver, tokens, finished, error, invalid)
+            stream.result.get_loop().call_soon_threadsafe(stream.deliver, tokens, finished, error, invalid, logprobs)
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass
 

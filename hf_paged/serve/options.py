@@ -68,8 +68,7 @@ MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
 
 def _logprobs(body: dict, chat: bool) -> int | None:
     """How many top log probabilities per token the request asks for (None: no log probabilities): chat's
-    `logprobs` (true / false) and `top_logprobs` (0-20), completions' `logprobs` (0-5). Not with `stream`: the
-    streamed chunks carry text, not tokens."""
+    `logprobs` (true / false) and `top_logprobs` (0-20), completions' `logprobs` (0-5)."""
     if chat:
         wanted = body.get("logprobs")
         if wanted is not None and not isinstance(wanted, bool):
@@ -86,8 +85,6 @@ def _logprobs(body: dict, chat: bool) -> int | None:
             raise InvalidRequest(
                 f"logprobs must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {count}", "logprobs"
             )
-    if count is not None and body.get("stream"):
-        raise InvalidRequest("logprobs are returned without stream only: ask with stream false", "logprobs")
     return count
 
 

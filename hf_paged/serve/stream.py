@@ -22,6 +22,25 @@ from transformers.cli.serving.utils import _StreamError, response_events_to_chun
 from ..errors import InvalidRequest
 
 
+class GeneratedIds(list):
+    """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
+    for log probabilities (`logprobs`, else empty)."""
+
+    def __init__(self, token_ids, logprobs=()):
+        super().__init__(token_ids)
+        self.logprobs = list(logprobs)
+
+
+class LoggedText(str):
+    """A streamed piece of text carrying the log probabilities of the tokens it brings (`generated`, a
+    `GeneratedIds`), and the tokenizer that spells them; the handler adds them to the piece's chunk."""
+
+    def __new__(cls, text: str, generated: GeneratedIds, tokenizer):
+        piece = super().__new__(cls, text)
+        piece.generated, piece.tokenizer = generated, tokenizer
+        return piece
+
+
 class RequestStream:
     """Args:
     loop: the event loop of the handler awaiting this request.
@@ -72,6 +91,7 @@ class RequestStream:
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
         self._pending = ""  # decoded text not sent yet
+        self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
         self._on_cancel = on_cancel
@@ -86,10 +106,22 @@ class RequestStream:
             self.result.cancel()
             self._on_cancel(self)
 
-    def deliver(self, token_ids: list[int], finished: bool, error: str | None = None, invalid: bool = False) -> None:
-        """New tokens of the request, whether it has finished, and why it failed (`invalid`: it could never run)."""
+    def deliver(
+        self,
+        token_ids: list[int],
+        finished: bool,
+        error: str | None = None,
+        invalid: bool = False,
+        logprobs: list | None = None,
+    ) -> None:
+        """New tokens of the request, whether it has finished, and why it failed (`invalid`: it could never run);
+        `logprobs`: their TokenLogprobs, when the request records them (a stream sends each with the first piece
+        of text emitted at or after its token)."""
         if self._closed:
             return
+        if logprobs is not None and self.streaming:
+            self._unsent_logprobs[0].extend(token_ids[: len(logprobs)])
+            self._unsent_logprobs[1].extend(logprobs)
         for token_id in token_ids:
             self.token_ids.append(token_id)
             self.total_tokens += 1
@@ -125,7 +157,7 @@ class RequestStream:
         if not text:
             return
         if self._parser is None:
-            self.queue.put_nowait(text)
+            self.queue.put_nowait(self._logged(text))
             self._sent += text
         else:
             for item in response_events_to_chunks(self._parser.feed(text)):
@@ -151,6 +183,8 @@ class RequestStream:
                 self._pending = text[len(self._sent) :]
         self._emit(self._pending)
         self._pending = ""
+        if self._unsent_logprobs[0] and self._parser is None:  # tokens whose text was empty: a chunk of their own
+            self.queue.put_nowait(self._logged(""))
         if self._parser is not None:
             try:
                 _message, events = self._parser.finalize()
@@ -158,7 +192,17 @@ class RequestStream:
                 events = []
             for item in response_events_to_chunks(events):
                 self.queue.put_nowait(item)
+            if self._unsent_logprobs[0]:  # a parsed stream's pieces are not its tokens': all of them at the end
+                self.queue.put_nowait(self._logged(""))
         self.queue.put_nowait(None)
+
+    def _logged(self, text: str) -> str:
+        """`text`, carrying the log probabilities of the tokens not sent yet (`LoggedText`) when there are some."""
+        token_ids, logprobs = self._unsent_logprobs
+        if not token_ids:
+            return text
+        self._unsent_logprobs = ([], [])
+        return LoggedText(text, GeneratedIds(token_ids, logprobs), self._tokenizer)
 
     def _fail(self, error: str, invalid: bool) -> None:
         self._closed = True
