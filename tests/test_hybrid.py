@@ -267,25 +267,36 @@ def test_engine_serves_hybrids_one_forward_per_request():
     assert engine.stats.num_preemptions > 0 and pool.num_used_blocks == 0
 
 
-def test_a_hybrid_request_whose_forward_failed_part_way_does_not_continue():
-    """Its states may have advanced in the layers before the failure: the request fails alone with a clear error
-    rather than continue from them, and the request beside it gives generate()'s tokens."""
+@pytest.mark.parametrize("loss", ["lost", "undone"])
+def test_a_hybrid_request_whose_states_do_not_match_its_cache_is_computed_again(loss):
+    """States lost to a forward that failed part-way (`None`), or that saw other tokens than the cache holds (a step
+    undone after they advanced): the request's next forward computes it again from its first token over its own
+    blocks, and it gives generate()'s tokens, as does the request beside it."""
     model = tiny("qwen3_next")
     pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
     engine = Engine(model, pool, max_num_seqs=2, max_num_batched_tokens=8)
     prompts = [zoo.inputs(batch=1, length=n)["input_ids"][0].tolist() for n in (10, 6)]
-    broken = engine.add_request(prompts[0], max_new_tokens=3)
+    first = engine.add_request(prompts[0], max_new_tokens=3)
     engine.step()  # the first prompt's first chunk: its states made
-    request = engine.request(broken)
-    assert request.states is not None and 0 < request.num_computed < 10
-    request.states = None  # what a forward that raised part-way leaves
+    request = engine.request(first)
+    assert request.states is not None and request.states.num_tokens == request.num_computed > 0
+    if loss == "lost":
+        request.states = None  # what a forward that raised part-way leaves
+    else:  # as if they had advanced over 2 more tokens in a step that was then undone
+        for layer in request.states.layers:
+            if isinstance(layer, LinearAttentionLayer):
+                for states in (layer.conv_states, layer.recurrent_states):
+                    for index, state in states.items():
+                        if state is not None:
+                            states[index] = state + 1.0
+        request.states.num_tokens += 2
     other = engine.add_request(prompts[1], max_new_tokens=3)
     while engine.has_unfinished():
         engine.step()
     finished = {request.request_id: request for request in engine.pop_finished()}
-    assert finished[broken].finish_reason == "error" and "recurrent states are gone" in finished[broken].error
-    expected = model.generate(torch.tensor([prompts[1]]), max_new_tokens=3, do_sample=False)[0, 6:].tolist()
-    assert finished[other].output_ids == expected and finished[other].states is None
+    for request_id, prompt in ((first, prompts[0]), (other, prompts[1])):
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :]
+        assert finished[request_id].output_ids == expected.tolist() and finished[request_id].states is None
     assert pool.num_used_blocks == 0
 
 

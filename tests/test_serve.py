@@ -526,6 +526,25 @@ def test_logprobs_are_the_models_log_probabilities_of_each_generated_token(serve
     assert "".join(logprobs["tokens"]).startswith(answer["choices"][0]["text"][:1])
 
 
+def test_logprobs_of_an_answer_cut_at_a_stop_string(server):
+    """A stop string ends the answer before the Engine request does: its tokens' log probabilities are still there,
+    one per token of the answer."""
+    status, free = post_json(server, "/v1/completions", {"prompt": "a paged cache", "max_tokens": 8, "logprobs": 1})
+    assert status == 200, free
+    tokens = free["choices"][0]["logprobs"]["tokens"]
+    stop = next((t for t in tokens[2:] if t.strip()), None)
+    if stop is None:
+        pytest.skip("no visible token to stop at")
+    body = {"prompt": "a paged cache", "max_tokens": 8, "logprobs": 1, "stop": stop.strip()}
+    status, cut = post_json(server, "/v1/completions", body)
+    assert status == 200, cut
+    logprobs = cut["choices"][0]["logprobs"]
+    assert 0 < len(logprobs["token_logprobs"]) <= len(tokens)
+    assert logprobs["token_logprobs"] == pytest.approx(
+        free["choices"][0]["logprobs"]["token_logprobs"][: len(logprobs["token_logprobs"])], abs=1e-5
+    )
+
+
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
     """Each chunk carries the log probabilities of the tokens whose text it brings: over the stream, every generated
@@ -807,7 +826,9 @@ def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server)
     of 1,024 tokens, where reserving each one's whole room would run one at a time."""
     before = server.wait_idle()
     streams = [
-        server.client.completions.create(model=server.model_dir, prompt=f"stream {i} of three", stream=True)
+        server.client.completions.create(
+            model=server.model_dir, prompt=f"stream {i} of three", stream=True, extra_body={"ignore_eos": True}
+        )  # ignore_eos: none may end before all three have started
         for i in range(3)
     ]
     for stream in streams:

@@ -137,8 +137,13 @@ class RowCache(Cache):
         attention layer, as in `Cache.get_seq_length`."""
         if layer_idx >= len(self.layers):
             return 0
-        layer = self.layers[layer_idx]
-        return getattr(layer, "cumulative_length", None) or self._paged[0].cumulative_length
+        length = getattr(self.layers[layer_idx], "cumulative_length", None)
+        return length if length is not None else self._paged[0].cumulative_length
+
+    @property
+    def model_type(self) -> str | None:
+        """The model type named by the refusals of this cache and its layers."""
+        return self._step.model_type
 
 
 class RequestStates:
@@ -150,8 +155,10 @@ class RequestStates:
     `DynamicCache` makes them), paged layers for the attention layers, and `PagedHybridLayer`s for layers that keep
     both. A request's first forward (nothing cached: a new request, or a preempted one computed again) makes fresh
     states; each later forward of the request reuses them, so a prompt computed in chunks carries its state from
-    chunk to chunk, as one forward would. A state cannot be rebuilt from blocks, so the Engine turns prefix caching
-    off for such a model (`prefix_caching_reason`).
+    chunk to chunk, as one forward would. `num_tokens` says how many of the request's tokens the states have seen: a
+    forward over other cached tokens (its states lost to a forward that failed part-way, or advanced by a step that
+    was then undone) computes the request again from its first token instead (`PerRequestStep`). A state cannot be
+    rebuilt from blocks, so the Engine turns prefix caching off for such a model (`prefix_caching_reason`).
     """
 
     def __init__(self, config):
@@ -163,16 +170,13 @@ class RequestStates:
         self.kv_layers = kv_layers
         self.keeps_state = any(holds_state(layer_type) for layer_type in self.layer_types)  # else MLP-only layers
         self.layers: list | None = None  # the last forward's cache layers, holding the states
+        self.num_tokens = 0  # the request's tokens the states have seen (set after each forward)
 
     def layers_for(self, cache: Cache, windows: list[int | None], fresh: bool) -> tuple[list, list[PagedLayer]]:
         """(cache layers of every decoder layer, the paged ones in pool-layer order) for a forward of `cache`:
         new states when `fresh`, else the request's from its last forward."""
         if fresh or self.layers is None or not self.keeps_state:
-            if not fresh and self.keeps_state:
-                raise RuntimeError(
-                    "the request's recurrent states are gone (an earlier forward of it failed part-way), so it cannot "
-                    "continue over its cached tokens"
-                )
+            assert fresh or not self.keeps_state, "a forward over cached tokens needs the states that saw them"
             layers, paged = decoder_layers(cache, self.layer_types, self.layer_kwargs, self.kv_layers, windows)
         else:
             layers, paged = [], []
@@ -183,6 +187,8 @@ class RequestStates:
                     continue
                 if isinstance(previous, PagedHybridLayer):  # its states and a view of this forward's cache
                     previous.rebind(cache)
+                    previous.sliding_window = windows[pool_layer]  # a prompt forward's (None) or a token's window
+                    previous.is_sliding = previous.sliding_window is not None
                     layer = previous
                 else:
                     layer = PagedLayer(cache, layer_idx, windows[pool_layer])
@@ -246,6 +252,8 @@ class PerRequestStep:
         self._state_config = (
             config if KVLayout.from_config(config).kv_layers != tuple(range(config.num_hidden_layers)) else None
         )
+        layer_types, _ = get_layer_types_and_kwargs(config)
+        self._keeps_state = any(holds_state(layer_type) for layer_type in layer_types)
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """rows (request, new tokens) -> [len(rows), vocab] logits at each row's last new token."""
@@ -255,6 +263,11 @@ class PerRequestStep:
         """One request's next `num_tokens` tokens -> [vocab] logits at the last of them: its prompt tokens in one
         forward, then each generated token fed back (a preempted request's recomputation) in one of its own."""
         start, end = request.num_computed, request.num_computed + num_tokens
+        states = request.states
+        if self._keeps_state and start and (states is None or states.num_tokens != start):
+            # Its states are gone (a forward of it failed part-way) or saw other tokens (a step undone after they
+            # advanced): compute the request again from its first token, over its own blocks (the same K/V again).
+            start = 0
         prompt_end = min(end, len(request.prompt_ids))
         try:
             if start < prompt_end:
@@ -262,8 +275,8 @@ class PerRequestStep:
             for position in range(max(start, prompt_end), end):
                 logits = self._forward(request, position, 1, prompt=False)
         except BaseException:
-            # Its states may have advanced part-way (the layers before the failure): never reused. A later forward
-            # over its cached tokens then raises (`RequestStates.layers_for`); one from scratch makes new states.
+            # Its states may have advanced part-way (the layers before the failure): never reused; its next forward
+            # computes it again from its first token.
             request.states = None
             raise
         return logits
@@ -292,6 +305,8 @@ class PerRequestStep:
         out = run_row(self.model, token_ids, seq_len, {self._cache_keyword: cache}, last_only=True)
         if cache.num_updates == 0:  # it ran on a cache of its own
             raise never_stored(self._model_type, self._cache_keyword)
+        if self._state_config is not None:
+            request.states.num_tokens = seq_len + num_tokens
         return out.logits[0, -1]
 
 

@@ -191,6 +191,7 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self._free_blocks(request)
         request.num_computed, request.num_registered_blocks = 0, 0
+        request.states = None  # computed again from its first token: new states then
         request.num_skips = 0  # back at the head of the queue: its count starts again
         self.running.remove(request)
         self.waiting.appendleft(request)

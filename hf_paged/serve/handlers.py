@@ -102,7 +102,14 @@ class ChoicesMixin:
                 body["choices"][0]["logprobs"] = describe(tokenizer, recorder.generated)
             return body
 
-        bodies = await asyncio.gather(*(one(config) for config in samples))
+        tasks = [asyncio.ensure_future(one(config)) for config in samples]
+        try:
+            bodies = await asyncio.gather(*tasks)
+        except BaseException:  # one sample failed, or the client left: the others' Engine requests stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
         merged = bodies[0]
         merged["choices"] = [{**body["choices"][0], "index": index} for index, body in enumerate(bodies)]
         if merged.get("usage"):
@@ -226,7 +233,10 @@ async def _merged_streams(streams: list):
             for event in chunk.split("\n\n"):
                 if not event.startswith("data: "):
                     continue
-                data = json.loads(event.removeprefix("data: "))
+                try:
+                    data = json.loads(event.removeprefix("data: "))
+                except ValueError:  # transformers' error events are not always valid JSON: as they came
+                    data = None
                 if not isinstance(data, dict) or "choices" not in data:  # an error event: as it came
                     yield event + "\n\n"
                     continue

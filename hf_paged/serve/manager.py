@@ -128,7 +128,7 @@ class EngineManager(BaseGenerateManager):
         except asyncio.CancelledError:  # the client went away (see DisconnectGuard)
             stream.cancel()
             raise
-        return text, len(stream.prompt_ids), GeneratedIds(stream.token_ids, stream.logprobs)
+        return text, len(stream.prompt_ids), GeneratedIds(stream.token_ids, stream.logprobs[: len(stream.token_ids)])
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -271,8 +271,6 @@ class EngineManager(BaseGenerateManager):
             if not (new_tokens or request.finished):
                 continue
             error = request.error if request.finish_reason == "error" else None
-            if request.finished:
-                stream.logprobs = request.logprobs  # before the end is posted: the handler reads it after
             self._post(stream, new_tokens, request.finished, error, False, logprobs)
             if request.finished:
                 del self._live[request_id]

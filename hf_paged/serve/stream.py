@@ -75,7 +75,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result: asyncio.Future = loop.create_future()
         self.token_ids: list[int] = []
-        self.logprobs: list = []  # the request's TokenLogprobs, set when it finishes (when it asked for them)
+        self.logprobs: list = []  # the TokenLogprobs of the tokens delivered (when the request asked for them)
         self.total_tokens = 0
         # When the server took the request, and (Engine thread only) its queue time and last token's time.
         self.created = time.perf_counter()
@@ -119,9 +119,11 @@ class RequestStream:
         of text emitted at or after its token)."""
         if self._closed:
             return
-        if logprobs is not None and self.streaming:
-            self._unsent_logprobs[0].extend(token_ids[: len(logprobs)])
-            self._unsent_logprobs[1].extend(logprobs)
+        if logprobs is not None:
+            self.logprobs.extend(logprobs)
+            if self.streaming:
+                self._unsent_logprobs[0].extend(token_ids[: len(logprobs)])
+                self._unsent_logprobs[1].extend(logprobs)
         for token_id in token_ids:
             self.token_ids.append(token_id)
             self.total_tokens += 1
