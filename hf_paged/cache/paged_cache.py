@@ -396,13 +396,24 @@ class PagedCache(Cache):
         self._check_layer_count(layer_idx)
         if blocks.has_groups():
             blocks.verify_row_groups(key_states, value_states)
-        # All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only
-        # the rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With
-        # several layer groups, the groups that already stored this step are rolled back too (see _undo_step). A
-        # hybrid model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep).
         device = pool.devices[layer_idx] if self._multi_device else None  # a pool split over devices: this layer's
+        slots, rows = self._write_plan(blocks, layer_idx, num_past, num_tokens, starting, device)
+        self._store(pool, layer_idx, key_states, value_states, slots, rows, device)
+        layer.cumulative_length = num_tokens
+        if num_past == 0:
+            # A first prefill: the visible K/V are exactly this step's (a sliding layer returns them all, as
+            # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
+            return key_states, value_states
+        return self._visible(layer_idx, key_states, value_states, layer.first_visible(num_past), num_tokens)
+
+    def _write_plan(self, blocks, layer_idx: int, num_past: int, num_tokens: int, starting: bool, device):
+        """(slots, rows) of the step's new tokens in layer `layer_idx`'s group (`BlockTables.write_plan`). All or
+        nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only the rows
+        that start_rows just began are dropped, so a failed first update leaves the cache empty. With several layer
+        groups, the groups that already stored this step are rolled back too (see _undo_step). A hybrid model's
+        states cannot be rolled back: its cache is then only good for release() (IncompleteStep)."""
         try:
-            slots, rows = blocks.write_plan(num_past, num_tokens, device)
+            return blocks.write_plan(num_past, num_tokens, device)
         except PoolExhausted:
             if starting:
                 blocks.release()
@@ -412,7 +423,9 @@ class PagedCache(Cache):
             self._states.stop_step()
             raise
 
-        # Store the new rows: [W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim] at their slots.
+    def _store(self, pool: BlockPool, layer_idx: int, key_states, value_states, slots, rows, device) -> None:
+        """Store the new rows ([W, kv_heads, q_len, head_dim], the `rows` that write, all when None) of pool layer
+        `layer_idx` at their `slots`."""
         stored_keys, stored_values = key_states, value_states
         if rows is not None:
             stored_keys, stored_values = key_states[rows], value_states[rows]
@@ -426,37 +439,27 @@ class PagedCache(Cache):
             else:
                 key_slots[0].index_copy_(1, slots, _heads_first(stored_keys))
                 value_slots[0].index_copy_(1, slots, _heads_first(stored_values))
-        else:
-            store_kv_rows(
-                pool.key_cache[layer_idx],
-                pool.value_cache[layer_idx],
-                stored_keys,
-                stored_values,
-                slots,
-                backend=backend,
-            )
-        layer.cumulative_length = num_tokens
+            return
+        store_kv_rows(
+            pool.key_cache[layer_idx], pool.value_cache[layer_idx], stored_keys, stored_values, slots, backend=backend
+        )
 
-        if num_past == 0:
-            # A first prefill: the visible K/V are exactly this step's (a sliding layer returns them all, as
-            # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
-            return key_states, value_states
-        first = layer.first_visible(num_past)
+    def _visible(self, layer_idx: int, key_states, value_states, first: int, num_tokens: int):
+        """What pool layer `layer_idx`'s update returns after cached tokens: its K/V from position `first` to
+        `num_tokens` gathered, or placeholders carrying a plan that reads them in place (decode and prefill steps of
+        the "hf_paged" attention)."""
+        blocks = self._tables.of_layer(layer_idx)
+        pool = blocks.pool
         # A latent layout (multi-head latent attention) expands what update returns before attention: it gets the
         # stored latents themselves, never a placeholder.
-        if q_len == 1 and self._paged_attention and not self._multi_device and not self._latent(pool):
+        plannable = self._paged_attention and not self._multi_device and not self._latent(pool)
+        if key_states.shape[2] == 1 and plannable:
             # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
             # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
             split = self._shared_split(blocks, first, num_tokens)
             if split is not None or self._kernel_possible:
                 return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
-        elif (
-            self._paged_attention
-            and self._kernel_possible
-            and not self._multi_device
-            and not self._latent(pool)
-            and layer_idx not in self._kv_sources
-        ):
+        elif plannable and self._kernel_possible and layer_idx not in self._kv_sources:
             # Several tokens over cached ones (a prompt chunk, a prompt after a prefix hit): the paged prefill kernel
             # may read the pool in place (PrefillPlan); it gathers when it cannot.
             return self._prefill_placeholders(layer_idx, key_states, value_states, first, num_tokens)
