@@ -364,3 +364,12 @@ def test_mlp_only_layers_in_generate_and_the_engine():
     assert engine.step_mode == "per-request" and "layers [0, 2] are MLP-only" in engine.step_mode_reason
     assert engine.generate([prompt[0].tolist()], max_new_tokens=6, ignore_eos=True) == [expected[0, 9:].tolist()]
     assert pool.num_used_blocks == 0
+
+
+def test_pool_layers_maps_cache_layers_to_pool_layers():
+    """The one decoder-to-pool layer map the caches use: a hybrid model's attention layers only, a looped model's
+    per-loop copies after its decoder layers."""
+    hybrid = KVLayout.from_config(zoo.tiny_config("qwen3_next"))  # a linear-attention layer, then attention
+    assert hybrid.kv_layers == (1,) and hybrid.pool_layers(2) == [None, 0]
+    looped = KVLayout.from_config(zoo.tiny_config("dory"))  # 3 decoder layers, the middle one looped twice
+    assert looped.num_layers == 4 and looped.pool_layers(4) == [0, 1, 2, 3]

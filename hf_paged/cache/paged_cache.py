@@ -166,10 +166,7 @@ class PagedCache(Cache):
         # `layers`: one per decoder layer (what transformers indexes); `_paged_layers`: one per pool layer, the
         # PagedLayers of the decoder layers holding K/V (all layers but a hybrid model's state and MLP-only ones).
         layers, self._paged_layers = decoder_layers(self, layer_types, layer_kwargs, layout.kv_layers, windows)
-        # decoder layer -> its pool layer, None for a layer without K/V
-        self._pool_layers = [None] * len(layers)
-        for pool_layer, layer_idx in enumerate(layout.kv_layers):
-            self._pool_layers[layer_idx] = pool_layer
+        self._pool_layers = layout.pool_layers(len(layers))  # decoder layer -> its pool layer (None: no K/V)
         self._states = HybridStates(layers, getattr(config, "model_type", None))
         super().__init__(layers=layers)
         # Per group, the window of a group whose every layer slides and gives back blocks that left the window (all

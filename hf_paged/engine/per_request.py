@@ -163,11 +163,9 @@ class RequestStates:
 
     def __init__(self, config):
         self.layer_types, self.layer_kwargs = get_layer_types_and_kwargs(config)
-        kv_layers = KVLayout.from_config(config).kv_layers
-        self.pool_layers: list[int | None] = [None] * len(self.layer_types)  # decoder layer -> pool layer
-        for pool_layer, layer_idx in enumerate(kv_layers):
-            self.pool_layers[layer_idx] = pool_layer
-        self.kv_layers = kv_layers
+        layout = KVLayout.from_config(config)
+        self.pool_layers = layout.pool_layers(len(self.layer_types))  # decoder layer -> pool layer (None: no K/V)
+        self.kv_layers = layout.kv_layers
         self.keeps_state = any(holds_state(layer_type) for layer_type in self.layer_types)  # else MLP-only layers
         self.layers: list | None = None  # the last forward's cache layers, holding the states
         self.num_tokens = 0  # the request's tokens the states have seen (set after each forward)

@@ -96,6 +96,15 @@ class KVLayout:
     def num_layers(self) -> int:
         return len(self.num_kv_heads)
 
+    def pool_layers(self, num_cache_layers: int) -> list[int | None]:
+        """The one map from a model's cache layers (decoder layers, plus a looped model's per-loop copies:
+        `cache_layers`) to pool layers: entry i is the pool layer of cache layer i, None for a layer without K/V (a
+        hybrid model's state layers, MLP-only layers)."""
+        pool_layers: list[int | None] = [None] * num_cache_layers
+        for pool_layer, layer_idx in enumerate(self.kv_layers):
+            pool_layers[layer_idx] = pool_layer
+        return pool_layers
+
     def key_shape(self, layer_idx: int) -> tuple[int, int]:
         """(kv heads, head_dim) of the K layer `layer_idx` caches."""
         return self.num_kv_heads[layer_idx], self.head_dims[layer_idx]
