@@ -48,17 +48,11 @@ def error_body(message: str, status_code: int, param: str | None = None, code: s
 
 def build_app(config: ServeConfig):
     """Load the model, build its pool and Engine, and return `(app, manager)`; the caller runs the app."""
-    from fastapi import Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response
-    from starlette.exceptions import HTTPException
     from transformers.cli.serving.model_manager import ModelManager
     from transformers.cli.serving.server import build_server
     from transformers.cli.serving.systemone import SystemOneHandler
     from transformers.cli.serving.transcription import TranscriptionHandler
-    from transformers.cli.serving.utils import CBWorkerDeadError
 
-    from . import metrics
     from .disconnect import DisconnectGuard
     from .handlers import PagedChatCompletionHandler, PagedCompletionHandler, PagedResponseHandler
     from .state import PagedGenerationState
@@ -89,14 +83,24 @@ def build_app(config: ServeConfig):
         systemone_handler=SystemOneHandler(**handlers),
         generation_state=state,
     )
+    _pin_model(app, config)
+    _add_routes_and_checks(app, config, manager)
+    _answer_errors_as_openai(app)
+    app.add_middleware(DisconnectGuard)
+    return app, manager
 
-    # The server serves the one model it was started with: no endpoint loads another (or fetches one from a hub).
+
+def _pin_model(app, config: ServeConfig) -> None:
+    """The server serves the one model it was started with: no endpoint loads another (or fetches one from a hub),
+    and `/v1/models` lists that one by the name clients use (transformers' lists a hub cache)."""
+    from fastapi.responses import JSONResponse
+
     pinned = ("/load_model", "/reset", "/v1/audio/transcriptions")
     replaced = (*pinned, "/v1/models")
     app.router.routes[:] = [route for route in app.router.routes if getattr(route, "path", None) not in replaced]
 
     @app.get("/v1/models")
-    def list_models():  # the one model, by the name clients use (transformers' lists a hub cache)
+    def list_models():
         return JSONResponse(
             {"object": "list", "data": [{"id": config.model_name, "object": "model", "owned_by": "hf-paged"}]}
         )
@@ -107,6 +111,14 @@ def build_app(config: ServeConfig):
     def refuse_model_change():
         message = f"hf-paged serve serves {config.model}, a text model, only; start another server for another model"
         return JSONResponse(error_body(message, 400), status_code=400)
+
+
+def _add_routes_and_checks(app, config: ServeConfig, manager: EngineManager) -> None:
+    """Prometheus `/metrics`, and the API key check of `--api-key` on every `/v1/` route."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, Response
+
+    from . import metrics
 
     if config.api_key is not None:
 
@@ -123,6 +135,16 @@ def build_app(config: ServeConfig):
     @app.get("/metrics")
     def prometheus_metrics():
         return Response(metrics.render(manager.metrics), media_type=metrics.CONTENT_TYPE)
+
+
+def _answer_errors_as_openai(app) -> None:
+    """Every error as an OpenAI-style body (`error_body`): a refused request 400 naming its field, HTTP and
+    validation errors with their status, 503 once the Engine thread has stopped, 500 (logged) for anything else."""
+    from fastapi import Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+    from transformers.cli.serving.utils import CBWorkerDeadError
 
     @app.exception_handler(InvalidRequest)
     async def invalid_request(_request: Request, error: InvalidRequest):
@@ -145,6 +167,3 @@ def build_app(config: ServeConfig):
     async def server_error(_request: Request, error: Exception):
         logger.exception("request failed")
         return JSONResponse(error_body(f"the server failed: {error!r}", 500), status_code=500)
-
-    app.add_middleware(DisconnectGuard)
-    return app, manager
