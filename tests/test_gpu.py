@@ -15,6 +15,7 @@ from transformers import DynamicCache, StaticCache
 import hf_paged.attention.decode_plan
 import hf_paged.attention.kernels.dispatch
 import hf_paged.attention.kernels.triton_decode as triton_decode
+import hf_paged.attention.kernels.triton_prefill as triton_prefill
 from hf_paged import PAGED_ATTENTION, BlockPool, Engine, PagedCache
 from tests.models import random_prompt, tiny_model
 
@@ -71,6 +72,7 @@ def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
     # The decode runner's steps reach the kernel through its custom op's implementation, the packed ones through
     # the decode plan: both end in the Triton launcher (under CUDA graphs only while warming up and capturing).
     decode_calls = _count_calls(monkeypatch, triton_decode, "paged_decode_attention_triton")
+    prefill_calls = _count_calls(monkeypatch, triton_prefill, "paged_prefill_attention_triton")  # packed chunks
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 40, 17, 3)]
     new_tokens = [12, 6, 20, 9]
@@ -80,7 +82,7 @@ def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         name, prompts, new_tokens, "cuda"
     )
-    assert decode_calls and pool.num_used_blocks == 0
+    assert decode_calls and prefill_calls and pool.num_used_blocks == 0
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
