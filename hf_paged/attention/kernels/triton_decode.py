@@ -47,6 +47,41 @@ def fp32_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, input_precision=PRECISION)
 
 
+@triton.jit
+def tile_slots(bt_row, pos, in_range, block_size):
+    """(pool block id [int64], offset in it) of each position `pos` of a tile, through the sequence's block table row
+    `bt_row`; positions out of `in_range` read entry 0 (their K/V are masked)."""
+    block_idx = pos // block_size
+    block_ids = tl.load(bt_row + block_idx, mask=in_range, other=0).to(tl.int64)
+    return block_ids, pos - block_idx * block_size
+
+
+@triton.jit
+def load_kv_tile(cache_ptr, block_ids, offsets, kv_head, d, mask, stride_b, stride_s, stride_h, stride_d):
+    """[BLOCK_N, HEAD_DIM_PAD] rows of a K or V cache ([num_blocks, block_size, kv_heads, head_dim] strides) at the
+    tile's slots, for kv head `kv_head`; zeros where `mask` is off. Rows are contiguous head_dim vectors (NHD), so
+    every row load is coalesced whatever the block size."""
+    return tl.load(
+        cache_ptr
+        + block_ids[:, None] * stride_b
+        + offsets[:, None] * stride_s
+        + kv_head * stride_h
+        + d[None, :] * stride_d,
+        mask=mask,
+        other=0.0,
+    )
+
+
+@triton.jit
+def softcap_logits(logits, softcap):
+    """`softcap * tanh(logits / softcap)`: tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1], no overflow
+    for any x."""
+    x = logits / softcap
+    e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
+    tanh_abs = (1.0 - e) / (1.0 + e)
+    return softcap * tl.where(x < 0.0, -tanh_abs, tanh_abs)
+
+
 # NOTE: Triton compiles a variant per value class of each int argument (1, divisible by 16, other) unless told not
 # to. Sizes that vary with the model or the workload (block table width, GQA group, block size, window) are excluded,
 # so one variant per (dtype, head_dim_pad, softcap) serves every model and step; head_dim stays specialized, because
@@ -135,37 +170,19 @@ def _paged_decode_kernel(
     for tile_start in range(tile_lo, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         visible = (pos >= start) & (pos < end)
-        block_idx = pos // block_size
-        block_ids = tl.load(bt_row + block_idx, mask=visible, other=0).to(tl.int64)
-        offsets = pos - block_idx * block_size
+        block_ids, offsets = tile_slots(bt_row, pos, visible, block_size)
         kv_mask = visible[:, None] & d_mask[None, :]
         # k, v: [BLOCK_N, HEAD_DIM_PAD]
-        k = tl.load(
-            k_cache_ptr
-            + block_ids[:, None] * stride_kb
-            + offsets[:, None] * stride_ks
-            + kv_head * stride_kh
-            + d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
+        k = load_kv_tile(
+            k_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_kb, stride_ks, stride_kh, stride_kd
         )
-        v = tl.load(
-            v_cache_ptr
-            + block_ids[:, None] * stride_vb
-            + offsets[:, None] * stride_vs
-            + kv_head * stride_vh
-            + d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
+        v = load_kv_tile(
+            v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
         )
 
         logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_G, BLOCK_N] fp32
         if USE_SOFTCAP:
-            # tanh(|x|) = (1 - e) / (1 + e) with e = exp(-2|x|) in (0, 1]: no overflow for any x.
-            x = logits / softcap
-            e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-            tanh_abs = (1.0 - e) / (1.0 + e)
-            logits = softcap * tl.where(x < 0.0, -tanh_abs, tanh_abs)
+            logits = softcap_logits(logits, softcap)
         logits = tl.where(visible[None, :], logits * LOG2E, float("-inf"))
 
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))

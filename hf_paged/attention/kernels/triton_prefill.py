@@ -36,7 +36,7 @@ import triton.language as tl
 
 from . import launch_config
 from .reference import check_prefill_args
-from .triton_decode import LOG2E, NO_WINDOW, fp32_dot, on_device
+from .triton_decode import LOG2E, NO_WINDOW, fp32_dot, load_kv_tile, on_device, softcap_logits, tile_slots
 
 
 @triton.jit
@@ -147,35 +147,18 @@ def _paged_prefill_kernel(
     for tile_start in range(tile_lo, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
-        block_idx = pos // block_size
-        block_ids = tl.load(bt_row + block_idx, mask=in_range, other=0).to(tl.int64)
-        offsets = pos - block_idx * block_size
+        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
         kv_mask = in_range[:, None] & d_mask[None, :]
-        k = tl.load(
-            k_cache_ptr
-            + block_ids[:, None] * stride_kb
-            + offsets[:, None] * stride_ks
-            + kv_head * stride_kh
-            + d[None, :] * stride_kd,
-            mask=kv_mask,
-            other=0.0,
+        k = load_kv_tile(
+            k_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_kb, stride_ks, stride_kh, stride_kd
         )
-        v = tl.load(
-            v_cache_ptr
-            + block_ids[:, None] * stride_vb
-            + offsets[:, None] * stride_vs
-            + kv_head * stride_vh
-            + d[None, :] * stride_vd,
-            mask=kv_mask,
-            other=0.0,
+        v = load_kv_tile(
+            v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
         )
 
         logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
         if USE_SOFTCAP:
-            x = logits / softcap
-            e = tl.exp2(tl.abs(x) * (-2.0 * LOG2E))
-            tanh_abs = (1.0 - e) / (1.0 + e)
-            logits = softcap * tl.where(x < 0.0, -tanh_abs, tanh_abs)
+            logits = softcap_logits(logits, softcap)
         visible = (
             in_range[None, :]
             & (pos[None, :] <= q_pos[:, None])
