@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import paged_decode_attention
-from .plan import BACKEND_ATTR, module_backend
+from .plan import memoized_backend
 from .shared_prefix import per_row_mask, shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
 
@@ -128,11 +128,7 @@ class DecodePlan:
 
     def backend(self, module: torch.nn.Module, device: torch.device) -> str:
         """`module_backend(module, device)`, resolved once per step for every module with the same setting."""
-        setting = getattr(module, BACKEND_ATTR, None)
-        backend = self._backends.get(setting)
-        if backend is None:
-            backend = self._backends[setting] = module_backend(module, device)
-        return backend
+        return memoized_backend(self._backends, module, device)
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).

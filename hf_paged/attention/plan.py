@@ -56,6 +56,16 @@ def plan_of(key: torch.Tensor) -> AttentionPlan | None:
     return getattr(key, PLAN_ATTR, None)
 
 
+def memoized_backend(backends: dict, module: torch.nn.Module, device: torch.device) -> str:
+    """`module_backend(module, device)`, resolved once per backend setting in `backends` (a plan's memo, shared by
+    the step's layers)."""
+    setting = getattr(module, BACKEND_ATTR, None)
+    backend = backends.get(setting)
+    if backend is None:
+        backend = backends[setting] = module_backend(module, device)
+    return backend
+
+
 def module_backend(module: torch.nn.Module, device: torch.device) -> str:
     """ "triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
     `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device`."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import paged_prefill_attention
-from .plan import BACKEND_ATTR, module_backend
+from .plan import memoized_backend
 from .torch_attention import sdpa_or_torch_attention
 
 
@@ -79,11 +79,7 @@ class PrefillPlan:
         and no additive position bias (Inkling's relative logits, which the kernel does not add)."""
         if dropout or kwargs.get("position_bias") is not None or self.key_cache.shape != self.value_cache.shape:
             return False
-        setting = getattr(module, BACKEND_ATTR, None)
-        backend = self._backends.get(setting)
-        if backend is None:
-            backend = self._backends[setting] = module_backend(module, device)
-        return backend == "triton"
+        return memoized_backend(self._backends, module, device) == "triton"
 
     def kv_start(self, attention_mask: torch.Tensor | None, q_len: int, sliding_window: int | None):
         """[B] int32: each row's first key (counted from the first held block) when `attention_mask` ([B, 1, q_len,

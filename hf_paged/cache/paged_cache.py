@@ -648,32 +648,26 @@ class PagedCache(Cache):
         num_tokens: int,
         split: int | None = None,
     ):
-        blocks = self._tables.of_layer(layer_idx)
-        step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
-        key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
-        plan = DecodePlan(
-            key_cache=key_cache,
-            value_cache=value_cache,
-            block_tables=step["block_tables"],
-            seq_lens=step["seq_lens"],
-            kv_offset=first,
-            position_offset=step["position_offset"],
-            gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
-            split_gather=None
-            if split is None
-            else (lambda: shared_prefix_kv(blocks, layer_idx, first, split, num_tokens)),
-            _kv_starts=step["kv_starts"],
-            _backends=step["backends"],
-        )
+        split_gather = None
+        if split is not None:
+            blocks = self._tables.of_layer(layer_idx)
+            split_gather = lambda: shared_prefix_kv(blocks, layer_idx, first, split, num_tokens)  # noqa: E731
+        plan = self._plan(DecodePlan, layer_idx, first, num_tokens, split_gather=split_gather)
         return plan_placeholders(key_states, value_states, plan)
 
     def _prefill_placeholders(
         self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
     ):
+        return plan_placeholders(key_states, value_states, self._plan(PrefillPlan, layer_idx, first, num_tokens))
+
+    def _plan(self, plan_class, layer_idx: int, first: int, num_tokens: int, **extra):
+        """A `DecodePlan` or `PrefillPlan` of pool layer `layer_idx` for a step ending at `num_tokens`, its mask from
+        position `first`: the step's tables, lengths and memos, built by the group's first layer and shared by the
+        rest."""
         blocks = self._tables.of_layer(layer_idx)
-        step = blocks.step_metadata(num_tokens)  # built by the group's first layer, shared by the rest
+        step = blocks.step_metadata(num_tokens)
         key_cache, value_cache = self._nhd_views(blocks.pool, layer_idx)
-        plan = PrefillPlan(
+        return plan_class(
             key_cache=key_cache,
             value_cache=value_cache,
             block_tables=step["block_tables"],
@@ -683,8 +677,8 @@ class PagedCache(Cache):
             gather=lambda: self._gather_visible(layer_idx, first, num_tokens),
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
+            **extra,
         )
-        return plan_placeholders(key_states, value_states, plan)
 
     def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool

@@ -42,24 +42,31 @@ def check_decode_args(
     seq_lens: torch.Tensor,
 ) -> None:
     """Raise ValueError, with the shapes, when decode-attention inputs do not fit together (shared by both backends)."""
-    if query.dim() != 3 or key_cache.dim() != 4:
-        raise ValueError(
-            f"query must be [B, num_q_heads, head_dim] and key_cache [num_blocks, block_size, num_kv_heads, head_dim], "
-            f"got {tuple(query.shape)} and {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
-    batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_heads(query, key_cache, value_cache, "B")
+    batch = query.shape[0]
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(seq_lens.shape) != (batch,):
         raise ValueError(
             f"batch {batch} needs block_tables [{batch}, max_blocks_per_seq] and seq_lens [{batch}], got "
             f"{tuple(block_tables.shape)} and {tuple(seq_lens.shape)}"
         )
+
+
+def _check_heads(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, rows: str) -> None:
+    """Raise ValueError unless query `[rows, num_q_heads, head_dim]` fits caches `[num_blocks, block_size,
+    num_kv_heads, head_dim]` of one shape (`num_q_heads` a multiple of `num_kv_heads`)."""
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError(
+            f"query must be [{rows}, num_q_heads, head_dim] and key_cache [num_blocks, block_size, num_kv_heads, "
+            f"head_dim], got {tuple(query.shape)} and {tuple(key_cache.shape)}"
+        )
+    if value_cache.shape != key_cache.shape:
+        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
+    _, num_q_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    if key_cache.shape[3] != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
+    if num_q_heads % num_kv_heads != 0:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
 
 
 def decode_key_mask(
@@ -168,19 +175,8 @@ def check_prefill_args(
 ) -> None:
     """Raise ValueError, with the shapes, when prefill-attention inputs do not fit together (shared by both
     backends; nothing here reads a device value)."""
-    if query.dim() != 3 or key_cache.dim() != 4:
-        raise ValueError(
-            "query must be [num_tokens, num_q_heads, head_dim] and key_cache [num_blocks, block_size, num_kv_heads, "
-            f"head_dim], got {tuple(query.shape)} and {tuple(key_cache.shape)}"
-        )
-    if value_cache.shape != key_cache.shape:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} differ")
-    _, num_q_heads, head_dim = query.shape
-    num_kv_heads = key_cache.shape[2]
-    if key_cache.shape[3] != head_dim:
-        raise ValueError(f"query head_dim {head_dim} != cache head_dim {key_cache.shape[3]}")
-    if num_q_heads % num_kv_heads != 0:
-        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    _check_heads(query, key_cache, value_cache, "num_tokens")
+    num_q_heads = query.shape[1]
     batch = seq_lens.shape[0] if seq_lens.dim() == 1 else -1
     if block_tables.dim() != 2 or block_tables.shape[0] != batch or tuple(cu_seqlens_q.shape) != (batch + 1,):
         raise ValueError(
