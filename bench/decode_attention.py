@@ -71,15 +71,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def peak_bandwidth(device: torch.device, override: float | None) -> tuple[str, float | None]:
     """(device name, peak bytes/s or None when unknown)."""
+    name, bandwidth = peak_of(device, PEAK_BANDWIDTH)
+    return name, override if override is not None else bandwidth
+
+
+def peak_of(device: torch.device, table: list) -> tuple[str, float | None]:
+    """(device name, the value of `table`'s first row whose words all occur in it; None off CUDA or when none)."""
     if device.type != "cuda":
-        return "cpu", override
+        return "cpu", None
     name = torch.cuda.get_device_name(device)
-    if override is not None:
-        return name, override
-    for words, bandwidth in PEAK_BANDWIDTH:
-        if all(word in name for word in words):
-            return name, bandwidth
-    return name, None
+    return name, next((value for words, value in table if all(word in name for word in words)), None)
+
+
+def write_report(path: str, report: dict) -> None:
+    """`report` as JSON at `path` (its folder made)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    print(f"wrote {path}")
 
 
 def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
@@ -217,11 +226,7 @@ def main(argv=None) -> int:
     headers = ["batch", "context", "method", "time (us)", "GB/s", "% peak", "splits", "max |err|"]
     print(tabulate(table, headers=headers, disable_numparse=True))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            report = {"device": device_name, "peak_bandwidth": peak, "args": vars(args), "results": results}
-            json.dump(report, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, {"device": device_name, "peak_bandwidth": peak, "args": vars(args), "results": results})
     return 0
 
 

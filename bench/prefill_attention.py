@@ -17,16 +17,14 @@ GQA runs through SDPA with `enable_gqa`. FLOPs count the causal half of QK^T and
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
 
 import torch
 from tabulate import tabulate
 from torch.nn.attention.bias import causal_lower_right
 
-from bench.decode_attention import DTYPES, fits_in_memory, time_ms
+from bench.decode_attention import DTYPES, fits_in_memory, peak_of, time_ms, write_report
 from hf_paged.attention.kernels import paged_prefill_attention, resolve_backend
 
 # (batch, new tokens, cached tokens): whole prompts of 2k-8k tokens, and chunks over a cached prefix
@@ -62,13 +60,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.num_q_heads % args.num_kv_heads:
         parser.error(f"--num-q-heads ({args.num_q_heads}) must be a multiple of --num-kv-heads ({args.num_kv_heads})")
     return args
-
-
-def peak_flops(device: torch.device) -> tuple[str, float | None]:
-    if device.type != "cuda":
-        return "cpu", None
-    name = torch.cuda.get_device_name(device)
-    return name, next((flops for words, flops in PEAK_FLOPS if all(word in name for word in words)), None)
 
 
 def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, peak: float | None) -> list[dict]:
@@ -135,7 +126,7 @@ def main(argv=None) -> int:
             "For a smoke run of the script on CPU: python -m bench.prefill_attention --device cpu --tiny"
         )
         return 0
-    device_name, peak = peak_flops(device)
+    device_name, peak = peak_of(device, PEAK_FLOPS)
     print(
         f"device: {device_name}; {args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads, head_dim "
         f"{args.head_dim}, block_size {args.block_size}"
@@ -162,10 +153,7 @@ def main(argv=None) -> int:
     headers = ["batch", "new", "cached", "method", "time (us)", "TFLOP/s", "% peak", "vs sdpa", "max |err|"]
     print(tabulate(table, headers=headers, disable_numparse=True))
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump({"device": device_name, "peak_flops": peak, "args": vars(args), "results": results}, f, indent=2)
-        print(f"wrote {args.json}")
+        write_report(args.json, {"device": device_name, "peak_flops": peak, "args": vars(args), "results": results})
     return 0
 
 
