@@ -6,8 +6,8 @@ docs/models.md and the expectation table `tests/zoo_expected.json`).
 Every entry of `MODEL_FOR_CAUSAL_LM_MAPPING_NAMES` gets a config from its config class by generic shrinking
 (`SHRINK`: only the attributes a config has) plus a small per-family override table (`OVERRIDES`). Each model runs
 in a forked child with a time limit, so a model that hangs or kills its process is classified, not fatal. In the
-child, each path of `PATHS` runs the same left-padded batch of 2 as the reference (the model's default cache,
-`DynamicCache`) and is classified by `classify`:
+child, each path of `PATHS` runs the same left-padded batch of 2 as the reference (the model's default cache) and is
+classified by `classify`:
 
     identical          ran; same greedy tokens and per-step scores (allclose, TOLERANCE) as the reference
     silently wrong     ran; tokens or scores differ
@@ -19,7 +19,7 @@ child, each path of `PATHS` runs the same left-padded batch of 2 as the referenc
 
 The Engine's path runs each prompt of the batch (its unpadded tokens) through `Engine.generate` in one engine, with
 a small token budget per step and small blocks so that prefill chunks, packed prompts and decode rows share steps,
-and compares every request with `generate()` of that prompt alone (batch 1, `DynamicCache`): the same greedy tokens
+and compares every request with `generate()` of that prompt alone (batch 1, default cache): the same greedy tokens
 and, per step, the same raw logits (the Engine applies no logits processors).
 
 A new path is one more entry of `PATHS`: a function `(model, inputs) -> GenerateResult` that `run_architecture`
@@ -280,7 +280,6 @@ def inputs(batch: int = 2, length: int = PROMPT_LEN) -> dict:
 class GenerateResult:
     sequences: torch.Tensor  # [rows, seq_len] int64
     scores: tuple[torch.Tensor, ...]  # one per new token, [rows, vocab] float32
-    note: str = ""  # a reference's: why it is the default cache's output without a DynamicCache check (`_checked`)
 
 
 def generate(model, model_inputs: dict, **options) -> GenerateResult:
@@ -297,28 +296,10 @@ def generate(model, model_inputs: dict, **options) -> GenerateResult:
 
 
 def reference(model, model_inputs: dict, **options) -> GenerateResult:
-    """`generate()` with the model's default cache, where a `DynamicCache(config=model.config)` passed in gives the
-    same; see `_checked` for a model that refuses one or mishandles it."""
-    return _checked(lambda **cache: generate(model, model_inputs, **options, **cache), model.config)
-
-
-def _checked(run: Callable[..., GenerateResult], config) -> GenerateResult:
-    """`run()` (the model's default cache), after `run(cache=DynamicCache)`. Where the model refuses a
-    DynamicCache (it keeps a cache of its own, or none) or the two differ (its generate() mishandles any cache
-    passed in: MPT feeds every token again at each step), the default is still the reference, and hf_paged must
-    refuse the model to pass; the reference's `note` says which."""
-    from transformers import DynamicCache
-
-    default = run()
-    try:
-        passed = run(cache=DynamicCache(config=config))
-    except Exception as error:  # noqa: BLE001 (a cache of its own, or none)
-        default.note = f"a DynamicCache passed in raises {type(error).__name__}"
-        return default
-    difference = compare(passed, default)
-    if difference is not None:
-        default.note = f"a DynamicCache passed in differs from the default cache: {difference}"
-    return default
+    """`generate()` with the model's default cache. It is the reference also for a model that refuses a cache passed
+    in (MiniMax keeps its own, OpenAI GPT takes none) or fills one wrong (MPT's `generate()` feeds every token again
+    at each step): hf_paged must refuse such a model to pass."""
+    return generate(model, model_inputs, **options)
 
 
 def prompts_of(model_inputs: dict) -> list[list[int]]:
@@ -327,8 +308,8 @@ def prompts_of(model_inputs: dict) -> list[list[int]]:
 
 
 def single_reference(model, model_inputs: dict) -> GenerateResult:
-    """Each prompt alone (batch 1, no padding) through greedy `generate()`, checked against a `DynamicCache` passed
-    in as `reference` does (`_checked`): [rows, MAX_NEW_TOKENS] new tokens and, per step, [rows, vocab] raw logits
+    """Each prompt alone (batch 1, no padding) through greedy `generate()` with the model's default cache, as
+    `reference`: [rows, MAX_NEW_TOKENS] new tokens and, per step, [rows, vocab] raw logits
     (`output_logits`: what the Engine's greedy choice reads), with no logits processor."""
 
     def run(input_ids, **options) -> GenerateResult:
@@ -356,7 +337,7 @@ def single_reference(model, model_inputs: dict) -> GenerateResult:
     try:
         for prompt in prompts_of(model_inputs):
             input_ids = torch.tensor([prompt])
-            rows.append(_checked(lambda input_ids=input_ids, **cache: run(input_ids, **cache), model.config))
+            rows.append(run(input_ids))
     finally:
         model.generation_config = saved
     return _stack(rows)
