@@ -1,5 +1,5 @@
 """What a step and a request may take: a step never passes `max_num_batched_tokens`, and `add` turns a request away
-exactly when it could not run even alone (`BlockCounts.solo_need`); a request running alone computes the part of a
+exactly when it could not run even alone (`BlockManager.solo_need`); a request running alone computes the part of a
 chunk that fits."""
 
 import random
@@ -73,8 +73,8 @@ def test_add_turns_away_exactly_what_cannot_run_alone(mixed):
         for prompt_len, new_tokens in specs:
             request = new_request(0, prompt_len, new_tokens)
             end = prompt_len + new_tokens - 1
-            needs.append(probe.blocks.solo_need(request))
-            assert needs[-1] == max(probe.blocks.held_at(position) for position in range(end)), (
+            needs.append(probe.block_manager.solo_need(request))
+            assert needs[-1] == max(probe.block_manager.counts.held_at(position) for position in range(end)), (
                 block_size,
                 window,
                 end,
@@ -120,7 +120,7 @@ def test_a_recomputation_too_large_for_one_chunk_runs_in_smaller_ones_alone():
         pool, max_num_seqs=8, max_num_batched_tokens=64, sliding_windows=[2, None], decode_reserve_tokens=0
     )
     first, second = new_request(0, 1, 7), new_request(1, 6, 4)
-    need = scheduler.blocks.solo_need(second)
+    need = scheduler.block_manager.solo_need(second)
     assert need == 7  # at position 8: full blocks 0-4, sliding blocks 3-4 (the window sees positions 7-8)
     for request in (first, second):
         scheduler.add(request)

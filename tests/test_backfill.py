@@ -11,7 +11,7 @@ import torch
 from hf_paged import BlockPool, Engine, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
 from hf_paged.engine.admission import Admission
-from hf_paged.engine.growth import GrowthModel
+from hf_paged.engine.lookahead import GrowthModel
 from tests.models import greedy_reference, tiny_model
 from tests.scheduler_runs import drive, new_request, run_step
 
@@ -150,7 +150,7 @@ def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_window):
 class _NoPrefixWaitsGrowth(GrowthModel):
     """The lookahead without the wait of a request for prompt blocks another one is computing."""
 
-    def add_prefix_waits(self, requests, prefilling, delays, per_step):
+    def add_prefix_waits(self, requests, prefilling, delays, per_step, peek):
         return {}
 
 

@@ -141,7 +141,7 @@ def test_a_sliding_model_runs_in_the_blocks_it_needs_alone(name):
     its numbers."""
     prompts, new_tokens = random_prompts((40,)), [12]
     probe, _ = tiny_engine(name, 64)
-    need = probe.scheduler.blocks.solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
+    need = probe.scheduler.block_manager.solo_need(Request(0, prompts[0], SamplingParams(max_new_tokens=12)))
     assert need == {"mistral": 3, "gemma3": 16}[name]
     engine, pool = tiny_engine(name, need)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
@@ -415,14 +415,14 @@ def test_every_step_is_one_forward_with_decode_rows_and_prefill_chunks_packed(na
     prompts = random_prompts((5, 17, 9, 30, 3))
     engine, pool = tiny_engine(name, 64, max_num_seqs=4, max_num_batched_tokens=10)
     forwards, mixed = [], []
-    original = engine._forward
+    original = engine.step_runner.forward
 
     def spy(rows):
         forwards.append(len(rows))
         mixed.append(any(n == 1 for _, n in rows) and any(n > 1 for _, n in rows))
         return original(rows)
 
-    engine._forward = spy
+    engine.step_runner.forward = spy
     outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert outputs == greedy_reference(name, prompts, NEW_TOKENS)
     assert len(forwards) == engine.stats.num_steps  # exactly one forward per step
@@ -441,7 +441,7 @@ def test_sliding_groups_give_back_blocks_out_of_the_window(name, group_layers):
     sliding = [g for g, window in enumerate(engine.scheduler.group_windows) if window is not None]
     assert len(sliding) == {"gemma3": 1 if group_layers else 0, "mistral": 1}[name]
     peak_sliding = 0
-    original = engine._forward
+    original = engine.step_runner.forward
 
     def spy(rows):  # what each decode row holds while its step runs
         nonlocal peak_sliding
@@ -451,7 +451,7 @@ def test_sliding_groups_give_back_blocks_out_of_the_window(name, group_layers):
                 peak_sliding = max([peak_sliding] + [len(request.block_tables[g]) for g in sliding])
         return original(rows)
 
-    engine._forward = spy
+    engine.step_runner.forward = spy
     request_ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, new_tokens)]
     while engine.has_unfinished():
         engine.step()

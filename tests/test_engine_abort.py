@@ -193,7 +193,7 @@ def test_leaving_a_stream_early_aborts_its_unfinished_inputs():
 def test_generate_leaves_no_request_behind_when_a_step_raises(monkeypatch):
     prompts = random_prompts((5, 9))
     engine, pool = tiny_engine()
-    forward, calls = engine._forward, []
+    forward, calls = engine.step_runner.forward, []
 
     def failing_forward(rows):
         calls.append(len(rows))
@@ -201,11 +201,11 @@ def test_generate_leaves_no_request_behind_when_a_step_raises(monkeypatch):
             raise RuntimeError("device lost")
         return forward(rows)
 
-    monkeypatch.setattr(engine, "_forward", failing_forward)
+    monkeypatch.setattr(engine.step_runner, "forward", failing_forward)
     with pytest.raises(RuntimeError, match="device lost"):
         engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
     assert not engine.has_unfinished() and pool.num_used_blocks == 0
-    monkeypatch.setattr(engine, "_forward", forward)
+    monkeypatch.setattr(engine.step_runner, "forward", forward)
     assert engine.generate(prompts, max_new_tokens=6, ignore_eos=True) == greedy_reference("llama", prompts, [6, 6])
     pool.allocator.check_invariants()
 
@@ -273,16 +273,16 @@ def test_an_abort_during_a_step_takes_effect_when_the_step_ends(monkeypatch):
     engine, pool = tiny_engine()
     first, second = (engine.add_request(p, max_new_tokens=6, ignore_eos=True) for p in prompts)
     engine.step()
-    forward = engine._forward
+    forward = engine.step_runner.forward
 
     def forward_that_aborts(rows):
         assert engine.abort_request(first)  # deferred: the step's rows and blocks are in use
         assert not engine.request(first).finished
         return forward(rows)
 
-    monkeypatch.setattr(engine, "_forward", forward_that_aborts)
+    monkeypatch.setattr(engine.step_runner, "forward", forward_that_aborts)
     engine.step()
-    monkeypatch.setattr(engine, "_forward", forward)
+    monkeypatch.setattr(engine.step_runner, "forward", forward)
     assert engine.request(first).finish_reason == "abort" and len(engine.request(first).output_ids) == 2
     _run(engine)
     reference = greedy_reference("llama", prompts, [6, 6])
@@ -319,7 +319,7 @@ def test_aborting_several_waiting_requests_at_once_keeps_the_others_in_order():
 def test_a_request_that_cannot_sample_fails_alone(monkeypatch):
     """Sampling raises for one request (nan logits make torch.multinomial raise): that request fails with the
     reason, its blocks go back, and the others finish as they would have."""
-    import hf_paged.engine.engine as engine_module
+    import hf_paged.engine.step_runner as engine_module
 
     sample = engine_module.sample
 

@@ -117,7 +117,8 @@ def test_chunks_are_masked_in_the_packed_step():
     assert model.config.attention_chunk_size == 4
     assert zoo.compare(zoo._engine(model, model_inputs), expected) is None
     engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
-    assert engine._chunk_sizes == [4 if t == "chunked_attention" else None for t in model.config.layer_types]
+    expected_sizes = [4 if t == "chunked_attention" else None for t in model.config.layer_types]
+    assert engine.step_runner.step.chunk_sizes == expected_sizes
 
 
 def test_softcap_is_applied_in_the_packed_step():
@@ -138,10 +139,10 @@ def test_a_forward_that_never_stores_kv_in_the_step_is_refused():
     model = zoo.tiny_model("dory", "DoryForCausalLM")
     model.config.n_recurrent_loops = 1  # no looped cache layers
     engine = Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
-    assert engine._cache_keyword == "cache"
+    assert engine.step_runner.step.cache_keyword == "cache"
     assert len(engine.generate([[1, 2, 3]], max_new_tokens=2)[0]) == 2
     # ... and a step whose forward stores nothing raises instead of returning what the model's own cache gave.
-    engine._cache_keyword = "past_key_values"
+    engine.step_runner.step.cache_keyword = "past_key_values"
     with pytest.raises(UnsupportedModel, match="'dory': its forward never stored K/V in the Engine's cache"):
         engine.generate([[1, 2, 3]], max_new_tokens=2)
     assert engine.pool.num_used_blocks == 0

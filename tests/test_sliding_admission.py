@@ -8,7 +8,7 @@ import pytest
 
 from hf_paged import BlockPool, KVLayout, SamplingParams
 from hf_paged.engine import Request, Scheduler
-from hf_paged.engine.growth import GrowthModel
+from hf_paged.engine.lookahead import GrowthModel
 from tests.scheduler_runs import drive, new_request, run_step
 
 
@@ -18,7 +18,7 @@ class _WindowAlignedDemandGrowth(GrowthModel):
 
     def demand(self, num_tokens, *, prefilling, windows=None, start=0):
         assert windows is None  # no prefix caching in the tests that use it
-        blocks = self.blocks
+        blocks = self.counts
         end_block = blocks.blocks_for(num_tokens)
         if prefilling:
             return end_block * len(blocks.group_windows)
@@ -65,7 +65,7 @@ class _WholePromptDemandGrowth(GrowthModel):
 
     def demand(self, num_tokens, *, prefilling, windows=None, start=0):
         if prefilling:
-            return self.blocks.blocks_for(num_tokens) * len(self.blocks.group_windows if windows is None else windows)
+            return self.counts.blocks_for(num_tokens) * len(self.counts.group_windows if windows is None else windows)
         return super().demand(num_tokens, prefilling=False, windows=windows, start=start)
 
 
@@ -79,7 +79,7 @@ def test_long_prompts_in_small_chunks_count_a_window_plus_a_chunk(mixed):
     `max_num_batched_tokens`, a sliding group holds the blocks the chunk's keys span (window - 1 + chunk positions),
     not the whole prompt. Counted that way, no admitted request is preempted in 300 random bursts, every block
     comes back, and the runs take fewer steps than with the whole prompt counted. Both serve the same requests:
-    `add` checks what a request needs alone (`BlockCounts.solo_need`), not this count."""
+    `add` checks what a request needs alone (`BlockManager.solo_need`), not this count."""
     rng = random.Random(5 if mixed else 6)
     layer_types = ("sliding_attention", "full_attention") if mixed else ("sliding_attention",)
     steps = {Scheduler: 0, _WholePromptDemand: 0}  # over the bursts both serve in full

@@ -411,19 +411,19 @@ def _engine(model, model_inputs) -> GenerateResult:
     """Every prompt of `model_inputs` through one Engine's `generate()`; per step, each request's raw logits."""
     from hf_paged import BlockPool, Engine
 
-    class ScoredEngine(Engine):
-        """An Engine that keeps the logits each request's next token was chosen from."""
-
-        def _forward(self, rows):
-            logits = super()._forward(rows)
-            for (request, num_tokens), row_logits in zip(rows, logits):
-                if request.num_pending == num_tokens:  # the row ends its input: its logits pick a token
-                    scores.setdefault(request.request_id, []).append(row_logits.float().clone())
-            return logits
+    def scored_forward(rows):
+        """The step's forward, keeping the logits each request's next token is chosen from."""
+        logits = forward(rows)
+        for (request, num_tokens), row_logits in zip(rows, logits):
+            if request.num_pending == num_tokens:  # the row ends its input: its logits pick a token
+                scores.setdefault(request.request_id, []).append(row_logits.float().clone())
+        return logits
 
     scores: dict[int, list[torch.Tensor]] = {}
     pool = BlockPool.for_model(model, num_blocks=64, block_size=ENGINE_BLOCK_SIZE)
-    engine = ScoredEngine(model, pool, **ENGINE_OPTIONS)
+    engine = Engine(model, pool, **ENGINE_OPTIONS)
+    forward = engine.step_runner.forward
+    engine.step_runner.forward = scored_forward
     if engine.runner is not None:  # every decode step padded to max_num_seqs rows, as under CUDA graphs
         engine.runner.pad_to_buckets, engine.runner.buckets = True, [ENGINE_OPTIONS["max_num_seqs"]]
     outputs = engine.generate(prompts_of(model_inputs), max_new_tokens=MAX_NEW_TOKENS, eos_token_id=None)

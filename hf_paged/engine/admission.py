@@ -12,8 +12,7 @@ import time
 from collections import deque
 
 from ..storage import BlockPool
-from .growth import GrowthModel
-from .lookahead import Lookahead
+from .lookahead import GrowthModel, Lookahead
 from .prefix import PrefixReuse
 from .request import Request
 
@@ -45,7 +44,8 @@ class Admission:
 
     def lookahead(self, running: list[Request]) -> Lookahead:
         """The plan of `running` as the pool stands now, to try newcomers against (`Lookahead.fits`)."""
-        return Lookahead(running, self.pool.num_free_blocks, self.growth_model)
+        peek = self.prefix.peek if self.prefix.enabled else None
+        return Lookahead(running, self.pool.num_free_blocks, self.growth_model, peek)
 
     def fits(self, newcomer: Request, running: list[Request]) -> bool:
         """Whether the pool can hold `newcomer` next to the `running` requests at every step of the lookahead.

@@ -10,12 +10,7 @@ the one its window starts in:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from ..storage import first_window_block
-
-if TYPE_CHECKING:
-    from .request import Request
 
 
 class BlockCounts:
@@ -49,19 +44,3 @@ class BlockCounts:
         # NOTE: a sliding group's count rises and falls as the window crosses block boundaries, so scan.
         end = max_positions if max_positions is not None else num_blocks * self.block_size
         return next((position for position in range(end) if self.held_at(position) > num_blocks), None)
-
-    def solo_need(self, request: Request) -> int:
-        """The fewest blocks `request` runs in: alone, a step computing as few tokens as it must (a prefill chunk
-        shrinks to what the pool holds when a request runs alone), so one query at each position.
-
-        A full group holds every block up to the query, a sliding group the blocks from the one its window starts
-        in (`held_at`). The most over the request's positions is at one of its last `block_size`: a query one block
-        further on holds one more block in a full group and no fewer in a sliding one.
-
-        NOTE: admission counts whole prefill chunks (`GrowthModel.demand`), an upper bound that can pass this; a
-        request whose count passes the pool is admitted only when nothing else runs, and nothing joins it while
-        its prompt is computed (once it decodes, its count is about what it holds, and others may).
-        """
-        # The last sampled token is never fed back: the K/V end at prompt + max_new_tokens - 1 tokens.
-        end = len(request.prompt_ids) + request.params.max_new_tokens - 1
-        return max(self.held_at(position) for position in range(max(end - self.block_size, 0), end))

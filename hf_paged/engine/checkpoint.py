@@ -1,7 +1,7 @@
 """Undo a step whose forward raised: the requests it would have advanced are back where they were, and the blocks
 it gave them are back in the pool.
 
-What `Scheduler.schedule` changes, and what `StepCheckpoint.restore` does about it:
+What `Scheduler.schedule` changes, and what `Scheduler.restore` does about it:
 
     admission            waiting -> running, a prefix taken     back to waiting, in queue order; prefix blocks freed
     prefill / decode     blocks allocated at a table's end      freed; each table is as long as before the step
@@ -25,7 +25,6 @@ from collections import deque
 from typing import NamedTuple
 
 from .request import Request
-from .scheduler import Scheduler
 
 
 class _Saved(NamedTuple):
@@ -38,43 +37,40 @@ class _Saved(NamedTuple):
 
 
 class StepCheckpoint:
-    """The scheduler's state before a step, as far as the step can change it (taken before `schedule()`). Costs
-    O(running + waiting) pointer copies, O(running + a few waiting) tuples."""
+    """The scheduler's queues and requests before a step, as far as the step can change them (`Scheduler.checkpoint`,
+    taken before `schedule()`; `Scheduler.restore` puts them back). Costs O(running + waiting) pointer copies,
+    O(running + a few waiting) tuples.
 
-    def __init__(self, scheduler: Scheduler):
-        self.scheduler = scheduler
-        self.waiting = list(scheduler.waiting)
-        self.running = list(scheduler.running)
-        # Admission takes and passes requests only within the first `backfill_window` of the queue, one admission at
-        # a time, so at most `max_num_seqs` further along than that.
-        head = itertools.islice(scheduler.waiting, scheduler.backfill_window + scheduler.max_num_seqs)
+    `num_head`: the waiting requests a step can touch: admission takes and passes requests only within the first
+    `backfill_window` of the queue, one admission at a time, so at most `max_num_seqs` further along than that."""
+
+    def __init__(self, waiting: deque[Request], running: list[Request], num_head: int, num_hit_tokens: int):
+        self.waiting = list(waiting)
+        self.running = list(running)
+        head = itertools.islice(waiting, num_head)
         self.saved = {request: _save(request) for request in itertools.chain(self.running, head)}
-        self.num_hit_tokens = scheduler.prefix.num_hit_tokens
+        self.num_hit_tokens = num_hit_tokens
 
-    def restore(self) -> None:
-        scheduler = self.scheduler
-        allocator = scheduler.pool.allocator
-        running_now = set(scheduler.running)
-        for request in scheduler.running:
-            saved = self.saved[request]
-            if not saved.table_lengths:  # it held nothing: what it holds now came with this step
-                allocator.free(request.block_ids)
-                request.block_tables, request.first_blocks = [], []
-            else:
-                for group, table in enumerate(request.block_tables):
-                    released = request.first_blocks[group] - saved.first_blocks[group]
-                    kept = saved.table_lengths[group] - released
-                    allocator.free(table[kept:])
-                    del table[kept:]
-            _put_back(request, saved)
+    def tables(self, request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(first_blocks, table lengths) of running `request` before the step."""
+        saved = self.saved[request]
+        return saved.first_blocks, saved.table_lengths
+
+    def queues(self, running: list[Request], waiting: deque[Request]) -> tuple[list[Request], deque[Request]]:
+        """The queues as they were, from the queues `running` and `waiting` now, with every request's counters put
+        back (their tables are the block manager's to roll back): a request the step preempted waits at the front,
+        one it finished stays out."""
+        for request in running:
+            _put_back(request, self.saved[request])
         was_running = set(self.running)
-        preempted = [request for request in scheduler.waiting if request in was_running]
+        preempted = [request for request in waiting if request in was_running]
         for request in self.waiting:
             if request in self.saved:
                 _put_back(request, self.saved[request])
-        scheduler.running = [request for request in self.running if request in running_now]
-        scheduler.waiting = deque(preempted + [request for request in self.waiting if not request.finished])
-        scheduler.prefix.num_hit_tokens = self.num_hit_tokens
+        running_now = set(running)
+        restored_running = [request for request in self.running if request in running_now]
+        restored_waiting = deque(preempted + [request for request in self.waiting if not request.finished])
+        return restored_running, restored_waiting
 
 
 def _save(request: Request) -> _Saved:

@@ -26,24 +26,22 @@ from collections.abc import Sequence
 import torch
 
 from ..attention import enable
-from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest, UnsupportedModel
+from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest
 from ..storage import BlockPool, KVLayout, block_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
+from .packed import PackedStep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
-from .runner import DecodeRunner, runner_reason
-from .sampling import SamplingParams, apply_logits_processing, sample, token_logprob
+from .runner import DecodeRunner, build_decode_runner
+from .sampling import SamplingParams, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats
-from .step_cache import StepCache
-from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes, never_stored
+from .step_runner import StepRunner
+from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 
 logger = logging.getLogger(__name__)
-
-# A stand-in for the rows of a step that pick no token (a prefill chunk short of its input's end).
-_NO_PROCESSING = Request(-1, [], SamplingParams())
 
 
 class Engine:
@@ -147,10 +145,6 @@ class Engine:
         pool.serve_model(self.model)  # a prefix-caching pool serves one model: another one's raises PoolMismatch
         self.limits = PromptLimits.from_model(model)
         self.stats = EngineStats()
-        self._workspace: dict = {}  # StepCache gather buffers, reused across steps
-        self._chunk_sizes = chunk_sizes(model.config.get_text_config(decoder=True))
-        self._cache_keyword = cache_keyword(model)
-        self._per_request = None if packed else PerRequestStep(model, pool, self._cache_keyword)
         if not packed:
             logger.warning(
                 "Engine: model type %r runs one forward per scheduled request (no batching gain), with its own "
@@ -170,30 +164,33 @@ class Engine:
         self._lockstep = Lockstep.for_model(model, lockstep_timeout)  # None on one rank
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
-        self.runner, self.runner_reason = self._decode_runner(cuda_graphs, max_num_seqs)
+        self.step_runner, self.runner, self.runner_reason = self._step_runner(packed, max_num_seqs, cuda_graphs)
 
-    def _decode_runner(self, cuda_graphs: bool | None, max_num_seqs: int) -> tuple[DecodeRunner | None, str | None]:
-        on_cuda = self.pool.device.type == "cuda"
-        if cuda_graphs not in (None, True, False):
-            raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
-        if cuda_graphs and not on_cuda:
-            raise ValueError(f"cuda_graphs=True needs a pool on a CUDA device, this one is on {self.pool.device}")
-        if self._per_request is not None:
+    def _step_runner(
+        self, packed: bool, max_num_seqs: int, cuda_graphs: bool | None
+    ) -> tuple[StepRunner, DecodeRunner | None, str | None]:
+        """The step runner over the packed or the per-request step, and the decode runner (or why there is none)."""
+        keyword = cache_keyword(self.model)
+        if not packed:
             reason = "the model runs one forward per request"
         elif self._lockstep is not None:
             reason = "tensor-parallel ranks run the packed step in lockstep"
         else:
-            reason = runner_reason(self.model, self.pool, self._chunk_sizes)
-        if reason is not None:
-            return None, reason
-        # A row can hold the whole pool; a model whose positions are a table (learned) no more than the table.
-        max_tokens = self.pool.num_blocks * self.pool.block_size
-        if self.limits.learned_positions:
-            max_tokens = min(max_tokens, self.limits.max_positions)
-        max_blocks = -(-max_tokens // self.pool.block_size)
-        graphs = on_cuda if cuda_graphs is None else cuda_graphs
-        runner = DecodeRunner(self.model, self.pool, max_num_seqs, max_blocks, self._cache_keyword, graphs)
-        return runner, None
+            reason = None
+        sizes = chunk_sizes(self.model.config.get_text_config(decoder=True))
+        runner, reason = build_decode_runner(
+            self.model,
+            self.pool,
+            max_num_seqs=max_num_seqs,
+            cache_keyword=keyword,
+            chunk_sizes=sizes,
+            max_positions=self.limits.max_positions if self.limits.learned_positions else None,
+            cuda_graphs=cuda_graphs,
+            reason=reason,
+        )
+        if not packed:
+            return StepRunner(PerRequestStep(self.model, self.pool, keyword), rows_alone=True), runner, reason
+        return StepRunner(PackedStep(self.model, self.pool, keyword, sizes, runner), rows_alone=False), runner, reason
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
@@ -275,12 +272,12 @@ class Engine:
         """The most tokens (prompt and generated) whose K/V one request can hold running alone in the pool, up to
         the model's `max_position_embeddings` (`limits.max_positions`); None when the pool never runs out first
         (every layer slides). A request that needs more blocks than the pool has finishes at once with an error."""
-        return self.scheduler.blocks.max_tokens(self.pool.num_blocks, self.limits.max_positions)
+        return self.scheduler.block_manager.counts.max_tokens(self.pool.num_blocks, self.limits.max_positions)
 
     def step(self) -> list[tuple[int, int]]:
         """Run one scheduling step (one forward); returns the (request_id, token_id) pairs it produced.
 
-        A forward that raises is undone (`StepCheckpoint`): no request advances and the blocks the step gave out go
+        A forward that raises is undone (`Scheduler.restore`): no request advances and the blocks the step gave out go
         back, so the engine can be stepped again. Before that the step's rows are run again in halves: a row whose
         forward raises alone while other rows run is its request's own failure, and that request finishes with
         the error (`finish_reason` "error") while the others' rows are applied as usual; so does one whose forward
@@ -477,7 +474,7 @@ class Engine:
     # ----------------------------------------------------------------- step
     def _step(self) -> list[tuple[int, int]]:
         self._num_attempts += 1
-        checkpoint = StepCheckpoint(self.scheduler)
+        checkpoint = self.scheduler.checkpoint()
         lockstep = self._lockstep
         generators: list[tuple[torch.Generator, torch.Tensor]] = []  # seeded samplers' states before this step
         try:
@@ -497,14 +494,15 @@ class Engine:
                 if r.generator is not None and r.params.temperature > 0.0 and r.num_pending == n
             ]
             decisions = [
-                self._decide(request, num_tokens, results[row]) for row, (request, num_tokens) in enumerate(rows)
+                self.step_runner.decide(request, num_tokens, results[row])
+                for row, (request, num_tokens) in enumerate(rows)
             ]
             if lockstep is not None:
                 decisions = lockstep.agree_tokens(decisions)  # rank 0's tokens, on every rank
                 if len(decisions) != len(rows):
                     raise LockstepError({lockstep.rank: f"{len(rows)} rows, rank 0 decided {len(decisions)}"})
         except BaseException as error:
-            checkpoint.restore()
+            self.scheduler.restore(checkpoint)
             for generator, state in generators:
                 generator.set_state(state)
             self.stats.num_failed_steps += 1
@@ -523,10 +521,13 @@ class Engine:
             request.num_computed += num_tokens
             self.scheduler.cache_full_blocks(request)
             if decision is not None:  # None: a prefill chunk short of the end of its input, nothing sampled
-                events.append(self._append(request, decision))
+                request.output_ids.append(decision)
+                if request.first_token_time is None:
+                    request.first_token_time = time.perf_counter()
+                events.append((request.request_id, decision))
                 if request.params.logprobs is not None:
                     request.logprobs.append(token_logprob(results[row][2], decision, request.params.logprobs))
-        for request in [r for r in self.scheduler.running if r.error is not None or self._is_done(r)]:
+        for request in [r for r in self.scheduler.running if r.error is not None or r.is_done]:
             self.scheduler.retire(request)
         for request in checkpoint.saved:  # every request the step could have finished
             if request.finished:
@@ -538,156 +539,27 @@ class Engine:
         stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
         return events
 
-    def _decide(self, request: Request, num_tokens: int, result) -> int | str | None:
-        """What a step does with one row's `result` (see `_run`): the token it appends, the error it fails the
-        request with, or None for a prefill chunk short of the end of the input."""
-        if isinstance(result, BaseException):
-            return f"request {request.request_id} failed in the model's forward: {result!r}"
-        if request.num_pending > num_tokens:
-            return None
-        greedy_id, logits, _ = result
-        if request.params.temperature == 0.0:
-            return greedy_id
-        try:
-            return sample(logits, request.params, request.generator)
-        except Exception as error:  # e.g. torch.multinomial on nan or inf probabilities
-            # This request fails alone; the others' rows of the step are applied as usual.
-            return f"request {request.request_id} could not sample its next token: {error}"
-
     def _run(self, rows: list[tuple[Request, int]], checkpoint: StepCheckpoint) -> dict | None:
-        """Each row's result: (greedy token id, host logits when it samples), or the exception its forward raised
-        alone. Runs every row in one forward; when that raises, runs them again in halves to find rows whose
-        forward raises alone (see `step`), and raises when none can be blamed. None: nothing ran, the step is
-        undone (`checkpoint`) and the requests blamed have finished with their error. The per-request step runs
-        each row alone already: a row that raises is one whose forward raises alone."""
-        results: dict = {}
-        first_error = None
-        if self._per_request is not None:
-            for row in range(len(rows)):
-                try:
-                    results.update(self._results([rows[row]], [row]))
-                except UnsupportedModel:  # the model's, not a row's: no row is to blame
-                    raise
-                except Exception as error:
-                    results[row], first_error = error, first_error or error
-            if first_error is None:
-                return results
-        else:
-            try:
-                return self._results(rows, range(len(rows)))
-            except UnsupportedModel:
-                raise
-            except Exception as error:
-                first_error = error
-            self._isolate(rows, list(range(len(rows))), first_error, results)
+        """Each row's result (`StepRunner.run`). When every row failed alone, only the rows that failed so in the step
+        before too are blamed: the step is undone (`checkpoint`), the requests blamed finish with their error, and
+        None is returned; with none blamed the step's first exception is raised."""
+        results, first_error = self.step_runner.run(rows)
+        if first_error is None:
+            return results
         failed = {row for row, result in results.items() if isinstance(result, BaseException)}
-        if not failed:  # every row ran in a smaller forward: nothing to blame
-            raise first_error
         if len(failed) == len(rows):  # nothing ran: blame only rows that failed so in the step before too
             blamed = [row for row in failed if rows[row][0].failed_alone_at == self._num_attempts - 1]
             for row in failed:
                 rows[row][0].failed_alone_at = self._num_attempts
             if not blamed:
                 raise first_error
-            checkpoint.restore()  # the others are undone, the blamed ones finish with their error
+            self.scheduler.restore(checkpoint)  # the others are undone, the blamed ones finish with their error
             for row in blamed:
                 request = rows[row][0]
                 request.error = f"request {request.request_id} failed in the model's forward: {results[row]!r}"
             self.scheduler.remove([rows[row][0] for row in blamed])
             return None
         return results
-
-    def _isolate(self, rows: list[tuple[Request, int]], indices: list[int], error: Exception, results: dict) -> None:
-        """`indices`' forward together raised `error`: run each half alone, down to single rows."""
-        if len(indices) == 1:
-            results[indices[0]] = error
-            return
-        half = len(indices) // 2
-        for part in (indices[:half], indices[half:]):
-            try:
-                results.update(self._results([rows[i] for i in part], part))
-            except Exception as part_error:
-                self._isolate(rows, part, part_error, results)
-
-    def _results(self, rows: list[tuple[Request, int]], indices) -> dict:
-        """One forward over `rows`; {index: (greedy token id, host logits or None)}, keyed by `indices`."""
-        with torch.inference_mode():
-            logits = self._forward(rows)
-            # Penalties, logit bias and minimum length, for the rows that pick a token and ask for them.
-            picking = [request if request.num_pending == num_tokens else None for request, num_tokens in rows]
-            if any(request is not None and request.params.processes_logits for request in picking):
-                logits = apply_logits_processing(logits, [r or _NO_PROCESSING for r in picking])
-            # One device read per forward, not one per row: every row's argmax, and the logits of the rows that
-            # sample (their generators live on the CPU), copied to the host together.
-            greedy_ids = logits.argmax(-1).tolist()
-            sampled = [
-                row
-                for row, (request, num_tokens) in enumerate(rows)
-                if request.params.temperature > 0.0 and request.num_pending == num_tokens
-            ]
-            host_logits = dict(zip(sampled, logits[sampled].float().cpu())) if sampled else {}
-            # Log probabilities of the rows whose requests record them (Request.logprobs), from the same logits.
-            recording = [
-                row
-                for row, request in enumerate(picking)
-                if request is not None and request.params.logprobs is not None
-            ]
-            host_logprobs = (
-                dict(zip(recording, torch.log_softmax(logits[recording].float(), dim=-1).cpu())) if recording else {}
-            )
-        return {
-            index: (greedy_ids[row], host_logits.get(row), host_logprobs.get(row)) for row, index in enumerate(indices)
-        }
-
-    def _forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
-        """One forward over `rows` (request, new tokens), packed into one sequence (decode rows first); returns
-        [len(rows), vocab] logits at each row's last new token. The per-request step runs one forward per row."""
-        if self._per_request is not None:
-            return self._per_request.forward(rows)
-        if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
-            return self.runner.forward(rows)
-        groups = range(self.pool.num_groups)
-        cache = StepCache(
-            self.pool,
-            [[request.block_tables[g] for request, _ in rows] for g in groups],
-            [request.num_computed for request, _ in rows],
-            [num_tokens for _, num_tokens in rows],
-            first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
-            chunk_sizes=self._chunk_sizes,
-            workspace=self._workspace,
-            model_type=getattr(self.model.config, "model_type", None),
-        )
-        token_ids = [
-            token
-            for request, num_tokens in rows
-            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
-        ]
-        device = self.model.device
-        out = self.model(
-            input_ids=torch.tensor([token_ids], device=device),
-            position_ids=cache.position_ids,
-            use_cache=True,
-            logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
-            **{self._cache_keyword: cache},
-        )
-        # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch
-        # module, bench/replay.py's, computes no attention at all).
-        if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
-            raise never_stored(getattr(self.model.config, "model_type", None), self._cache_keyword)
-        return out.logits[0]
-
-    def _append(self, request: Request, token: int) -> tuple[int, int]:
-        request.output_ids.append(token)
-        if request.first_token_time is None:
-            request.first_token_time = time.perf_counter()
-        return request.request_id, token
-
-    def _is_done(self, request: Request) -> bool:
-        if not request.output_ids or request.num_pending != 1:
-            return False
-        return len(request.output_ids) >= request.params.max_new_tokens or request.params.is_stop(
-            request.output_ids[-1]
-        )
 
 
 def _check_prefix_caching(pool: BlockPool, enable_prefix_caching: bool) -> None:

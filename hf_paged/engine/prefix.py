@@ -8,7 +8,7 @@ sharing a system prompt compute it once and a preempted request mostly finds its
 
 from __future__ import annotations
 
-from ..storage import BlockPool, hash_block_tokens
+from ..storage import BlockPool
 from .blocks import BlockCounts
 from .request import PrefixHit, Request
 
@@ -18,9 +18,9 @@ class PrefixReuse:
     and when a request should take its prefix (`waits`, `takes_at_admission`). Does nothing while the pool's
     prefix caching is off."""
 
-    def __init__(self, pool: BlockPool, blocks: BlockCounts, enabled: bool | None = None):
+    def __init__(self, pool: BlockPool, counts: BlockCounts, enabled: bool | None = None):
         self.pool = pool
-        self.blocks = blocks
+        self.counts = counts
         self.num_hit_tokens = 0  # prompt tokens taken from the cache instead of computed
         self._enabled = enabled  # None: whatever the pool's prefix caching is
 
@@ -38,7 +38,7 @@ class PrefixReuse:
         released and evicted do not shorten the hit. Layer groups cache their own blocks."""
         hashes = self._lookup_hashes(request)
         num_blocks, first_blocks, tables = self.pool.allocator.peek_longest_prefix(
-            hashes, self.blocks.group_windows, self.blocks.block_size
+            hashes, self.counts.group_windows, self.counts.block_size
         )
         return PrefixHit(
             num_blocks=num_blocks,
@@ -53,10 +53,10 @@ class PrefixReuse:
         if not self.enabled:
             return
         num_blocks, request.first_blocks, request.block_tables = self.pool.allocator.take_longest_prefix(
-            self._lookup_hashes(request), self.blocks.group_windows, self.blocks.block_size
+            self._lookup_hashes(request), self.counts.group_windows, self.counts.block_size
         )
         request.num_registered_blocks = num_blocks
-        request.num_computed = request.num_cached_tokens = num_blocks * self.blocks.block_size
+        request.num_computed = request.num_cached_tokens = num_blocks * self.counts.block_size
         self.num_hit_tokens += request.num_computed
 
     def waits(self, request: Request, computing: set[bytes]) -> bool:
@@ -84,17 +84,7 @@ class PrefixReuse:
         `hit`: the request's `peek`, when the caller has it."""
         if request.block_tables or request.num_computed or not self.enabled:
             return False
-        hit = hit if hit is not None else self.peek(request)
-        return hit.num_blocks > 0 and hit.waits_for not in computing
-
-    def extend_hashes(self, request: Request, num_blocks: int) -> None:
-        """Hash `request`'s tokens up to `num_blocks` full blocks (`Request.block_hashes`), the missing ones only."""
-        block_size, tokens = self.blocks.block_size, request.token_ids
-        for index in range(len(request.block_hashes), num_blocks):
-            parent = request.block_hashes[-1] if request.block_hashes else None
-            request.block_hashes.append(
-                hash_block_tokens(parent, index, tokens[index * block_size : (index + 1) * block_size])
-            )
+        return (hit if hit is not None else self.peek(request)).taken_at_admission(computing)
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a forward: remember every block of `request` that is now full of computed tokens, in every layer
@@ -102,8 +92,8 @@ class PrefixReuse:
         allocator = self.pool.allocator
         if not self.enabled:
             return
-        num_full = request.num_computed // self.blocks.block_size
-        self.extend_hashes(request, num_full)
+        num_full = request.num_computed // self.counts.block_size
+        request.extend_hashes(num_full, self.counts.block_size)
         for group, (table, first) in enumerate(zip(request.block_tables, request.first_blocks)):
             for index in range(max(request.num_registered_blocks, first), num_full):
                 allocator.cache_block(table[index - first], request.block_hashes[index], group)
@@ -112,6 +102,6 @@ class PrefixReuse:
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
         compute (so a hit never covers the whole input)."""
-        num_blocks = (len(request.token_ids) - 1) // self.blocks.block_size
-        self.extend_hashes(request, num_blocks)
+        num_blocks = (len(request.token_ids) - 1) // self.counts.block_size
+        request.extend_hashes(num_blocks, self.counts.block_size)
         return request.block_hashes[:num_blocks]

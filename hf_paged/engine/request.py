@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..storage import hash_block_tokens
 from .sampling import SamplingParams
 
 
@@ -65,6 +66,21 @@ class Request:
         """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
         return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
 
+    @property
+    def is_done(self) -> bool:
+        """It fed back its last token and reached `max_new_tokens` or a stop token."""
+        if not self.output_ids or self.num_pending != 1:
+            return False
+        return len(self.output_ids) >= self.params.max_new_tokens or self.params.is_stop(self.output_ids[-1])
+
+    def extend_hashes(self, num_blocks: int, block_size: int) -> None:
+        """Hash its tokens up to `num_blocks` full blocks of `block_size` (`block_hashes`), the missing ones only."""
+        tokens = self.token_ids
+        for index in range(len(self.block_hashes), num_blocks):
+            parent = self.block_hashes[-1] if self.block_hashes else None
+            block = tokens[index * block_size : (index + 1) * block_size]
+            self.block_hashes.append(hash_block_tokens(parent, index, block))
+
 
 class PrefixHit(NamedTuple):
     """What a prefix lookup would take: the first `num_blocks` blocks of a request's tokens are cached."""
@@ -73,6 +89,11 @@ class PrefixHit(NamedTuple):
     first_blocks: list[int]  # per layer group: the first block it needs (0 in a full group; a sliding group's window)
     tables: list[list[int]]  # per layer group: the cached blocks `first_blocks[g] .. num_blocks - 1`
     waits_for: bytes | None  # the hash of the first block not found (None: every block a lookup tries was)
+
+    def taken_at_admission(self, computing) -> bool:
+        """Whether a waiting request with this hit takes it when admitted (`PrefixReuse.takes_at_admission`): it
+        has one, and its first uncached block is not one a running request is computing (`computing`: hashes)."""
+        return self.num_blocks > 0 and self.waits_for not in computing
 
 
 @dataclass

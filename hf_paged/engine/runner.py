@@ -66,6 +66,37 @@ def runner_reason(model, pool: BlockPool, chunk_sizes: list[int | None]) -> str 
     return None
 
 
+def build_decode_runner(
+    model,
+    pool: BlockPool,
+    *,
+    max_num_seqs: int,
+    cache_keyword: str,
+    chunk_sizes: list[int | None],
+    max_positions: int | None,
+    cuda_graphs: bool | None,
+    reason: str | None = None,
+) -> tuple[DecodeRunner | None, str | None]:
+    """The Engine's decode runner and None, or None and why decode-only steps stay packed (`reason`: the Engine's
+    own, else `runner_reason`). `max_positions`: a learned-position model's table size (a row holds no more);
+    `cuda_graphs`: None for CUDA graphs on CUDA only."""
+    on_cuda = pool.device.type == "cuda"
+    if cuda_graphs not in (None, True, False):
+        raise ValueError(f"cuda_graphs must be None, True or False, got {cuda_graphs!r}")
+    if cuda_graphs and not on_cuda:
+        raise ValueError(f"cuda_graphs=True needs a pool on a CUDA device, this one is on {pool.device}")
+    reason = reason if reason is not None else runner_reason(model, pool, chunk_sizes)
+    if reason is not None:
+        return None, reason
+    # A row can hold the whole pool; a model whose positions are a table (learned) no more than the table.
+    max_tokens = pool.num_blocks * pool.block_size
+    if max_positions is not None:
+        max_tokens = min(max_tokens, max_positions)
+    max_blocks = -(-max_tokens // pool.block_size)
+    graphs = on_cuda if cuda_graphs is None else cuda_graphs
+    return DecodeRunner(model, pool, max_num_seqs, max_blocks, cache_keyword, graphs), None
+
+
 @dataclass
 class RunnerStats:
     """What the runner did: steps run eagerly and replayed, graphs captured, their capture time and memory."""

@@ -19,13 +19,14 @@ computing a copy (parallel samples of one prompt start one after the other). Adm
 running requests hold once (in a sliding group, while one of them runs), and a waiting request's cached prefix too
 (a request takes that prefix when admitted: see `Admission.fits`).
 
-The scheduler owns the queues and builds the parts it delegates to, each given what it reads:
+The scheduler owns the queues and decides; the parts it composes, siblings that never call each other's private
+methods, do the rest:
 
-    Scheduler ── waiting, running, the pool; runs a step: growth, preemption, release, retire, abort
-      ├─ BlockCounts    block arithmetic over the pool's layer groups
-      ├─ PrefixReuse    lookups in and registration with the pool's prefix cache
-      ├─ GrowthModel    how each request grows and is counted in the lookahead
-      └─ Admission      fits / admit on the queues it is handed; builds a Lookahead per admission round
+    Scheduler ── waiting, running; decides each step's rows, whom to preempt, when a request ends
+      ├─ BlockManager   the blocks: grow, fit a chunk, release out of the window, free, roll back (block_manager.py)
+      ├─ PrefixReuse    lookups in and registration with the pool's prefix cache (prefix.py)
+      ├─ GrowthModel    how each request grows and is counted in the lookahead (lookahead.py)
+      └─ Admission      fits / admit on the queues it is handed; builds a Lookahead per admission round (admission.py)
 """
 
 from __future__ import annotations
@@ -35,8 +36,10 @@ from collections import deque
 
 from ..storage import BlockPool, group_windows
 from .admission import Admission
+from .block_manager import BlockManager
 from .blocks import BlockCounts
-from .growth import GrowthModel
+from .checkpoint import StepCheckpoint
+from .lookahead import GrowthModel
 from .prefix import PrefixReuse
 from .request import Request, ScheduledStep
 
@@ -98,13 +101,11 @@ class Scheduler:
         self.backfill_window = backfill_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.blocks = BlockCounts(pool.block_size, self.group_windows)
-        self.prefix = PrefixReuse(pool, self.blocks, enable_prefix_caching)
+        counts = BlockCounts(pool.block_size, self.group_windows)
+        self.block_manager = BlockManager(pool, counts)
+        self.prefix = PrefixReuse(pool, counts, enable_prefix_caching)
         self.growth_model = self.growth_model_class(
-            self.blocks,
-            self.prefix,
-            max_num_batched_tokens=max_num_batched_tokens,
-            decode_reserve_tokens=decode_reserve_tokens,
+            counts, max_num_batched_tokens=max_num_batched_tokens, decode_reserve_tokens=decode_reserve_tokens
         )
         self.admission = Admission(
             pool, self.prefix, self.growth_model, max_num_seqs=max_num_seqs, backfill_window=backfill_window
@@ -119,9 +120,9 @@ class Scheduler:
         return self.prefix.num_hit_tokens
 
     def add(self, request: Request) -> None:
-        """Queue a request; one that could not run even alone in the whole pool (`BlockCounts.solo_need`) fails at
+        """Queue a request; one that could not run even alone in the whole pool (`BlockManager.solo_need`) fails at
         once, alone."""
-        need = self.blocks.solo_need(request)
+        need = self.block_manager.solo_need(request)
         if need > self.pool.num_blocks:
             request.error = (
                 f"request {request.request_id} needs {need} blocks ({len(request.prompt_ids)} prompt + "
@@ -143,53 +144,25 @@ class Scheduler:
         """Move waiting requests to running while they fit (`Admission.admit`)."""
         self.admission.admit(self.waiting, self.running)
 
+    def checkpoint(self) -> StepCheckpoint:
+        """What a step can change, taken before `schedule()`, for `restore`."""
+        num_head = self.backfill_window + self.max_num_seqs
+        return StepCheckpoint(self.waiting, self.running, num_head, self.prefix.num_hit_tokens)
+
+    def restore(self, checkpoint: StepCheckpoint) -> None:
+        """Undo the step begun after `checkpoint` (checkpoint.py says what goes back and what stands): the blocks it
+        gave out go back, every request is where it was."""
+        for request in self.running:
+            self.block_manager.roll_back(request, *checkpoint.tables(request))
+        self.running, self.waiting = checkpoint.queues(self.running, self.waiting)
+        self.prefix.num_hit_tokens = checkpoint.num_hit_tokens
+
     def cache_full_blocks(self, request: Request) -> None:
         """After a forward: remember `request`'s blocks that are now full (`PrefixReuse.cache_full_blocks`)."""
         self.prefix.cache_full_blocks(request)
 
-    def _release_out_of_window(self, request: Request) -> None:
-        """Give back each sliding group's blocks that no query from `num_computed` on can see."""
-        for group, window in enumerate(self.group_windows):
-            if window is None:
-                continue
-            num_released = self.blocks.first_needed_block(group, request.num_computed) - request.first_blocks[group]
-            if num_released > 0:
-                table = request.block_tables[group]
-                self.pool.allocator.free(table[:num_released])
-                del table[:num_released]
-                request.first_blocks[group] += num_released
-
-    def _grow(self, request: Request, num_tokens: int) -> bool:
-        """Give `request` blocks for `num_tokens` tokens in every group; False when the pool has too few free."""
-        if not request.block_tables:
-            request.block_tables = [[] for _ in self.group_windows]
-            request.first_blocks = [0] * len(self.group_windows)
-        missing = self._missing_blocks(request, num_tokens)
-        total = sum(missing)
-        if total == 0:
-            return True
-        if not self.pool.allocator.can_allocate(total):
-            return False
-        new = self.pool.allocator.allocate(total)  # one allocation for every group: all or nothing
-        for table, count in zip(request.block_tables, missing):
-            table += new[:count]
-            del new[:count]
-        return True
-
-    def _missing_blocks(self, request: Request, num_tokens: int) -> list[int]:
-        """Per group: the blocks `request` must add to hold `num_tokens` tokens (a request without tables has none)."""
-        end_block = self.blocks.blocks_for(num_tokens)
-        if not request.block_tables:
-            return [end_block] * len(self.group_windows)
-        tables = zip(request.block_tables, request.first_blocks)
-        return [max(end_block - first - len(table), 0) for table, first in tables]
-
-    def _free_blocks(self, request: Request) -> None:
-        self.pool.allocator.free(request.block_ids)  # cached full blocks stay findable until evicted
-        request.block_tables, request.first_blocks = [], []
-
     def _preempt(self, request: Request) -> None:
-        self._free_blocks(request)
+        self.block_manager.free(request)
         request.num_computed, request.num_registered_blocks = 0, 0
         request.states = None  # computed again from its first token: new states then
         request.num_skips = 0  # back at the head of the queue: its count starts again
@@ -197,27 +170,17 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.num_preemptions += 1
 
-    def _fit_chunk(self, request: Request, chunk: int) -> int:
-        """The most of `chunk` tokens (ending at a block boundary when fewer) that `request` can compute now with the
-        pool's free blocks; 0 when not even one."""
-        free, block_size = self.pool.allocator.num_free_blocks, self.pool.block_size
-        while chunk > 0:
-            if sum(self._missing_blocks(request, request.num_computed + chunk)) <= free:
-                return chunk
-            end_block = self.blocks.blocks_for(request.num_computed + chunk)
-            chunk = (end_block - 1) * block_size - request.num_computed  # back to the end of the block before
-        return 0
-
     def _fail_alone(self, request: Request, chunk: int) -> None:
         """`request` runs alone and the pool still cannot hold its next `chunk` tokens, so it can never run: it
         fails (the engine raises `RequestFailed` for it once the others finish) instead of being preempted and
         re-admitted forever.
 
-        NOTE: `add` turns away a request that could not run even alone (`BlockCounts.solo_need`), and a request
-        running alone computes a smaller chunk when its next one does not fit (`_fit_chunk`), so this is only reached
+        NOTE: `add` turns away a request that could not run even alone (`BlockManager.solo_need`), and a request
+        running alone computes a smaller chunk when its next one does not fit (`BlockManager.fit_chunk`), so this is
+        only reached
         when blocks of the pool are held outside the engine (a `PagedCache` on the same pool).
         """
-        held_outside = self.pool.num_used_blocks - len(set(request.block_ids))
+        held_outside = self.block_manager.held_outside(request)
         request.error = (
             f"request {request.request_id} cannot hold {request.num_computed + chunk} tokens "
             f"({len(request.prompt_ids)} prompt + {len(request.output_ids)} generated) even alone: "
@@ -231,7 +194,7 @@ class Scheduler:
         self.retire(request)
 
     def retire(self, request: Request) -> None:
-        self._free_blocks(request)
+        self.block_manager.free(request)
         request.states = None  # a hybrid model's recurrent states: no forward of it follows
         request.finished = True
         request.finish_time = time.perf_counter()
@@ -275,7 +238,7 @@ class Scheduler:
         # what the lookahead counts for it (`GrowthModel.demand`).
         for request in self.running:
             if request.block_tables:
-                self._release_out_of_window(request)
+                self.block_manager.release_out_of_window(request)
         self.admit()
 
         # Every request with one token to feed gets its row, so its token is set aside first; prefill chunks share
@@ -305,11 +268,11 @@ class Scheduler:
                 if request.num_pending > 1:
                     computing.update(request.block_hashes[request.num_registered_blocks :])
             chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
-            while not self._grow(request, request.num_computed + chunk):
+            while not self.block_manager.grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
                     # Alone: compute what the pool holds this step (a sliding group gives blocks back as it goes).
-                    fitting = self._fit_chunk(request, chunk)
+                    fitting = self.block_manager.fit_chunk(request, chunk)
                     if fitting == 0:
                         self._fail_alone(request, chunk)
                         break

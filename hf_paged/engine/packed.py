@@ -1,0 +1,75 @@
+"""The packed step: every row of an Engine step in one forward, packed into one sequence.
+
+    step rows:  | d0 | d1 | p0: prompt chunk, 5 tokens |        decode rows first
+    forward:    model([d0, d1, p0 ... p0], cache=StepCache)     [1, 7]: attention through "hf_paged" reads the pool
+    logits:     at each row's last token -> [num_rows, vocab]   (`logits_to_keep`)
+
+A step whose rows all add one token goes to the decode runner instead (runner.py: persistent buffers, CUDA graphs),
+when the model has one. `PerRequestStep` (per_request.py) is the other step behind the same `forward(rows)`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..storage import BlockPool
+from .request import Request
+from .runner import DecodeRunner
+from .step_cache import StepCache
+from .support import never_stored
+
+
+class PackedStep:
+    """Runs the rows of an Engine step in one forward (see the module docstring).
+
+    Args:
+        model: the transformers causal LM, on the "hf_paged" attention.
+        pool (`BlockPool`): the Engine's pool.
+        cache_keyword (`str`): the keyword the model's forward takes its cache by.
+        chunk_sizes (`list[int | None]`): per layer, its chunked-attention size or None.
+        runner (`DecodeRunner`, *optional*): what runs decode-only steps (None: they are packed too).
+    """
+
+    def __init__(
+        self, model, pool: BlockPool, cache_keyword: str, chunk_sizes: list[int | None], runner: DecodeRunner | None
+    ):
+        self.model, self.pool = model, pool
+        self.cache_keyword = cache_keyword
+        self.chunk_sizes = chunk_sizes
+        self.runner = runner
+        self.model_type = getattr(model.config, "model_type", None)
+        self._workspace: dict = {}  # StepCache gather buffers, reused across steps
+
+    def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """rows (request, new tokens), decode rows first -> [len(rows), vocab] logits at each row's last new token."""
+        if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
+            return self.runner.forward(rows)
+        groups = range(self.pool.num_groups)
+        cache = StepCache(
+            self.pool,
+            [[request.block_tables[g] for request, _ in rows] for g in groups],
+            [request.num_computed for request, _ in rows],
+            [num_tokens for _, num_tokens in rows],
+            first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
+            chunk_sizes=self.chunk_sizes,
+            workspace=self._workspace,
+            model_type=self.model_type,
+        )
+        token_ids = [
+            token
+            for request, num_tokens in rows
+            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
+        ]
+        device = self.model.device
+        out = self.model(
+            input_ids=torch.tensor([token_ids], device=device),
+            position_ids=cache.position_ids,
+            use_cache=True,
+            logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
+            **{self.cache_keyword: cache},
+        )
+        # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch
+        # module, bench/replay.py's, computes no attention at all).
+        if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
+            raise never_stored(self.model_type, self.cache_keyword)
+        return out.logits[0]
