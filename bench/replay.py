@@ -11,7 +11,7 @@ budget and knobs, in seconds instead of minutes; only the time each step takes i
 
     python -m bench.replay --full --budgets 2,4,8,16
     python -m bench.replay --full --decode-reserve-tokens 0      # vLLM's admission: admit what fits, preempt
-    python -m bench.replay --full --backfill-window 1            # strict arrival order
+    python -m bench.replay --full --backfill-depth 1            # strict arrival order
     python -m bench.replay --full --workload long --layers mixed # the default sizes, 5 sliding : 1 full layers
 
 What it is for: the knobs' effect on concurrency and preemption, and how close the mean rows come to the memory
@@ -82,7 +82,7 @@ def replay(
     max_num_seqs: int = ENGINE_MAX_NUM_SEQS,
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS,
     decode_reserve_tokens: int | None = None,
-    backfill_window: int = 8,
+    backfill_depth: int = 8,
 ) -> Replay:
     """Run `workload` through an `Engine` on a pool of `multiple` worst-case reservations, as `python -m bench`
     does (same budget, same engine settings by default), with the stand-in forward.
@@ -105,7 +105,7 @@ def replay(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         decode_reserve_tokens=decode_reserve_tokens,
-        backfill_window=backfill_window,
+        backfill_depth=backfill_depth,
     )
     for index in range(workload.num_requests):
         add_workload_request(engine, workload, index)
@@ -121,7 +121,7 @@ def replay(
         static_batch=dynamic_batch_size(budget, workload.num_samples) * workload.num_samples,
         bound=concurrency_bound(workload, budget),
         # no step at all when the budget turns every request away
-        mean_occupancy=sum(stats.used_blocks) / max(len(stats.used_blocks), 1) / pool.num_blocks,
+        mean_occupancy=stats.mean_used_blocks / pool.num_blocks,
         num_preemptions=stats.num_preemptions,
         prefill_tokens=stats.prefill_tokens,
         prompt_tokens=sum(len(spec.prompt_ids) for spec in workload.sequences),
@@ -182,7 +182,7 @@ def main(argv=None) -> int:
         default=None,
         help="the Engine's admission lookahead (default: to every request's end, never preempting)",
     )
-    parser.add_argument("--backfill-window", type=int, default=8)
+    parser.add_argument("--backfill-depth", type=int, default=8)
     parser.add_argument("--layers", default="full", choices=LAYERS, help=LAYERS_HELP)
     args = parser.parse_args(argv)
     config = None if args.layers == "full" else embedded_model(args.layers).config
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
             decode_reserve_tokens=args.decode_reserve_tokens,
-            backfill_window=args.backfill_window,
+            backfill_depth=args.backfill_depth,
         )
         for multiple in args.budgets
     ]

@@ -1,5 +1,5 @@
 """Backfill admission and the lookahead: when the first waiting request does not fit, a later one of the next
-`backfill_window` that does goes first, a request passed over `Admission.MAX_SKIPS` times blocks backfill behind it,
+`backfill_depth` that does goes first, a request passed over `Admission.MAX_SKIPS` times blocks backfill behind it,
 and the plan admission checks newcomers against counts prefill waits, so the default admission never preempts."""
 
 import itertools
@@ -47,7 +47,7 @@ def test_a_later_request_that_fits_goes_first_and_the_head_counts_a_skip():
 
 
 def test_strict_arrival_order_with_a_window_of_one():
-    scheduler = _scheduler(10, backfill_window=1)
+    scheduler = _scheduler(10, backfill_depth=1)
     running, big, small = _fill(scheduler)
     scheduler.schedule()
     assert scheduler.running == [running] and list(scheduler.waiting) == [big, small]
@@ -55,7 +55,7 @@ def test_strict_arrival_order_with_a_window_of_one():
 
 
 def test_the_window_bounds_how_far_admission_looks():
-    scheduler = _scheduler(10, backfill_window=2)
+    scheduler = _scheduler(10, backfill_depth=2)
     running, big, small = _fill(scheduler)
     scheduler.waiting.insert(1, new_request(3, 24, 5))  # another that does not fit, between the two
     scheduler.schedule()
@@ -74,11 +74,11 @@ def test_a_request_skipped_max_skips_times_blocks_backfill_behind_it():
     assert scheduler.running[0] is big
 
 
-def test_backfill_window_must_be_a_positive_int():
+def test_backfill_depth_must_be_a_positive_int():
     for bad in (0, -1, 2.5, True):
-        message = rf"backfill_window must be an int >= 1 \(1: strict arrival order\), got {bad}"
+        message = rf"backfill_depth must be an int >= 1 \(1: strict arrival order\), got {bad}"
         with pytest.raises(ValueError, match=message):
-            _scheduler(10, backfill_window=bad)
+            _scheduler(10, backfill_depth=bad)
 
 
 def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
@@ -92,7 +92,7 @@ def test_engine_backfill_runs_more_side_by_side_and_matches_generate():
     for window in (1, 8):
         engine_model = tiny_model("llama", "hf_paged")
         pool = BlockPool.for_model(engine_model, num_blocks=16, block_size=BLOCK_SIZE)
-        engine = Engine(engine_model, pool, max_num_seqs=8, backfill_window=window)
+        engine = Engine(engine_model, pool, max_num_seqs=8, backfill_depth=window)
         assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
         assert pool.num_used_blocks == 0
         stats[window] = engine.stats
@@ -129,14 +129,14 @@ def _burst(seed: int) -> list[Request]:
     return [new_request(i, n, k) for i, (n, k) in enumerate(zip(lengths, outputs))]
 
 
-@pytest.mark.parametrize("backfill_window", [1, 8])
-def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_window):
+@pytest.mark.parametrize("backfill_depth", [1, 8])
+def test_lookahead_counts_prefill_waits_and_never_preempts(backfill_depth):
     """A burst admitted at once prefills a few prompts a step (16 or 32 tokens of budget), so the last ones start
     and end steps late. The lookahead counts that wait and never preempts; a lookahead that does not count it
     admits on plans that run out of blocks at the burst's end."""
     late_plans = 0
     for seed, num_blocks, budget in itertools.product(range(6), (16, 24, 32, 40, 64, 96), (16, 32)):
-        kwargs = dict(max_num_seqs=16, max_num_batched_tokens=budget, backfill_window=backfill_window)
+        kwargs = dict(max_num_seqs=16, max_num_batched_tokens=budget, backfill_depth=backfill_depth)
         scheduler = Scheduler(BlockPool(KVLayout((2,), (4,)), num_blocks=num_blocks, block_size=BLOCK_SIZE), **kwargs)
         drive(scheduler, _burst(seed))
         assert scheduler.num_preemptions == 0, (seed, num_blocks, budget)

@@ -379,7 +379,7 @@ def test_lookahead_admission_never_preempts_and_a_short_reserve_does():
     for reserve in (0, 4, None):
         # Strict arrival order: with backfill, reserve 0 admits the three short prompts before the 30-token one
         # and this pool happens to hold them without preempting.
-        engine, pool = tiny_engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_window=1)
+        engine, pool = tiny_engine("llama", 16, max_num_seqs=5, decode_reserve_tokens=reserve, backfill_depth=1)
         assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
             "llama", prompts, NEW_TOKENS
         )

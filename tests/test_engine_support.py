@@ -1,5 +1,5 @@
-"""The Engine's up-front refusals (hf_paged/engine/support.py) and the packed-step fixes the zoo relies on, checked
-directly on tiny zoo models (fast): each refusal is an `UnsupportedModel` from `Engine(...)`, before any step,
+"""The Engine's up-front refusals (hf_paged/engine/model_support.py) and the packed-step fixes the zoo relies on,
+checked directly on tiny zoo models (fast): each refusal is an `UnsupportedModel` from `Engine(...)`, before any step,
 naming the model type and the reason; a model the Engine serves gives each prompt what generate() gives it alone."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_engine_refuses_non_causal_attention():
     with pytest.raises(UnsupportedModel, match="'bert': its logits differ when a prompt is computed in chunks"):
         Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4))
     with pytest.raises(UnsupportedModel, match="'bert': its attention is not causal \\(is_causal=False on BertSelf"):
-        hf_paged.engine.support.refuse_unsupported_engine(model)
+        hf_paged.engine.model_support.refuse_unsupported_engine(model)
 
 
 def test_a_refused_model_is_left_as_it_was():
@@ -90,7 +90,7 @@ def test_encoder_layers_of_a_multimodal_model_are_not_judged():
     # Its audio encoder's attention is bidirectional; its decoder (a Qwen3) is what the Engine runs.
     model = zoo.tiny_model("moss_transcribe_diarize", zoo.architectures()["moss_transcribe_diarize"])
     assert any(getattr(module, "is_causal", None) is False for module in model.modules())
-    hf_paged.engine.support.refuse_unsupported_engine(model)
+    hf_paged.engine.model_support.refuse_unsupported_engine(model)
 
 
 @pytest.mark.parametrize(

@@ -26,7 +26,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, LinearAttentionCacheLayerMixin, LinearAttentionLayer
 
 from ..errors import IncompleteStep, UnsupportedModel
-from ..storage.hybrid import HYBRID_LAYER_TYPES
+from ..storage.kv_layers import HYBRID_LAYER_TYPES
 from .layer import PagedIndexedLayer, PagedLayer
 
 PREFIX_REUSE_REASON = (

@@ -1,6 +1,6 @@
 """Admission: which waiting requests may start, looking ahead at how every running request will grow.
 
-`Admission.fits` checks a newcomer against a plan of the running requests (`Lookahead`, counting each request
+`Admission.fits` checks a newcomer against a forecast of the running requests (`Lookahead`, counting each request
 as `GrowthModel` says); `Admission.admit` moves waiting requests to the running ones in arrival order, with
 backfill: when the first does not fit, a later one of the next few that does goes first.
 """
@@ -13,14 +13,14 @@ from collections import deque
 
 from ..storage import BlockPool
 from .lookahead import GrowthModel, Lookahead
-from .prefix import PrefixReuse
+from .prefix_cache import PrefixReuse
 from .request import Request
 
 
 class Admission:
     """The scheduler's admission: `fits` and `admit` on the queues the scheduler passes in (`waiting`, in queue
     order; `running`, in admission order), with at most `max_num_seqs` running and backfill over the first
-    `backfill_window` waiting requests."""
+    `backfill_depth` waiting requests."""
 
     # NOTE: a request passed over this many times stops backfill behind it until it is admitted, so arrivals that
     # keep coming cannot starve a large request: it waits for at most this many later ones (a preempted request
@@ -34,16 +34,16 @@ class Admission:
         growth_model: GrowthModel,
         *,
         max_num_seqs: int,
-        backfill_window: int,
+        backfill_depth: int,
     ):
         self.pool = pool
         self.prefix = prefix
         self.growth_model = growth_model
         self.max_num_seqs = max_num_seqs
-        self.backfill_window = backfill_window
+        self.backfill_depth = backfill_depth
 
     def lookahead(self, running: list[Request]) -> Lookahead:
-        """The plan of `running` as the pool stands now, to try newcomers against (`Lookahead.fits`)."""
+        """The forecast of `running` as the pool stands now, to try newcomers against (`Lookahead.fits`)."""
         peek = self.prefix.peek if self.prefix.enabled else None
         return Lookahead(running, self.pool.num_free_blocks, self.growth_model, peek)
 
@@ -82,7 +82,7 @@ class Admission:
 
     def admit(self, waiting: deque[Request], running: list[Request]) -> None:
         """Move waiting requests to running while they fit (`fits`), in arrival order with backfill: when the first
-        waiting request does not fit, the first of the next `backfill_window - 1` that does is admitted instead, and
+        waiting request does not fit, the first of the next `backfill_depth - 1` that does is admitted instead, and
         every request it passes counts a skip. A request skipped `MAX_SKIPS` times blocks backfill behind it.
 
         Why: a burst's head may need blocks that only a finishing request gives back, while a smaller request
@@ -93,7 +93,7 @@ class Admission:
         # free, re-prefilled, and preempted again), and a larger fixed reserve still preempts and holds concurrency
         # below what the pool allows.
         while waiting and len(running) < self.max_num_seqs:
-            # One plan of the running requests for every waiting request tried against them (a new one after each
+            # One forecast of the running requests for every waiting request tried against them (a new one after each
             # admission): nothing else changes between tries.
             lookahead = self.lookahead(running) if running else None
             chosen = 0 if lookahead is None else self._first_fitting(waiting, lookahead)
@@ -112,7 +112,7 @@ class Admission:
     def _first_fitting(self, waiting: deque[Request], lookahead: Lookahead) -> int | None:
         """Position in `waiting` of the first request that fits `lookahead`, within the backfill window and not
         behind a request that was skipped `MAX_SKIPS` times; None when none does."""
-        for position, request in enumerate(itertools.islice(waiting, self.backfill_window)):
+        for position, request in enumerate(itertools.islice(waiting, self.backfill_depth)):
             if lookahead.fits(request):
                 return position
             if request.num_skips >= self.MAX_SKIPS:

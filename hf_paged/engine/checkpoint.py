@@ -42,7 +42,7 @@ class StepCheckpoint:
     O(running + a few waiting) tuples.
 
     `num_head`: the waiting requests a step can touch: admission takes and passes requests only within the first
-    `backfill_window` of the queue, one admission at a time, so at most `max_num_seqs` further along than that."""
+    `backfill_depth` of the queue, one admission at a time, so at most `max_num_seqs` further along than that."""
 
     def __init__(self, waiting: deque[Request], running: list[Request], num_head: int, num_hit_tokens: int):
         self.waiting = list(waiting)

@@ -3,12 +3,17 @@
     engine = Engine(model, BlockPool.for_model(model, max_memory="1GiB"), max_num_seqs=64)
     outputs = engine.generate([[1, 2, 3], [4, 5]], max_new_tokens=32)   # token ids, in input order
 
-Each `step()` runs one forward over every scheduled request: the decode rows' next tokens and the prefill chunks
-packed into one sequence (see `StepCache`), attention through "hf_paged" (ragged decode rows read the pool, no
-padding to the longest sequence); then samples, retires finished requests and frees their blocks. `Engine` switches
-the model to the "hf_paged" attention implementation (which behaves exactly like sdpa with any other cache). A model
-the packed step cannot run gets one forward per scheduled request instead, with its own attention (`step_mode`
-"per-request", per_request.py).
+Each `step()`: the scheduler decides (scheduler.py), the step runner runs the rows on the device (step_runner.py),
+then the engine appends tokens and retires finished requests:
+
+    Scheduler.schedule()     which requests run, with how many tokens, on which blocks
+      ├─ Admission           who may start (admission.py, with the Lookahead of lookahead.py)
+      ├─ BlockManager        the blocks: grow, free, release, roll back (block_manager.py)
+      └─ PrefixReuse         the pool's prefix cache (prefix_cache.py)
+    StepRunner.run(rows)     one forward (or one per row), logits processing, per-row results; failures isolated
+      ├─ PackedStep          every row packed into one sequence, attention through "hf_paged" (packed.py,
+      │                      step_cache.py); decode-only steps on the DecodeRunner (runner.py: CUDA graphs)
+      └─ PerRequestStep      a forward per row with the model's own attention (per_request.py)
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
 return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
@@ -31,6 +36,7 @@ from ..storage import BlockPool, KVLayout, block_windows
 from .checkpoint import StepCheckpoint
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
+from .model_support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 from .packed import PackedStep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
@@ -39,64 +45,39 @@ from .sampling import SamplingParams, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_runner import StepRunner
-from .support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 
 logger = logging.getLogger(__name__)
 
 
 class Engine:
-    """Serve many requests from one `BlockPool` with any model that works with `PagedCache`.
+    """Serve many requests from one `BlockPool` with any model that works with `PagedCache` (docs/engine.md has each
+    argument in full).
 
     Args:
-        model: a transformers causal LM (decoder-only, full, sliding-window or chunked attention layers). Each
-            request holds one block table per layer group of the pool; a group whose layers all slide gives back the
-            blocks that left the window, so sliding-window models hold about a window of K/V per request (in the
-            packed step; the per-request step keeps every block). A model the packed step would run wrong
-            (`hf_paged/engine/support.py`: no `position_ids` or `logits_to_keep`, attention outside transformers'
-            attention interface, K/V read after `cache.update()`, ...) runs one forward per scheduled request
-            instead (`step_mode` "per-request", `engine/per_request.py`: no batching gain); one neither step serves
-            (looped layers, attention that is not causal over a prompt, ...) raises `UnsupportedModel` here, naming
-            its type and the reason, and is left as it was.
+        model: a transformers causal LM. A model the packed step would run wrong (`engine/model_support.py`) runs one
+            forward per scheduled request (`step_mode` "per-request"); one neither step serves raises
+            `UnsupportedModel` here, naming its type and the reason.
         pool (`BlockPool`): built for this model (`BlockPool.for_model(model, ...)`).
         max_num_seqs (`int`, defaults to 64): requests running at once.
-        max_num_batched_tokens (`int`, defaults to 512): tokens per step (decode rows count one each; the rest
-            goes to prefill chunks, so one long prompt cannot stall decoding). At least `max_num_seqs`.
-        enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes when a request's prefill
-            starts. Requests that share prompt blocks (a system prompt, parallel samples of one prompt) compute them
-            once: a request waits while another computes blocks it would reuse, and admission counts a block that
-            several running requests hold once, in a full-attention group or a sliding window (also the blocks a
-            waiting request would take from the cache: it takes them when admitted). With layer groups, each group
-            caches its own blocks, and a sliding group needs only the blocks its window still sees for a hit.
-            The cache lives in the pool: on a pool built without prefix caching that nothing uses yet (no block
-            held or cached), True turns the pool's prefix cache on (a pool with prefix caching belongs to one
-            model); on one in use it raises `ValueError` (build the pool with `enable_prefix_caching=True`). False
-            leaves a pool's prefix cache as it is and never reads or adds to it.
-        decode_reserve_tokens (`int`, *optional*): how far admission looks ahead. A waiting request is admitted
-            only if, at every step until each running request reaches its `max_new_tokens` (by default) or for
-            the next `decode_reserve_tokens` steps, the pool holds what every request will have grown to, counting
-            the blocks of requests that finish first. The default never preempts an admitted request (sliding
-            groups included: each is counted at the blocks its window can span); a finite value admits more when
-            requests usually stop early (eos) and preempts when they do not.
-        backfill_window (`int`, defaults to 8): how many waiting requests admission considers, in queue order
-            (arrival order; a preempted request goes back to the front).
-            When the first does not fit, the first of the others that does is admitted instead (backfill); a
-            request passed over `Admission.MAX_SKIPS` (16) times blocks backfill behind it, so none waits forever.
-            1: strict arrival order.
-        cuda_graphs (`bool`, *optional*): replay decode-only steps (every row adds one token) as CUDA graphs, one per
-            batch bucket, captured when a bucket first runs (`runner.py`). Defaults to True on CUDA; not available
-            elsewhere. Decode-only steps run from the runner's persistent buffers either way.
-        lockstep_timeout (`float`, defaults to 300): under tensor parallelism (a model loaded with a TP plan, one
-            engine per rank, every rank making the same calls), the seconds a rank waits for the others at a step's
-            agreement points before raising `LockstepError` (see lockstep.py: the ranks schedule the same rows and
-            apply rank 0's tokens, and an error on one rank fails the step on all). Ignored on one rank.
+        max_num_batched_tokens (`int`, defaults to 512): tokens per step, a decode row counting one, so one long
+            prompt cannot stall decoding. At least `max_num_seqs`.
+        enable_prefix_caching (`bool`, defaults to `True`): reuse cached prompt prefixes; turns the pool's prefix
+            cache on when nothing uses the pool yet, and raises `ValueError` on a pool in use built without one.
+        decode_reserve_tokens (`int`, *optional*): how far admission looks ahead: None to every running request's
+            end (an admitted request is never preempted), N the next N steps (more admitted, some preempted).
+        backfill_depth (`int`, defaults to 8): waiting requests admission considers, in queue order; 1 is strict
+            arrival order.
+        cuda_graphs (`bool`, *optional*): replay decode-only steps as CUDA graphs, one per batch bucket; defaults
+            to True on CUDA, not available elsewhere.
+        lockstep_timeout (`float`, defaults to 300): under tensor parallelism (one engine per rank), the seconds a
+            rank waits for the others at a step's agreement points before raising `LockstepError`.
 
     Attributes:
-        step_mode (`str`): "packed" (every step is one forward over all its rows, attention through "hf_paged") or
-            "per-request" (each row of a step is a forward of its own, batch 1, with the model's own attention),
-            chosen once here from the model's classes.
-        step_mode_reason (`str` or None): why the packed step cannot run the model (None when it can).
+        step_mode (`str`): "packed" (one forward over all rows of a step) or "per-request" (a forward per row).
+        step_mode_reason (`str` or None): why the packed step cannot run the model.
         runner (`DecodeRunner` or None): what runs decode-only steps (its `stats`: steps replayed and run eagerly,
             graph capture time and memory); None where they stay packed (`runner_reason` says why).
+        step_runner (`StepRunner`): what runs a step's rows on the device (`engine/step_runner.py`).
     """
 
     def __init__(
@@ -108,7 +89,7 @@ class Engine:
         max_num_batched_tokens: int = 512,
         enable_prefix_caching: bool = True,
         decode_reserve_tokens: int | None = None,
-        backfill_window: int = 8,
+        backfill_depth: int = 8,
         cuda_graphs: bool | None = None,
         lockstep_timeout: float = 300.0,
     ):
@@ -135,7 +116,7 @@ class Engine:
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
-            backfill_window=backfill_window,
+            backfill_depth=backfill_depth,
             # The per-request step keeps every block: a prompt chunk sees the whole prompt before it.
             sliding_windows=block_windows(model.config.get_text_config(decoder=True)) if packed else None,
             enable_prefix_caching=enable_prefix_caching,
@@ -478,8 +459,8 @@ class Engine:
         lockstep = self._lockstep
         generators: list[tuple[torch.Generator, torch.Tensor]] = []  # seeded samplers' states before this step
         try:
-            plan = self.scheduler.schedule()
-            rows = [(request, 1) for request in plan.decode] + plan.prefill
+            scheduled = self.scheduler.schedule()
+            rows = [(request, 1) for request in scheduled.decode] + scheduled.prefill
             rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
             if lockstep is not None:
                 lockstep.agree_rows([(r.request_id, r.num_computed, n) for r, n in rows])

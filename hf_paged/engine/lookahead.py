@@ -1,17 +1,17 @@
-"""Lookahead: how each running request grows (`GrowthModel`), and the plan of all of them (`Lookahead`), worked out
+"""Lookahead: how each running request grows (`GrowthModel`), and the forecast of all of them (`Lookahead`), worked out
 once and shared by every newcomer tried against it.
 
-Admission asks, for up to `backfill_window` waiting requests a step, whether each fits next to the running requests
+Admission asks, for up to `backfill_depth` waiting requests a step, whether each fits next to the running requests
 at every step ahead (`Admission.fits`). The running requests' side of that question (how each grows, when it
 finishes, which blocks they hold together) does not depend on the newcomer, so `Lookahead` works it out once per
 admission round and each try adds only the newcomer's share: while the queue is blocked, admission tries several
-waiting requests every step, and each would otherwise rebuild the same plan.
+waiting requests every step, and each would otherwise rebuild the same forecast.
 
 A running request grows by one token a step until its `max_new_tokens` (or for `decode_reserve_tokens` steps, when
 set), and holds its blocks until it ends. A request whose prompt is not computed yet starts growing only once its
 prefill has had budget: the prompts before it take the step's prefill tokens first, and with prefix caching it may
 also wait for prompt blocks another request is computing. It may start (and end) up to `delay` steps late, so its
-plan (`Growth`) counts it from step 0 as if it started at once, then at its full size until the latest step it can
+forecast (`Growth`) counts it from step 0 as if it started at once, then at its full size until the latest step it can
 end; at every step, that is at least what it holds:
 
     step t:     0     1     2    ...   steps    steps + 1   ...   end = steps + delay
@@ -50,7 +50,7 @@ class Growth(NamedTuple):
 
 
 class GrowthModel:
-    """Each request's plan (`growth`) and block count (`demand`) in admission's lookahead, and the waits of prefills
+    """Each request's forecast (`growth`) and block count (`demand`) in admission's lookahead, and the waits of prefills
     for prompt blocks other requests are computing (`add_prefix_waits`). `Lookahead` sums these over the running
     requests and a newcomer; a `Scheduler` subclass can count differently through `Scheduler.growth_model_class`."""
 
@@ -60,7 +60,7 @@ class GrowthModel:
         self.decode_reserve_tokens = decode_reserve_tokens
 
     def growth(self, request: Request, delay: int, prefilling: bool, start: int | None = None) -> Growth:
-        """`request`'s plan in the lookahead when its prefill may wait `delay` steps for budget; `start`: the
+        """`request`'s forecast in the lookahead when its prefill may wait `delay` steps for budget; `start`: the
         position its computation goes on from (default: its computed tokens)."""
         num_tokens = len(request.prompt_ids) + len(request.output_ids)  # what it holds once its input is computed
         # NOTE: the last sampled token is never fed back, so K/V peak at prompt + max_new_tokens - 1 tokens.
@@ -153,7 +153,7 @@ class SlidingShare(NamedTuple):
 
 
 class Lookahead:
-    """The plan of the `running` requests with one newcomer after them (see `Admission.fits` for what it counts):
+    """The forecast of the `running` requests with one newcomer after them (see `Admission.fits` for what it counts):
     `num_free_blocks` of the pool are free, and `growth_model` says how each request grows and what it holds.
 
     Valid while the running requests, their blocks and the pool stay as they are: admission makes a new one after
@@ -169,7 +169,7 @@ class Lookahead:
         # NOTE: decode rows run every step, but prefill chunks share what is left of `max_num_batched_tokens` in
         # scheduling order, so a prompt waits for the prompts before it: admitting many requests at once (a burst)
         # starts the last of them several steps late, and they end as late. Without counting that delay, a burst
-        # admitted on a plan that fits runs out of blocks at its end and preempts.
+        # admitted on a forecast that fits runs out of blocks at its end and preempts.
         # Prefill tokens a step surely has once the newcomer runs: the budget less a decode row for every other
         # request (one that is prefilling has none); at least 1, as max_num_batched_tokens >= max_num_seqs.
         max_num_batched_tokens = growth_model.max_num_batched_tokens
@@ -243,7 +243,7 @@ class Lookahead:
         return [hit.tables[group] for group in self.full_groups]
 
     def newcomer_growth(self, newcomer: Request, waits_for: bytes | None = None, start: int = 0) -> Growth:
-        """The newcomer's plan, scheduled after the running requests: its prefill waits for theirs (and, with prefix
+        """The newcomer's forecast, scheduled after the running requests: its prefill waits for theirs (and, with prefix
         caching, for `waits_for`, its first uncached prompt block, when one of them is computing it). `start`: the
         position it computes from (the prefix admission takes for it, `PrefixReuse.takes_at_admission`)."""
         delay = self._prefill_delay(self.queued + newcomer.num_pending)

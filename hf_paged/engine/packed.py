@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from ..storage import BlockPool
+from .model_support import never_stored
 from .request import Request
 from .runner import DecodeRunner
 from .step_cache import StepCache
-from .support import never_stored
 
 
 class PackedStep:

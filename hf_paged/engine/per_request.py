@@ -2,7 +2,7 @@
 
 The packed step (`StepCache`) needs a model that takes `position_ids` and `logits_to_keep`, attends through
 transformers' attention interface and reads no K/V after `cache.update()`. A model that breaks one of these
-(support.py names it) is served one request at a time instead:
+(model_support.py names it) is served one request at a time instead:
 
     step rows:  | d0 | d1 | p0: prompt chunk, 5 tokens |
     forwards:   model([d0's token], cache=RowCache(d0))      each [1, q_len], batch 1
@@ -47,10 +47,10 @@ from ..cache.hybrid import PagedHybridLayer, decoder_layers
 from ..cache.layer import PagedLayer
 from ..errors import UnsupportedModel
 from ..storage import BlockPool, KVLayout, sliding_windows
-from ..storage.hybrid import holds_state
+from ..storage.kv_layers import holds_state
+from .model_support import never_stored, takes
 from .request import Request
 from .step_cache import StepCache
-from .support import never_stored, takes
 
 
 class RowCache(Cache):

@@ -39,8 +39,8 @@ from ..cache.block_tables import head_major_index
 from ..cache.fixed_width import gather_fixed
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
+from .model_support import never_stored
 from .step_cache import StepLayer
-from .support import never_stored
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ methods, do the rest:
 
     Scheduler ── waiting, running; decides each step's rows, whom to preempt, when a request ends
       ├─ BlockManager   the blocks: grow, fit a chunk, release out of the window, free, roll back (block_manager.py)
-      ├─ PrefixReuse    lookups in and registration with the pool's prefix cache (prefix.py)
+      ├─ PrefixReuse    lookups in and registration with the pool's prefix cache (prefix_cache.py)
       ├─ GrowthModel    how each request grows and is counted in the lookahead (lookahead.py)
       └─ Admission      fits / admit on the queues it is handed; builds a Lookahead per admission round (admission.py)
 """
@@ -40,7 +40,7 @@ from .block_manager import BlockManager
 from .blocks import BlockCounts
 from .checkpoint import StepCheckpoint
 from .lookahead import GrowthModel
-from .prefix import PrefixReuse
+from .prefix_cache import PrefixReuse
 from .request import Request, ScheduledStep
 
 
@@ -55,7 +55,7 @@ class Scheduler:
         decode_reserve_tokens (`int`, *optional*): how many steps of growth admission looks ahead (None: to every
             running request's end, so no admitted request is preempted).
         sliding_windows (`list[int | None]`, *optional*): per layer, its sliding window or None (default: none).
-        backfill_window (`int`, defaults to 8): waiting requests admission considers, in queue order.
+        backfill_depth (`int`, defaults to 8): waiting requests admission considers, in queue order.
         enable_prefix_caching (`bool`, *optional*): False: never look up or register prefixes, even on a pool that
             keeps a prefix cache (default: as the pool does).
     """
@@ -71,7 +71,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         decode_reserve_tokens: int | None = None,
         sliding_windows: list[int | None] | None = None,
-        backfill_window: int = 8,
+        backfill_depth: int = 8,
         enable_prefix_caching: bool | None = None,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -85,8 +85,8 @@ class Scheduler:
                 f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs ({max_num_seqs}): each "
                 "running request's decode row takes one token of a step's budget"
             )
-        if isinstance(backfill_window, bool) or not isinstance(backfill_window, int) or backfill_window < 1:
-            raise ValueError(f"backfill_window must be an int >= 1 (1: strict arrival order), got {backfill_window!r}")
+        if isinstance(backfill_depth, bool) or not isinstance(backfill_depth, int) or backfill_depth < 1:
+            raise ValueError(f"backfill_depth must be an int >= 1 (1: strict arrival order), got {backfill_depth!r}")
         if decode_reserve_tokens is not None and decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be None or >= 0, got {decode_reserve_tokens}")
         self.pool = pool
@@ -98,7 +98,7 @@ class Scheduler:
             )
         self.group_windows = group_windows(pool.layer_groups, windows)
         self.decode_reserve_tokens = decode_reserve_tokens
-        self.backfill_window = backfill_window
+        self.backfill_depth = backfill_depth
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         counts = BlockCounts(pool.block_size, self.group_windows)
@@ -108,7 +108,7 @@ class Scheduler:
             counts, max_num_batched_tokens=max_num_batched_tokens, decode_reserve_tokens=decode_reserve_tokens
         )
         self.admission = Admission(
-            pool, self.prefix, self.growth_model, max_num_seqs=max_num_seqs, backfill_window=backfill_window
+            pool, self.prefix, self.growth_model, max_num_seqs=max_num_seqs, backfill_depth=backfill_depth
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
@@ -146,7 +146,7 @@ class Scheduler:
 
     def checkpoint(self) -> StepCheckpoint:
         """What a step can change, taken before `schedule()`, for `restore`."""
-        num_head = self.backfill_window + self.max_num_seqs
+        num_head = self.backfill_depth + self.max_num_seqs
         return StepCheckpoint(self.waiting, self.running, num_head, self.prefix.num_hit_tokens)
 
     def restore(self, checkpoint: StepCheckpoint) -> None:
@@ -205,12 +205,12 @@ class Scheduler:
         caching, its computed full blocks stay cached, findable until evicted); a waiting one leaves the queue (one
         pass over it for all of them).
 
-        NOTE: the lookahead's promise (no preemption) still holds with nothing else done. The plan counted each
+        NOTE: the lookahead's promise (no preemption) still holds with nothing else done. The forecast counted each
         running request from its admission at its whole prompt, growing a token a step, until the latest end its
         prefill's wait allows (`Lookahead`). An aborted request's blocks leave, and if it was prefilling, the prompts
         behind it get its prefill budget: they start sooner, which at every step holds no more than that count and
         ends no later. A request waiting for prompt blocks the aborted one was computing (`PrefixReuse.waits`) finds
-        them out of the next step's `computing` and computes what the cache does not hold; its plan counted its
+        them out of the next step's `computing` and computes what the cache does not hold; its forecast counted its
         prompt as fresh."""
         self.remove(requests)
         for request in requests:

@@ -13,7 +13,7 @@ from transformers import PreTrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..errors import UnsupportedModel
-from .hybrid import holds_state, kv_layer_indices, mlp_only_layers, paged_layer_type
+from .kv_layers import holds_state, kv_layer_indices, mlp_only_layers, paged_layer_type
 from .layer_groups import LayerGroups, derive_layer_groups
 from .sharding import kv_shard_factors, model_tp_size
 

@@ -53,7 +53,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..attention.interface import class_source, refuse_unsupported_attention
 from ..errors import UnsupportedModel
 from ..storage import KVLayout, sliding_windows
-from ..storage.hybrid import holds_state, mlp_only_layers
+from ..storage.kv_layers import holds_state, mlp_only_layers
 
 PATH = "Engine"
 PACKED, PER_REQUEST = "packed", "per-request"
