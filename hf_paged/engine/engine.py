@@ -12,7 +12,7 @@ then the engine appends tokens and retires finished requests:
       └─ PrefixReuse         the pool's prefix cache (prefix_cache.py)
     StepRunner.run(rows)     one forward (or one per row), logits processing, per-row results; failures isolated
       ├─ PackedStep          every row packed into one sequence, attention through "hf_paged" (packed.py,
-      │                      step_cache.py); decode-only steps on the DecodeRunner (runner.py: CUDA graphs)
+      │                      step_cache.py); decode-only steps on the DecodeRunner (decode_runner.py: CUDA graphs)
       └─ PerRequestStep      a forward per row with the model's own attention (per_request.py)
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
@@ -34,13 +34,13 @@ from ..attention import enable
 from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest
 from ..storage import BlockPool, KVLayout, block_windows
 from .checkpoint import StepCheckpoint
+from .decode_runner import DecodeRunner, build_decode_runner
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
 from .model_support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 from .packed import PackedStep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request
-from .runner import DecodeRunner, build_decode_runner
 from .sampling import SamplingParams, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats

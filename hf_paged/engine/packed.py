@@ -4,8 +4,8 @@
     forward:    model([d0, d1, p0 ... p0], cache=StepCache)     [1, 7]: attention through "hf_paged" reads the pool
     logits:     at each row's last token -> [num_rows, vocab]   (`logits_to_keep`)
 
-A step whose rows all add one token goes to the decode runner instead (runner.py: persistent buffers, CUDA graphs),
-when the model has one. `PerRequestStep` (per_request.py) is the other step behind the same `forward(rows)`.
+A step whose rows all add one token goes to the decode runner instead (decode_runner.py: persistent buffers, CUDA
+graphs), when the model has one. `PerRequestStep` (per_request.py) is the other step behind the same `forward(rows)`.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 
 from ..storage import BlockPool
+from .decode_runner import DecodeRunner
 from .model_support import never_stored
 from .request import Request
-from .runner import DecodeRunner
 from .step_cache import StepCache
 
 

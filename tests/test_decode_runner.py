@@ -9,7 +9,7 @@ import torch
 from models import greedy_reference, random_prompts, tiny_engine, tiny_model
 
 from hf_paged import BlockPool, Engine
-from hf_paged.engine.runner import batch_buckets
+from hf_paged.engine.decode_runner import batch_buckets
 from hf_paged.storage import block_hashes
 
 PROMPT_LENGTHS = (5, 11, 3, 17, 8)
