@@ -136,44 +136,49 @@ def saved(tmp_path_factory):
     return str(model_dir), tokenizer, model
 
 
-@pytest.fixture(scope="module")
-def server(saved, tmp_path_factory, request):
-    model_dir, _, _ = saved
-    log_path = str(tmp_path_factory.mktemp("serve_log") / "server.log")
+def start_server(model_dir: str, log_path: str, arguments: list[str]) -> tuple[Server, subprocess.Popen]:
+    """`hf-paged serve model_dir` in a subprocess on 127.0.0.1, once `/health` answers; stop it with `stop_server`."""
     server = Server(model_dir, free_port(), log_path)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1"}
     with open(log_path, "w") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "hf_paged", "serve", model_dir, "--host", "127.0.0.1", "--port", str(server.port)]
-            + ["--max-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK), "--block-size", str(BLOCK_SIZE)]
-            + ["--max-num-seqs", "32", "--dtype", "float32", "--device", "cpu"],
+            + ["--block-size", str(BLOCK_SIZE), "--dtype", "float32", "--device", "cpu", *arguments],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
         )
-
-    def stop():
-        if process.poll() is None:
-            os.kill(process.pid, signal.SIGTERM)
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                os.kill(process.pid, signal.SIGKILL)
-                process.wait()
-
-    request.addfinalizer(stop)
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while True:
         if process.poll() is not None:
             pytest.fail(f"the server exited with {process.returncode}:\n{server.log()}")
         try:
             if server.get("/health")[0] == 200:
-                break
+                return server, process
         except OSError:
             pass
         if time.monotonic() > deadline:
+            stop_server(process)
             pytest.fail(f"the server did not start in {STARTUP_TIMEOUT_S} s:\n{server.log()}")
         time.sleep(0.2)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.kill(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.fixture(scope="module")
+def server(saved, tmp_path_factory, request):
+    log_path = str(tmp_path_factory.mktemp("serve_log") / "server.log")
+    arguments = ["--max-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK), "--max-num-seqs", "32"]
+    server, process = start_server(saved[0], log_path, arguments)
+    request.addfinalizer(lambda: stop_server(process))
     return server
 
 
@@ -842,6 +847,44 @@ def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server)
     for path in ("/load_model", "/reset"):
         status, error = post_json(server, path, {"model": "gpt2"})
         assert status == 400 and "start another server" in error["error"]["message"]
+
+
+def test_sixteen_streams_without_max_tokens_all_run_at_once_in_a_341_block_pool(saved, tmp_path):
+    """The pool of a 64 MiB server on a small model: 341 blocks of 16 tokens. Sixteen streams without max_tokens may
+    each run to the model's position limit (2,048 here); admission reserves --decode-reserve-tokens (256) of growth
+    for each, so all sixteen run together (about 17 blocks each), where reserving each one's whole room would run
+    two."""
+    arguments = ["--max-memory", str(341 * BYTES_PER_BLOCK)]
+    server, process = start_server(saved[0], str(tmp_path / "server.log"), arguments)
+    try:
+        assert server.metrics()["hf_paged_kv_blocks"] == 341
+
+        async def sixteen_streams() -> tuple[float, float]:
+            client = server.async_client()
+            streams = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=server.model_dir,
+                        prompt=f"stream {i} of sixteen",
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                    for i in range(16)
+                )
+            )
+            for stream in streams:  # every stream has started: none may end before (ignore_eos, ~2,000 tokens)
+                await stream.__anext__()
+            metrics = server.metrics()
+            for stream in streams:
+                await stream.close()
+            await client.close()
+            return metrics["hf_paged_requests_running"], metrics["hf_paged_requests_waiting"]
+
+        running, waiting = asyncio.run(sixteen_streams())
+        assert (running, waiting) == (16, 0)
+        assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+    finally:
+        stop_server(process)
 
 
 def test_an_api_key_a_served_name_and_a_length_limit(saved):
