@@ -1,6 +1,6 @@
-"""The Engine's decode runner (engine/runner.py) on CPU: persistent buffers, rows padded to batch buckets as under
-CUDA graphs, the same tokens as the packed step, no host read inside its forward. CUDA graphs themselves are checked
-in tests/test_gpu.py."""
+"""The Engine's decode runner (engine/decode_runner.py) on CPU: persistent buffers, rows padded to batch buckets as
+under CUDA graphs, the same tokens as the packed step, no host read inside its forward. CUDA graphs themselves are
+checked in tests/test_gpu.py."""
 
 from __future__ import annotations
 
@@ -36,6 +36,29 @@ def test_decode_steps_through_the_runner_match_generate(name, padded):
     assert stats.eager_steps > 0 and stats.replayed_steps == 0
     assert (stats.padded_rows > 0) == padded  # 3 rows run as 4 once the short requests finish
     assert pool.num_used_blocks == 0  # the block padding rows wrote to went back after each step
+
+
+def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypatch):
+    """An eager step gathers each layer's K and V into the runner's two grow-only buffers (a fresh output per layer
+    cost more in page faults than the copy on CPU); the tokens stay generate()'s."""
+    import hf_paged.engine.decode_runner as decode_runner
+
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=64)
+    outs = []
+    gather_fixed = decode_runner.gather_fixed
+
+    def recording(cache, tables, width, index, out):
+        outs.append(out.data_ptr())
+        return gather_fixed(cache, tables, width, index, out)
+
+    monkeypatch.setattr(decode_runner, "gather_fixed", recording)
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
+        "llama", prompts, NEW_TOKENS
+    )
+    num_layers = engine.pool.layout.num_layers
+    assert len(outs) == 2 * num_layers * engine.runner.stats.eager_steps > 0
+    assert len(set(outs)) <= 2 * 4  # K and V, each grown at most a few times as the rows lengthen
 
 
 def test_sampled_rows_through_the_runner_repeat_with_their_seeds():

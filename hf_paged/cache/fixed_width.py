@@ -94,16 +94,28 @@ class FixedWidthSteps:
 
 
 def gather_fixed(
-    cache: torch.Tensor, block_tables: torch.Tensor, max_cache_len: int, index: torch.Tensor | None = None
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    max_cache_len: int,
+    index: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """A head-major pool tensor `[kv_heads, num_blocks, block_size, head_dim]` read through `block_tables` `[B, W]`:
     `[B, kv_heads, max_cache_len, head_dim]` (one index_select, no copy after it). `index`: `head_major_index` of
-    the same tables, where the caller keeps it for other layers."""
+    the same tables, where the caller keeps it for other layers; `out`: a 1-D buffer of at least
+    `B * kv_heads * W * block_size * head_dim` values to gather into (a fresh tensor without it)."""
     num_heads, num_blocks, block_size, head_dim = cache.shape
     batch_size, width = block_tables.shape
     if index is None:
         index = head_major_index(block_tables, num_heads, num_blocks)
-    rows = cache.view(num_heads * num_blocks, block_size, head_dim).index_select(0, index)
+    # Blocks as rows of block_size * head_dim values (on CPU, index_select copies 2-D rows ~3x faster than 3-D ones).
+    flat = cache.view(num_heads * num_blocks, block_size * head_dim)
+    if out is None:
+        rows = flat.index_select(0, index)
+    else:
+        rows = torch.index_select(
+            flat, 0, index, out=out[: index.numel() * block_size * head_dim].view(-1, flat.shape[1])
+        )
     return rows.view(batch_size, num_heads, width * block_size, head_dim)[:, :, :max_cache_len]
 
 

@@ -165,7 +165,9 @@ class GatherWorkspace:
             else:
                 index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks, row=row)
             out = self._view(buffer, (index.numel(), block_size, head_dim), cache)
-            torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
+            # NOTE: blocks as rows of block_size * head_dim values: on CPU, index_select copies 2-D rows ~3x faster
+            # than 3-D ones.
+            torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out.view(index.numel(), -1))
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop])
         return gathered[0], gathered[1]
 

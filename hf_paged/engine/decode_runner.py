@@ -144,12 +144,13 @@ class RunnerCache(Cache):
 
         def gather():
             gathered = []
-            for cache in (key_cache, value_cache):
+            for name, cache in (("key", key_cache), ("value", value_cache)):
                 key = ("index", group, cache.shape[0], cache.shape[1])
                 index = memo.get(key)
                 if index is None:
                     index = memo[key] = head_major_index(tables, cache.shape[0], cache.shape[1])
-                gathered.append(gather_fixed(cache, tables, width, index))
+                out = runner.gather_buffer(name, index.numel() * cache.shape[2] * cache.shape[3], cache)
+                gathered.append(gather_fixed(cache, tables, width, index, out))
             return gathered[0], gathered[1]
 
         plan = FixedDecodePlan(
@@ -206,6 +207,7 @@ class DecodeRunner:
         self._capture_stream = None  # the runner's own, on the pool's device (not the current device's)
         self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
+        self._gather_buffers: dict[str, torch.Tensor] = {}  # K and V of one layer at a time (`gather_buffer`)
         self._allocate(max(self.buckets))
         self._cache = RunnerCache(self)
 
@@ -226,6 +228,19 @@ class DecodeRunner:
         self.seq_lens = [fields[2 + num_groups + g] for g in range(num_groups)]  # [rows]
         tables = self._device[self._num_fields * max_rows :].view(num_groups, max_rows, width)
         self.tables = [tables[g] for g in range(num_groups)]  # [rows, W]
+
+    def gather_buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor | None:
+        """A grow-only buffer of `numel` values that an eager step gathers one layer's K (or V) into, reused by the
+        next layer once this one's attention is done; None while a graph is captured (its own memory then).
+
+        Why: a fresh gather output per layer is a large allocation that the CPU allocator maps anew each time, and
+        touching its pages cost more than the copy (3.6 ms of a 4 x 26-block gather of 16 rows, 6.8 MB)."""
+        if like.is_cuda and torch.cuda.is_current_stream_capturing():
+            return None
+        buffer = self._gather_buffers.get(name)
+        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
+            buffer = self._gather_buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
+        return buffer
 
     # ---------------------------------------------------------------------- step
     def forward(self, rows) -> torch.Tensor:

@@ -515,8 +515,8 @@ class StepCache(Cache):
                 tables = group.tables[first_row:end_row, : max(group.num_table_blocks[first_row:end_row])]
                 index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
             numel = index.numel() * block_size * head_dim
-            out = self._buffer(name, numel, cache).view(index.numel(), block_size, head_dim)
-            torch.index_select(cache.view(-1, block_size, head_dim), 0, index, out=out)
+            out = self._buffer(name, numel, cache).view(index.numel(), block_size * head_dim)
+            torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out)  # 2-D rows: see gather.py
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, :length])
         return gathered[0], gathered[1]
 
