@@ -61,6 +61,42 @@ def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypat
     assert len(set(outs)) <= 2 * 4  # K and V, each grown at most a few times as the rows lengthen
 
 
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+@pytest.mark.parametrize("num_blocks", [11, 64], ids=["preempting", "padded"])
+def test_staged_tables_are_every_rows_table_through_preemption_release_and_padding(name, num_blocks):
+    """Each step writes only the blocks a row's table gained since its last step in that row; a table that changed
+    otherwise (preempted and recomputed, blocks released out of the window, another request in the row, a padding row
+    before) is written whole. After every step's fill the staged tables are exactly the rows' tables.
+
+    11 blocks of 4 and a lookahead of 0 steps: requests are admitted that later run out of blocks and are preempted
+    (and a full pool leaves padding rows no block); 64 blocks: no preemption, steps padded to 4 rows."""
+    prompts = random_prompts((5, 11, 3, 17, 8, 9))
+    new_tokens = [14, 9, 20, 6, 11, 16]
+    engine, _ = tiny_engine(name, num_blocks, max_num_seqs=4, max_num_batched_tokens=8, decode_reserve_tokens=0)
+    runner = engine.runner
+    runner.pad_to_buckets, runner.buckets = True, [4]
+    fill, checked = runner._fill, []
+
+    def checked_fill(rows, bucket, dummy, full_width):
+        fill(rows, bucket, dummy, full_width)
+        width = runner.graph_width
+        staged = runner._host[runner._num_fields * runner._max_rows :].view(runner.pool.num_groups, -1, width)
+        for row, (request, _) in enumerate(rows):
+            for group, table in enumerate(request.block_tables):
+                assert staged[group, row, : len(table)].tolist() == table
+        checked.append(len(rows))
+
+    runner._fill = checked_fill
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
+    assert len(checked) > 10
+    if num_blocks == 11:
+        assert engine.stats.num_preemptions > 0
+    else:
+        assert runner.stats.padded_rows > 0
+
+
 def test_sampled_rows_through_the_runner_repeat_with_their_seeds():
     prompts = random_prompts(PROMPT_LENGTHS)
     runs = []

@@ -87,12 +87,14 @@ class BlockManager:
                 self.pool.allocator.free(table[:num_released])
                 del table[:num_released]
                 request.first_blocks[group] += num_released
+                request.table_epoch += 1
 
     def free(self, request: Request) -> None:
         """Give back every block `request` holds (with prefix caching, its cached full blocks stay findable until
         evicted)."""
         self.pool.allocator.free(request.block_ids)
         request.block_tables, request.first_blocks = [], []
+        request.table_epoch += 1
 
     def roll_back(self, request: Request, first_blocks: tuple[int, ...], table_lengths: tuple[int, ...]) -> None:
         """Free the blocks `request` took after its tables were `table_lengths` long from `first_blocks` (a step
@@ -105,6 +107,7 @@ class BlockManager:
             kept = table_lengths[group] - released
             self.pool.allocator.free(table[kept:])
             del table[kept:]
+        request.table_epoch += 1
 
     def held_outside(self, request: Request) -> int:
         """Blocks of the pool in use that `request` does not hold (other requests', or a `PagedCache`'s)."""

@@ -228,6 +228,9 @@ class DecodeRunner:
         self.seq_lens = [fields[2 + num_groups + g] for g in range(num_groups)]  # [rows]
         tables = self._device[self._num_fields * max_rows :].view(num_groups, max_rows, width)
         self.tables = [tables[g] for g in range(num_groups)]  # [rows, W]
+        # Per layer group and row: (request id, its table epoch, table entries staged) of what the staging tensor
+        # holds there, so the next step writes only a table's new blocks (`_fill`).
+        self._staged: list[list[tuple[int, int, int] | None]] = [[None] * max_rows for _ in range(num_groups)]
 
     def gather_buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor | None:
         """A grow-only buffer of `numel` values that an eager step gathers one layer's K (or V) into, reused by the
@@ -324,15 +327,23 @@ class DecodeRunner:
                 fields[2 + num_groups + g].append(offset + 1)
                 lengths[g].add(offset + 1)
                 longest = max(longest, offset + 1)
-                start = tables_start + (g * max_rows + row) * width
-                table_index += range(start, start + len(table))
-                table_values += table
+                # Only what the staging tensor lacks: the blocks appended since this request's last step in this row.
+                staged = self._staged[g][row]
+                done = (
+                    staged[2] if staged is not None and staged[:2] == (request.request_id, request.table_epoch) else 0
+                )
+                if done < len(table):
+                    start = tables_start + (g * max_rows + row) * width
+                    table_index += range(start + done, start + len(table))
+                    table_values += table[done:]
+                    self._staged[g][row] = (request.request_id, request.table_epoch, len(table))
         for row in range(len(rows), bucket):  # padding: token 0 at position 0, in the dummy block only
             for index, value in enumerate([0, 0] + [dummy * block_size] * num_groups + [1] * num_groups):
                 fields[index].append(value)
             for g in range(num_groups):
                 table_index.append(tables_start + (g * max_rows + row) * width)
                 table_values.append(dummy)
+                self._staged[g][row] = None
         host_fields = self._host[:tables_start].view(self._num_fields, max_rows)
         host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
         if table_index:

@@ -22,6 +22,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     block_tables: list[list[int]] = field(default_factory=list)  # per layer group: its held block ids
     first_blocks: list[int] = field(default_factory=list)  # per layer group: leading blocks released before them
+    # Bumped whenever its tables change other than by blocks appended at their ends (freed, rolled back, released
+    # out of the window): the decode runner then writes the row's whole table again, else only the new blocks.
+    table_epoch: int = 0
     num_computed: int = 0  # tokens whose K/V are in the pool
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
