@@ -99,18 +99,18 @@ def test_a_lazy_chunk_mask_is_sdpas_lower_right_causal_bias_with_the_same_result
     from torch.nn.attention.bias import CausalBias
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_paged.engine.step_cache import _chunk_mask
+    from hf_paged.attention.step_plan import chunk_mask
 
     module = torch.nn.Module()
     module.num_key_value_groups, module.is_causal = 2, True
     generator = torch.Generator().manual_seed(0)
     query = torch.randn(1, 4, 5, 16, generator=generator)
     key, value = torch.randn(1, 2, 12, 16, generator=generator), torch.randn(1, 2, 12, 16, generator=generator)
-    bias = _chunk_mask(7, 5, None, 0, "cpu", lazy=True)
+    bias = chunk_mask(7, 5, None, 0, "cpu", lazy=True)
     assert isinstance(bias, CausalBias)
-    expected, _ = sdpa_attention_forward(module, query, key, value, _chunk_mask(7, 5, None, 0, "cpu"))
+    expected, _ = sdpa_attention_forward(module, query, key, value, chunk_mask(7, 5, None, 0, "cpu"))
     got, _ = sdpa_attention_forward(module, query, key, value, bias)
     torch.testing.assert_close(got, expected)
     # A window, or keys that start after released blocks, keep the boolean mask
-    assert _chunk_mask(7, 5, 4, 0, "cpu", lazy=True).dtype == torch.bool
-    assert _chunk_mask(7, 5, None, 4, "cpu", lazy=True).dtype == torch.bool
+    assert chunk_mask(7, 5, 4, 0, "cpu", lazy=True).dtype == torch.bool
+    assert chunk_mask(7, 5, None, 4, "cpu", lazy=True).dtype == torch.bool
