@@ -98,7 +98,7 @@ def test_shared_prompt_decode_attention(benchmark, path):
     layout = KVLayout((4,) * num_layers, (64,) * num_layers)
     pool = BlockPool(layout, num_blocks=64 + num_rows * 2 + 8, block_size=16)
     cache = PagedCache(pool=pool)
-    cache._runs_paged_attention = lambda: True  # the "hf_paged" attention's decode plans
+    cache._update.visible._runs_paged_attention = lambda: True  # the "hf_paged" attention's decode plans
     prompt = torch.randn(1, 4, 1008, 64).expand(num_rows, -1, -1, -1)
     for layer_idx in range(num_layers):
         cache.update(prompt, prompt, layer_idx)

@@ -183,7 +183,7 @@ def _shared_prompt_cache(num_rows: int = 3, prompt_len: int = 9, num_steps: int 
     the "hf_paged" attention (the flag PagedCache reads at every step's layer 0), and the same rows' K/V in full."""
     pool = _pool(num_blocks=32)
     cache = PagedCache(pool=pool)
-    cache._runs_paged_attention = lambda: True
+    cache._update.visible._runs_paged_attention = lambda: True
     prompt = _states(1, prompt_len, 0).expand(num_rows, -1, -1, -1)
     cache.update(prompt, prompt, 0)
     full = prompt
@@ -218,7 +218,7 @@ def test_a_shared_prefix_in_scattered_blocks(gap_after):
     each row's tail, 3 x (5 - gap_after) blocks: whichever copies less."""
     pool = _pool(num_blocks=32)
     cache, other = PagedCache(pool=pool), PagedCache(pool=pool)
-    cache._runs_paged_attention = lambda: True
+    cache._update.visible._runs_paged_attention = lambda: True
     prompt = _states(1, 20, 0).expand(3, -1, -1, -1)
     cache.update(prompt[:, :, : 4 * gap_after], prompt[:, :, : 4 * gap_after], 0)
     other.update(_states(1, 4, 1), _states(1, 4, 1), 0)
@@ -242,7 +242,7 @@ def test_rows_without_a_shared_prefix_get_their_kv_on_cpu():
     for sdpa, no plan."""
     pool = _pool()
     cache = PagedCache(pool=pool, share_rows=False)
-    cache._runs_paged_attention = lambda: True
+    cache._update.visible._runs_paged_attention = lambda: True
     keys = _states(2, 5, 0)
     cache.update(keys, keys, 0)
     step = _states(2, 1, 1)

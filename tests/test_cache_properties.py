@@ -156,7 +156,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
         for t in self.tracked:
             cache = t.cache
             lengths = [cache.get_seq_length(i) for i in range(NUM_LAYERS)]
-            gathered = [cache._gather_visible(i, 0, n) if n > 0 else None for i, n in enumerate(lengths)]
+            gathered = [cache._update.visible.gather(i, 0, n) if n > 0 else None for i, n in enumerate(lengths)]
             state.append((cache.block_tables, lengths, gathered))
         return state
 
@@ -289,7 +289,7 @@ class PagedCacheMachine(RuleBasedStateMachine):
                 assert cache.get_seq_length(layer_idx) == t.seq_len, f"cache {index} layer {layer_idx} length"
                 if t.seq_len == 0:
                     continue
-                keys, values = cache._gather_visible(layer_idx, 0, t.seq_len)
+                keys, values = cache._update.visible.gather(layer_idx, 0, t.seq_len)
                 assert torch.equal(keys, t.keys[layer_idx]), f"cache {index} layer {layer_idx}: keys differ"
                 assert torch.equal(values, t.values[layer_idx]), f"cache {index} layer {layer_idx}: values differ"
 
@@ -353,7 +353,7 @@ def test_exhausted_first_append_leaves_the_cache_empty():
     assert cache.block_tables == [] and cache.get_seq_length() == 0
     keys = torch.randn(1, NUM_KV_HEADS, 3, HEAD_DIM)
     _update(cache, keys)
-    assert torch.equal(cache._gather_visible(0, 0, 3)[0], keys)
+    assert torch.equal(cache._update.visible.gather(0, 0, 3)[0], keys)
     cache.release()
     assert pool.num_used_blocks == 0
 
@@ -375,6 +375,6 @@ def test_diverging_rows_need_one_copy_of_their_shared_block_not_two():
     new = torch.randn(2, NUM_KV_HEADS, 6, HEAD_DIM)
     _update(cache, new)
     assert pool.num_free_blocks == 0
-    assert torch.equal(cache._gather_visible(0, 0, 12)[0][:, :, 6:], new)
+    assert torch.equal(cache._update.visible.gather(0, 0, 12)[0][:, :, 6:], new)
     cache.release()
     assert pool.num_used_blocks == 0

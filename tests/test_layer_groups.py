@@ -63,8 +63,8 @@ def test_uniform_models_have_one_group_of_every_layer():
         assert pool.key_cache[0] is not pool.key_cache[1]  # one group: every layer its own tensor, as before
         assert pool.bytes_per_block == pool.layout.bytes_per_block(pool.block_size, pool.dtype)
     mistral = tiny_model("mistral").config
-    assert PagedCache(config=mistral)._sliding_groups == (0,)  # the one group slides: release as before
-    assert PagedCache(config=tiny_model("llama").config)._sliding_groups == ()
+    assert PagedCache(config=mistral)._rows.sliding_groups == (0,)  # the one group slides: release as before
+    assert PagedCache(config=tiny_model("llama").config)._rows.sliding_groups == ()
 
 
 def test_gemma3_alternating_layers_get_a_sliding_and_a_full_group():
@@ -73,7 +73,7 @@ def test_gemma3_alternating_layers_get_a_sliding_and_a_full_group():
     assert pool.layer_groups == ((0,), (1,)) and pool.num_groups == 2 and pool.num_slots == 1
     assert pool.key_cache[0] is pool.key_cache[1]  # slot 0 of both groups: one tensor
     assert pool.bytes_per_block == pool.layout.bytes_per_block(pool.block_size, pool.dtype) // 2
-    assert PagedCache(config=model.config, pool=pool)._sliding_groups == (0,)
+    assert PagedCache(config=model.config, pool=pool)._rows.sliding_groups == (0,)
     four = KVLayout((2,) * 4, (16,) * 4, (S, F, S, F))
     assert four.layer_groups() == ((0, 2), (1, 3))
     # The same byte budget buys L/m = 2x the blocks, each half the size.
@@ -116,7 +116,7 @@ def test_layout_equality_ignores_layer_types_and_group_layers_false_forces_one_g
     pool = BlockPool.for_model(gemma, num_blocks=4, group_layers=False)
     assert pool.layer_groups == ((0, 1),)
     cache = PagedCache(config=gemma, pool=pool)
-    assert cache._sliding_groups == ()  # one mixed group: keeps every block (today's Gemma behaviour)
+    assert cache._rows.sliding_groups == ()  # one mixed group: keeps every block (today's Gemma behaviour)
 
 
 # ------------------------------------------------------------------------------------------------ long generation
@@ -399,7 +399,7 @@ def test_from_prefix_with_layer_groups_continues_a_conversation():
     expected = _generate(model, DynamicCache(), second, max_new_tokens=8)
     with PagedCache.from_prefix(pool, second, model.config) as cache:
         assert cache.get_seq_length() == 28
-        sliding = cache._sliding_groups[0]
+        sliding = cache._rows.sliding_groups[0]
         assert [tables.base for tables in cache._tables.groups] == [5 if g == sliding else 0 for g in range(2)]
         held = [len(tables.tables[0]) for tables in cache._tables.groups]
         assert held == [2 if g == sliding else 7 for g in range(2)]

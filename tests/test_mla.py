@@ -40,6 +40,7 @@ from hf_paged import (
 )
 from hf_paged.attention import paged_attention_forward, store_kv_rows
 from hf_paged.attention.kernels import paged_decode_attention
+from hf_paged.cache.visible import VisibleKV
 from hf_paged.engine import StepCache
 from hf_paged.storage import block_windows
 from tests.models import _COMMON, left_padded_batch, random_prompts, require_triton_on_cpu
@@ -205,13 +206,13 @@ def test_enable_equals_dynamic_cache(monkeypatch, name):
     """The "hf_paged" attention: MLA gets the gathered latents on decode steps (a plan would be lost in the model's
     expansion); MiMo gets a decode plan whose V is narrower than K."""
     plans = []
-    decode_placeholders = PagedCache._decode_placeholders
+    decode_placeholders = VisibleKV._decode_placeholders
 
     def recording(self, *args):
         plans.append(args[0])
         return decode_placeholders(self, *args)
 
-    monkeypatch.setattr(PagedCache, "_decode_placeholders", recording)
+    monkeypatch.setattr(VisibleKV, "_decode_placeholders", recording)
     expected = _generate(mla_model(name), None, do_sample=False)
     model = mla_model(name, paged_attention=True)
     _assert_same(_generate(model, PagedCache(config=model.config), do_sample=False), expected)
@@ -316,7 +317,13 @@ def test_indexed_attention_equals_dynamic_cache(options):
         cache = PagedCache(config=model.config)
         _assert_same(_generate(model, cache, do_sample=False, **options), expected)
         rows = 3 * options.get("num_beams", 1)
-        assert cache.indexer_bytes == NUM_LAYERS * rows * 15 * 32 * 4  # 10 prompt + 5 fed back tokens, 32 wide
+        assert _indexer_bytes(cache) == NUM_LAYERS * rows * 15 * 32 * 4  # 10 prompt + 5 fed back tokens, 32 wide
+
+
+def _indexer_bytes(cache: PagedCache) -> int:
+    """Bytes of the indexer keys (and position ids) of "indexed_attention" layers a cache keeps beside the pool."""
+    indexer = cache._rows.indexer
+    return sum(t.numel() * t.element_size() for t in (*indexer.keys.values(), *indexer.positions.values()))
 
 
 def test_indexer_keys_follow_the_rows_and_lengths_of_the_cache():
@@ -328,14 +335,14 @@ def test_indexer_keys_follow_the_rows_and_lengths_of_the_cache():
     step = torch.randn(2, 1, 32)
     torch.testing.assert_close(cache.update_indexer(step, 0), torch.cat([keys, step], dim=1), rtol=0, atol=0)
     cache.reorder_cache(torch.tensor([1, 1]))
-    torch.testing.assert_close(cache._indexer.keys[0][0, :5], keys[1], rtol=0, atol=0)
+    torch.testing.assert_close(cache._rows.indexer.keys[0][0, :5], keys[1], rtol=0, atol=0)
     branch = copy.deepcopy(cache)
     cache.crop(-2)  # the layer holds 5 tokens: 3 stay
-    assert cache._indexer.keys[0].shape == (2, 3, 32) and branch._indexer.keys[0].shape == (2, 6, 32)
+    assert cache._rows.indexer.keys[0].shape == (2, 3, 32) and branch._rows.indexer.keys[0].shape == (2, 6, 32)
     with pytest.raises(ValueError, match=r"indexer key states must be \[batch, q_len, index_head_dim\]"):
         cache.update_indexer(torch.randn(2, 32), 0)
     cache.release()
-    assert cache.indexer_bytes == 0 and branch.indexer_bytes == 2 * 6 * 32 * 4
+    assert _indexer_bytes(cache) == 0 and _indexer_bytes(branch) == 2 * 6 * 32 * 4
     pool = BlockPool.for_model(config, num_blocks=8, enable_prefix_caching=True)
     with pytest.raises(UnsupportedModel, match="indexer keys"):
         PagedCache.from_prefix(pool, torch.arange(1, 40), config)
@@ -508,5 +515,5 @@ def test_indexer_keys_of_kv_sharing_layers_survive_crop():
     expected = run(DynamicCache(config=config))
     paged = PagedCache(config=config)
     torch.testing.assert_close(run(paged), expected, rtol=0, atol=1e-5)
-    assert {tuple(keys.shape) for keys in paged._indexer.keys.values()} == {(1, 9, 32)}
+    assert {tuple(keys.shape) for keys in paged._rows.indexer.keys.values()} == {(1, 9, 32)}
     paged.release()

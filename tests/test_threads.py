@@ -213,7 +213,7 @@ def test_blocks_taken_by_another_thread_mid_update_leave_the_cache_intact(monkey
     assert raced, "the simulated race never ran"
     changed = []  # (layer, row) whose cached K/V no longer read back
     for layer_idx in range(2):
-        keys, _ = cache._gather_visible(layer_idx, 0, cache.get_seq_length(layer_idx))
+        keys, _ = cache._update.visible.gather(layer_idx, 0, cache.get_seq_length(layer_idx))
         changed += [(layer_idx, row) for row in range(4) if not torch.equal(keys[row], expected[row])]
     assert not changed, f"(layer, row) changed: {changed}; block tables {cache.block_tables}"
     cache.release()

@@ -1,5 +1,4 @@
-"""Per-row block tables of one layer group of a `PagedCache`, their row groups, and the per-step metadata every layer
-of the layer group reuses.
+"""Per-row block tables of one layer group of a `PagedCache` and their row groups: which blocks each row holds.
 
 A `PagedCache` holds one `BlockTables` per layer group of its pool (layer_groups.py); a uniform model has one. Block
 ids in one layer group's tables are read and written only by that group's layers.
@@ -18,6 +17,10 @@ rows in one group hold identical block tables *and* are expected to write identi
 differs leaves the group and copies-on-write the blocks it is about to write. So sharing never changes a value:
 it only skips storing the same value twice.
 
+The tensors and indexes a step derives from the tables (slots, gather indices, the decode kernel's tables) are kept
+by a `TableMetadata` (table_metadata.py) until `version` moves. `GatherTables` names what a gather reads of the
+tables of some rows (gather.py): `TableMetadata` and the Engine's one-row tables implement it.
+
 NOTE: this object holds the block ids but not the cache: a `weakref.finalize` on the cache calls `release` on every
 layer group's tables, so a cache dropped without `release()` still returns its blocks.
 """
@@ -25,6 +28,7 @@ layer group's tables, so a cache dropped without `release()` still returns its b
 from __future__ import annotations
 
 from collections import Counter
+from typing import Protocol
 
 import torch
 
@@ -32,14 +36,17 @@ from ..storage import BlockPool, block_hashes
 
 
 class BlockTables:
+    """The block tables of one layer group's rows and their row groups: which blocks each row holds, taken from,
+    shared in and given back to the pool by reference count (host bookkeeping: `TableMetadata` derives the
+    tensors)."""
+
     def __init__(self):
         self.pool: BlockPool | None = None
         self.tables: list[list[int]] = []  # tables[row] = block ids, in token order
         self.leaders: list[int] = []  # leaders[row] = the lowest row of its group (itself when alone)
         self.base = 0  # logical index of tables[row][0]: leading blocks released by a sliding layer group
-        self.version = 0  # bumped on every table change; keys the metadata memo
-        self._memo: dict[tuple, object] = {}  # per-step metadata; cleared on every table change
-        self._tables_tensor: torch.Tensor | None = None
+        self.version = 0  # bumped on every table change: what was derived from the tables is stale
+        self._memo: dict[tuple | str, object] = {}  # row groups and writes already planned; cleared on a change
 
     # ------------------------------------------------------------------ queries
     @property
@@ -54,11 +61,6 @@ class BlockTables:
     def end_block(self) -> int:
         """Logical index one past the last block of every table."""
         return self.base + self.num_table_blocks
-
-    @property
-    def memo(self) -> dict:
-        """Per-step values derived from the tables (index tensors, pool views), cleared on every table change."""
-        return self._memo
 
     def held_block_ids(self) -> set[int]:
         return {block_id for table in self.tables for block_id in table}
@@ -98,7 +100,6 @@ class BlockTables:
     def _changed(self) -> None:
         self.version += 1
         self._memo.clear()
-        self._tables_tensor = None
 
     # ---------------------------------------------------------------- blocks
     def _take(self, num_blocks: int) -> list[int]:
@@ -140,9 +141,6 @@ class BlockTables:
         if diverged:
             self.split(diverged)
 
-    def group_sizes(self) -> Counter:
-        return Counter(self.leaders)
-
     def prepare_write(self, writers: tuple[int, ...], start: int, end: int) -> None:
         """Make positions [start, end) writable for every writer (a row group's leader): fresh blocks up to `end`,
         one per row group and shared by its members, and a copy of every block a writer's group is about to write
@@ -157,7 +155,7 @@ class BlockTables:
         if key in self._memo:
             return
         block_size = self.pool.block_size
-        sizes = self.group_sizes()
+        sizes = Counter(self.leaders)  # leader -> rows in its group
         allocator = self.pool.allocator
         # NOTE: plan and take under the allocator lock, so no other thread's prefix lookup can take a hold on a block
         # between "nobody else holds it" and forgetting its hash, and no other thread can take the counted blocks.
@@ -191,23 +189,6 @@ class BlockTables:
         if new_block_ids:
             self._changed()
         self._memo[key] = True
-
-    def write_plan(
-        self, start: int, end: int, device: torch.device | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Make positions [start, end) writable for the writers (`prepare_write`) and return where they go: the
-        slots (as `slots`, of the writers only) and the writer rows to take from the step's states (an int64 index
-        on `device`, None when every row writes). Memoized until the next table change: one lookup for the step's
-        other layers."""
-        key = ("write", start, end, device)
-        plan = self._memo.get(key)
-        if plan is None:
-            writers = self.writers()
-            self.prepare_write(writers, start, end)
-            subset = len(writers) < self.num_rows
-            slots = self.slots(writers if subset else None, start, end, device)
-            plan = self._memo[key] = (slots, self.writer_index(device) if subset else None)
-        return plan
 
     def _plan_copies(
         self, writers: tuple[int, ...], start: int, end: int, sizes: Counter
@@ -299,7 +280,6 @@ class BlockTables:
         self._changed()
         other._changed()  # its blocks have another holder now: its next write to them copies first
 
-    # ---------------------------------------------------------------- metadata
     def adopt(self, block_ids: list[int], base: int = 0) -> None:
         """Begin with one row whose table is `block_ids`, already held for it (a prefix-cache hit), after `base`
         blocks it does not hold (a sliding group's hit starts at its window)."""
@@ -320,176 +300,30 @@ class BlockTables:
             for block_id, block_hash in zip(self.tables[row], hashes):
                 allocator.cache_block(block_id, block_hash, group)
 
-    # ---------------------------------------------------------------- metadata
-    def tables_tensor(self, device: torch.device | None = None) -> torch.Tensor:
-        """`[B, num_table_blocks]` int64 on the pool's device (or `device`, for a layer of a pool split over
-        devices); rebuilt only when a table changed."""
-        if self._tables_tensor is None:
-            self._tables_tensor = torch.tensor(self.tables, dtype=torch.long, device=self.pool.device)
-        if device is None or device == self._tables_tensor.device:
-            return self._tables_tensor
-        key = ("tables", device)
-        tables = self._memo.get(key)
-        if tables is None:
-            tables = self._memo[key] = self._tables_tensor.to(device)
-        return tables
 
-    def on(self, device: torch.device) -> BlockTables | DeviceTables:
-        """These tables for a layer whose pool storage is on `device`: the index tensors of `gather_index` and
-        `slots` land there (a pool split over devices, `BlockPool.devices`)."""
-        return self if device == self.pool.device else DeviceTables(self, device)
+class GatherTables(Protocol):
+    """The block tables of some rows of one layer group, as a gather reads them (gather.py), by logical block
+    (`position // block_size`): `TableMetadata` (a `PagedCache`'s rows), `DeviceTables` (the same, indexed on another
+    device) and the Engine's one-row tables implement it."""
 
-    def step_metadata(self, num_tokens: int) -> dict:
-        """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus a memo that
-        the attention of every layer shares. Built by the first layer, reused by the rest.
-
-        Kernel positions count from the first block still held: `seq_lens = num_tokens - base * block_size`, and
-        `position_offset` says how much to subtract from an absolute position."""
-        key = ("step", num_tokens)
-        step = self._memo.get(key)
-        if step is None:
-            tables = self.tables_tensor().to(torch.int32)
-            position_offset = self.base * self.pool.block_size
-            step = {
-                "block_tables": tables,
-                "seq_lens": torch.full(
-                    (self.num_rows,), num_tokens - position_offset, dtype=torch.int32, device=tables.device
-                ),
-                "position_offset": position_offset,
-                "kv_starts": {},
-                "backends": {},
-            }
-            self._memo[key] = step
-        return step
-
-    def gather_index(
-        self,
-        first_block: int,
-        end_block: int,
-        num_heads: int,
-        num_pool_blocks: int,
-        device: torch.device | None = None,
-        row: int | None = None,
-    ) -> torch.Tensor:
-        """`[B * num_heads * n]` int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]` pool view, in
-        `[B, num_heads, n]` order, for logical blocks [first_block, end_block): one `index_select` then lands every
-        row's blocks in `[B, num_heads, n * block_size, head_dim]` order (`row`: that row's only, B = 1). Memoized
-        for the step's other layers."""
-        key = ("gather", first_block, end_block, num_heads, num_pool_blocks, device, row)
-        index = self._memo.get(key)
-        if index is None:
-            assert first_block >= self.base, f"block {first_block} was released (base {self.base})"
-            tables = self.tables_tensor(device)[:, first_block - self.base : end_block - self.base]
-            if row is not None:
-                tables = tables[row : row + 1]
-            index = head_major_index(tables, num_heads, num_pool_blocks)
-            self._memo[key] = index
-        return index
-
-    def shared_blocks(self) -> int:
-        """How many leading table entries every row holds in common (the prompt that `num_return_sequences` /
-        `num_beams` rows share, stored once): 0 for fewer than two rows. Memoized until the next table change."""
-        shared = self._memo.get("shared")
-        if shared is None:
-            shared = 0
-            if len(self.tables) > 1:
-                for column in zip(*self.tables):
-                    if column.count(column[0]) != len(column):
-                        break
-                    shared += 1
-            self._memo["shared"] = shared
-        return shared
-
-    def writer_index(self, device: torch.device | None = None) -> torch.Tensor:
-        """`writers()` as an int64 tensor on `device` (the pool's by default; memoized until the next table
-        change)."""
-        key = ("writer_index", device)
-        index = self._memo.get(key)
-        if index is None:
-            index = self._memo[key] = torch.tensor(self.writers(), device=device or self.pool.device)
-        return index
-
-    def consecutive_run(self, first_block: int, end_block: int, row: int | None = None) -> int | None:
-        """The pool block id of logical block `first_block` when the tables hold ONE row whose logical blocks
-        [first_block, end_block) are consecutive pool blocks, else None: that row's K/V are then one strided view of
-        the pool (gather.py). Several rows are never one view: a view's batch and head dimensions could not be merged
-        (models reshape K/V to `[B * heads, kv_len, head_dim]` with `.view`). `row`: that row's blocks, whatever the
-        number of rows (a prefix the rows share). Memoized for the step's other layers."""
-        key = ("run", first_block, end_block, row)
-        if key in self._memo:
-            return self._memo[key]
-        run = None
-        lo, hi = first_block - self.base, end_block - self.base
-        if (len(self.tables) == 1 or row is not None) and 0 <= lo < hi <= self.num_table_blocks:
-            table = self.tables[0 if row is None else row]
-            if table[hi - 1] - table[lo] == hi - 1 - lo and table[lo:hi] == list(range(table[lo], table[hi - 1] + 1)):
-                run = table[lo]
-        self._memo[key] = run
-        return run
-
-    def run_end(self, row: int, first_block: int, end_block: int) -> int:
-        """The logical block, at most `end_block`, where row `row`'s consecutive pool blocks from `first_block` end:
-        [first_block, run_end) is one run (one strided view). Memoized until the next table change."""
-        key = ("run_end", row, first_block, end_block)
-        end = self._memo.get(key)
-        if end is None:
-            table, lo, hi = self.tables[row], first_block - self.base, end_block - self.base
-            end = lo + 1
-            while end < hi and table[end] == table[end - 1] + 1:
-                end += 1
-            end = self._memo[key] = end + self.base
-        return end
-
-    def slots(
-        self, rows: tuple[int, ...] | None, start: int, end: int, device: torch.device | None = None
-    ) -> torch.Tensor:
-        """Slot ids of positions [start, end) for `rows` (all rows if None): `[len(rows) * (end - start)]` int64,
-        row by row.
-
-        Memoized until the next table change, so all layers of one step share one tensor.
-        """
-        key = (rows, start, end, device)
-        slots = self._memo.get(key)
-        if slots is None:
-            tables = self.tables_tensor(device)
-            if rows is not None:
-                tables = tables[list(rows)]
-            block_size = self.pool.block_size
-            positions = torch.arange(start, end, device=tables.device)
-            slots = (tables[:, positions // block_size - self.base] * block_size + positions % block_size).flatten()
-            self._memo[key] = slots
-        return slots
-
-
-class DeviceTables:
-    """`BlockTables` seen from a layer whose storage is on another device than the pool's first layer: what a
-    gather reads (`pool`, `num_rows`, `gather_index`), with index tensors on that device."""
-
-    def __init__(self, tables: BlockTables, device: torch.device):
-        self.tables, self.device = tables, device
-
-    @property
-    def pool(self):
-        return self.tables.pool
-
-    @property
-    def num_rows(self) -> int:
-        return self.tables.num_rows
-
-    @property
-    def memo(self) -> dict:
-        return self.tables.memo
-
-    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
-        return self.tables.gather_index(first_block, end_block, num_heads, num_pool_blocks, self.device)
+    pool: BlockPool
+    num_rows: int
+    memo: dict  # values worked out once for a step's layers (pool views of runs), dropped when the tables change
 
     def consecutive_run(self, first_block: int, end_block: int) -> int | None:
-        return self.tables.consecutive_run(first_block, end_block)
+        """The pool block id of logical block `first_block` when the tables hold ONE row whose logical blocks
+        [first_block, end_block) are consecutive pool blocks, else None."""
+        ...
+
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        """`[num_rows * num_heads * n]` int64 rows of the head-major `[num_heads * num_pool_blocks, block_size,
+        head_dim]` pool view for logical blocks [first_block, end_block), in `[num_rows, num_heads, n]` order."""
+        ...
 
 
 def head_major_index(tables: torch.Tensor, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
     """tables [B, n] -> [B * num_heads * n] int64 rows of a `[num_heads * num_pool_blocks, block_size, head_dim]`
-    pool view, in `[B, num_heads, n]` order (see `BlockTables.gather_index`)."""
+    pool view, in `[B, num_heads, n]` order (see `GatherTables.gather_index`)."""
     heads = torch.arange(num_heads, device=tables.device) * num_pool_blocks
     return (heads[None, :, None] + tables[:, None, :]).flatten()
 

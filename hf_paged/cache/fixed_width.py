@@ -20,18 +20,37 @@ each step's values. Every tensor has a shape fixed by the batch and `max_cache_l
 
 `g` is the layer group (a Gemma-style pool keeps one table per group); every row writes its own slots, so rows that
 shared a prompt's blocks get their own copy of the block they write next.
+
+`ReservedSteps` is the host side: `reserve` before a forward, the forward's `update` of each layer, and `settle`,
+which counts in the layers' lengths what a reserved forward wrote once the host looks again.
 """
 
 from __future__ import annotations
 
 import weakref
+from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention import plan_placeholders
+from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
+from ..attention.kernels.dispatch import triton_possible
+from ..errors import UnsupportedModel
+from ..storage import BlockPool, KVLayout, group_of_layer
+from ..storage.pool import check_positive_int
 from .block_tables import head_major_index
+from .store import heads_first
+from .visible import runs_paged_attention
+
+if TYPE_CHECKING:
+    from .group_tables import GroupTables
+    from .layer import PagedLayer
 
 
 class FixedWidthSteps:
+    """The persistent step buffers of a compileable cache (see the module docstring), refilled by `fill` before
+    each forward."""
+
     def __init__(self, max_cache_len: int, block_size: int, num_groups: int):
         self.max_cache_len = max_cache_len
         self.block_size = block_size
@@ -117,6 +136,165 @@ def gather_fixed(
             flat, 0, index, out=out[: index.numel() * block_size * head_dim].view(-1, flat.shape[1])
         )
     return rows.view(batch_size, num_heads, width * block_size, head_dim)[:, :, :max_cache_len]
+
+
+class ReservedSteps:
+    """The steps of a compileable `PagedCache` (`max_cache_len`), each reserved on the host before its forward.
+
+    `reserve(n)` takes the blocks the next forward writes and fills the `FixedWidthSteps` buffers; that forward's
+    `update` only reads the buffers (it traces into one graph); its last cached layer consumes the reservation
+    (`pending`, the one host attribute a compiled step writes: dynamo replays that store after the graph), and
+    `settle` counts the written tokens in the layers' lengths when the host next looks.
+
+    Args:
+        max_cache_len (`int`): tokens per row the cache holds at most; every step's K/V are that wide.
+        block_size (`int`): the pool's.
+        tables (`GroupTables`), paged_layers (`list[PagedLayer]`), pool_layers (`list[int | None]`): the cache's
+            tables, its layers holding K/V, and the pool layer of each decoder layer.
+        last_cached_layer (`int`): the pool layer whose update ends a forward.
+        config: the model's text config (whether it runs the "hf_paged" attention).
+    """
+
+    def __init__(
+        self,
+        max_cache_len: int,
+        block_size: int,
+        tables: GroupTables,
+        paged_layers: list[PagedLayer],
+        pool_layers: list[int | None],
+        *,
+        last_cached_layer: int,
+        config,
+    ):
+        self.max_cache_len = max_cache_len
+        self.steps = FixedWidthSteps(max_cache_len, block_size, len(tables.groups))
+        self.pending: int | None = None  # tokens per row reserved for the next forward, until its last layer
+        self.unsettled = 0  # tokens per row a reserved forward wrote that the layers' lengths do not count yet
+        self._tables, self._paged_layers, self._pool_layers = tables, paged_layers, pool_layers
+        self._last_cached_layer = last_cached_layer
+        self._config = config
+        self._group_of = group_of_layer(tables.layer_groups)
+        self._plans, self._backends = False, None  # set by reserve
+        for layer in paged_layers:
+            layer.is_compileable = True
+
+    def reserve(self, num_new_tokens: int) -> None:
+        """Take the blocks the next forward writes (`num_new_tokens` per row) and fill the step's buffers. Idempotent
+        until that forward runs. Every row writes its own blocks from here on (a block rows shared is copied
+        first)."""
+        check_positive_int("num_new_tokens", num_new_tokens)
+        self.settle()
+        if self.pending is not None:
+            if self.pending != num_new_tokens:
+                raise ValueError(
+                    f"{self.pending} tokens per row are reserved for the next forward, not {num_new_tokens}"
+                )
+            return
+        if not self._tables.num_rows:
+            raise ValueError("reserve() continues the cache's rows: the first forward (the prefill) starts them")
+        past_length = self._paged_layers[0].cumulative_length
+        end = past_length + num_new_tokens
+        check_fits(end, self.max_cache_len)
+        for tables in self._tables.groups:
+            followers = [row for row, leader in enumerate(tables.leaders) if leader != row]
+            if followers:
+                tables.split(followers)
+            tables.prepare_write(tables.writers(), past_length, end)
+        device = self._tables.pool.device
+        self.steps.fill(self._tables.groups, past_length, num_new_tokens, device)
+        # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan.
+        self._plans = num_new_tokens == 1 and runs_paged_attention(self._config) and triton_possible(device)
+        if self._plans and self._backends is None:
+            self._backends = resolve_backends(device)
+        self.pending = self.unsettled = num_new_tokens
+
+    def settle(self) -> None:
+        """Count in the layers' lengths what a reserved forward wrote (a compiled forward changes no host state but
+        `pending`)."""
+        if self.unsettled and self.pending is None:
+            for layer in self._paged_layers:
+                layer.cumulative_length += self.unsettled
+            self.unsettled = 0
+
+    def drop_reservation(self) -> int | None:
+        """Forget a reservation no forward used (rows or lengths are about to change); returns its token count."""
+        pending = self.pending
+        if pending is not None:
+            self.pending, self.unsettled = None, 0
+        return pending
+
+    def mask_sizes(self, query_length: int) -> tuple[int, int] | None:
+        """`Cache.get_mask_sizes` of the next forward: reserves its blocks (outside a compiled region) when the cache
+        has rows, and then describes `max_cache_len` keys from position 0; None for a first prefill (the step's own
+        K/V, as without `max_cache_len`)."""
+        if not torch.compiler.is_compiling():
+            self.settle()
+            if self.pending is None and self._tables.num_rows:
+                self.reserve(query_length)
+            if self.pending is None:
+                return None
+        return self.max_cache_len, 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int):
+        """A reserved step of decoder layer `layer_idx`: store at the step's slots, return `[B, kv_heads,
+        max_cache_len, head_dim]` read through the fixed-width tables. Nothing here takes a block or reads a device
+        value on the host, so it traces into one graph and replays in a CUDA graph."""
+        if self.pending is None:
+            raise ValueError(
+                "a forward of a compileable PagedCache writes only the blocks reserved before it: generate() reserves "
+                "them; before a compiled forward of your own, call cache.reserve(num_new_tokens)"
+            )
+        if key_states.shape[2] != self.pending:
+            raise ValueError(f"the forward writes {key_states.shape[2]} tokens per row, {self.pending} were reserved")
+        pool_layer = self._pool_layers[layer_idx]
+        steps, group = self.steps, self._group_of[pool_layer]
+        key_cache, value_cache = self._tables.pool.key_cache[pool_layer], self._tables.pool.value_cache[pool_layer]
+        slots = steps.slot_mapping[group]
+        for cache, states in ((key_cache, key_states), (value_cache, value_states)):
+            cache.view(cache.shape[0], -1, cache.shape[-1]).index_copy_(1, slots, heads_first(states))
+        if pool_layer == self._last_cached_layer:
+            self.pending = None
+        table, max_cache_len = steps.block_tables[group], self.max_cache_len
+
+        def gather():
+            return gather_fixed(key_cache, table, max_cache_len), gather_fixed(value_cache, table, max_cache_len)
+
+        if not self._plans:
+            return gather()
+        plan = FixedDecodePlan(
+            key_cache=BlockPool.nhd_view(key_cache),
+            value_cache=BlockPool.nhd_view(value_cache),
+            block_tables=table,
+            seq_lens=steps.seq_lens,
+            gather=gather,
+            backends=self._backends,
+        )
+        return plan_placeholders(key_states, value_states, plan)
+
+
+def check_compileable(model_type: str | None, layout: KVLayout, has_states: bool, kv_sources: frozenset) -> None:
+    """Refuse (`UnsupportedModel`) a model whose cache holds what a fixed-width step cannot: `has_states` (linear
+    attention / mamba / conv states), latent K/V, indexer keys, or KV-sharing layers (`kv_sources`)."""
+    layer_types = layout.layer_types
+    reason = None
+    if has_states:
+        reason = "its linear-attention / mamba / conv states are not paged"
+    elif layout.latent:
+        reason = "it expands latent K/V (multi-head latent attention) after cache.update()"
+    elif "indexed_attention" in layer_types:
+        reason = "its indexer keys live beside the pool"
+    elif "dummy" in layer_types or kv_sources:
+        reason = "its KV-sharing layers attend another layer's K/V"
+    if reason is not None:
+        raise UnsupportedModel(model_type, reason, "PagedCache(max_cache_len=...)")
+
+
+def check_fits(num_tokens: int, max_cache_len: int) -> None:
+    if num_tokens > max_cache_len:
+        raise ValueError(
+            f"the forward would hold {num_tokens} tokens per row, over max_cache_len={max_cache_len}: build the cache "
+            "with a larger max_cache_len"
+        )
 
 
 def _host(values: list, dtype: torch.dtype) -> torch.Tensor:

@@ -13,10 +13,16 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .block_tables import BlockTables, DeviceTables
+from .block_tables import GatherTables
+
+if TYPE_CHECKING:
+    from ..storage import BlockPool
+    from .table_metadata import TableMetadata
 
 # pool -> threading.local holding that thread's GatherWorkspace for the pool (dropped with the pool).
 _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -38,9 +44,7 @@ def workspace_for(pool) -> GatherWorkspace:
     return workspace
 
 
-def visible_kv(
-    blocks: BlockTables | DeviceTables, layer_idx: int, first: int, num_tokens: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def visible_kv(blocks: GatherTables, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Positions [first, num_tokens) of every row of `blocks` (the tables of `layer_idx`'s layer group): two
     `[B, kv_heads, num_tokens - first, head_dim]` tensors, views of the pool when the rows' blocks allow it, else of
     the pool's shared gather workspace. Valid until the next update of a cache of the same pool in this thread."""
@@ -57,10 +61,10 @@ def visible_kv(
 
 
 def shared_prefix_kv(
-    blocks: BlockTables, layer_idx: int, first: int, split: int, num_tokens: int
+    blocks: TableMetadata, layer_idx: int, first: int, split: int, num_tokens: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Positions [first, num_tokens) of every row of `blocks`, in two parts: [first, split), which every row holds in
-    the same blocks (`BlockTables.shared_blocks`), once, and [split, num_tokens) of each row.
+    the same blocks (`TableMetadata.shared_blocks`), once, and [split, num_tokens) of each row.
 
     `split` is a block boundary (or `num_tokens`: the rows share everything). Returns the prefix's keys and values,
     `[1, kv_heads, split - first, head_dim]` (a view of the pool when its blocks are consecutive, else gathered from
@@ -87,7 +91,7 @@ def shared_prefix_kv(
 
 
 def run_views(
-    blocks: BlockTables | DeviceTables, layer_idx: int, first_id: int, num_blocks: int
+    blocks: GatherTables, layer_idx: int, first_id: int, num_blocks: int
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`[1, kv_heads, num_blocks * block_size, head_dim]` K and V views of layer `layer_idx`'s pool storage over the
     consecutive pool blocks from `first_id`, or None when the pool's layout does not allow one (a head's blocks not
@@ -107,6 +111,18 @@ def run_views(
             _run_view(key_cache, first_id, num_blocks),
             _run_view(value_cache, first_id, num_blocks),
         )
+    return views[2], views[3]
+
+
+def pool_views(
+    memo: dict, pool: BlockPool, layer_idx: int, make: Callable[[torch.Tensor], torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`make(key_cache)` and `make(value_cache)` of layer `layer_idx`, kept in `memo` with the pool tensors they view
+    and made again when those changed (a private pool grew)."""
+    key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+    views = memo.get(layer_idx)
+    if views is None or views[0] is not key_cache or views[1] is not value_cache:
+        views = memo[layer_idx] = (key_cache, value_cache, make(key_cache), make(value_cache))
     return views[2], views[3]
 
 
@@ -137,7 +153,7 @@ class GatherWorkspace:
 
     def gather(
         self,
-        blocks: BlockTables | DeviceTables,
+        blocks: GatherTables,
         layer_idx: int,
         first_block: int,
         end_block: int,
@@ -147,10 +163,10 @@ class GatherWorkspace:
         row: int | None = None,
         name: str = "",
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logical blocks [first_block, end_block) of every row of `blocks` (`row`: of that row only) from layer
-        `layer_idx`'s pool storage, then tokens [start, stop) of them: `[B, kv_heads, stop - start, head_dim]` keys
-        and `[B, value_heads, stop - start, value_head_dim]` values (views). `name` picks buffers apart from the plain
-        gather's, for a gather whose result is used together with another."""
+        """Logical blocks [first_block, end_block) of every row of `blocks` (`row`: of that row only, for a
+        `TableMetadata`) from layer `layer_idx`'s pool storage, then tokens [start, stop) of them: `[B, kv_heads,
+        stop - start, head_dim]` keys and `[B, value_heads, stop - start, value_head_dim]` values (views). `name`
+        picks buffers apart from the plain gather's, for a gather whose result is used together with another."""
         pool = blocks.pool
         num_rows = blocks.num_rows if row is None else 1
         gathered = []

@@ -1,7 +1,8 @@
 """GroupTables: the block tables of one `PagedCache`, one `BlockTables` per layer group of its pool.
 
-Layer `l` reads and writes only its group's tables (`of_layer(l)`); row operations (beam reorder, batch select,
-repeat) and length operations (crop, release) apply to every group. A block id sits in one group's tables only,
+Layer `l` reads and writes only its group's tables (`of_layer(l)`, and what a step derives from them:
+`metadata_of(l)`); row operations (beam reorder, batch select, repeat) and length operations (crop, release) apply to
+every group. A block id sits in one group's tables only,
 because each group takes its own blocks from the shared allocator.
 """
 
@@ -11,12 +12,14 @@ from collections.abc import Sequence
 
 from ..storage import BlockPool, LayerGroups, group_of_layer
 from .block_tables import BlockTables
+from .table_metadata import TableMetadata
 
 
 class GroupTables:
     def __init__(self, layer_groups: LayerGroups, pool: BlockPool | None):
         self.layer_groups = layer_groups
         self.groups = [BlockTables() for _ in layer_groups]  # groups[g]: the tables of layer group g
+        self.metadata = [TableMetadata(tables) for tables in self.groups]  # metadata[g]: derived from groups[g]
         self._group_of_layer = group_of_layer(layer_groups)
         self.set_pool(pool)
 
@@ -31,6 +34,10 @@ class GroupTables:
     def of_layer(self, layer_idx: int) -> BlockTables:
         """The block tables of `layer_idx`'s layer group."""
         return self.groups[self._group_of_layer[layer_idx]]
+
+    def metadata_of(self, layer_idx: int) -> TableMetadata:
+        """The tensors and indexes a step derives from the block tables of `layer_idx`'s layer group."""
+        return self.metadata[self._group_of_layer[layer_idx]]
 
     @property
     def num_rows(self) -> int:

@@ -80,8 +80,3 @@ class IndexerKeys:
     def clear(self) -> None:
         self.keys.clear()
         self.positions.clear()
-
-    @property
-    def nbytes(self) -> int:
-        tensors = [*self.keys.values(), *self.positions.values()]
-        return sum(tensor.numel() * tensor.element_size() for tensor in tensors)

@@ -41,7 +41,7 @@ from transformers.cache_utils import (
     get_layer_types_and_kwargs,
 )
 
-from ..cache.block_tables import head_major_index
+from ..cache.block_tables import GatherTables, head_major_index
 from ..cache.gather import visible_kv
 from ..cache.hybrid import PagedHybridLayer, decoder_layers
 from ..cache.layer import PagedLayer
@@ -196,7 +196,7 @@ class RequestStates:
         return layers, paged
 
 
-class _RowTables:
+class _RowTables(GatherTables):
     """One row's block table in one layer group, as `visible_kv` reads it: `table[i]` holds logical block
     `base + i` (the blocks before `base` were released)."""
 

@@ -1,0 +1,70 @@
+"""KVStore: writes a step's new K/V into the pool, at the slots of the rows that write.
+
+The slot of token `pos` of a row is `table[pos // block_size] * block_size + pos % block_size` (table_metadata.py),
+an index into the `[kv_heads, num_blocks * block_size, head_dim]` flat view of a head-major pool tensor. Only the
+writers store: one row per row group (block_tables.py), all rows when none share.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import store_backend, store_kv_rows
+from ..storage import BlockPool
+from .gather import pool_views
+
+
+class KVStore:
+    """The store of one `PagedCache`: the backend is resolved once per step (`start_step`), and the torch path keeps
+    the pool's flat views between steps instead of making them every layer."""
+
+    def __init__(self):
+        self._backend: str | None = None
+        self._multi_device = False
+        self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
+
+    def start_step(self, pool: BlockPool) -> None:
+        """At layer 0's update: the store backend for the step's layers."""
+        self._backend = store_backend(pool.device)
+        self._multi_device = pool.is_multi_device
+
+    def store(
+        self,
+        pool: BlockPool,
+        layer_idx: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor | None,
+        device: torch.device | None,
+    ) -> None:
+        """Store pool layer `layer_idx`'s new K/V ([B, kv_heads, q_len, head_dim]) of the `rows` that write (an int64
+        index, all rows when None) at their `slots` ([W * q_len] int64, row by row); `device`: the layer's, on a pool
+        split over devices."""
+        stored_keys, stored_values = key_states, value_states
+        if rows is not None:
+            stored_keys, stored_values = key_states[rows], value_states[rows]
+        backend = store_backend(device) if self._multi_device else self._backend
+        if backend == "torch" and not self._multi_device:
+            # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
+            key_slots, value_slots = self._flat_views(pool, layer_idx)  # [1, kv_heads, num_slots, head_dim]
+            if stored_keys.shape[0] == 1:
+                key_slots.index_copy_(2, slots, stored_keys)
+                value_slots.index_copy_(2, slots, stored_values)
+            else:
+                key_slots[0].index_copy_(1, slots, heads_first(stored_keys))
+                value_slots[0].index_copy_(1, slots, heads_first(stored_values))
+            return
+        store_kv_rows(
+            pool.key_cache[layer_idx], pool.value_cache[layer_idx], stored_keys, stored_values, slots, backend=backend
+        )
+
+    def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool
+        (slot-indexed), made again only when the pool's tensors changed (a private pool grew)."""
+        return pool_views(self._flat_memo, pool, layer_idx, lambda t: t.view(1, t.shape[0], -1, t.shape[-1]))
+
+
+def heads_first(states: torch.Tensor) -> torch.Tensor:
+    """[W, kv_heads, q_len, head_dim] -> [kv_heads, W * q_len, head_dim], the order of the slots of W rows."""
+    return states.transpose(0, 1).reshape(states.shape[1], -1, states.shape[-1])

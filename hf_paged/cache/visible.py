@@ -1,0 +1,160 @@
+"""VisibleKV: what a `PagedCache` layer's update returns once tokens are cached.
+
+transformers hands attention whatever `Cache.update` returns, so this is the one place a cache chooses how attention
+reads the pool:
+
+    sdpa / eager attention          the visible K/V, [B, kv_heads, kv_len, head_dim]: a view of the pool or a
+                                    gather (gather.py), exactly what DynamicCache would return
+    "hf_paged" attention, decode    placeholders [B, kv_heads, 0, head_dim] carrying a `DecodePlan`: the kernel reads
+                                    the pool in place; rows sharing a prompt read it once (`shared_prefix_kv`)
+    "hf_paged" attention, prefill   placeholders carrying a `PrefillPlan` (a chunk or a prompt after cached tokens)
+
+A plan's block tables, lengths and memos come from the layer group's `TableMetadata`: built by the group's first
+layer, shared by the rest. A first prefill returns the step's own K/V and never reaches this.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders
+from ..attention.kernels.dispatch import triton_possible
+from ..attention.prefill_plan import PrefillPlan
+from ..storage import BlockPool
+from .gather import pool_views, shared_prefix_kv, visible_kv
+from .group_tables import GroupTables
+from .table_metadata import TableMetadata
+
+
+def runs_paged_attention(config) -> bool:
+    """Whether the model attends through the "hf_paged" attention (`hf_paged.enable(model)` may switch it after its
+    cache was built, so a cache asks at every step)."""
+    return getattr(config, "_attn_implementation", None) == PAGED_ATTENTION
+
+
+class VisibleKV:
+    """What the layers of one `PagedCache` return after cached tokens (see the module docstring).
+
+    Args:
+        tables (`GroupTables`): the cache's block tables.
+        config: the model's text config (None for a cache built from a pool alone).
+        latent (`bool`): the model expands what `update` returns before attention (multi-head latent attention), so
+            it gets the latents themselves, never a placeholder.
+        kv_sources (`frozenset[int]`): pool layers whose returned K/V later layers attend again (KV sharing): they
+            get K/V of their own, not views of the gather workspace, which the next layer's gather overwrites.
+    """
+
+    def __init__(self, tables: GroupTables, config, latent: bool, kv_sources: frozenset[int]):
+        self._tables = tables
+        self._config = config
+        self._latent = latent
+        self._kv_sources = kv_sources
+        # Resolved at every step's layer 0 (`start_step`) for the step's other layers.
+        self._paged_attention, self._multi_device, self._kernel_possible = False, False, False
+        self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
+
+    def start_step(self, pool: BlockPool) -> None:
+        """At layer 0's update: what every layer of the step would otherwise look up again."""
+        self._paged_attention = self._runs_paged_attention()
+        self._multi_device = pool.is_multi_device
+        self._kernel_possible = triton_possible(pool.device)
+
+    def visible(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What pool layer `layer_idx`'s update returns after cached tokens (its new K/V `[B, kv_heads, q_len,
+        head_dim]` already stored): its K/V from position `first` to `num_tokens`, `[B, kv_heads, num_tokens -
+        first, head_dim]`, or placeholders carrying a plan that reads them in place."""
+        metadata = self._tables.metadata_of(layer_idx)
+        plannable = self._paged_attention and not self._multi_device and not self._is_latent(metadata)
+        if key_states.shape[2] == 1 and plannable:
+            # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
+            # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
+            split = self._shared_split(metadata, first, num_tokens)
+            if split is not None or self._kernel_possible:
+                return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
+        elif plannable and self._kernel_possible and layer_idx not in self._kv_sources:
+            # Several tokens over cached ones (a prompt chunk, a prompt after a prefix hit): the paged prefill kernel
+            # may read the pool in place (PrefillPlan); it gathers when it cannot.
+            return self._prefill_placeholders(layer_idx, key_states, value_states, first, num_tokens)
+        keys, values = self.gather(layer_idx, first, num_tokens)
+        if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
+            return keys.clone(), values.clone()
+        return keys, values
+
+    def gather(self, layer_idx: int, first: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions [first, num_tokens) of every row of pool layer `layer_idx`: two [B, kv_heads, num_tokens - first,
+        head_dim] views of the pool, or of the gather workspace the caches of its pool share in this thread; valid
+        until the next update of a cache of that pool in this thread (see gather.py). On a pool split over devices,
+        with index tensors on the layer's device."""
+        metadata = self._tables.metadata_of(layer_idx)
+        if self._multi_device:
+            return visible_kv(metadata.on(metadata.pool.devices[layer_idx]), layer_idx, first, num_tokens)
+        return visible_kv(metadata, layer_idx, first, num_tokens)
+
+    def _is_latent(self, metadata: TableMetadata) -> bool:
+        return self._latent or metadata.pool.layout.latent
+
+    def _runs_paged_attention(self) -> bool:
+        return runs_paged_attention(self._config)
+
+    @staticmethod
+    def _shared_split(metadata: TableMetadata, first: int, num_tokens: int) -> int | None:
+        """Where the decode attention splits every row's visible K/V into a prefix read once and the rows' own tails
+        (see `shared_prefix_kv`), or None when the rows share no block after `first`.
+
+        The end of the blocks every row shares (clipped to `num_tokens`), or, when those blocks are not one run of
+        pool blocks, the end of the run they start with if gathering the rest once per row copies less than
+        gathering the whole prefix once."""
+        shared = metadata.shared_blocks()
+        if not shared:
+            return None
+        block_size = metadata.pool.block_size
+        first_block, shared_end = first // block_size, metadata.tables.base + shared
+        if shared_end * block_size <= first:
+            return None
+        run_end = metadata.run_end(0, first_block, shared_end)
+        if run_end < shared_end and metadata.num_rows * (shared_end - run_end) < shared_end - first_block:
+            shared_end = run_end
+        return min(shared_end * block_size, num_tokens)
+
+    def _decode_placeholders(
+        self,
+        layer_idx: int,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        first: int,
+        num_tokens: int,
+        split: int | None = None,
+    ):
+        split_gather = None
+        if split is not None:
+            metadata = self._tables.metadata_of(layer_idx)
+            split_gather = lambda: shared_prefix_kv(metadata, layer_idx, first, split, num_tokens)  # noqa: E731
+        plan = self._plan(DecodePlan, layer_idx, first, num_tokens, split_gather=split_gather)
+        return plan_placeholders(key_states, value_states, plan)
+
+    def _prefill_placeholders(
+        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+    ):
+        return plan_placeholders(key_states, value_states, self._plan(PrefillPlan, layer_idx, first, num_tokens))
+
+    def _plan(self, plan_class, layer_idx: int, first: int, num_tokens: int, **extra):
+        """A `DecodePlan` or `PrefillPlan` of pool layer `layer_idx` for a step ending at `num_tokens`, its mask from
+        position `first`: the step's tables, lengths and memos, built by the group's first layer and shared by the
+        rest."""
+        metadata = self._tables.metadata_of(layer_idx)
+        step = metadata.step(num_tokens)
+        key_cache, value_cache = pool_views(self._nhd_memo, metadata.pool, layer_idx, metadata.pool.nhd_view)
+        return plan_class(
+            key_cache=key_cache,
+            value_cache=value_cache,
+            block_tables=step["block_tables"],
+            seq_lens=step["seq_lens"],
+            kv_offset=first,
+            position_offset=step["position_offset"],
+            gather=lambda: self.gather(layer_idx, first, num_tokens),
+            _kv_starts=step["kv_starts"],
+            _backends=step["backends"],
+            **extra,
+        )
