@@ -123,7 +123,7 @@ def sliding_window_bytes(model, *, prompt_len: int, max_new_tokens: int, block_s
     return rows
 
 
-class _StepClock(LogitsProcessor):
+class StepClock(LogitsProcessor):
     """Records a timestamp at every generation step (called once per forward, after the logits exist)."""
 
     def __init__(self):
@@ -179,7 +179,7 @@ def decode_speed(model, *, batch_sizes, contexts, num_steps: int, repeats: int =
                 for label, make_cache, attention in DECODE_VARIANTS:
                     model.set_attn_implementation(attention)
                     cache = _prefilled(make_cache(model.config), model, batch_size, context - 1, seed=context)
-                    clock = _StepClock()
+                    clock = StepClock()
                     outputs[label] = model.generate(
                         input_ids,
                         attention_mask=torch.ones_like(input_ids),

@@ -15,7 +15,7 @@ from transformers import DynamicCache, LogitsProcessorList
 from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
 from hf_paged import registry as hf_registry
 
-from .cache_report import _StepClock
+from .cache_report import StepClock
 from .runs import (
     BLOCK_SIZE,
     PAD_TOKEN_ID,
@@ -69,7 +69,7 @@ def run_static_batches(
             input_ids, attention_mask = _left_padded(specs, model.device)
             max_new_tokens = config.max_new_tokens = max(s.max_new_tokens for s in specs)
             cache, release = new_cache()
-            clock = _StepClock()
+            clock = StepClock()
             torch.manual_seed(first)  # sampled workloads: reproducible per batch
             batch_start = time.perf_counter()
             try:

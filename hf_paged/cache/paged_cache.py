@@ -74,24 +74,11 @@ class PagedCache(Cache):
             device.
 
     Shapes: `update(key_states, value_states, layer_idx)` takes `[B, num_kv_heads, q_len, head_dim]` and returns
-    `[B, num_kv_heads, kv_len, head_dim]` (V's heads and head_dim may differ from K's: multi-head latent attention
-    caches a `[B, 1, q_len, kv_lora_rank]` latent as K and a `[B, 1, q_len, qk_rope_head_dim]` rotary key as V),
-    where `kv_len` is the cached length plus `q_len` (for a sliding layer, only the window, exactly like
-    `DynamicSlidingWindowLayer`). A first prefill (nothing cached) returns the step's own `key_states`/`value_states`.
-    Later steps return views: of the pool when the cache holds one row whose blocks are consecutive pool blocks (one
-    row in a private pool), else of a gather workspace that the caches of one pool share within a thread. They are
-    valid until the next `update` of a cache of that pool in that thread (attention consumes them at once), except
-    for the layers whose K/V KV-sharing layers attend again (Gemma 3n), which get copies of their own. The indexer
-    keys of DeepSeek Sparse Attention layers (`update_indexer`) are kept beside the pool (cache/indexer.py).
-
-    Blocks go back to the pool on `release()`, on leaving a `with PagedCache(...)` block, or when the cache is
-    garbage-collected. One cache belongs to one thread at a time; several caches may share one pool across threads.
-
-    Hybrid models (Qwen3-Next, Jamba, Bamba, Falcon-H1, LFM2, ...): the pool holds the K/V of the attention layers
-    only (`layout.kv_layers`: the decoder layer of each pool layer); the linear-attention, mamba and conv states stay
-    in transformers' own cache layers (`layers[i]` is a `LinearAttentionLayer` as in `DynamicCache`), reordered with
-    the block tables by beam search. Such a cache needs `config`; prefix reuse (`from_prefix`,
-    `release(token_ids=...)`) raises `UnsupportedModel`, since a recurrent state cannot be rebuilt from blocks.
+    `[B, num_kv_heads, kv_len, head_dim]`, exactly what `DynamicCache` returns (a sliding layer: its window): views of
+    the pool or of a gather workspace, valid until the next `update` of a cache of that pool in that thread. Blocks
+    go back on `release()`, on leaving a `with` block, or when the cache is garbage-collected. Hybrid models keep
+    their recurrent and conv states in transformers' own layers beside the paged ones. docs/design.md#pagedcache has
+    the detail: multi-head latent attention, KV sharing, indexer keys, threads.
 
     Example:
 

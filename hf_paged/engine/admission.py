@@ -50,34 +50,11 @@ class Admission:
     def fits(self, newcomer: Request, running: list[Request]) -> bool:
         """Whether the pool can hold `newcomer` next to the `running` requests at every step of the lookahead.
 
-        Every running request grows by one token per step until its `max_new_tokens` (or for
-        `decode_reserve_tokens` steps, when set) and its blocks come back when it finishes, so the demand at step
-        t is the sum of blocks(tokens + t) over the requests still running at t; its peak is at t = 0, at the last
-        step a prefill may take (a sliding group counts less after it), or just before one of them finishes.
-
-        With prefix caching, blocks that several running requests hold in a full-attention group (a shared system
-        prompt, parallel samples of one prompt) count once: the demand at t is every such block held now by a request
-        still running at t, plus the blocks each of those will add by t. A sliding group counts, per request, the blocks
-        its window can span (`GrowthModel.demand`), or, when smaller, each block two or more running requests hold there
-        once plus what each holds alone and will add (`Lookahead`). A newcomer with a cached prefix takes it when
-        admitted (`PrefixReuse.takes_at_admission`) and counts it as held: looked up later, the hit could be shorter
-        than what admission counted (an evicted free block can cut it below blocks the others hold). One that waits
-        for a block another request is computing, or was admitted without a hit, counts its whole prompt as fresh.
-        A request that goes on from a computed or cached prefix counts its sliding groups from that position's
-        window (`GrowthModel.demand`'s `start`), not from its first token.
-
-        A request whose prompt is not computed yet starts growing only once its prefill has had budget: the
-        requests before it take the step's prefill tokens first, so it may start (and finish) up to `end - steps`
-        steps late (`Growth`). It is counted at its full size for those extra steps, an upper bound on what it
-        holds then.
-
-        NOTE: with the default lookahead (to every request's `max_new_tokens`) an admitted request is never
-        preempted: every count is an upper bound on what the request holds then, and requests can only finish
-        earlier than planned (eos, stop tokens), which frees blocks sooner (tests/test_backfill.py and
-        tests/test_sliding_admission.py drive random bursts, shared prompts and sliding + full pools through it).
-        A finite `decode_reserve_tokens` admits more when requests usually stop early, and relies on preemption
-        when they do not.
-        """
+        Every running request grows by one token a step until its `max_new_tokens` (or for `decode_reserve_tokens`
+        steps) and gives its blocks back when it ends; a prompt not computed yet starts growing once its prefill has
+        had budget; blocks several requests hold count once. Every count is an upper bound on what a request will
+        hold, so with the default lookahead an admitted request is never preempted (`Lookahead`; docs/engine.md,
+        "Admission looks ahead", has the whole argument)."""
         return self.lookahead(running).fits(newcomer)
 
     def admit(self, waiting: deque[Request], running: list[Request]) -> None:
