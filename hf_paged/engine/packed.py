@@ -38,7 +38,6 @@ class PackedStep:
         self.chunk_sizes = chunk_sizes
         self.runner = runner
         self.model_type = getattr(model.config, "model_type", None)
-        self._workspace: dict = {}  # StepCache gather buffers, reused across steps
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """rows (request, new tokens), decode rows first -> [len(rows), vocab] logits at each row's last new token."""
@@ -52,7 +51,6 @@ class PackedStep:
             [num_tokens for _, num_tokens in rows],
             first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
             chunk_sizes=self.chunk_sizes,
-            workspace=self._workspace,
             model_type=self.model_type,
         )
         token_ids = [

@@ -34,7 +34,8 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..attention.step_plan import GroupStep, StepPlan
-from ..cache.block_tables import head_major_index
+from ..cache.block_tables import GatherTables, head_major_index
+from ..cache.gather import GatherWorkspace, workspace_for
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 
@@ -84,7 +85,8 @@ class StepCache(Cache):
         chunk_sizes (`list[int | None]`, *optional*): per layer, the chunk of a chunked-attention layer (Llama 4's
             `attention_chunk_size`: a query sees the keys of its own chunk of positions, up to itself) or None;
             default none. The model passes no window for these layers: its mask makes the chunks.
-        workspace (`dict`, *optional*): gather buffers to reuse; pass the same dict every step to allocate once.
+        workspace (`GatherWorkspace`, *optional*): where gathers land (default: the pool's workspace of the calling
+            thread, `cache.gather.workspace_for`).
         model_type (`str`, *optional*): the model's type, named by the `UnsupportedModel` an update of a layer the
             pool does not hold raises.
     """
@@ -98,7 +100,7 @@ class StepCache(Cache):
         *,
         first_blocks: list[list[int]] | None = None,
         chunk_sizes: list[int | None] | None = None,
-        workspace: dict | None = None,
+        workspace: GatherWorkspace | None = None,
         model_type: str | None = None,
     ):
         num_rows = len(seq_lens)
@@ -134,8 +136,8 @@ class StepCache(Cache):
         self.position_ids = torch.tensor([positions], device=pool.device)  # [1, T]: the model's position_ids
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
-        self._workspace = {} if workspace is None else workspace
-        self._index: dict[tuple, torch.Tensor] = {}  # (group, first row, end row, kv_heads, pool blocks) -> index
+        self._workspace = workspace_for(pool) if workspace is None else workspace
+        self._row_ranges: dict[tuple[int, int, int], _RowRange] = {}  # (group, first row, end row) -> its gather view
         self._prefill_cu_seqlens: torch.Tensor | None = None  # [chunks + 1] int32, made on the first kernel call
         super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
@@ -242,31 +244,35 @@ class StepCache(Cache):
 
     def gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values (V's heads and head_dim may
-        differ) from each row's first held block, views into the workspace (valid until the next gather); positions
-        past a row's length are not keys."""
+        differ) from each row's first held block, views into the gather workspace (cache/gather.py, valid until the
+        next gather); positions past a row's length are not keys."""
         group_idx = self.pool.group_of_layer[layer_idx]
         group = self._groups[group_idx]
-        num_rows, length = end_row - first_row, max(group.host_seq_lens[first_row:end_row])
-        gathered = []
-        for name, cache in (("keys", self.pool.key_cache[layer_idx]), ("values", self.pool.value_cache[layer_idx])):
-            num_heads, num_pool_blocks, block_size, head_dim = cache.shape
-            # Layers (and K and V) may differ in kv heads, so the index is keyed by shape (one entry per row range
-            # for most models).
-            key = (group_idx, first_row, end_row, num_heads, num_pool_blocks)
-            index = self._index.get(key)
-            if index is None:
-                tables = group.tables[first_row:end_row, : max(group.num_table_blocks[first_row:end_row])]
-                index = self._index[key] = head_major_index(tables, num_heads, num_pool_blocks)
-            numel = index.numel() * block_size * head_dim
-            out = self._buffer(name, numel, cache).view(index.numel(), block_size * head_dim)
-            torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out)  # 2-D rows: see gather.py
-            gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, :length])
-        return gathered[0], gathered[1]
+        rows = self._row_ranges.get((group_idx, first_row, end_row))
+        if rows is None:
+            rows = self._row_ranges[(group_idx, first_row, end_row)] = _RowRange(self.pool, group, first_row, end_row)
+        length = max(group.host_seq_lens[first_row:end_row])
+        return self._workspace.gather(rows, layer_idx, 0, rows.num_blocks, 0, length)
 
-    def _buffer(self, name: str, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat buffer of at least `numel` elements, reused across layers and steps (grown, never shrunk)."""
-        key = (name, like.dtype, like.device)
-        buffer = self._workspace.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._workspace[key] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer[:numel]
+
+class _RowRange(GatherTables):
+    """Rows [first_row, end_row) of one layer group's share of a step, as a gather reads them: logical block 0 is each
+    row's first held block. The index of each (kv heads, pool blocks) shape is made once for the step's layers."""
+
+    def __init__(self, pool: BlockPool, group: GroupStep, first_row: int, end_row: int):
+        self.pool = pool
+        self.num_rows = end_row - first_row
+        self.num_blocks = max(group.num_table_blocks[first_row:end_row])
+        self.memo: dict = {}
+        self._tables = group.tables[first_row:end_row, : self.num_blocks]
+
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        return None  # several rows, or one row's blocks wherever they are: always gathered
+
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        key = (first_block, end_block, num_heads, num_pool_blocks)
+        index = self.memo.get(key)
+        if index is None:
+            tables = self._tables[:, first_block:end_block]
+            index = self.memo[key] = head_major_index(tables, num_heads, num_pool_blocks)
+        return index
