@@ -63,7 +63,7 @@ def engine_for(model, prompts: torch.Tensor, steps: int, runner: bool) -> Engine
     pool = BlockPool.for_model(model, num_blocks=rows * (-(-(prompt_len + steps + 8) // 16)), block_size=16)
     engine = Engine(model, pool, max_num_seqs=rows, max_num_batched_tokens=rows * prompt_len)
     if not runner:
-        engine.runner = engine.step_runner.step.runner = None  # decode steps packed too
+        engine.step_runner.step.runner = None  # decode steps packed too
     for prompt in prompts.tolist():
         engine.add_request(prompt, max_new_tokens=steps + 4, ignore_eos=True)
     engine.step()  # every prefill

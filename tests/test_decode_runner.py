@@ -97,6 +97,14 @@ def test_staged_tables_are_every_rows_table_through_preemption_release_and_paddi
         assert runner.stats.padded_rows > 0
 
 
+def test_the_engines_runner_is_the_one_its_steps_use():
+    """`engine.runner` is read from the packed step (one reference, so it cannot point elsewhere than what runs)."""
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=4)
+    assert engine.runner is not None and engine.runner is engine.step_runner.step.runner
+    with pytest.raises(AttributeError):
+        engine.runner = None
+
+
 def test_sampled_rows_through_the_runner_repeat_with_their_seeds():
     prompts = random_prompts(PROMPT_LENGTHS)
     runs = []

@@ -311,6 +311,7 @@ class DecodeRunner:
             self._copied.synchronize()
         fields = [[] for _ in range(self._num_fields)]
         table_index, table_values = [], []
+        staging: list[tuple[int, int, tuple[int, int, int] | None]] = []  # (group, row, what `_staged` records)
         longest = 1
         lengths = [set() for _ in range(num_groups)]
         for row, (request, _) in enumerate(rows):
@@ -336,18 +337,20 @@ class DecodeRunner:
                     start = tables_start + (g * max_rows + row) * width
                     table_index += range(start + done, start + len(table))
                     table_values += table[done:]
-                    self._staged[g][row] = (request.request_id, request.table_epoch, len(table))
+                    staging.append((g, row, (request.request_id, request.table_epoch, len(table))))
         for row in range(len(rows), bucket):  # padding: token 0 at position 0, in the dummy block only
             for index, value in enumerate([0, 0] + [dummy * block_size] * num_groups + [1] * num_groups):
                 fields[index].append(value)
             for g in range(num_groups):
                 table_index.append(tables_start + (g * max_rows + row) * width)
                 table_values.append(dummy)
-                self._staged[g][row] = None
+                staging.append((g, row, None))
         host_fields = self._host[:tables_start].view(self._num_fields, max_rows)
         host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
         if table_index:
             self._host[torch.tensor(table_index)] = torch.tensor(table_values, dtype=torch.long)
+        for g, row, staged in staging:  # recorded once the host tables hold them
+            self._staged[g][row] = staged
         if full_width:
             self.table_width, self.kv_width = self.graph_width, self.graph_width * block_size
         else:

@@ -145,12 +145,15 @@ class Engine:
         self._lockstep = Lockstep.for_model(model, lockstep_timeout)  # None on one rank
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
-        self.step_runner, self.runner, self.runner_reason = self._step_runner(packed, max_num_seqs, cuda_graphs)
+        self.step_runner, self.runner_reason = self._step_runner(packed, max_num_seqs, cuda_graphs)
 
-    def _step_runner(
-        self, packed: bool, max_num_seqs: int, cuda_graphs: bool | None
-    ) -> tuple[StepRunner, DecodeRunner | None, str | None]:
-        """The step runner over the packed or the per-request step, and the decode runner (or why there is none)."""
+    @property
+    def runner(self) -> DecodeRunner | None:
+        """What runs decode-only steps (the packed step's decode runner), None where they stay packed."""
+        return getattr(self.step_runner.step, "runner", None)
+
+    def _step_runner(self, packed: bool, max_num_seqs: int, cuda_graphs: bool | None) -> tuple[StepRunner, str | None]:
+        """The step runner over the packed or the per-request step, and why there is no decode runner (or None)."""
         keyword = cache_keyword(self.model)
         if not packed:
             reason = "the model runs one forward per request"
@@ -170,8 +173,8 @@ class Engine:
             reason=reason,
         )
         if not packed:
-            return StepRunner(PerRequestStep(self.model, self.pool, keyword), rows_alone=True), runner, reason
-        return StepRunner(PackedStep(self.model, self.pool, keyword, sizes, runner), rows_alone=False), runner, reason
+            return StepRunner(PerRequestStep(self.model, self.pool, keyword), rows_alone=True), reason
+        return StepRunner(PackedStep(self.model, self.pool, keyword, sizes, runner), rows_alone=False), reason
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
@@ -227,7 +230,7 @@ class Engine:
         """
         request = self._requests.get(request_id)
         if request is None:
-            if self._was_issued(request_id):
+            if isinstance(request_id, int) and 0 <= request_id < self._num_issued:  # issued, handed back
                 return False
             raise UnknownRequest(self._unknown(request_id))
         if request.finished:
@@ -430,11 +433,8 @@ class Engine:
         if self.runner is not None and not self.scheduler.has_unfinished():
             self.runner.release()
 
-    def _was_issued(self, request_id) -> bool:
-        return isinstance(request_id, int) and 0 <= request_id < self._num_issued
-
     def _unknown(self, request_id) -> str:
-        if self._was_issued(request_id):
+        if isinstance(request_id, int) and 0 <= request_id < self._num_issued:
             return (
                 f"request {request_id} has finished and was handed back (pop_finished, or the generate/stream call "
                 "that added it returned): the engine keeps no request after that"
