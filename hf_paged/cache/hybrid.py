@@ -1,7 +1,7 @@
 """Hybrid models in a `PagedCache`: paged attention layers next to transformers' own recurrent / conv state layers.
 
 A hybrid model (Qwen3-Next, Jamba, Bamba, Falcon-H1, LFM2, ...) keeps, per decoder layer, attention K/V, a
-recurrent or convolution state, both, or nothing (see storage/hybrid.py). The cache's `layers` follow the decoder:
+recurrent or convolution state, both, or nothing (see storage/kv_layers.py). The cache's `layers` follow the decoder:
 
     decoder layer    0                    1                2                    3
     layer type       linear_attention     full_attention   hybrid               dummy ("moe")

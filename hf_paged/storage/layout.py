@@ -47,7 +47,7 @@ class KVLayout:
     one rank's heads: `from_config(model)` reads them from the model's sharding.
 
     `kv_layers` (per layer: the decoder layer it stores; `range(num_layers)` when not given) is what a hybrid model
-    needs: only its layers holding K/V are layers of the layout (see hybrid.py).
+    needs: only its layers holding K/V are layers of the layout (see kv_layers.py).
 
     NOTE: `layer_types`, `windows` and `tp_size` are left out of equality. Two layouts are equal when they store the
     same shapes, and any grouping serves any model of those shapes correctly: a `PagedCache` keeps one block table per
@@ -233,7 +233,7 @@ def block_bytes(shapes, block_size: int, dtype: torch.dtype) -> int:
 
 
 def sliding_windows(config) -> list[int | None]:
-    """Per layer holding K/V (every layer but the state-only and MLP-only layers of a hybrid model, see hybrid.py):
+    """Per layer holding K/V (every layer but the state-only and MLP-only layers of a hybrid model, see kv_layers.py):
     its sliding window (an int) or None for full attention. Raises `UnsupportedModel` for a model PagedCache cannot
     store (see `refuse_unsupported`)."""
     refuse_unsupported(config)
@@ -260,7 +260,7 @@ def cache_layers(config) -> tuple[list[str], list[dict], list[int]]:
 
 
 def _kv_layers(config) -> tuple[tuple[int, ...], list[str], list[dict]]:
-    """The cache layers holding K/V (see hybrid.py and `cache_layers`) and their `get_layer_types_and_kwargs`, a
+    """The cache layers holding K/V (see kv_layers.py and `cache_layers`) and their `get_layer_types_and_kwargs`, a
     hybrid layer typed as its attention part."""
     layer_types, layer_kwargs, _ = cache_layers(config)
     # A KV-sharing layer that keeps only indexer keys of its own (Mistral-Large-4's "reuse_but_indexer", which
@@ -317,7 +317,7 @@ def refuse_generate_cache(config) -> None:
 def refuse_unsupported(config) -> None:
     """Raise `UnsupportedModel`, naming the model type and the reason, for a (decoder text) config whose K/V a
     PagedCache would store or return wrong: encoder-decoder models, layer types other than full / sliding / chunked /
-    indexed attention, KV sharing and the state and MLP-only layers of hybrid models (see hybrid.py), and a model
+    indexed attention, KV sharing and the state and MLP-only layers of hybrid models (see kv_layers.py), and a model
     with no attention layer."""
     model_type = getattr(config, "model_type", None)
     if model_type in NO_PAGED_CACHE:
