@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -41,6 +42,11 @@ class Request:
     finish_time: float | None = None
     states: object | None = None  # a hybrid model's recurrent states between per-request forwards (RequestStates)
     logprobs: list = field(default_factory=list)  # one TokenLogprob per output token, when params.logprobs is set
+
+    @functools.cached_property
+    def prompt_tensor(self) -> torch.Tensor:
+        """The prompt's token ids as a 1-D int64 CPU tensor, made once (the sampler's penalties count them)."""
+        return torch.tensor(self.prompt_ids, dtype=torch.long)
 
     @property
     def token_ids(self) -> list[int]:

@@ -132,19 +132,20 @@ def apply_logits_processing(logits: torch.Tensor, requests: list) -> torch.Tenso
     def column(values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
 
-    def counts_of(token_lists) -> torch.Tensor:
-        """[k, vocab]: how often each token occurs in each row's list."""
-        row_index = [i for i, tokens in enumerate(token_lists) for _ in tokens]
-        token_index = [token for tokens in token_lists for token in tokens]
-        counts = torch.zeros(len(token_lists), vocab, device=device)
-        if token_index:
-            index = (torch.tensor(row_index, device=device), torch.tensor(token_index, device=device))
-            counts.index_put_(index, torch.ones(len(token_index), device=device), accumulate=True)
-        return counts
+    def counts_of(token_ids: list[torch.Tensor]) -> torch.Tensor:
+        """[k, vocab]: how often each token occurs in each row's 1-D token ids (one bincount for all rows)."""
+        num_rows = len(token_ids)
+        tokens = torch.cat(token_ids).to(device)
+        if not tokens.numel():
+            return torch.zeros(num_rows, vocab, device=device)
+        lengths = torch.tensor([len(ids) for ids in token_ids], device=device)
+        rows = torch.arange(num_rows, device=device).repeat_interleave(lengths)
+        return torch.bincount(rows * vocab + tokens, minlength=num_rows * vocab).view(num_rows, vocab).float()
 
-    outputs = [requests[row].output_ids for row in rows]
+    outputs = [torch.tensor(requests[row].output_ids, dtype=torch.long) for row in rows]
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen = counts_of([requests[row].prompt_ids + output for row, output in zip(rows, outputs)]) > 0
+        # The prompt's ids as a tensor once per request (`Request.prompt_tensor`), not a list read every step.
+        seen = counts_of([torch.cat((requests[row].prompt_tensor, output)) for row, output in zip(rows, outputs)]) > 0
         penalty = column([p.repetition_penalty for p in params])
         picked = torch.where(seen, torch.where(picked > 0, picked / penalty, picked * penalty), picked)
     if any(p.presence_penalty or p.frequency_penalty for p in params):
