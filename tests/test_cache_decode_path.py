@@ -296,7 +296,7 @@ def test_the_workspace_keeps_one_buffer_per_device_of_a_split_pool():
 
     workspace = GatherWorkspace()
     on_cpu, on_meta = torch.empty(1), torch.empty(1, device="meta")
-    first = workspace._view("keys", (2, 4, 4), on_cpu)
-    workspace._view("keys", (2, 4, 4), on_meta)
-    assert workspace._view("keys", (2, 4, 4), on_cpu).data_ptr() == first.data_ptr()
+    first = workspace.buffer("keys", (2, 4, 4), on_cpu)
+    workspace.buffer("keys", (2, 4, 4), on_meta)
+    assert workspace.buffer("keys", (2, 4, 4), on_cpu).data_ptr() == first.data_ptr()
     assert workspace.nbytes == 2 * (2 * 4 * 4) * on_cpu.element_size()

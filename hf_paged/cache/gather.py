@@ -11,6 +11,7 @@ This is the sdpa / eager path (and the decode fallback of the "hf_paged" attenti
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Callable
@@ -180,16 +181,17 @@ class GatherWorkspace:
                 index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
             else:
                 index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks, row=row)
-            out = self._view(buffer, (index.numel(), block_size, head_dim), cache)
+            out = self.buffer(buffer, (index.numel(), block_size, head_dim), cache)
             # NOTE: blocks as rows of block_size * head_dim values: on CPU, index_select copies 2-D rows ~3x faster
             # than 3-D ones.
             torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out.view(index.numel(), -1))
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop])
         return gathered[0], gathered[1]
 
-    def _view(self, name: str, shape: tuple[int, int, int], like: torch.Tensor) -> torch.Tensor:
-        """A `shape` view of the buffer `name` for `like`'s device and dtype (one per device of a split pool)."""
-        numel = shape[0] * shape[1] * shape[2]
+    def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+        """A `shape` view of the grow-only buffer `name` for `like`'s device and dtype (one per device of a split
+        pool), valid until the next call for the same name."""
+        numel = math.prod(shape)
         key = (name, like.device, like.dtype)
         buffer = self._buffers.get(key)
         if buffer is None or buffer.numel() < numel:

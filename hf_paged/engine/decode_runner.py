@@ -37,6 +37,7 @@ from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
 from ..cache.block_tables import head_major_index
 from ..cache.fixed_width import gather_fixed
+from ..cache.gather import GatherWorkspace
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .model_support import never_stored
@@ -207,7 +208,7 @@ class DecodeRunner:
         self._capture_stream = None  # the runner's own, on the pool's device (not the current device's)
         self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
-        self._gather_buffers: dict[str, torch.Tensor] = {}  # K and V of one layer at a time (`gather_buffer`)
+        self._gathers = GatherWorkspace()  # K and V of one layer at a time (`gather_buffer`)
         self._allocate(max(self.buckets))
         self._cache = RunnerCache(self)
 
@@ -240,10 +241,7 @@ class DecodeRunner:
         touching its pages cost more than the copy (3.6 ms of a 4 x 26-block gather of 16 rows, 6.8 MB)."""
         if like.is_cuda and torch.cuda.is_current_stream_capturing():
             return None
-        buffer = self._gather_buffers.get(name)
-        if buffer is None or buffer.numel() < numel or buffer.dtype != like.dtype:
-            buffer = self._gather_buffers[name] = torch.empty(numel, dtype=like.dtype, device=like.device)
-        return buffer
+        return self._gathers.buffer(name, (numel,), like)
 
     # ---------------------------------------------------------------------- step
     def forward(self, rows) -> torch.Tensor:
