@@ -61,6 +61,36 @@ def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypat
     assert len(set(outs)) <= 2 * 4  # K and V, each grown at most a few times as the rows lengthen
 
 
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
+def test_rows_sharing_a_prompt_prefix_read_it_once_with_generates_tokens(name, monkeypatch):
+    """Rows whose tables start with the same blocks (a shared system prompt, found in the prefix cache) attend that
+    prefix once for all rows (`shared_prefix_attention`) and their own tails after it: the tokens stay generate()'s,
+    a model with sliding-window layers beside full ones (gemma3: only its full layers' tables keep the shared blocks)
+    and learned positions (gpt2) included; below the runner's thresholds every row's whole context is gathered."""
+    import hf_paged.attention.fixed_plan as fixed_plan
+
+    calls = []
+    original = fixed_plan.shared_prefix_attention
+
+    def counting(query, prefix_keys, *args, **kwargs):
+        calls.append((query.shape[0], prefix_keys.shape[2]))
+        return original(query, prefix_keys, *args, **kwargs)
+
+    monkeypatch.setattr(fixed_plan, "shared_prefix_attention", counting)
+    system = random_prompts([10], seed=7)[0]
+    prompts = [system + tail for tail in random_prompts((3, 6, 1, 9, 4))]
+    new_tokens = [9, 4, 14, 6, 11]
+    reference = greedy_reference(name, prompts, new_tokens)
+    for min_rows, min_tokens, cascades in ((2, 8, True), (8, 256, False)):
+        calls.clear()
+        engine, pool = tiny_engine(name, 64, max_num_seqs=5, max_num_batched_tokens=64)
+        engine.runner.cascade_min_rows, engine.runner.cascade_min_tokens = min_rows, min_tokens
+        assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == reference
+        assert bool(calls) == cascades
+        # The prompt's two whole blocks (8 tokens) are shared, the third (2 system tokens, then each own) is not.
+        assert all(prefix_len == 8 and rows >= 2 for rows, prefix_len in calls)
+
+
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
 @pytest.mark.parametrize("num_blocks", [11, 64], ids=["preempting", "padded"])
 def test_staged_tables_are_every_rows_table_through_preemption_release_and_padding(name, num_blocks):

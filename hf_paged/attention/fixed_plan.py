@@ -22,6 +22,7 @@ from .decode_plan import length_mask
 from .kernels.dispatch import BACKENDS, resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import BACKEND_ATTR
+from .shared_prefix import shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
 
 
@@ -39,6 +40,13 @@ class FixedDecodePlan:
     # Ragged rows that all hold exactly as many keys as `gather` returns (known on the host): no length mask then,
     # unless a sliding window hides some.
     full_rows: bool = False
+    # Ragged rows whose tables start with the same blocks (a shared system prompt, parallel samples of one prompt):
+    # the shared prefix's K and V `[1, kv_heads, prefix_len, head_dim]` once and every row's tail `[B, kv_heads,
+    # kv_len - prefix_len, head_dim]` (None when empty), which the torch path reads instead of `gather`'s whole
+    # context of every row (`shared_prefix_attention`). None: the runner found no prefix worth splitting.
+    split_gather: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = (
+        None
+    )
 
     def attend(
         self,
@@ -66,6 +74,14 @@ class FixedDecodePlan:
             kv_start = self._kv_start(attention_mask) if self._bool_mask(attention_mask) else None
             kernel = kv_start is not None
         if not kernel:
+            if self.split_gather is not None and self.ragged and sinks is None and bias is None and not dropout:
+                prefix_keys, prefix_values, tail_keys, tail_values = self.split_gather()
+                width = prefix_keys.shape[2] + (0 if tail_keys is None else tail_keys.shape[2])
+                mask = self._length_mask(width, sliding_window)
+                out = shared_prefix_attention(
+                    query, prefix_keys, prefix_values, tail_keys, tail_values, mask, scaling=scaling, softcap=softcap
+                )
+                return out, None
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self._length_mask(key.shape[2], sliding_window)
