@@ -1,0 +1,23 @@
+"""bench/cascade.py on the embedded model, small: both settings run, the split happens, the tokens agree."""
+
+from __future__ import annotations
+
+import hf_paged.attention.fixed_plan as fixed_plan
+from bench import cascade
+
+
+def test_cascade_benchmark_compares_both_settings_on_the_same_tokens(capsys, monkeypatch):
+    calls = []
+    original = fixed_plan.shared_prefix_attention
+
+    def counting(query, prefix_keys, *args, **kwargs):
+        calls.append(prefix_keys.shape[2])
+        return original(query, prefix_keys, *args, **kwargs)
+
+    monkeypatch.setattr(fixed_plan, "shared_prefix_attention", counting)
+    argv = ["--concurrency", "8", "--requests", "8", "--prefix-len", "260", "--unique-len", "3"]
+    assert cascade.main([*argv, "--new-tokens", "6", "--repeats", "1", "--max-memory", "16MiB"]) == 0
+    out = capsys.readouterr().out
+    row = out.strip().splitlines()[-1].split()
+    assert row[0] == "8" and row[-1] == "True", out
+    assert calls and set(calls) == {256}  # the 16 whole blocks of the system prompt, read once per layer and step
