@@ -53,11 +53,19 @@ def visible_kv(blocks: GatherTables, layer_idx: int, first: int, num_tokens: int
     block_size = pool.block_size
     first_block, end_block = first // block_size, -(-num_tokens // block_size)
     start, stop = first - first_block * block_size, num_tokens - first_block * block_size
-    run = blocks.consecutive_run(first_block, end_block)
-    if run is not None:
-        views = run_views(blocks, layer_idx, run, end_block - first_block)
-        if views is not None:
-            return views[0].narrow(2, start, stop - start), views[1].narrow(2, start, stop - start)
+    # The run views of these blocks (None: a gather), kept in the tables' memo with the pool tensors they view, so
+    # a step's later layers and later steps in the same blocks look them up once.
+    key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+    memo = blocks.memo
+    key = ("visible", layer_idx, first_block, end_block)
+    found = memo.get(key)
+    if found is None or found[0] is not key_cache or found[1] is not value_cache:
+        run = blocks.consecutive_run(first_block, end_block)
+        views = None if run is None else run_views(blocks, layer_idx, run, end_block - first_block)
+        found = memo[key] = (key_cache, value_cache, views)
+    views = found[2]
+    if views is not None:
+        return views[0].narrow(2, start, stop - start), views[1].narrow(2, start, stop - start)
     return workspace_for(pool).gather(blocks, layer_idx, first_block, end_block, start, stop)
 
 

@@ -23,10 +23,10 @@ class KVStore:
         self._multi_device = False
         self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
 
-    def start_step(self, pool: BlockPool) -> None:
-        """At layer 0's update: the store backend for the step's layers."""
+    def start_step(self, pool: BlockPool, multi_device: bool) -> None:
+        """At layer 0's update: the store backend for the step's layers (`multi_device`: `pool.is_multi_device`)."""
         self._backend = store_backend(pool.device)
-        self._multi_device = pool.is_multi_device
+        self._multi_device = multi_device
 
     def store(
         self,
@@ -41,28 +41,36 @@ class KVStore:
         """Store pool layer `layer_idx`'s new K/V ([B, kv_heads, q_len, head_dim]) of the `rows` that write (an int64
         index, all rows when None) at their `slots` ([W * q_len] int64, row by row); `device`: the layer's, on a pool
         split over devices."""
-        stored_keys, stored_values = key_states, value_states
         if rows is not None:
-            stored_keys, stored_values = key_states[rows], value_states[rows]
-        backend = store_backend(device) if self._multi_device else self._backend
-        if backend == "torch" and not self._multi_device:
-            # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
-            key_slots, value_slots = self._flat_views(pool, layer_idx)  # [1, kv_heads, num_slots, head_dim]
-            if stored_keys.shape[0] == 1:
-                key_slots.index_copy_(2, slots, stored_keys)
-                value_slots.index_copy_(2, slots, stored_values)
-            else:
-                key_slots[0].index_copy_(1, slots, heads_first(stored_keys))
-                value_slots[0].index_copy_(1, slots, heads_first(stored_values))
-            return
+            key_states, value_states = key_states[rows], value_states[rows]
+        if self._multi_device:
+            backend = store_backend(device)
+        else:
+            backend = self._backend
+            if backend == "torch":
+                # `store_kv_rows`' torch path, with the pool's flat views made once: one `index_copy_` per K and V.
+                key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+                views = self._flat_memo.get(layer_idx)
+                if views is None or views[0] is not key_cache or views[1] is not value_cache:
+                    views = self._flat_views(pool, layer_idx)
+                key_slots, value_slots = views[2], views[3]  # [1, kv_heads, num_slots, head_dim]
+                if key_states.shape[0] == 1:
+                    key_slots.index_copy_(2, slots, key_states)
+                    value_slots.index_copy_(2, slots, value_states)
+                else:
+                    key_slots[0].index_copy_(1, slots, heads_first(key_states))
+                    value_slots[0].index_copy_(1, slots, heads_first(value_states))
+                return
         store_kv_rows(
-            pool.key_cache[layer_idx], pool.value_cache[layer_idx], stored_keys, stored_values, slots, backend=backend
+            pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots, backend=backend
         )
 
-    def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer_idx`'s [1, kv_heads, num_blocks * block_size, head_dim] K and V views of the pool
-        (slot-indexed), made again only when the pool's tensors changed (a private pool grew)."""
-        return pool_views(self._flat_memo, pool, layer_idx, lambda t: t.view(1, t.shape[0], -1, t.shape[-1]))
+    def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, ...]:
+        """Layer `layer_idx`'s K and V pool tensors and their [1, kv_heads, num_blocks * block_size, head_dim] views
+        (slot-indexed), kept in `_flat_memo` and made again only when the pool's tensors changed (a private pool
+        grew)."""
+        pool_views(self._flat_memo, pool, layer_idx, lambda t: t.view(1, t.shape[0], -1, t.shape[-1]))
+        return self._flat_memo[layer_idx]
 
 
 def heads_first(states: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,9 @@ from .block_tables import BlockTables, GatherTables, head_major_index
 if TYPE_CHECKING:
     from ..storage import BlockPool
 
+# `slots` works out at most this many slots on the host (a decode step's), more with tensor arithmetic (a prefill's).
+HOST_SLOTS = 256
+
 
 class TableMetadata(GatherTables):
     """The tensors and indexes of one `BlockTables` a step's layers share: the first layer of the group builds each,
@@ -101,12 +104,25 @@ class TableMetadata(GatherTables):
         key = (rows, start, end, device)
         slots = memo.get(key)
         if slots is None:
-            tables = self.tables_tensor(device)
-            if rows is not None:
-                tables = tables[list(rows)]
             block_size, base = self.pool.block_size, self.tables.base
-            positions = torch.arange(start, end, device=tables.device)
-            slots = (tables[:, positions // block_size - base] * block_size + positions % block_size).flatten()
+            host_tables = self.tables.tables
+            if (end - start) * len(host_tables) <= HOST_SLOTS:
+                # A decode step's few slots: worked out on the host and made in one tensor creation.
+                slots = torch.tensor(
+                    [
+                        host_tables[row][position // block_size - base] * block_size + position % block_size
+                        for row in (range(len(host_tables)) if rows is None else rows)
+                        for position in range(start, end)
+                    ],
+                    dtype=torch.long,
+                    device=device or self.pool.device,
+                )
+            else:
+                tables = self.tables_tensor(device)
+                if rows is not None:
+                    tables = tables[list(rows)]
+                positions = torch.arange(start, end, device=tables.device)
+                slots = (tables[:, positions // block_size - base] * block_size + positions % block_size).flatten()
             memo[key] = slots
         return slots
 

@@ -78,28 +78,38 @@ class UpdatePath:
         self.last_layer_updated = 0  # the highest layer updated since layer 0's last update
         self._multi_device = False  # resolved at every step's layer 0 (`_start_step`)
         self._checked_shapes: dict[int, tuple] = {}  # layer -> the (K, V) shapes `check_states` last accepted
+        # Per pool layer: its PagedLayer, its group's tables and their metadata (fixed for the cache's life).
+        self._layer_parts = [
+            (layer, rows.tables.of_layer(i), rows.tables.metadata_of(i)) for i, layer in enumerate(rows.paged_layers)
+        ]
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of decoder
         layer `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        # NOTE: every layer of every decode step runs this, so it reads attributes once and calls out only where
+        # something happens (a refusal, a first forward, layer 0's step start, a write plan not yet memoized).
         rows = self._rows
-        rows.states.check_complete()
-        pool_layer = self._pool_layers[layer_idx] if layer_idx < len(self._pool_layers) else None
+        states = rows.states
+        if states.incomplete:
+            states.check_complete()
+        pool_layers = self._pool_layers
+        pool_layer = pool_layers[layer_idx] if layer_idx < len(pool_layers) else None
         if pool_layer is None:
             self._refuse_layer(layer_idx)
         # From here on, `layer_idx` is the pool layer (the same number unless the model is hybrid).
         layer_idx = pool_layer
-        layer = rows.paged_layers[layer_idx]
-        blocks = rows.tables.of_layer(layer_idx)
-        batch_size, _, q_len, _ = key_states.shape
+        layer, blocks, metadata = self._layer_parts[layer_idx]
+        key_shape = key_states.shape
+        batch_size, _, q_len, _ = key_shape
         num_past = layer.cumulative_length
         num_tokens = num_past + q_len
-        if blocks.pool is None:
-            self._init_pool(layer_idx, key_states, num_tokens)
         pool = blocks.pool
-        shapes = (key_states.shape, value_states.shape)
+        if pool is None:
+            self._init_pool(layer_idx, key_states, num_tokens)
+            pool = blocks.pool
+        shapes = (key_shape, value_states.shape)
         if self._checked_shapes.get(layer_idx) != shapes:  # the shapes of a layer's states are checked once
             pool.check_states(layer_idx, key_states, value_states)
             self._checked_shapes[layer_idx] = shapes
@@ -110,28 +120,35 @@ class UpdatePath:
 
         if layer_idx == 0:
             self._start_step(pool)
-        starting = blocks.num_rows == 0
+        num_rows = len(blocks.tables)
+        starting = num_rows == 0
         if starting:
             blocks.start_rows(key_states, value_states, self._share_rows)
-        elif batch_size != blocks.num_rows:
+        elif batch_size != num_rows:
             raise ValueError(
-                f"PagedCache holds {blocks.num_rows} rows but layer {layer_idx} got key_states for {batch_size}; "
+                f"PagedCache holds {num_rows} rows but layer {layer_idx} got key_states for {batch_size}; "
                 "use batch_repeat_interleave / batch_select_indices to change the batch of a filled cache"
             )
 
-        self._check_layer_count(layer_idx)
+        if layer_idx:  # `_check_layer_count` at layer 0
+            if layer_idx > self.last_layer_updated:
+                self.last_layer_updated = layer_idx
+        else:
+            self._check_layer_count(layer_idx)
         if blocks.has_groups():
             blocks.verify_row_groups(key_states, value_states)
         device = pool.devices[layer_idx] if self._multi_device else None  # a pool split over devices: this layer's
-        metadata = rows.tables.metadata_of(layer_idx)
-        slots, writers = self._write_plan(blocks, metadata, layer_idx, num_past, num_tokens, starting, device)
-        self.store.store(pool, layer_idx, key_states, value_states, slots, writers, device)
+        plan = metadata.memo.get(("write", num_past, num_tokens, device))
+        if plan is None:
+            plan = self._write_plan(blocks, metadata, layer_idx, num_past, num_tokens, starting, device)
+        self.store.store(pool, layer_idx, key_states, value_states, plan[0], plan[1], device)
         layer.cumulative_length = num_tokens
         if num_past == 0:
             # A first prefill: the visible K/V are exactly this step's (a sliding layer returns them all, as
             # DynamicSlidingWindowLayer does), so nothing is gathered back from the pool.
             return key_states, value_states
-        return self.visible.visible(layer_idx, key_states, value_states, layer.first_visible(num_past), num_tokens)
+        first = 0 if layer.sliding_window is None else layer.first_visible(num_past)
+        return self.visible.visible(layer_idx, metadata, key_states, value_states, first, num_tokens)
 
     def _start_step(self, pool: BlockPool) -> None:
         """At layer 0's update: release what left the sliding windows, and resolve once for the step's layers what
@@ -144,9 +161,9 @@ class UpdatePath:
         rows = self._rows
         if rows.sliding_groups and not any(layer.record_past for layer in rows.paged_layers):
             rows.release_before_windows()
-        self._multi_device = pool.is_multi_device
-        self.store.start_step(pool)
-        self.visible.start_step(pool)
+        self._multi_device = multi_device = pool.is_multi_device
+        self.store.start_step(pool, multi_device)
+        self.visible.start_step(pool, multi_device)
 
     def _write_plan(
         self,
@@ -161,16 +178,13 @@ class UpdatePath:
         """Make positions [num_past, num_tokens) writable for the writers of layer `layer_idx`'s group
         (`BlockTables.prepare_write`) and return where they go: their slots, and the writer rows to take from the
         step's states (an int64 index on `device`, None when every row writes). Memoized in the group's `metadata`
-        for the step's other layers.
+        (under `("write", num_past, num_tokens, device)`) for the step's other layers, which look it up there.
 
         All or nothing: a PoolExhausted leaves the tables, the free queue and the prefix cache as they were; only the
         rows that start_rows just began are dropped, so a failed first update leaves the cache empty. With several
         layer groups, the groups that already stored this step are rolled back too (see _undo_step). A hybrid
         model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep)."""
         key = ("write", num_past, num_tokens, device)
-        plan = metadata.memo.get(key)
-        if plan is not None:
-            return plan
         writers = blocks.writers()
         try:
             blocks.prepare_write(writers, num_past, num_tokens)

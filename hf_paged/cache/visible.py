@@ -51,33 +51,46 @@ class VisibleKV:
         self._kv_sources = kv_sources
         # Resolved at every step's layer 0 (`start_step`) for the step's other layers.
         self._paged_attention, self._multi_device, self._kernel_possible = False, False, False
+        self._plannable = False  # the step may hand attention a plan: paged attention, one device, no latents
         self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
 
-    def start_step(self, pool: BlockPool) -> None:
-        """At layer 0's update: what every layer of the step would otherwise look up again."""
+    def start_step(self, pool: BlockPool, multi_device: bool) -> None:
+        """At layer 0's update: what every layer of the step would otherwise look up again (`multi_device`:
+        `pool.is_multi_device`)."""
         self._paged_attention = self._runs_paged_attention()
-        self._multi_device = pool.is_multi_device
+        self._multi_device = multi_device
         self._kernel_possible = triton_possible(pool.device)
+        # Every layer group's tables hold blocks of this one pool.
+        latent = self._latent or pool.layout.latent
+        self._plannable = self._paged_attention and not self._multi_device and not latent
 
     def visible(
-        self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
+        self,
+        layer_idx: int,
+        metadata: TableMetadata,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        first: int,
+        num_tokens: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """What pool layer `layer_idx`'s update returns after cached tokens (its new K/V `[B, kv_heads, q_len,
-        head_dim]` already stored): its K/V from position `first` to `num_tokens`, `[B, kv_heads, num_tokens -
-        first, head_dim]`, or placeholders carrying a plan that reads them in place."""
-        metadata = self._tables.metadata_of(layer_idx)
-        plannable = self._paged_attention and not self._multi_device and not self._is_latent(metadata)
-        if key_states.shape[2] == 1 and plannable:
-            # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
-            # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
-            split = self._shared_split(metadata, first, num_tokens)
-            if split is not None or self._kernel_possible:
-                return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
-        elif plannable and self._kernel_possible and layer_idx not in self._kv_sources:
-            # Several tokens over cached ones (a prompt chunk, a prompt after a prefix hit): the paged prefill kernel
-            # may read the pool in place (PrefillPlan); it gathers when it cannot.
-            return self._prefill_placeholders(layer_idx, key_states, value_states, first, num_tokens)
-        keys, values = self.gather(layer_idx, first, num_tokens)
+        head_dim]` already stored; `metadata`: its layer group's): its K/V from position `first` to `num_tokens`,
+        `[B, kv_heads, num_tokens - first, head_dim]`, or placeholders carrying a plan that reads them in place."""
+        if self._plannable:
+            if key_states.shape[2] == 1:
+                # A plan when the attention may run a kernel on the pool, or when the rows share a prefix of blocks
+                # (read once); otherwise the attention would gather the K/V anyway: hand them over directly.
+                split = self._shared_split(metadata, first, num_tokens)
+                if split is not None or self._kernel_possible:
+                    return self._decode_placeholders(layer_idx, key_states, value_states, first, num_tokens, split)
+            elif self._kernel_possible and layer_idx not in self._kv_sources:
+                # Several tokens over cached ones (a prompt chunk, a prompt after a prefix hit): the paged prefill
+                # kernel may read the pool in place (PrefillPlan); it gathers when it cannot.
+                return self._prefill_placeholders(layer_idx, key_states, value_states, first, num_tokens)
+        if self._multi_device:
+            keys, values = visible_kv(metadata.on(metadata.pool.devices[layer_idx]), layer_idx, first, num_tokens)
+        else:
+            keys, values = visible_kv(metadata, layer_idx, first, num_tokens)
         if layer_idx in self._kv_sources:  # later layers attend these again, after other layers' gathers
             return keys.clone(), values.clone()
         return keys, values
@@ -91,9 +104,6 @@ class VisibleKV:
         if self._multi_device:
             return visible_kv(metadata.on(metadata.pool.devices[layer_idx]), layer_idx, first, num_tokens)
         return visible_kv(metadata, layer_idx, first, num_tokens)
-
-    def _is_latent(self, metadata: TableMetadata) -> bool:
-        return self._latent or metadata.pool.layout.latent
 
     def _runs_paged_attention(self) -> bool:
         return runs_paged_attention(self._config)
