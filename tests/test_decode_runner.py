@@ -40,25 +40,45 @@ def test_decode_steps_through_the_runner_match_generate(name, padded):
 
 def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypatch):
     """An eager step gathers each layer's K and V into the runner's two grow-only buffers (a fresh output per layer
-    cost more in page faults than the copy on CPU); the tokens stay generate()'s."""
+    cost more in page faults than the copy on CPU), taken once per step and read by every layer; the tokens stay
+    generate()'s."""
     import hf_paged.engine.decode_runner as decode_runner
 
     prompts = random_prompts(PROMPT_LENGTHS)
     engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=64)
-    outs = []
-    gather_fixed = decode_runner.gather_fixed
+    outs, selected = [], []
+    gather_buffer, index_select = decode_runner.DecodeRunner.gather_buffer, torch.index_select
 
-    def recording(cache, tables, width, index, out):
+    def recording(self, name, numel, like):
+        out = gather_buffer(self, name, numel, like)
         outs.append(out.data_ptr())
-        return gather_fixed(cache, tables, width, index, out)
+        return out
 
-    monkeypatch.setattr(decode_runner, "gather_fixed", recording)
+    run_model, in_runner = decode_runner.DecodeRunner._run_model, []
+
+    def recording_select(rows, dim, index, *, out=None):
+        if in_runner:
+            selected.append(None if out is None else out.data_ptr())
+        return index_select(rows, dim, index, out=out)
+
+    def flagged(self):
+        in_runner.append(True)
+        try:
+            return run_model(self)
+        finally:
+            in_runner.clear()
+
+    monkeypatch.setattr(decode_runner.DecodeRunner, "gather_buffer", recording)
+    monkeypatch.setattr(decode_runner.DecodeRunner, "_run_model", flagged)
+    monkeypatch.setattr(decode_runner.torch, "index_select", recording_select)
     assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
         "llama", prompts, NEW_TOKENS
     )
-    num_layers = engine.pool.layout.num_layers
-    assert len(outs) == 2 * num_layers * engine.runner.stats.eager_steps > 0
-    assert len(set(outs)) <= 2 * 4  # K and V, each grown at most a few times as the rows lengthen
+    num_layers, eager_steps = engine.pool.layout.num_layers, engine.runner.stats.eager_steps
+    assert len(outs) == 2 * eager_steps > 0  # K's and V's buffer, once per step
+    assert len(set(outs)) <= 2 * 4  # each grown at most a few times as the rows lengthen
+    # Every layer of every eager step gathers K and V into those buffers, and nothing else in the runner's forward.
+    assert len(selected) == 2 * num_layers * eager_steps and set(selected) <= set(outs)
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
