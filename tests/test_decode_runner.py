@@ -292,3 +292,39 @@ def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
     assert kept == (11 if padded else 12)
     assert (engine.runner.stats.padded_rows > 0) == padded
     assert pool.num_used_blocks == 0
+
+
+def test_a_forward_leaves_no_plan_behind_on_the_reused_placeholders():
+    """Each layer's placeholders are reused from forward to forward, and the plan they carried is dropped when the
+    forward ends: no plan (nor the gather buffers its step views) outlives the forward."""
+    from hf_paged.attention.plan import plan_of
+
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=64)
+    engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    cache = engine.runner._cache
+    made = [entry for entry in cache.placeholders if entry is not None]
+    assert len(made) == engine.pool.layout.num_layers and not cache.groups
+    assert all(plan_of(placeholder) is None for _, placeholders in made for placeholder in placeholders)
+
+
+def test_a_backend_that_cannot_run_raises_a_fresh_error_each_step(monkeypatch):
+    """The resolved backends are memoized per device and environment (read-only); a setting that cannot run there
+    raises a new error at each attention call, not one object whose traceback grows with every raise."""
+    from hf_paged.attention.fixed_plan import FixedDecodePlan, resolve_backends
+    from hf_paged.attention.plan import BACKEND_ATTR
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backends = resolve_backends(torch.device("cpu"))
+    assert resolve_backends(torch.device("cpu")) is backends
+    with pytest.raises(TypeError):
+        backends["torch"] = "triton"
+    module = torch.nn.Module()
+    setattr(module, BACKEND_ATTR, "triton")  # Triton on CPU tensors without TRITON_INTERPRET
+    plan = FixedDecodePlan(None, None, None, None, gather=None, backends=backends)
+    errors = []
+    for _ in range(2):
+        with pytest.raises(ValueError, match="triton") as raised:
+            plan.attend(module, torch.zeros(1, 2, 1, 4), None)
+        errors.append(raised.value)
+    assert errors[0] is not errors[1] and errors[0].args == errors[1].args

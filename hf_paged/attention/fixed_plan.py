@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -35,7 +36,7 @@ class FixedDecodePlan:
     block_tables: torch.Tensor  # [B, W] int64, the cache's persistent table of this layer's group
     seq_lens: torch.Tensor  # [B] int32, tokens per row with the new one
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, W * block_size, head_dim] K and V
-    backends: dict  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
+    backends: Mapping  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
     ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
     # window -> the ragged rows' length mask (`length_mask`), shared by the layers of a step whose keys span one width
     length_masks: dict | None = None
@@ -45,7 +46,7 @@ class FixedDecodePlan:
     # Ragged rows whose tables start with the same blocks (a shared system prompt, parallel samples of one prompt):
     # the shared prefix's K and V `[1, kv_heads, prefix_len, head_dim]` once and every row's tail `[B, kv_heads,
     # kv_len - prefix_len, head_dim]` (None when empty), which the torch path reads instead of `gather`'s whole
-    # context of every row (`shared_prefix_attention`). None: the runner found no prefix worth splitting.
+    # context of every row (`shared_prefix_attention`); it returns None when the rows share too little to split.
     split_gather: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = (
         None
     )
@@ -65,8 +66,8 @@ class FixedDecodePlan:
         """query [B, heads, 1, head_dim], the step's [B, 1, 1, max_cache_len] mask -> ([B, 1, heads, head_dim],
         None)."""
         backend = self.backends[getattr(module, BACKEND_ATTR, None)]
-        if isinstance(backend, Exception):
-            raise backend
+        if isinstance(backend, Exception):  # a fresh one: the memoized error keeps no traceback of earlier raises
+            raise type(backend)(*backend.args)
         sinks, bias = kwargs.get("s_aux"), kwargs.get("position_bias")
         kernel = backend == "triton" and sinks is None and bias is None and not dropout
         if self.ragged:
@@ -76,8 +77,11 @@ class FixedDecodePlan:
             kv_start = self._kv_start(attention_mask) if self._bool_mask(attention_mask) else None
             kernel = kv_start is not None
         if not kernel:
+            parts = None
             if self.split_gather is not None and self.ragged and sinks is None and bias is None and not dropout:
-                prefix_keys, prefix_values, tail_keys, tail_values = self.split_gather()
+                parts = self.split_gather()
+            if parts is not None:
+                prefix_keys, prefix_values, tail_keys, tail_values = parts
                 width = prefix_keys.shape[2] + (0 if tail_keys is None else tail_keys.shape[2])
                 mask = self._length_mask(width, sliding_window)
                 out = shared_prefix_attention(
@@ -143,5 +147,5 @@ def _resolved_backends(device: torch.device, backend_env: str | None, interpret_
         try:
             backends[setting] = resolve_backend(setting, device)
         except ValueError as error:
-            backends[setting] = error
-    return backends
+            backends[setting] = error.with_traceback(None)
+    return MappingProxyType(backends)

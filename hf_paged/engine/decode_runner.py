@@ -121,7 +121,6 @@ class RunnerLayer:
         self.group = pool.group_of_layer[layer_idx]
         self.key_cache, self.value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
         self.key_nhd, self.value_nhd = pool.nhd_view(self.key_cache), pool.nhd_view(self.value_cache)
-        self.same_shape = self.key_cache.shape == self.value_cache.shape
         self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
         self.block_rows = [cache.view(cache.shape[0] * cache.shape[1], -1) for cache in self.caches]
 
@@ -147,7 +146,7 @@ class GroupStep:
         self.slots = runner.slots[group][:num_rows]
         self.width = runner.kv_width
         self.full_rows = runner.full_rows[group]
-        self.shared = runner.shared_blocks[group] if runner.shared_blocks else 0
+        self.group = group
         self.length_masks: dict = {}
         self.gathers: dict[tuple, tuple] = {}  # (part, K shape, V shape) -> what `_gather` made for them
 
@@ -190,8 +189,11 @@ class GroupStep:
 
     def split_gather(self, layer: RunnerLayer):
         """The shared blocks' keys and values once (from row 0's table), `[1, kv_heads, prefix, head_dim]`, then
-        every row's after them, `[B, kv_heads, width - prefix, head_dim]` (None when empty)."""
-        shared = self.shared
+        every row's after them, `[B, kv_heads, width - prefix, head_dim]` (None when empty); None when the rows share
+        too little to split (`DecodeRunner.shared_blocks`)."""
+        shared = self.runner.shared_blocks(self.group)
+        if not shared:
+            return None
         prefix_len = min(shared * self.runner.pool.block_size, self.width)
         prefix = self._gather("prefix", self.tables[:1, :shared], prefix_len, layer)
         if prefix_len == self.width:
@@ -210,12 +212,21 @@ class RunnerCache(Cache):
         self.layer_views: list[RunnerLayer | None] = [None] * runner.pool.layout.num_layers
         # Per forward: layer group -> its GroupStep (what every layer of the group would make again).
         self.groups: dict[int, GroupStep] = {}
-        self.placeholders: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Per layer: (what its states were, its two placeholders), or None.
+        self.placeholders: list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(self.layer_views)
         super().__init__(layers=[StepLayer(self) for _ in range(runner.pool.layout.num_layers)])
 
     def start_forward(self) -> None:
         self.num_updates = 0
         self.groups.clear()
+
+    def end_forward(self) -> None:
+        """Drop the forward's plans and group steps: nothing keeps a gather buffer the workspace let go of."""
+        self.groups.clear()
+        for made in self.placeholders:
+            if made is not None:
+                for placeholder in made[1]:
+                    setattr(placeholder, PLAN_ATTR, None)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # the mask sizes describe a plain causal block of the new tokens (StepLayer); positions are given
@@ -252,17 +263,24 @@ class RunnerCache(Cache):
             ragged=True,
             length_masks=step.length_masks,
             full_rows=step.full_rows,
-            split_gather=partial(step.split_gather, layer) if step.shared else None,
+            split_gather=partial(step.split_gather, layer) if runner.split_rows else None,
         )
-        # The placeholders of a layer and shape are made once and carry each forward's plan in turn.
-        key = (layer_idx, key_states.shape, value_states.shape, torch.is_inference_mode_enabled())
-        placeholders = self.placeholders.get(key)
-        if placeholders is None:
-            placeholders = self.placeholders[key] = plan_placeholders(key_states, value_states, plan)
+        # A layer's placeholders are made again only when its states change shape, dtype or device (or the
+        # inference mode): they carry each forward's plan in turn, dropped when the forward ends (`end_forward`).
+        key = (
+            key_states.shape,
+            value_states.shape,
+            key_states.dtype,
+            key_states.device,
+            torch.is_inference_mode_enabled(),
+        )
+        made = self.placeholders[layer_idx]
+        if made is None or made[0] != key:
+            made = self.placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
         else:
-            for placeholder in placeholders:
+            for placeholder in made[1]:
                 setattr(placeholder, PLAN_ATTR, plan)
-        return placeholders
+        return made[1]
 
 
 class DecodeRunner:
@@ -300,9 +318,9 @@ class DecodeRunner:
         # row's attention spans (the longest row's eagerly, W and W * block_size under a graph).
         self.num_rows = self.table_width = self.kv_width = 0
         self.full_rows: list[bool] = []  # per layer group: every row spans all `kv_width` keys (eager steps only)
-        # Per layer group: the leading table entries every row of an eager step holds alike, which the torch path
-        # reads once for all rows (`shared_prefix_attention`); 0 when too few rows or tokens share them to pay.
-        self.shared_blocks: list[int] = []
+        # An eager step's rows when enough of them run to read a shared prefix once (`shared_blocks`), else None.
+        self.split_rows = None
+        self._shared_blocks: dict[int, int] = {}  # layer group -> `shared_blocks`, this step
         # When a shared prefix is read once: at least this many rows share at least this many tokens (on CPU, one
         # thread, 32 q / 4 kv heads of 64: 0.6-0.9x the time of gathering every row's whole context at 8-32 rows
         # sharing 256 tokens before tails of 20-600; 1.1-2.5x with fewer rows or 16-64 shared tokens).
@@ -468,14 +486,26 @@ class DecodeRunner:
             self._copied.record(torch.cuda.current_stream(self.pool.device))
         self.num_rows = bucket
         self.full_rows = [not full_width and bucket == len(rows) and group == {longest} for group in lengths]
-        eager_rows = not full_width and bucket == len(rows) >= self.cascade_min_rows
-        self.shared_blocks = [self._shared_blocks(rows, g) if eager_rows else 0 for g in range(num_groups)]
+        # Rows whose shared prefix the torch path may read once; how many blocks they share is worked out only when
+        # an attention asks (`shared_blocks`: never on the kernel path).
+        self.split_rows = rows if not full_width and bucket == len(rows) >= self.cascade_min_rows else None
+        self._shared_blocks = {}
 
-    def _shared_blocks(self, rows, group: int) -> int:
-        """How many leading blocks of layer group `group` every row holds alike (the same block ids in the same
-        places: the same keys first in every row's gathered K/V), or 0 when they hold fewer than
-        `cascade_min_tokens` keys, which a shared read would not repay."""
-        tables = [request.block_tables[group] for request, _ in rows]
+    def shared_blocks(self, group: int) -> int:
+        """How many leading blocks of layer group `group` every row of this eager step holds alike (the same block ids
+        in the same places, from the same first position: the same keys first in every row's gathered K/V), or 0
+        when fewer than `cascade_min_rows` rows run or they share fewer than `cascade_min_tokens` keys, which a shared
+        read would not repay. Worked out once per step."""
+        shared = self._shared_blocks.get(group)
+        if shared is None:
+            shared = self._shared_blocks[group] = self._count_shared_blocks(group) if self.split_rows else 0
+        return shared
+
+    def _count_shared_blocks(self, group: int) -> int:
+        requests = [request for request, _ in self.split_rows]
+        if any(request.first_blocks[group] != requests[0].first_blocks[group] for request in requests):
+            return 0
+        tables = [request.block_tables[group] for request in requests]
         first, shared = tables[0], min(len(table) for table in tables)
         for table in tables[1:]:
             if table[:shared] != first[:shared]:
@@ -487,13 +517,16 @@ class DecodeRunner:
     def _run_model(self) -> torch.Tensor:
         cache = self._cache
         cache.start_forward()
-        out = self.model(
-            input_ids=self.input_ids[: self.num_rows],
-            position_ids=self.position_ids[: self.num_rows],
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_keyword: cache},
-        )
+        try:
+            out = self.model(
+                input_ids=self.input_ids[: self.num_rows],
+                position_ids=self.position_ids[: self.num_rows],
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_keyword: cache},
+            )
+        finally:
+            cache.end_forward()
         if cache.num_updates == 0:
             raise never_stored(self.model_type, self.cache_keyword)
         return out.logits[:, -1]  # [rows, vocab]
