@@ -8,7 +8,13 @@ turns, `--repeats` times each; the table shows every run, the best of each and t
 same tokens. The split is the decode runner's (`DecodeRunner.cascade_min_rows` / `cascade_min_tokens`); "off" sets
 its row threshold past any step.
 
+`--layer` times one layer's decode attention instead, the way the runner's torch path runs it, at the benchmark
+model's heads (8 q / 4 kv of 64) and blocks of 16: every row's whole context gathered and SDPA with a length mask,
+against the shared prefix gathered once and each row's tail (`shared_prefix_attention`), over rows x shared tokens x
+tail tokens; what the runner's thresholds rest on.
+
     python -m bench.cascade --concurrency 32 16
+    python -m bench.cascade --layer
 """
 
 from __future__ import annotations
@@ -55,6 +61,52 @@ def run(model, args, concurrency: int, cascade: bool) -> tuple[float, dict[int, 
     return tokens / (time.perf_counter() - start), outputs
 
 
+def layer_times(rows: int, shared_tokens: int, tail: int, repeats: int = 30) -> tuple[float, float, float]:
+    """Milliseconds of one layer's decode attention (every row's context gathered, the shared prefix read once) and
+    the largest difference between their outputs."""
+    import torch.nn.functional as F
+
+    from hf_paged.attention.shared_prefix import shared_prefix_attention
+    from hf_paged.cache.block_tables import head_major_index
+    from hf_paged.cache.fixed_width import gather_fixed
+
+    heads, kv_heads, head_dim, block_size, num_blocks = 8, 4, 64, 16, 4000
+    generator = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(kv_heads, num_blocks, block_size, head_dim, generator=generator) for _ in range(2))
+    prefix_blocks, width = shared_tokens // block_size, shared_tokens + tail
+    table_width = -(-width // block_size)
+    tables = torch.randperm(num_blocks - prefix_blocks, generator=generator)[: rows * table_width] + prefix_blocks
+    tables = tables.view(rows, table_width)
+    tables[:, :prefix_blocks] = torch.arange(prefix_blocks)
+    lengths = width - torch.randint(0, 10, (rows,), generator=generator)
+    mask = (torch.arange(width)[None] < lengths[:, None])[:, None, None, :]
+    query = torch.randn(rows, heads, 1, head_dim, generator=generator)
+    buffers = [torch.empty(rows * kv_heads * table_width * block_size * head_dim) for _ in range(4)]
+
+    def whole():
+        index = head_major_index(tables, kv_heads, num_blocks)
+        key, value = (gather_fixed(c, tables, width, index, b) for c, b in zip((keys, values), buffers))
+        return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, enable_gqa=True)
+
+    def split():
+        prefix_tables, tail_tables = tables[:1, :prefix_blocks], tables[:, prefix_blocks:]
+        index = head_major_index(prefix_tables, kv_heads, num_blocks)
+        prefix = [gather_fixed(c, prefix_tables, shared_tokens, index, b) for c, b in zip((keys, values), buffers)]
+        index = head_major_index(tail_tables, kv_heads, num_blocks)
+        tails = [gather_fixed(c, tail_tables, tail, index, b) for c, b in zip((keys, values), buffers[2:])]
+        return shared_prefix_attention(query, prefix[0], prefix[1], tails[0], tails[1], mask)
+
+    difference = (whole() - split().transpose(1, 2)).abs().max().item()
+    times = []
+    for attend in (whole, split):
+        attend()
+        start = time.perf_counter()
+        for _ in range(repeats):
+            attend()
+        times.append((time.perf_counter() - start) / repeats * 1e3)
+    return times[0], times[1], difference
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cascade", description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 16])
@@ -67,8 +119,19 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default: %(default)s)")
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--layer", action="store_true", help="time one layer's attention, both ways (see above)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.layer:
+        table = []
+        for rows in (2, 4, 8, 32):
+            for shared_tokens in (16, 64, 256):
+                for tail in (20, 150, 600):
+                    whole, split, _ = layer_times(rows, shared_tokens, tail)
+                    table.append([rows, shared_tokens, tail, f"{whole:.3f}", f"{split:.3f}", f"{split / whole:.2f}x"])
+        headers = ["rows", "shared tokens", "tail tokens", "gather every row (ms)", "prefix once (ms)", "ratio"]
+        print(tabulate(table, headers=headers))
+        return 0
     model = load_model(args.model)
     rows = []
     for concurrency in args.concurrency:

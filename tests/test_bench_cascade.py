@@ -21,3 +21,8 @@ def test_cascade_benchmark_compares_both_settings_on_the_same_tokens(capsys, mon
     row = out.strip().splitlines()[-1].split()
     assert row[0] == "8" and row[-1] == "True", out
     assert calls and set(calls) == {256}  # the 16 whole blocks of the system prompt, read once per layer and step
+
+
+def test_layer_timing_compares_two_ways_to_the_same_attention():
+    whole, split, difference = cascade.layer_times(3, 32, 20, repeats=1)
+    assert whole > 0 and split > 0 and difference < 1e-5
