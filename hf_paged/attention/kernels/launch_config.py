@@ -58,6 +58,7 @@ def device_capability(device: torch.device) -> int | None:
     return 10 * major + minor
 
 
+@functools.cache  # asked at every launch, of a few (head_dim, dtype, GPU) per process
 def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> DecodeConfig:
     """The decode kernel's launch for K/V of `head_dim` in `dtype` on a GPU of `capability` (None: interpreter).
 
@@ -100,6 +101,7 @@ class PrefillConfig:
 PREFILL_BLOCK_M = 64
 
 
+@functools.cache  # asked at every launch, of a few (head_dim, group, dtype, GPU) per process
 def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: int | None) -> PrefillConfig:
     """The prefill kernel's launch for K/V of `head_dim` in `dtype`, `group` q heads per kv head, on a GPU of
     `capability` (None: interpreter).
