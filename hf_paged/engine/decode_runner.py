@@ -335,7 +335,7 @@ class DecodeRunner:
         self._cache = RunnerCache(self)
 
     def _allocate(self, max_rows: int) -> None:
-        """The persistent buffers, views of one int64 device tensor (and a host staging twin) laid out so that each is
+        """The persistent buffers, views of one int64 device tensor (and a host staging twin, the same tensor on CPU) laid out so each is
         contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row values (input ids,
         positions, then per layer group the new token's slot and the row's length from its first held block), then
         per layer group a `[rows, W]` block table."""
@@ -343,7 +343,11 @@ class DecodeRunner:
         self._num_fields = 2 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
         self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
-        self._host = torch.zeros(size, dtype=torch.long, pin_memory=self.pool.device.type == "cuda")
+        # On CPU the buffers are their own staging tensor: nothing to copy.
+        on_cpu = self.pool.device.type == "cpu"
+        self._host = (
+            self._device if on_cpu else torch.zeros(size, dtype=torch.long, pin_memory=self.pool.device.type == "cuda")
+        )
         self._max_rows = max_rows
         fields = self._device[: self._num_fields * max_rows].view(self._num_fields, max_rows)
         self.input_ids, self.position_ids = fields[0].view(-1, 1), fields[1].view(-1, 1)  # [rows, 1] each
@@ -475,12 +479,13 @@ class DecodeRunner:
             self.table_width, self.kv_width = self.graph_width, self.graph_width * block_size
         else:
             self.table_width, self.kv_width = -(-longest // block_size), longest
-        self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
-        host_tables = self._host[tables_start:].view(num_groups, max_rows, width)
-        for g in range(num_groups):  # the step's rows, and of each only the entries it can read
-            self.tables[g][:bucket, : self.table_width].copy_(
-                host_tables[g, :bucket, : self.table_width], non_blocking=True
-            )
+        if self._host is not self._device:
+            self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
+            host_tables = self._host[tables_start:].view(num_groups, max_rows, width)
+            for g in range(num_groups):  # the step's rows, and of each only the entries it can read
+                self.tables[g][:bucket, : self.table_width].copy_(
+                    host_tables[g, :bucket, : self.table_width], non_blocking=True
+                )
         if self._host.is_pinned():
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.pool.device))
