@@ -335,10 +335,10 @@ class DecodeRunner:
         self._cache = RunnerCache(self)
 
     def _allocate(self, max_rows: int) -> None:
-        """The persistent buffers, views of one int64 device tensor (and a host staging twin, the same tensor on CPU) laid out so each is
-        contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row values (input ids,
-        positions, then per layer group the new token's slot and the row's length from its first held block), then
-        per layer group a `[rows, W]` block table."""
+        """The persistent buffers, views of one int64 device tensor (and a host staging twin, the same tensor on CPU)
+        laid out so that each is contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row
+        values (input ids, positions, then per layer group the new token's slot and the row's length from its first
+        held block), then per layer group a `[rows, W]` block table."""
         num_groups, width = self.pool.num_groups, self.graph_width
         self._num_fields = 2 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
