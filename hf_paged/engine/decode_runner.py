@@ -15,7 +15,8 @@ served from persistent buffers and replayed:
 Rows are the batch dimension (`input_ids [B, 1]`), not a packed sequence: the attention of each layer is the paged
 decode of `FixedDecodePlan` (the Triton kernel on CUDA, one gather and SDPA with a length mask elsewhere), with block
 tables `[B, W]` and lengths counted from each row's first held block (W: the longest row's blocks eagerly; under a
-graph, a power of two that holds the longest row so far, the graphs captured again when it doubles).
+graph, a power of two that holds the longest row so far, the graphs captured again when it doubles). The cache the
+forward writes is `RunnerCache` (engine/runner_cache.py).
 
 CUDA graphs (on CUDA, `Engine(cuda_graphs=True)`, the default there): one graph per batch bucket (1, 2, 4, 8, then
 multiples of 8 up to `max_num_seqs`), captured the first time a bucket runs; a step with n rows replays the smallest
@@ -29,20 +30,15 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
-from transformers.cache_utils import Cache
 
-from ..attention import plan_placeholders, store_backend, store_kv_rows
-from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
-from ..attention.plan import PLAN_ATTR
-from ..cache.block_tables import head_major_index
+from ..attention import store_backend
+from ..attention.fixed_plan import resolve_backends
 from ..cache.gather import GatherWorkspace
-from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .model_support import never_stored
-from .step_cache import StepLayer
+from .runner_cache import RunnerCache
 
 logger = logging.getLogger(__name__)
 
@@ -109,178 +105,6 @@ class RunnerStats:
     # (bucket, block table width, seconds to warm up and capture) of every graph captured
     captures: list[tuple[int, int, float]] = field(default_factory=list)
     capture_bytes: int = 0  # CUDA memory the captured graphs hold (their pool and outputs)
-
-
-class RunnerLayer:
-    """One pool layer's tensors as the runner's eager steps read and write them, made once (the Engine's pool keeps
-    its tensors): its layer group, K and V as the kernels view them (`[num_blocks, block_size, kv_heads, head_dim]`),
-    slot-indexed (`[kv_heads, num_slots, head_dim]`, where the torch store copies new rows) and as rows of one block
-    (`[kv_heads * num_blocks, block_size * head_dim]`, what a gather selects)."""
-
-    def __init__(self, pool: BlockPool, layer_idx: int):
-        self.group = pool.group_of_layer[layer_idx]
-        self.key_cache, self.value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-        self.key_nhd, self.value_nhd = pool.nhd_view(self.key_cache), pool.nhd_view(self.value_cache)
-        self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
-        self.block_rows = [cache.view(cache.shape[0] * cache.shape[1], -1) for cache in self.caches]
-
-    @property
-    def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.key_cache, self.value_cache
-
-    def current(self, pool: BlockPool, layer_idx: int) -> bool:
-        """Whether the pool still holds the tensors this view was made of."""
-        return pool.key_cache[layer_idx] is self.key_cache and pool.value_cache[layer_idx] is self.value_cache
-
-
-class GroupStep:
-    """One layer group's share of a runner forward, made at the group's first layer and read by the others: its
-    rows' tables, lengths and slots (views of the runner's buffers), the gather indices per pool shape, and the
-    length masks."""
-
-    def __init__(self, runner: DecodeRunner, group: int):
-        num_rows = runner.num_rows
-        self.runner = runner
-        self.tables = runner.tables[group][:num_rows, : runner.table_width]  # [B, table_width]
-        self.seq_lens = runner.seq_lens[group][:num_rows]
-        self.slots = runner.slots[group][:num_rows]
-        self.width = runner.kv_width
-        self.full_rows = runner.full_rows[group]
-        self.group = group
-        self.length_masks: dict = {}
-        self.gathers: dict[tuple, tuple] = {}  # (part, K shape, V shape) -> what `_gather` made for them
-
-    def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
-        """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each. What does not depend on the layer (the
-        indices, the buffers' views) is made once per step and pool shape: a layer then costs two index_selects."""
-        key = (part, layer.key_cache.shape, layer.value_cache.shape)
-        made = self.gathers.get(key)
-        if made is None:
-            made = self.gathers[key] = self._make_gather(part, tables, width, layer)
-        if made[0] is None:  # inside a capture: outputs of the graph's own memory
-            return tuple(
-                rows.index_select(0, index).view(shape)[:, :, :width]
-                for rows, index, shape in zip(layer.block_rows, made[1], made[2])
-            )
-        for rows, index, out in zip(layer.block_rows, made[1], made[0]):
-            torch.index_select(rows, 0, index, out=out)
-        return made[3]
-
-    def _make_gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
-        """(2-D outputs or None, indices, gathered shapes, `[rows, kv_heads, width, head_dim]` results) for K and V."""
-        batch, table_width = tables.shape
-        indices, shapes, outs, results = [], [], [], []
-        for name, cache, rows in zip(("key", "value"), layer.caches, layer.block_rows):
-            if not indices or layer.value_cache.shape[:2] != layer.key_cache.shape[:2]:  # else V's is K's
-                index = head_major_index(tables, cache.shape[0], cache.shape[1])
-            shape = (batch, cache.shape[0], table_width * cache.shape[2], cache.shape[3])
-            out = self.runner.gather_buffer(f"{part} {name}", index.numel() * rows.shape[1], cache)
-            indices.append(index)
-            shapes.append(shape)
-            if out is not None:
-                outs.append(out.view(index.numel(), rows.shape[1]))
-                results.append(out.view(shape)[:, :, :width])
-        return (outs or None), indices, shapes, tuple(results)
-
-    def gather(self, layer: RunnerLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every row's keys and values, `[B, kv_heads, width, head_dim]`, into the runner's two reused buffers."""
-        key, value = self._gather("all", self.tables, self.width, layer)
-        return key, value
-
-    def split_gather(self, layer: RunnerLayer):
-        """The shared blocks' keys and values once (from row 0's table), `[1, kv_heads, prefix, head_dim]`, then
-        every row's after them, `[B, kv_heads, width - prefix, head_dim]` (None when empty); None when the rows share
-        too little to split (`DecodeRunner.shared_blocks`)."""
-        shared = self.runner.shared_blocks(self.group)
-        if not shared:
-            return None
-        prefix_len = min(shared * self.runner.pool.block_size, self.width)
-        prefix = self._gather("prefix", self.tables[:1, :shared], prefix_len, layer)
-        if prefix_len == self.width:
-            return prefix[0], prefix[1], None, None
-        tail = self._gather("tail", self.tables[:, shared:], self.width - prefix_len, layer)
-        return prefix[0], prefix[1], tail[0], tail[1]
-
-
-class RunnerCache(Cache):
-    """The cache a runner's forward writes: store at the step's slots, hand attention a `FixedDecodePlan`. Every
-    tensor it reads is one of the runner's persistent buffers, so a captured graph replays any step."""
-
-    def __init__(self, runner: DecodeRunner):
-        self.runner = runner
-        self.num_updates = 0
-        self.layer_views: list[RunnerLayer | None] = [None] * runner.pool.layout.num_layers
-        # Per forward: layer group -> its GroupStep (what every layer of the group would make again).
-        self.groups: dict[int, GroupStep] = {}
-        # Per layer: (what its states were, its two placeholders), or None.
-        self.placeholders: list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(self.layer_views)
-        super().__init__(layers=[StepLayer(self) for _ in range(runner.pool.layout.num_layers)])
-
-    def start_forward(self) -> None:
-        self.num_updates = 0
-        self.groups.clear()
-
-    def end_forward(self) -> None:
-        """Drop the forward's plans and group steps: nothing keeps a gather buffer the workspace let go of."""
-        self.groups.clear()
-        for made in self.placeholders:
-            if made is not None:
-                for placeholder in made[1]:
-                    setattr(placeholder, PLAN_ATTR, None)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # the mask sizes describe a plain causal block of the new tokens (StepLayer); positions are given
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
-        """key/value_states [B, kv_heads, 1, head_dim] -> empty placeholders carrying the layer's decode plan."""
-        runner, pool, views = self.runner, self.runner.pool, self.layer_views
-        if not 0 <= layer_idx < len(views):
-            raise UnsupportedModel(
-                runner.model_type,
-                f"it writes cache layer {layer_idx}, while the pool holds its {len(views)} layers",
-                "Engine",
-            )
-        self.num_updates += 1
-        layer = views[layer_idx]
-        if layer is None or not layer.current(pool, layer_idx):
-            layer = views[layer_idx] = RunnerLayer(pool, layer_idx)
-        step = self.groups.get(layer.group)
-        if step is None:
-            step = self.groups[layer.group] = GroupStep(runner, layer.group)
-        if runner.store == "torch":
-            # `store_kv_rows`' torch path on the layer's slot views: one index_copy_ per K and V.
-            for view, states in zip(layer.slot_views, (key_states, value_states)):
-                view.index_copy_(1, step.slots, states.transpose(0, 1).reshape(view.shape[0], -1, view.shape[2]))
-        else:
-            store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
-        plan = FixedDecodePlan(
-            key_cache=layer.key_nhd,
-            value_cache=layer.value_nhd,
-            block_tables=step.tables,
-            seq_lens=step.seq_lens,
-            gather=partial(step.gather, layer),
-            backends=runner.backends,
-            ragged=True,
-            length_masks=step.length_masks,
-            full_rows=step.full_rows,
-            split_gather=partial(step.split_gather, layer) if runner.split_rows else None,
-        )
-        # A layer's placeholders are made again only when its states change shape, dtype or device (or the
-        # inference mode): they carry each forward's plan in turn, dropped when the forward ends (`end_forward`).
-        key = (
-            key_states.shape,
-            value_states.shape,
-            key_states.dtype,
-            key_states.device,
-            torch.is_inference_mode_enabled(),
-        )
-        made = self.placeholders[layer_idx]
-        if made is None or made[0] != key:
-            made = self.placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
-        else:
-            for placeholder in made[1]:
-                setattr(placeholder, PLAN_ATTR, plan)
-        return made[1]
 
 
 class DecodeRunner:
