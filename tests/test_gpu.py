@@ -153,3 +153,37 @@ def test_a_replayed_compiled_decode_step_does_not_sync(monkeypatch):
                 torch.cuda.set_sync_debug_mode(0)
             token = logits[:, -1:].argmax(-1)
     assert cache.get_seq_length() == 16
+
+
+def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
+    """The Engine's decode runner under CUDA graphs: once a bucket's graph is captured, a step's fill (pinned
+    staging, non-blocking copies), replay and logits make no host synchronization; the tokens stay generate()'s."""
+    import hf_paged.engine.decode_runner as decode_runner
+
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    forward, checked = decode_runner.DecodeRunner.forward, []
+
+    def checking(runner, rows):
+        bucket = next(b for b in runner.buckets if b >= len(rows))
+        if bucket not in runner._graphs or runner.graph_width < max(len(r.block_tables[0]) for r, _ in rows):
+            return forward(runner, rows)  # a capture, or a width that outgrows the graphs: not a plain replay
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = forward(runner, rows)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checked.append(len(rows))
+        return logits
+
+    monkeypatch.setattr(decode_runner.DecodeRunner, "forward", checking)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 9, 7, 3)]
+    new_tokens = [12, 14, 10, 16]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
+    engine = Engine(model, pool, max_num_seqs=4)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
+        "llama", prompts, new_tokens, "cuda"
+    )
+    assert checked and engine.runner.stats.replayed_steps >= len(checked)

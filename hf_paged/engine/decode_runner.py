@@ -255,7 +255,9 @@ class DecodeRunner:
         of the pool."""
         block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.graph_width
         max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
-        if self._copied is not None:  # the last copy may still read the pinned staging tensor (a step that raised)
+        # The last copy may still read the pinned staging tensor (a step that raised); after a step whose logits the
+        # host read it is done, and asking (a query, not a wait) keeps a replayed step free of host syncs.
+        if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
         fields = [[] for _ in range(self._num_fields)]
         table_index, table_values = [], []
