@@ -8,12 +8,17 @@ turns, `--repeats` times each; the table shows every run, the best of each and t
 same tokens. The split is the decode runner's (`DecodeRunner.cascade_min_rows` / `cascade_min_tokens`); "off" sets
 its row threshold past any step.
 
+`--chunks` compares the runner's other CPU read instead, a large step's rows gathered and attended a chunk at a time
+(`DecodeRunner.chunk_bytes`) against all at once, on a burst without a shared prefix: `--requests` requests at t=0,
+prompts of `--prompt-lens` (128-384) tokens, outputs of `--output-lens` (128-256), all running together.
+
 `--layer` times one layer's decode attention instead, the way the runner's torch path runs it, at the benchmark
 model's heads (8 q / 4 kv of 64) and blocks of 16: every row's whole context gathered and SDPA with a length mask,
 against the shared prefix gathered once and each row's tail (`shared_prefix_attention`), over rows x shared tokens x
 tail tokens; what the runner's thresholds rest on.
 
     python -m bench.cascade --concurrency 32 16
+    python -m bench.cascade --chunks --requests 48
     python -m bench.cascade --layer
 """
 
@@ -58,6 +63,32 @@ def run(model, args, concurrency: int, cascade: bool) -> tuple[float, dict[int, 
             outputs[order[request.request_id]] = list(request.output_ids)
             if len(order) < args.requests:
                 add()
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def run_burst(model, args, chunks: bool) -> tuple[float, dict[int, list[int]]]:
+    """(output tokens per second, each request's tokens by its order of arrival) of the `--chunks` burst."""
+    pool = BlockPool.for_model(model, max_memory=args.max_memory, block_size=16)
+    engine = Engine(model, pool)
+    if engine.runner is None:
+        raise SystemExit(f"this model's decode steps run packed ({engine.runner_reason}): no decode runner to compare")
+    if args.chunk_bytes is not None:
+        engine.runner.chunk_bytes = args.chunk_bytes
+    if args.chunk_min_bytes is not None:
+        engine.runner.chunk_min_bytes = args.chunk_min_bytes
+    if not chunks:
+        engine.runner.chunk_bytes = 0
+    vocab, rng = model.config.vocab_size, random.Random(args.seed)
+    order = {}
+    for index in range(args.requests):
+        prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*args.prompt_lens))]
+        order[engine.add_request(prompt, max_new_tokens=rng.randint(*args.output_lens), ignore_eos=True)] = index
+    tokens, outputs = 0, {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        tokens += len(engine.step())
+        for request in engine.pop_finished():
+            outputs[order[request.request_id]] = list(request.output_ids)
     return tokens / (time.perf_counter() - start), outputs
 
 
@@ -120,8 +151,29 @@ def main(argv=None) -> int:
     parser.add_argument("--model", default=None, help="a checkpoint directory (default: the embedded model)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--layer", action="store_true", help="time one layer's attention, both ways (see above)")
+    parser.add_argument("--chunks", action="store_true", help="rows read a chunk at a time or all at once (above)")
+    parser.add_argument("--prompt-lens", type=int, nargs=2, default=[128, 384], help="--chunks: prompt lengths")
+    parser.add_argument("--output-lens", type=int, nargs=2, default=[128, 256], help="--chunks: output lengths")
+    parser.add_argument("--chunk-bytes", type=int, default=None, help="--chunks: the runner's (default: its own)")
+    parser.add_argument("--chunk-min-bytes", type=int, default=None, help="--chunks: the runner's (default: its own)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.chunks:
+        model = load_model(args.model)
+        speeds, outputs = {False: [], True: []}, {}
+        for _ in range(args.repeats):
+            for chunks in (False, True):
+                speed, outputs[chunks] = run_burst(model, args, chunks)
+                speeds[chunks].append(speed)
+        row = {
+            "requests": args.requests,
+            "all rows at once (tok/s)": " / ".join(f"{speed:.1f}" for speed in speeds[False]),
+            "a chunk at a time (tok/s)": " / ".join(f"{speed:.1f}" for speed in speeds[True]),
+            "best ratio": f"{max(speeds[True]) / max(speeds[False]):.2f}x",
+            "same tokens": outputs[True] == outputs[False],
+        }
+        print(tabulate([row], headers="keys"))
+        return 0
     if args.layer:
         table = []
         for rows in (2, 4, 8, 32):

@@ -328,3 +328,29 @@ def test_a_backend_that_cannot_run_raises_a_fresh_error_each_step(monkeypatch):
             plan.attend(module, torch.zeros(1, 2, 1, 4), None)
         errors.append(raised.value)
     assert errors[0] is not errors[1] and errors[0].args == errors[1].args
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
+def test_a_layer_gathered_and_attended_a_few_rows_at_a_time_gives_generates_tokens(name, monkeypatch):
+    """On CPU a step whose keys and values of one layer pass `chunk_min_bytes` gathers and attends them a chunk of
+    rows at a time (each chunk still in cache when attended): rows are independent, so the tokens are generate()'s;
+    under the threshold the step gathers every row at once."""
+    import hf_paged.engine.runner_cache as runner_cache
+
+    chunks = []
+    gather_rows = runner_cache.GroupStep.gather_rows
+
+    def recording(self, layer, first, end):
+        chunks.append(end - first)
+        return gather_rows(self, layer, first, end)
+
+    monkeypatch.setattr(runner_cache.GroupStep, "gather_rows", recording)
+    prompts = random_prompts(PROMPT_LENGTHS)
+    reference = greedy_reference(name, prompts, NEW_TOKENS)
+    for chunk_bytes, chunk_min_bytes in ((1, 0), (4 << 20, 12 << 20)):
+        chunks.clear()
+        engine, _ = tiny_engine(name, 64, max_num_seqs=5, max_num_batched_tokens=64)
+        engine.runner.chunk_bytes, engine.runner.chunk_min_bytes = chunk_bytes, chunk_min_bytes
+        assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == reference
+        assert bool(chunks) == (chunk_min_bytes == 0)
+        assert set(chunks) <= {1}  # a chunk of 1 byte's worth: one row at a time

@@ -28,6 +28,9 @@ from .plan import BACKEND_ATTR
 from .shared_prefix import shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
 
+# The shared prefix's K and V once, then every row's tail K and V (None when empty).
+SplitKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
+
 
 @dataclass
 class FixedDecodePlan:
@@ -47,9 +50,11 @@ class FixedDecodePlan:
     # the shared prefix's K and V `[1, kv_heads, prefix_len, head_dim]` once and every row's tail `[B, kv_heads,
     # kv_len - prefix_len, head_dim]` (None when empty), which the torch path reads instead of `gather`'s whole
     # context of every row (`shared_prefix_attention`); it returns None when the rows share too little to split.
-    split_gather: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]] | None = (
-        None
-    )
+    split_gather: Callable[[], SplitKV | None] | None = None
+    # Ragged rows attended `chunk_rows` at a time on the torch path (0: all at once): `gather_rows(first, end)` gives
+    # rows [first, end)'s K and V `[end - first, kv_heads, width, head_dim]`, each chunk's reusing the same memory.
+    gather_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+    chunk_rows: int = 0
 
     def attend(
         self,
@@ -88,6 +93,9 @@ class FixedDecodePlan:
                     query, prefix_keys, prefix_values, tail_keys, tail_values, mask, scaling=scaling, softcap=softcap
                 )
                 return out, None
+            batch = query.shape[0]
+            if self.ragged and 0 < self.chunk_rows < batch and bias is None and self.gather_rows is not None:
+                return self._attend_in_row_chunks(module, query, dropout, scaling, sliding_window, softcap, kwargs)
             key, value = self.gather()
             if self.ragged:
                 attention_mask = self._length_mask(key.shape[2], sliding_window)
@@ -107,6 +115,23 @@ class FixedDecodePlan:
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
+
+    def _attend_in_row_chunks(self, module, query, dropout, scaling, sliding_window, softcap, kwargs):
+        """The torch path `chunk_rows` rows at a time: each chunk's K/V gathered, then attended while in cache. Rows
+        are independent in attention, so every row's output is what one call over all rows gives, bit for bit."""
+        batch, out = query.shape[0], None
+        for first in range(0, batch, self.chunk_rows):
+            end = min(batch, first + self.chunk_rows)
+            key, value = self.gather_rows(first, end)
+            mask = self._length_mask(key.shape[2], sliding_window)
+            rows_mask = None if mask is None else mask[first:end]
+            chunk, _ = sdpa_or_torch_attention(
+                module, query[first:end], key, value, rows_mask, dropout, scaling, softcap, **kwargs
+            )
+            if out is None:
+                out = chunk.new_empty(batch, *chunk.shape[1:])
+            out[first:end] = chunk
+        return out, None
 
     def _kv_start(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
         """[B] int32: each row's first visible key, when the mask is "hidden prefix, then every key up to the new

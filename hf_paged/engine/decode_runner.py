@@ -149,6 +149,9 @@ class DecodeRunner:
         # thread, 32 q / 4 kv heads of 64: 0.6-0.9x the time of gathering every row's whole context at 8-32 rows
         # sharing 256 tokens before tails of 20-600; 1.1-2.5x with fewer rows or 16-64 shared tokens).
         self.cascade_min_rows, self.cascade_min_tokens = 8, 256
+        # On CPU, a step whose keys and values of one layer exceed `chunk_min_bytes` gathers and attends them
+        # `chunk_bytes` at a time, each chunk read while still in the core's caches (`GroupStep.gather_rows`).
+        self.chunk_bytes, self.chunk_min_bytes = 4 << 20, 12 << 20
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
         self._capture_stream = None  # the runner's own, on the pool's device (not the current device's)

@@ -44,6 +44,8 @@ class RunnerStep(Protocol):
     slots: list[torch.Tensor]  # per layer group: [max_rows] the new token's slot
     full_rows: list[bool]  # per layer group: every row spans all `kv_width` keys
     split_rows: list | None  # the step's rows when enough run to read a shared prefix once, else None
+    chunk_bytes: int  # a chunk's keys and values when a layer's rows are gathered and attended a few at a time
+    chunk_min_bytes: int  # ... which happens above this many bytes of one layer's keys and values (CPU only)
 
     def shared_blocks(self, group: int) -> int:
         """Leading blocks of `group` every row holds alike, worth reading once (0: none)."""
@@ -128,6 +130,33 @@ class GroupStep:
         key, value = self._gather("all", self.tables, self.width, layer)
         return key, value
 
+    def chunk_rows(self, layer: RunnerLayer) -> int:
+        """Rows per chunk when a layer's gather and attention run a few rows at a time (`gather_rows`), 0 for all at
+        once: on CPU, when the step's keys and values of one layer exceed `DecodeRunner.chunk_min_bytes`, chunks of
+        about `chunk_bytes` stay in the core's caches between their gather and their attention."""
+        runner = self.runner
+        if runner.chunk_bytes <= 0 or runner.pool.device.type != "cpu":
+            return 0
+        row_bytes = sum(cache.shape[0] * cache.shape[3] * cache.element_size() for cache in layer.caches) * self.width
+        if len(self.tables) * row_bytes <= runner.chunk_min_bytes:
+            return 0
+        return max(1, runner.chunk_bytes // row_bytes)
+
+    def gather_rows(self, layer: RunnerLayer, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows [first, end)'s keys and values, `[end - first, kv_heads, width, head_dim]`, into the start of the
+        runner's two buffers (what `gather` fills whole), so one chunk's copy is read while still in cache."""
+        key = ("all", layer.key_cache.shape, layer.value_cache.shape)
+        made = self.gathers.get(key)
+        if made is None:
+            made = self.gathers[key] = self._make_gather("all", self.tables, self.width, layer)
+        gathered = []
+        for rows, index, out, shape in zip(layer.block_rows, made[1], made[0], made[2]):
+            per_row = index.numel() // shape[0]
+            chunk = out[: (end - first) * per_row]
+            torch.index_select(rows, 0, index[first * per_row : end * per_row], out=chunk)
+            gathered.append(chunk.view(end - first, *shape[1:])[:, :, : self.width])
+        return gathered[0], gathered[1]
+
     def split_gather(self, layer: RunnerLayer):
         """The shared blocks' keys and values once (from row 0's table), `[1, kv_heads, prefix, head_dim]`, then
         every row's after them, `[B, kv_heads, width - prefix, head_dim]` (None when empty); None when the rows share
@@ -205,6 +234,8 @@ class RunnerCache(Cache):
             length_masks=step.length_masks,
             full_rows=step.full_rows,
             split_gather=partial(step.split_gather, layer) if runner.split_rows else None,
+            gather_rows=partial(step.gather_rows, layer),
+            chunk_rows=step.chunk_rows(layer),
         )
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
         # inference mode): they carry each forward's plan in turn, dropped when the forward ends (`end_forward`).
