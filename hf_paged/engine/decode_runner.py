@@ -146,8 +146,9 @@ class DecodeRunner:
         self.split_rows = None
         self._shared_blocks: dict[int, int] = {}  # layer group -> `shared_blocks`, this step
         # When a shared prefix is read once: at least this many rows share at least this many tokens (on CPU, one
-        # thread, 32 q / 4 kv heads of 64: 0.6-0.9x the time of gathering every row's whole context at 8-32 rows
-        # sharing 256 tokens before tails of 20-600; 1.1-2.5x with fewer rows or 16-64 shared tokens).
+        # thread, 8 q / 4 kv heads of 64: 0.26-0.87x the time of gathering every row's whole context at 8-32 rows
+        # sharing 256 tokens before tails of 20-600; up to 5x with 2-4 rows or 16-64 shared tokens;
+        # `python -m bench.cascade --layer`).
         self.cascade_min_rows, self.cascade_min_tokens = 8, 256
         # On CPU, a step whose keys and values of one layer exceed `chunk_min_bytes` gathers and attends them
         # `chunk_bytes` at a time, each chunk read while still in the core's caches (`GroupStep.gather_rows`).
