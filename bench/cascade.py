@@ -36,12 +36,32 @@ from hf_paged import BlockPool, Engine
 from .models import load_model
 
 
-def run(model, args, concurrency: int, cascade: bool) -> tuple[float, dict[int, list[int]]]:
-    """(output tokens per second, each request's tokens by its order of arrival)."""
+def make_engine(model, args) -> Engine:
+    """The Engine on a pool of `--max-memory`, refusing a model whose decode steps have no runner to compare."""
     pool = BlockPool.for_model(model, max_memory=args.max_memory, block_size=16)
     engine = Engine(model, pool)
     if engine.runner is None:
         raise SystemExit(f"this model's decode steps run packed ({engine.runner_reason}): no decode runner to compare")
+    return engine
+
+
+def drain(engine: Engine, order: dict[int, int], on_finished=None) -> tuple[float, dict[int, list[int]]]:
+    """Step `engine` until it is done: (output tokens per second, each request's tokens by `order`, its request id ->
+    its order of arrival). `on_finished()` runs after each finished request (to add another)."""
+    tokens, outputs = 0, {}
+    start = time.perf_counter()
+    while engine.has_unfinished():
+        tokens += len(engine.step())
+        for request in engine.pop_finished():
+            outputs[order[request.request_id]] = list(request.output_ids)
+            if on_finished is not None:
+                on_finished()
+    return tokens / (time.perf_counter() - start), outputs
+
+
+def run(model, args, concurrency: int, cascade: bool) -> tuple[float, dict[int, list[int]]]:
+    """(output tokens per second, each request's tokens by its order of arrival)."""
+    engine = make_engine(model, args)
     if not cascade:
         engine.runner.cascade_min_rows = 1 << 62
     vocab = model.config.vocab_size
@@ -50,28 +70,18 @@ def run(model, args, concurrency: int, cascade: bool) -> tuple[float, dict[int, 
     order: dict[int, int] = {}
 
     def add() -> None:
-        prompt = system + [rng.randrange(2, vocab) for _ in range(args.unique_len)]
-        order[engine.add_request(prompt, max_new_tokens=args.new_tokens, ignore_eos=True)] = len(order)
+        if len(order) < args.requests:
+            prompt = system + [rng.randrange(2, vocab) for _ in range(args.unique_len)]
+            order[engine.add_request(prompt, max_new_tokens=args.new_tokens, ignore_eos=True)] = len(order)
 
-    for _ in range(min(concurrency, args.requests)):
+    for _ in range(concurrency):
         add()
-    tokens, outputs = 0, {}
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        tokens += len(engine.step())
-        for request in engine.pop_finished():
-            outputs[order[request.request_id]] = list(request.output_ids)
-            if len(order) < args.requests:
-                add()
-    return tokens / (time.perf_counter() - start), outputs
+    return drain(engine, order, add)
 
 
 def run_burst(model, args, chunks: bool) -> tuple[float, dict[int, list[int]]]:
     """(output tokens per second, each request's tokens by its order of arrival) of the `--chunks` burst."""
-    pool = BlockPool.for_model(model, max_memory=args.max_memory, block_size=16)
-    engine = Engine(model, pool)
-    if engine.runner is None:
-        raise SystemExit(f"this model's decode steps run packed ({engine.runner_reason}): no decode runner to compare")
+    engine = make_engine(model, args)
     if args.chunk_bytes is not None:
         engine.runner.chunk_bytes = args.chunk_bytes
     if args.chunk_min_bytes is not None:
@@ -83,13 +93,7 @@ def run_burst(model, args, chunks: bool) -> tuple[float, dict[int, list[int]]]:
     for index in range(args.requests):
         prompt = [rng.randrange(2, vocab) for _ in range(rng.randint(*args.prompt_lens))]
         order[engine.add_request(prompt, max_new_tokens=rng.randint(*args.output_lens), ignore_eos=True)] = index
-    tokens, outputs = 0, {}
-    start = time.perf_counter()
-    while engine.has_unfinished():
-        tokens += len(engine.step())
-        for request in engine.pop_finished():
-            outputs[order[request.request_id]] = list(request.output_ids)
-    return tokens / (time.perf_counter() - start), outputs
+    return drain(engine, order)
 
 
 def layer_times(rows: int, shared_tokens: int, tail: int, repeats: int = 30) -> tuple[float, float, float]:
