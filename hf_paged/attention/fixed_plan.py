@@ -158,15 +158,15 @@ class FixedDecodePlan:
         return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
 
 
-def resolve_backends(device: torch.device) -> dict:
+def resolve_backends(device: torch.device) -> Mapping:
     """Every module backend setting resolved for `device` on the host, before a compiled step: None (the environment
     variable, else "auto") and each of BACKENDS, the error `resolve_backend` raises standing for a setting that
-    cannot run there. Read-only; the same dict while the environment variables it depends on keep their values."""
+    cannot run there. Read-only; the same mapping while the environment variables it depends on keep their values."""
     return _resolved_backends(device, os.environ.get(BACKEND_ENV_VAR), os.environ.get("TRITON_INTERPRET"))
 
 
 @functools.lru_cache(maxsize=64)
-def _resolved_backends(device: torch.device, backend_env: str | None, interpret_env: str | None) -> dict:
+def _resolved_backends(device: torch.device, backend_env: str | None, interpret_env: str | None) -> Mapping:
     backends = {}
     for setting in (None, *BACKENDS):
         try:

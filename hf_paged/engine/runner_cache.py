@@ -92,6 +92,7 @@ class GroupStep:
         self.group = group
         self.length_masks: dict = {}
         self.gathers: dict[tuple, tuple] = {}  # (part, K shape, V shape) -> what `_gather` made for them
+        self.chunks: dict[tuple, int] = {}  # (K shape, V shape, dtype) -> `chunk_rows`
 
     def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
         """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each. What does not depend on the layer (the
@@ -137,10 +138,14 @@ class GroupStep:
         runner = self.runner
         if runner.chunk_bytes <= 0 or runner.pool.device.type != "cpu":
             return 0
-        row_bytes = sum(cache.shape[0] * cache.shape[3] * cache.element_size() for cache in layer.caches) * self.width
-        if len(self.tables) * row_bytes <= runner.chunk_min_bytes:
-            return 0
-        return max(1, runner.chunk_bytes // row_bytes)
+        key = (layer.key_cache.shape, layer.value_cache.shape, layer.key_cache.dtype)
+        rows = self.chunks.get(key)
+        if rows is None:
+            row_bytes = sum(cache.shape[0] * cache.shape[3] * cache.element_size() for cache in layer.caches)
+            row_bytes *= self.width
+            too_few = len(self.tables) * row_bytes <= runner.chunk_min_bytes
+            rows = self.chunks[key] = 0 if too_few else max(1, runner.chunk_bytes // row_bytes)
+        return rows
 
     def gather_rows(self, layer: RunnerLayer, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first, end)'s keys and values, `[end - first, kv_heads, width, head_dim]`, into the start of the
