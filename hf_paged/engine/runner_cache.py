@@ -97,10 +97,7 @@ class GroupStep:
     def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
         """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each. What does not depend on the layer (the
         indices, the buffers' views) is made once per step and pool shape: a layer then costs two index_selects."""
-        key = (part, layer.key_cache.shape, layer.value_cache.shape)
-        made = self.gathers.get(key)
-        if made is None:
-            made = self.gathers[key] = self._make_gather(part, tables, width, layer)
+        made = self._made(part, tables, width, layer)
         if made[0] is None:  # inside a capture: outputs of the graph's own memory
             return tuple(
                 rows.index_select(0, index).view(shape)[:, :, :width]
@@ -109,6 +106,14 @@ class GroupStep:
         for rows, index, out in zip(layer.block_rows, made[1], made[0]):
             torch.index_select(rows, 0, index, out=out)
         return made[3]
+
+    def _made(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
+        """`_make_gather`'s result for `part` and the layer's pool shapes, made at the first layer that asks."""
+        key = (part, layer.key_cache.shape, layer.value_cache.shape)
+        made = self.gathers.get(key)
+        if made is None:
+            made = self.gathers[key] = self._make_gather(part, tables, width, layer)
+        return made
 
     def _make_gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
         """(2-D outputs or None, indices, gathered shapes, `[rows, kv_heads, width, head_dim]` results) for K and V."""
@@ -150,10 +155,7 @@ class GroupStep:
     def gather_rows(self, layer: RunnerLayer, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first, end)'s keys and values, `[end - first, kv_heads, width, head_dim]`, into the start of the
         runner's two buffers (what `gather` fills whole), so one chunk's copy is read while still in cache."""
-        key = ("all", layer.key_cache.shape, layer.value_cache.shape)
-        made = self.gathers.get(key)
-        if made is None:
-            made = self.gathers[key] = self._make_gather("all", self.tables, self.width, layer)
+        made = self._made("all", self.tables, self.width, layer)
         gathered = []
         for rows, index, out, shape in zip(layer.block_rows, made[1], made[0], made[2]):
             per_row = index.numel() // shape[0]
