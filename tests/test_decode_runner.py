@@ -294,9 +294,10 @@ def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
     assert pool.num_used_blocks == 0
 
 
-def test_a_forward_leaves_no_plan_behind_on_the_reused_placeholders():
-    """Each layer's placeholders are reused from forward to forward, and the plan they carried is dropped when the
-    forward ends: no plan (nor the gather buffers its step views) outlives the forward."""
+def test_a_forward_leaves_no_step_behind_on_the_reused_placeholders():
+    """Each layer's placeholders are reused from forward to forward and carry the layer's plan, which is unbound when
+    the forward ends: no step (nor the gather buffers it views) outlives the forward, and a plan used after it
+    raises instead of reading another step's rows."""
     from hf_paged.attention.plan import plan_of
 
     prompts = random_prompts(PROMPT_LENGTHS)
@@ -305,7 +306,12 @@ def test_a_forward_leaves_no_plan_behind_on_the_reused_placeholders():
     cache = engine.runner._cache
     made = [entry for entry in cache.placeholders if entry is not None]
     assert len(made) == engine.pool.layout.num_layers and not cache.groups
-    assert all(plan_of(placeholder) is None for _, placeholders in made for placeholder in placeholders)
+    plans = [plan_of(placeholder) for _, placeholders in made for placeholder in placeholders]
+    assert all(plan is not None and plan.step is None and plan.block_tables is None for plan in plans)
+    assert len({id(plan) for plan in plans}) == engine.pool.layout.num_layers  # one per layer, K's and V's
+    module = engine.model.model.layers[0].self_attn
+    with pytest.raises(RuntimeError, match="after its forward ended"):
+        plans[0].attend(module, torch.zeros(1, 4, 1, 16), None)
 
 
 def test_a_backend_that_cannot_run_raises_a_fresh_error_each_step(monkeypatch):

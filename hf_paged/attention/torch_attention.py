@@ -22,12 +22,38 @@ def sdpa_or_torch_attention(
     has not (a softcap, attention sinks `s_aux`). Shapes as in `torch_attention_forward`."""
     sinks = kwargs.get("s_aux")
     if softcap is None and sinks is None:
+        if attention_mask is None and query.shape[2] == 1 and query.device.type in _DIRECT_DEVICES:
+            out = decode_sdpa(module, query, key, value, dropout, scaling, kwargs)
+            if out is not None:
+                return out, None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     is_causal = getattr(module, "is_causal", True)
     extra = dict(softcap=softcap, sinks=sinks, is_causal=is_causal)
     return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
+
+
+# Devices where transformers' SDPA attention picks SDPA's arguments by the shapes alone (others: XPU, MPS and NPU
+# branch on their torch version or convert masks).
+_DIRECT_DEVICES = ("cpu", "cuda")
+
+
+def decode_sdpa(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor | None:
+    """One new token per row (query [B, heads, 1, head_dim]), every key visible -> [B, 1, heads, head_dim]:
+    `torch.nn.functional.scaled_dot_product_attention` called with the arguments
+    `sdpa_attention_forward` passes it there (GQA through `enable_gqa`, `is_causal=False`), without the wrapper's
+    per-call checks, which a decode step pays once per layer. The same call, so the same output bit for bit. None
+    where the wrapper would do more (a position bias, head sizes it packs, `output_attentions`)."""
+    if kwargs.get("position_bias") is not None or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None:
+        return None
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1 and not key.shape[-1] == value.shape[-1] <= 256:
+        return None  # the wrapper packs the query's groups instead of `enable_gqa`
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
+    )
+    return out.transpose(1, 2).contiguous()  # [B, 1, heads, head_dim]
 
 
 def torch_attention_forward(

@@ -4,16 +4,18 @@ Every tensor it touches is one of the runner's persistent buffers or the pool, s
 step. Per layer, `update` stores the new K/V at the step's slots and hands attention a `FixedDecodePlan`; what the
 layers would otherwise each make again is made once:
 
-    RunnerLayer   per pool layer, for the Engine's life: its group and views of its K/V (kernel, slot, block rows)
+    RunnerLayer   per pool layer, for the Engine's life: its group, views of its K/V (kernel, slot, block rows) and
+                  its `RunnerPlan`
     GroupStep     per forward and layer group: the rows' tables, lengths and slots, the gather indices and the
                   buffers' views, and the shared-prefix split (`DecodeRunner.shared_blocks`)
-    placeholders  per layer: the empty K/V that carry each forward's plan, the plan dropped when the forward ends
+    RunnerPlan    per layer: its decode plan, bound to the forward's GroupStep by `update` and unbound when the forward
+                  ends, carried by the layer's reused placeholders (the empty K/V `update` returns)
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from functools import partial
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -21,7 +23,8 @@ from transformers.cache_utils import Cache
 
 from ..attention import plan_placeholders, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan
-from ..attention.plan import PLAN_ATTR
+from ..attention.plan import BACKEND_ATTR
+from ..attention.torch_attention import decode_sdpa, sdpa_or_torch_attention
 from ..cache.block_tables import head_major_index
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
@@ -60,12 +63,16 @@ class RunnerLayer:
     slot-indexed (`[kv_heads, num_slots, head_dim]`, where the torch store copies new rows) and as rows of one block
     (`[kv_heads * num_blocks, block_size * head_dim]`, what a gather selects)."""
 
-    def __init__(self, pool: BlockPool, layer_idx: int):
+    def __init__(self, pool: BlockPool, layer_idx: int, shape_ids: dict):
         self.group = pool.group_of_layer[layer_idx]
         self.key_cache, self.value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        # One small int per distinct (K shape, V shape, dtype): what a step's gathers are made once for and keyed by.
+        shapes = (self.key_cache.shape, self.value_cache.shape, self.key_cache.dtype)
+        self.shape_id = shape_ids.setdefault(shapes, len(shape_ids))
         self.key_nhd, self.value_nhd = pool.nhd_view(self.key_cache), pool.nhd_view(self.value_cache)
         self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
         self.block_rows = [cache.view(cache.shape[0] * cache.shape[1], -1) for cache in self.caches]
+        self.plan = RunnerPlan(self)
 
     @property
     def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +98,9 @@ class GroupStep:
         self.full_rows = runner.full_rows[group]
         self.group = group
         self.length_masks: dict = {}
-        self.gathers: dict[tuple, tuple] = {}  # (part, K shape, V shape) -> what `_gather` made for them
-        self.chunks: dict[tuple, int] = {}  # (K shape, V shape, dtype) -> `chunk_rows`
+        self.gathers: dict[tuple, tuple] = {}  # (part, layer shape id) -> what `_gather` made for them
+        self.chunks: dict[int, int] = {}  # layer shape id -> `chunk_rows`
+        self.chunking = runner.chunk_bytes > 0 and runner.pool.device.type == "cpu"
 
     def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
         """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each. What does not depend on the layer (the
@@ -109,7 +117,7 @@ class GroupStep:
 
     def _made(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
         """`_make_gather`'s result for `part` and the layer's pool shapes, made at the first layer that asks."""
-        key = (part, layer.key_cache.shape, layer.value_cache.shape)
+        key = (part, layer.shape_id)
         made = self.gathers.get(key)
         if made is None:
             made = self.gathers[key] = self._make_gather(part, tables, width, layer)
@@ -140,16 +148,14 @@ class GroupStep:
         """Rows per chunk when a layer's gather and attention run a few rows at a time (`gather_rows`), 0 for all at
         once: on CPU, when the step's keys and values of one layer exceed `DecodeRunner.chunk_min_bytes`, chunks of
         about `chunk_bytes` stay in the core's caches between their gather and their attention."""
-        runner = self.runner
-        if runner.chunk_bytes <= 0 or runner.pool.device.type != "cpu":
+        if not self.chunking:
             return 0
-        key = (layer.key_cache.shape, layer.value_cache.shape, layer.key_cache.dtype)
-        rows = self.chunks.get(key)
+        rows = self.chunks.get(layer.shape_id)
         if rows is None:
             row_bytes = sum(cache.shape[0] * cache.shape[3] * cache.element_size() for cache in layer.caches)
             row_bytes *= self.width
-            too_few = len(self.tables) * row_bytes <= runner.chunk_min_bytes
-            rows = self.chunks[key] = 0 if too_few else max(1, runner.chunk_bytes // row_bytes)
+            too_few = len(self.tables) * row_bytes <= self.runner.chunk_min_bytes
+            rows = self.chunks[layer.shape_id] = 0 if too_few else max(1, self.runner.chunk_bytes // row_bytes)
         return rows
 
     def gather_rows(self, layer: RunnerLayer, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -179,6 +185,92 @@ class GroupStep:
         return prefix[0], prefix[1], tail[0], tail[1]
 
 
+class RunnerPlan(FixedDecodePlan):
+    """A layer's decode plan for the runner's steps, made once with its `RunnerLayer`: a forward's `update` binds it
+    to the forward's `GroupStep` (its tables, lengths, masks and gathers), `unbind` lets go of them when the forward
+    ends. A forward then makes no plan per layer, and no plan keeps a step's gather buffers after its forward.
+    `attend` is `FixedDecodePlan`'s, over ragged rows."""
+
+    def __init__(self, layer: RunnerLayer):
+        super().__init__(
+            key_cache=layer.key_nhd,
+            value_cache=layer.value_nhd,
+            block_tables=None,
+            seq_lens=None,
+            gather=self._gather_all,
+            backends=MappingProxyType({}),
+            ragged=True,
+            gather_rows=self._gather_rows,
+        )
+        self.layer = layer
+        self.step: GroupStep | None = None
+
+    def bind(self, step: GroupStep) -> None:
+        """Read `step`'s rows (a forward's, of this layer's group) at the next `attend`."""
+        self.step = step
+        self.block_tables, self.seq_lens, self.backends = step.tables, step.seq_lens, step.runner.backends
+        self.length_masks, self.full_rows = step.length_masks, step.full_rows
+        self.split_gather = self._split_gather if step.runner.split_rows else None
+        self.chunk_rows = step.chunk_rows(self.layer)
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        dropout: float = 0.0,
+        scaling: float | None = None,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        **kwargs,
+    ) -> tuple[torch.Tensor, None]:
+        """`FixedDecodePlan.attend`, with the torch path's usual step taken directly: every row's keys gathered at
+        once, none hidden (rows of one length, no window), SDPA called as `sdpa_attention_forward` calls it there
+        (`decode_sdpa`). A step pays this once per layer, where every call and check shows."""
+        step = self._bound_step()
+        if (
+            softcap is None
+            and self.split_gather is None
+            and not self.chunk_rows
+            and self.backends[getattr(module, BACKEND_ATTR, None)] == "torch"
+            and self._length_mask(step.width, sliding_window) is None
+        ):
+            key, value = step.gather(self.layer)
+            out = decode_sdpa(module, query, key, value, dropout, scaling, kwargs)
+            if out is not None:
+                return out, None
+            return sdpa_or_torch_attention(module, query, key, value, None, dropout, scaling, softcap, **kwargs)
+        return super().attend(
+            module,
+            query,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
+        )
+
+    def unbind(self) -> None:
+        """Let go of the forward's step; an `attend` before the next `bind` raises."""
+        self.step = self.block_tables = self.seq_lens = self.length_masks = self.split_gather = None
+
+    def _bound_step(self) -> GroupStep:
+        if self.step is None:
+            raise RuntimeError("a runner's decode plan was used after its forward ended")
+        return self.step
+
+    def _gather_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._bound_step().gather(self.layer)
+
+    def _gather_rows(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._bound_step().gather_rows(self.layer, first, end)
+
+    def _split_gather(self):
+        return self._bound_step().split_gather(self.layer)
+
+
 class RunnerCache(Cache):
     """The cache a runner's forward writes: store at the step's slots, hand attention a `FixedDecodePlan`. Every
     tensor it reads is one of the runner's persistent buffers, so a captured graph replays any step."""
@@ -187,9 +279,10 @@ class RunnerCache(Cache):
         self.runner = runner
         self.num_updates = 0
         self.layer_views: list[RunnerLayer | None] = [None] * runner.pool.layout.num_layers
+        self.shape_ids: dict[tuple, int] = {}  # (K shape, V shape, dtype) -> `RunnerLayer.shape_id`
         # Per forward: layer group -> its GroupStep (what every layer of the group would make again).
         self.groups: dict[int, GroupStep] = {}
-        # Per layer: (what its states were, its two placeholders), or None.
+        # Per layer: (what its states were, its two placeholders carrying its `RunnerPlan`), or None.
         self.placeholders: list[tuple[tuple, tuple[torch.Tensor, torch.Tensor]] | None] = [None] * len(self.layer_views)
         super().__init__(layers=[StepLayer(self) for _ in range(runner.pool.layout.num_layers)])
 
@@ -198,12 +291,11 @@ class RunnerCache(Cache):
         self.groups.clear()
 
     def end_forward(self) -> None:
-        """Drop the forward's plans and group steps: nothing keeps a gather buffer the workspace let go of."""
+        """Unbind the layers' plans and drop the group steps: nothing keeps a gather buffer the workspace let go of."""
         self.groups.clear()
-        for made in self.placeholders:
-            if made is not None:
-                for placeholder in made[1]:
-                    setattr(placeholder, PLAN_ATTR, None)
+        for layer in self.layer_views:
+            if layer is not None:
+                layer.plan.unbind()
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # the mask sizes describe a plain causal block of the new tokens (StepLayer); positions are given
@@ -219,33 +311,21 @@ class RunnerCache(Cache):
             )
         self.num_updates += 1
         layer = views[layer_idx]
-        if layer is None or not layer.current(pool, layer_idx):
-            layer = views[layer_idx] = RunnerLayer(pool, layer_idx)
+        if layer is None or not layer.current(pool, layer_idx):  # first used, or the pool grew
+            layer = views[layer_idx] = RunnerLayer(pool, layer_idx, self.shape_ids)
+            self.placeholders[layer_idx] = None  # they carry the old layer's plan
         step = self.groups.get(layer.group)
         if step is None:
             step = self.groups[layer.group] = GroupStep(runner, layer.group)
         if runner.store == "torch":
             # `store_kv_rows`' torch path on the layer's slot views: one index_copy_ per K and V.
             for view, states in zip(layer.slot_views, (key_states, value_states)):
-                view.index_copy_(1, step.slots, states.transpose(0, 1).reshape(view.shape[0], -1, view.shape[2]))
+                view.index_copy_(1, step.slots, states[:, :, 0].transpose(0, 1))  # [kv_heads, B, head_dim]
         else:
             store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
-        plan = FixedDecodePlan(
-            key_cache=layer.key_nhd,
-            value_cache=layer.value_nhd,
-            block_tables=step.tables,
-            seq_lens=step.seq_lens,
-            gather=partial(step.gather, layer),
-            backends=runner.backends,
-            ragged=True,
-            length_masks=step.length_masks,
-            full_rows=step.full_rows,
-            split_gather=partial(step.split_gather, layer) if runner.split_rows else None,
-            gather_rows=partial(step.gather_rows, layer),
-            chunk_rows=step.chunk_rows(layer),
-        )
+        layer.plan.bind(step)
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
-        # inference mode): they carry each forward's plan in turn, dropped when the forward ends (`end_forward`).
+        # inference mode); they carry the layer's plan, bound to each forward in turn.
         key = (
             key_states.shape,
             value_states.shape,
@@ -255,8 +335,5 @@ class RunnerCache(Cache):
         )
         made = self.placeholders[layer_idx]
         if made is None or made[0] != key:
-            made = self.placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
-        else:
-            for placeholder in made[1]:
-                setattr(placeholder, PLAN_ATTR, plan)
+            made = self.placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, layer.plan))
         return made[1]
