@@ -84,6 +84,8 @@ class Request:
 
     def extend_hashes(self, num_blocks: int, block_size: int) -> None:
         """Hash its tokens up to `num_blocks` full blocks of `block_size` (`block_hashes`), the missing ones only."""
+        if len(self.block_hashes) >= num_blocks:  # most steps: no block filled up
+            return
         tokens = self.token_ids
         for index in range(len(self.block_hashes), num_blocks):
             parent = self.block_hashes[-1] if self.block_hashes else None

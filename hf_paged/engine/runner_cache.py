@@ -4,7 +4,7 @@ Every tensor it touches is one of the runner's persistent buffers or the pool, s
 step. Per layer, `update` stores the new K/V at the step's slots and hands attention a `FixedDecodePlan`; what the
 layers would otherwise each make again is made once:
 
-    RunnerLayer   per pool layer, for the Engine's life: its group, views of its K/V (kernel, slot, block rows) and
+    RunnerLayer   per pool layer, for the Engine's life: its group, views of its K/V (kernel, slot, per-head blocks) and
                   its `RunnerPlan`
     GroupStep     per forward and layer group: the rows' tables, lengths and slots, the gather indices and the
                   buffers' views, and the shared-prefix split (`DecodeRunner.shared_blocks`)
@@ -25,7 +25,6 @@ from ..attention import plan_placeholders, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan
 from ..attention.plan import BACKEND_ATTR
 from ..attention.torch_attention import decode_sdpa, sdpa_or_torch_attention
-from ..cache.block_tables import head_major_index
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .step_cache import StepLayer
@@ -60,8 +59,8 @@ class RunnerStep(Protocol):
 class RunnerLayer:
     """One pool layer's tensors as the runner's eager steps read and write them, made once (the Engine's pool keeps
     its tensors): its layer group, K and V as the kernels view them (`[num_blocks, block_size, kv_heads, head_dim]`),
-    slot-indexed (`[kv_heads, num_slots, head_dim]`, where the torch store copies new rows) and as rows of one block
-    (`[kv_heads * num_blocks, block_size * head_dim]`, what a gather selects)."""
+    slot-indexed (`[kv_heads, num_slots, head_dim]`, where the torch store copies new rows) and per head as rows of
+    one block (`[kv_heads, num_blocks, block_size * head_dim]`, what a gather selects)."""
 
     def __init__(self, pool: BlockPool, layer_idx: int, shape_ids: dict):
         self.group = pool.group_of_layer[layer_idx]
@@ -71,7 +70,8 @@ class RunnerLayer:
         self.shape_id = shape_ids.setdefault(shapes, len(shape_ids))
         self.key_nhd, self.value_nhd = pool.nhd_view(self.key_cache), pool.nhd_view(self.value_cache)
         self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
-        self.block_rows = [cache.view(cache.shape[0] * cache.shape[1], -1) for cache in self.caches]
+        self.head_blocks = [cache.view(cache.shape[0], cache.shape[1], -1) for cache in self.caches]
+        self.head_dims = (self.key_cache.shape[3], self.value_cache.shape[3])
         self.plan = RunnerPlan(self)
 
     @property
@@ -103,17 +103,18 @@ class GroupStep:
         self.chunking = runner.chunk_bytes > 0 and runner.pool.device.type == "cpu"
 
     def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
-        """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each. What does not depend on the layer (the
-        indices, the buffers' views) is made once per step and pool shape: a layer then costs two index_selects."""
-        made = self._made(part, tables, width, layer)
-        if made[0] is None:  # inside a capture: outputs of the graph's own memory
+        """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each (views of `[kv_heads, rows, ...]`
+        copies: each head's blocks read in one pass over the pool's head). What does not depend on the layer (the
+        index, the buffers' views) is made once per step and pool shape: a layer then costs two index_selects."""
+        index, outs, results = self._made(part, tables, width, layer)
+        if outs is None:  # inside a capture: outputs of the graph's own memory
             return tuple(
-                rows.index_select(0, index).view(shape)[:, :, :width]
-                for rows, index, shape in zip(layer.block_rows, made[1], made[2])
+                head_major(rows.index_select(1, index), len(tables), width, head_dim)
+                for rows, head_dim in zip(layer.head_blocks, layer.head_dims)
             )
-        for rows, index, out in zip(layer.block_rows, made[1], made[0]):
-            torch.index_select(rows, 0, index, out=out)
-        return made[3]
+        for rows, out in zip(layer.head_blocks, outs):
+            torch.index_select(rows, 1, index, out=out)
+        return results
 
     def _made(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
         """`_make_gather`'s result for `part` and the layer's pool shapes, made at the first layer that asks."""
@@ -124,20 +125,16 @@ class GroupStep:
         return made
 
     def _make_gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple:
-        """(2-D outputs or None, indices, gathered shapes, `[rows, kv_heads, width, head_dim]` results) for K and V."""
-        batch, table_width = tables.shape
-        indices, shapes, outs, results = [], [], [], []
-        for name, cache, rows in zip(("key", "value"), layer.caches, layer.block_rows):
-            if not indices or layer.value_cache.shape[:2] != layer.key_cache.shape[:2]:  # else V's is K's
-                index = head_major_index(tables, cache.shape[0], cache.shape[1])
-            shape = (batch, cache.shape[0], table_width * cache.shape[2], cache.shape[3])
-            out = self.runner.gather_buffer(f"{part} {name}", index.numel() * rows.shape[1], cache)
-            indices.append(index)
-            shapes.append(shape)
+        """(the block ids, K's and V's `[kv_heads, rows * W, block_size * head_dim]` outputs or None, their
+        `[rows, kv_heads, width, head_dim]` views)."""
+        index = tables.flatten()
+        outs, results = [], []
+        for name, cache, rows in zip(("key", "value"), layer.caches, layer.head_blocks):
+            out = self.runner.gather_buffer(f"{part} {name}", rows.shape[0] * index.numel() * rows.shape[2], cache)
             if out is not None:
-                outs.append(out.view(index.numel(), rows.shape[1]))
-                results.append(out.view(shape)[:, :, :width])
-        return (outs or None), indices, shapes, tuple(results)
+                outs.append(out.view(rows.shape[0], index.numel(), rows.shape[2]))
+                results.append(head_major(outs[-1], len(tables), width, cache.shape[3]))
+        return index, (outs or None), tuple(results)
 
     def gather(self, layer: RunnerLayer) -> tuple[torch.Tensor, torch.Tensor]:
         """Every row's keys and values, `[B, kv_heads, width, head_dim]`, into the runner's two reused buffers."""
@@ -161,13 +158,15 @@ class GroupStep:
     def gather_rows(self, layer: RunnerLayer, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first, end)'s keys and values, `[end - first, kv_heads, width, head_dim]`, into the start of the
         runner's two buffers (what `gather` fills whole), so one chunk's copy is read while still in cache."""
-        made = self._made("all", self.tables, self.width, layer)
+        index, outs, _ = self._made("all", self.tables, self.width, layer)
+        table_width = index.numel() // len(self.tables)
+        chunk_index = index[first * table_width : end * table_width]
         gathered = []
-        for rows, index, out, shape in zip(layer.block_rows, made[1], made[0], made[2]):
-            per_row = index.numel() // shape[0]
-            chunk = out[: (end - first) * per_row]
-            torch.index_select(rows, 0, index[first * per_row : end * per_row], out=chunk)
-            gathered.append(chunk.view(end - first, *shape[1:])[:, :, : self.width])
+        for rows, out, head_dim in zip(layer.head_blocks, outs, layer.head_dims):
+            numel = rows.shape[0] * chunk_index.numel() * rows.shape[2]
+            chunk = out.view(-1)[:numel].view(rows.shape[0], -1, rows.shape[2])
+            torch.index_select(rows, 1, chunk_index, out=chunk)
+            gathered.append(head_major(chunk, end - first, self.width, head_dim))
         return gathered[0], gathered[1]
 
     def split_gather(self, layer: RunnerLayer):
@@ -226,12 +225,13 @@ class RunnerPlan(FixedDecodePlan):
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
         """`FixedDecodePlan.attend`, with the torch path's usual step taken directly: every row's keys gathered at
-        once, none hidden (rows of one length, no window), SDPA called as `sdpa_attention_forward` calls it there
-        (`decode_sdpa`). A step pays this once per layer, where every call and check shows."""
+        once (no shared prefix read once, no row chunks), none hidden (rows of one length, no window), SDPA called as
+        `sdpa_attention_forward` calls it there (`decode_sdpa`). A step pays this once per layer, where every call
+        and check shows."""
         step = self._bound_step()
         if (
             softcap is None
-            and self.split_gather is None
+            and (self.split_gather is None or not step.runner.shared_blocks(step.group))
             and not self.chunk_rows
             and self.backends[getattr(module, BACKEND_ATTR, None)] == "torch"
             and self._length_mask(step.width, sliding_window) is None
@@ -269,6 +269,12 @@ class RunnerPlan(FixedDecodePlan):
 
     def _split_gather(self):
         return self._bound_step().split_gather(self.layer)
+
+
+def head_major(gathered: torch.Tensor, rows: int, width: int, head_dim: int) -> torch.Tensor:
+    """`[kv_heads, rows * W, block_size * head_dim]` blocks gathered per head -> the `[rows, kv_heads, width,
+    head_dim]` view of each row's first `width` keys (no copy: SDPA reads any strides but the last one's)."""
+    return gathered.view(gathered.shape[0], rows, -1, head_dim).transpose(0, 1)[:, :, :width]
 
 
 class RunnerCache(Cache):
