@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 from ..errors import ServeUnavailable
@@ -85,6 +86,16 @@ def check_args(args: argparse.Namespace) -> str | None:
     return None
 
 
+def freeze_startup_heap() -> int:
+    """Move every object alive now (torch, transformers, the model, the Engine: the server's startup heap, which lives
+    as long as it does) out of the garbage collector's sight, after one last collection; returns how many were
+    frozen. A full collection then walks only what the server made since, instead of pausing every stream for the
+    whole heap (about 390,000 objects, 180 ms a collection on a 2-core CPU with the embedded model)."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
 def serve(args: argparse.Namespace) -> None:
     from .compat import check_seams
 
@@ -123,6 +134,7 @@ def serve(args: argparse.Namespace) -> None:
         app, manager = build_app(config)
     except (OSError, ValueError, NotImplementedError) as error:  # no such model, a pool too large, a model refused
         sys.exit(f"hf-paged serve: cannot serve {config.model}: {error}")
+    freeze_startup_heap()
     print(f"hf-paged serve: {config.model} on http://{config.host}:{config.port}/v1", flush=True)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, timeout_graceful_shutdown=5)
