@@ -90,7 +90,7 @@ def freeze_startup_heap() -> int:
     """Move every object alive now (torch, transformers, the model, the Engine: the server's startup heap, which lives
     as long as it does) out of the garbage collector's sight, after one last collection; returns how many were
     frozen. A full collection then walks only what the server made since, instead of pausing every stream for the
-    whole heap (about 390,000 objects, 180 ms a collection on a 2-core CPU with the embedded model)."""
+    whole heap (about 390,000 objects, 180-195 ms a collection on a 2-core CPU with the embedded model)."""
     gc.collect()
     gc.freeze()
     return gc.get_freeze_count()
