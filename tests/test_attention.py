@@ -200,3 +200,5 @@ def test_decode_sdpa_is_transformers_sdpa_bit_for_bit(heads, kv_heads, head_dim,
     assert torch.equal(sdpa_or_torch_attention(module, query, key, value, None, scaling=0.3)[0], reference)
     bias = torch.randn(3, heads, 1, 37, generator=generator)
     assert decode_sdpa(module, query, key, value, 0.0, 0.3, {"position_bias": bias}) is None
+    two_tokens = torch.randn(3, heads, 2, head_dim, generator=generator)
+    assert decode_sdpa(module, two_tokens, key, value, 0.0, 0.3, {}) is None

@@ -3,8 +3,11 @@ plans and the Engine's packed step run it where they would run SDPA (`sdpa_or_to
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.utils import is_torch_mps_available, is_torch_npu_available, is_torch_xpu_available
 
 
 def sdpa_or_torch_attention(
@@ -22,7 +25,7 @@ def sdpa_or_torch_attention(
     has not (a softcap, attention sinks `s_aux`). Shapes as in `torch_attention_forward`."""
     sinks = kwargs.get("s_aux")
     if softcap is None and sinks is None:
-        if attention_mask is None and query.shape[2] == 1 and query.device.type in _DIRECT_DEVICES:
+        if attention_mask is None:
             out = decode_sdpa(module, query, key, value, dropout, scaling, kwargs)
             if out is not None:
                 return out, None
@@ -34,17 +37,22 @@ def sdpa_or_torch_attention(
     return torch_attention_forward(query, key, value, attention_mask, dropout, scaling, **extra)
 
 
-# Devices where transformers' SDPA attention picks SDPA's arguments by the shapes alone (others: XPU, MPS and NPU
-# branch on their torch version or convert masks).
-_DIRECT_DEVICES = ("cpu", "cuda")
+@functools.cache
+def _wrapper_branches_on_host() -> bool:
+    """Whether transformers' SDPA attention picks SDPA's arguments by the host's accelerator (XPU, MPS: by their torch
+    version; NPU: masks converted) rather than by the shapes alone."""
+    return is_torch_xpu_available() or is_torch_mps_available() or is_torch_npu_available()
 
 
 def decode_sdpa(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor | None:
     """One new token per row (query [B, heads, 1, head_dim]), every key visible -> [B, 1, heads, head_dim]:
-    `torch.nn.functional.scaled_dot_product_attention` called with the arguments
-    `sdpa_attention_forward` passes it there (GQA through `enable_gqa`, `is_causal=False`), without the wrapper's
-    per-call checks, which a decode step pays once per layer. The same call, so the same output bit for bit. None
-    where the wrapper would do more (a position bias, head sizes it packs, `output_attentions`)."""
+    `torch.nn.functional.scaled_dot_product_attention` called with the arguments `sdpa_attention_forward` passes it
+    there on CPU and CUDA (GQA through `enable_gqa`, `is_causal=False`), without the wrapper's per-call checks, which
+    a decode step pays once per layer. The same call, so the same output bit for bit. None where the wrapper would do
+    something else (another query length or device, a host whose accelerator it branches on, a position bias, head
+    sizes it packs, `output_attentions`, attention sinks)."""
+    if query.shape[2] != 1 or query.device.type not in ("cpu", "cuda") or _wrapper_branches_on_host():
+        return None
     if kwargs.get("position_bias") is not None or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None:
         return None
     groups = getattr(module, "num_key_value_groups", 1)
