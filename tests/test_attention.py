@@ -174,15 +174,15 @@ def test_a_second_turn_reads_the_pool_through_the_paged_prefill_kernel(name, bac
 
 @pytest.mark.parametrize(
     "heads, kv_heads, head_dim, value_dim",
-    [(4, 2, 16, 16), (4, 4, 32, 32), (8, 1, 64, 64), (4, 2, 16, 8), (4, 2, 320, 320)],
+    [(4, 2, 16, 16), (4, 4, 32, 32), (8, 1, 64, 64), (4, 2, 16, 8), (4, 2, 320, 320), (4, 4, 320, 320), (4, 4, 16, 8)],
 )
 def test_decode_sdpa_is_transformers_sdpa_bit_for_bit(heads, kv_heads, head_dim, value_dim):
     """A decode step's SDPA called directly gives what transformers' `sdpa_attention_forward` gives (the same call),
-    on strided K/V as a gather leaves them; where the wrapper would pack the query's groups instead (head sizes it
-    does not pass to SDPA's GQA) or apply a position bias, it declines (None) and the wrapper runs."""
+    on strided K/V as a gather leaves them; it does not apply where the wrapper would pack the query's groups (head
+    sizes it does not pass to SDPA's GQA), apply a position bias or sinks, or see more than one new token."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from hf_paged.attention.torch_attention import decode_sdpa, sdpa_or_torch_attention
+    from hf_paged.attention.torch_attention import decode_sdpa, decode_sdpa_applies, sdpa_or_torch_attention
 
     generator = torch.Generator().manual_seed(heads * head_dim + value_dim)
     module = torch.nn.Module()
@@ -191,14 +191,14 @@ def test_decode_sdpa_is_transformers_sdpa_bit_for_bit(heads, kv_heads, head_dim,
     key = torch.randn(3, kv_heads, 40, head_dim, generator=generator)[:, :, :37]  # strided, as gathered
     value = torch.randn(3, kv_heads, 40, value_dim, generator=generator)[:, :, :37]
     reference, _ = sdpa_attention_forward(module, query, key, value, None, scaling=0.3, position_ids=None)
-    direct = decode_sdpa(module, query, key, value, 0.0, 0.3, {"position_ids": None})
-    packs = heads != kv_heads and not head_dim == value_dim <= 256
-    if packs:
-        assert direct is None
-    else:
+    applies = decode_sdpa_applies(module, query, head_dim, value_dim, {"position_ids": None})
+    assert applies == (heads == kv_heads or head_dim == value_dim <= 256)  # else the wrapper packs the groups
+    if applies:
+        direct = decode_sdpa(module, query, key, value, 0.0, 0.3)
         assert direct.shape == (3, 1, heads, value_dim) and torch.equal(direct, reference)
     assert torch.equal(sdpa_or_torch_attention(module, query, key, value, None, scaling=0.3)[0], reference)
     bias = torch.randn(3, heads, 1, 37, generator=generator)
-    assert decode_sdpa(module, query, key, value, 0.0, 0.3, {"position_bias": bias}) is None
+    assert not decode_sdpa_applies(module, query, head_dim, value_dim, {"position_bias": bias})
+    assert not decode_sdpa_applies(module, query, head_dim, value_dim, {"s_aux": torch.zeros(heads)})
     two_tokens = torch.randn(3, heads, 2, head_dim, generator=generator)
-    assert decode_sdpa(module, two_tokens, key, value, 0.0, 0.3, {}) is None
+    assert not decode_sdpa_applies(module, two_tokens, head_dim, value_dim, {})

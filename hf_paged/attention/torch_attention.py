@@ -25,10 +25,8 @@ def sdpa_or_torch_attention(
     has not (a softcap, attention sinks `s_aux`). Shapes as in `torch_attention_forward`."""
     sinks = kwargs.get("s_aux")
     if softcap is None and sinks is None:
-        if attention_mask is None:
-            out = decode_sdpa(module, query, key, value, dropout, scaling, kwargs)
-            if out is not None:
-                return out, None
+        if attention_mask is None and decode_sdpa_applies(module, query, key.shape[-1], value.shape[-1], kwargs):
+            return decode_sdpa(module, query, key, value, dropout, scaling), None
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
@@ -44,24 +42,28 @@ def _wrapper_branches_on_host() -> bool:
     return is_torch_xpu_available() or is_torch_mps_available() or is_torch_npu_available()
 
 
-def decode_sdpa(module, query, key, value, dropout, scaling, kwargs) -> torch.Tensor | None:
-    """One new token per row (query [B, heads, 1, head_dim]), every key visible -> [B, 1, heads, head_dim]:
-    `torch.nn.functional.scaled_dot_product_attention` called with the arguments `sdpa_attention_forward` passes it
-    there on CPU and CUDA (GQA through `enable_gqa`, `is_causal=False`), without the wrapper's per-call checks, which
-    a decode step pays once per layer. The same call, so the same output bit for bit. None where the wrapper would do
-    something else (another query length or device, a host whose accelerator it branches on, a position bias, head
-    sizes it packs, `output_attentions`, attention sinks)."""
+def decode_sdpa_applies(module, query: torch.Tensor, head_dim: int, value_head_dim: int, kwargs) -> bool:
+    """Whether `decode_sdpa` is the call transformers' `sdpa_attention_forward` makes for this query with no mask:
+    one new token per row on CPU or CUDA, on a host whose accelerator it does not branch on, without a position bias,
+    `output_attentions` or attention sinks (`kwargs`: the attention function's), and head sizes it passes to SDPA's
+    GQA rather than packing the query's groups."""
     if query.shape[2] != 1 or query.device.type not in ("cpu", "cuda") or _wrapper_branches_on_host():
-        return None
+        return False
     if kwargs.get("position_bias") is not None or kwargs.get("output_attentions") or kwargs.get("s_aux") is not None:
-        return None
+        return False
+    return getattr(module, "num_key_value_groups", 1) == 1 or head_dim == value_head_dim <= 256
+
+
+def decode_sdpa(module, query, key, value, dropout: float = 0.0, scaling: float | None = None) -> torch.Tensor:
+    """query [B, heads, 1, head_dim], key/value [B, kv_heads, kv_len, head_dim], every key visible -> [B, 1, heads,
+    head_dim]: `torch.nn.functional.scaled_dot_product_attention` with the arguments `sdpa_attention_forward` passes
+    it where `decode_sdpa_applies` (GQA through `enable_gqa`, `is_causal=False`), without that function's per-call
+    checks, which a decode step pays once per layer. The same call, so the same output bit for bit."""
     groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1 and not key.shape[-1] == value.shape[-1] <= 256:
-        return None  # the wrapper packs the query's groups instead of `enable_gqa`
     out = torch.nn.functional.scaled_dot_product_attention(
         query, key, value, dropout_p=dropout, scale=scaling, enable_gqa=groups > 1
     )
-    return out.transpose(1, 2).contiguous()  # [B, 1, heads, head_dim]
+    return out.transpose(1, 2).contiguous()
 
 
 def torch_attention_forward(

@@ -24,7 +24,7 @@ from transformers.cache_utils import Cache
 from ..attention import plan_placeholders, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan
 from ..attention.plan import BACKEND_ATTR
-from ..attention.torch_attention import decode_sdpa, sdpa_or_torch_attention
+from ..attention.torch_attention import decode_sdpa, decode_sdpa_applies
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .step_cache import StepLayer
@@ -72,7 +72,7 @@ class RunnerLayer:
         self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
         self.head_blocks = [cache.view(cache.shape[0], cache.shape[1], -1) for cache in self.caches]
         self.head_dims = (self.key_cache.shape[3], self.value_cache.shape[3])
-        self.plan = RunnerPlan(self)
+        self.plan = RunnerPlan(self.key_nhd, self.value_nhd)
 
     @property
     def caches(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,85 +186,61 @@ class GroupStep:
 
 class RunnerPlan(FixedDecodePlan):
     """A layer's decode plan for the runner's steps, made once with its `RunnerLayer`: a forward's `update` binds it
-    to the forward's `GroupStep` (its tables, lengths, masks and gathers), `unbind` lets go of them when the forward
-    ends. A forward then makes no plan per layer, and no plan keeps a step's gather buffers after its forward.
-    `attend` is `FixedDecodePlan`'s, over ragged rows."""
+    to the layer and the forward's `GroupStep` (its tables, lengths, masks and gathers), `unbind` lets go of them
+    when the forward ends. A forward then makes no plan per layer, and no plan keeps a step's gather buffers (nor a
+    layer a pool that grew has replaced) after its forward. `attend` takes the torch path's usual step directly and
+    leaves every other one to `FixedDecodePlan.attend`, over ragged rows."""
 
-    def __init__(self, layer: RunnerLayer):
-        super().__init__(
-            key_cache=layer.key_nhd,
-            value_cache=layer.value_nhd,
-            block_tables=None,
-            seq_lens=None,
-            gather=self._gather_all,
-            backends=MappingProxyType({}),
-            ragged=True,
-            gather_rows=self._gather_rows,
-        )
-        self.layer = layer
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        # `gather` and `gather_rows` are this class's methods, not fields holding bound methods: a plan refers to no
+        # layer or step of its own between forwards, so nothing here outlives what it reads.
+        self.key_cache, self.value_cache = key_cache, value_cache
+        self.block_tables = self.seq_lens = self.length_masks = self.split_gather = None
+        self.backends, self.ragged, self.full_rows, self.chunk_rows = MappingProxyType({}), True, False, 0
+        self.layer: RunnerLayer | None = None
         self.step: GroupStep | None = None
 
-    def bind(self, step: GroupStep) -> None:
-        """Read `step`'s rows (a forward's, of this layer's group) at the next `attend`."""
-        self.step = step
+    def bind(self, step: GroupStep, layer: RunnerLayer) -> None:
+        """Read `step`'s rows (a forward's, of `layer`'s group) at the next `attend`."""
+        self.step, self.layer = step, layer
         self.block_tables, self.seq_lens, self.backends = step.tables, step.seq_lens, step.runner.backends
         self.length_masks, self.full_rows = step.length_masks, step.full_rows
         self.split_gather = self._split_gather if step.runner.split_rows else None
-        self.chunk_rows = step.chunk_rows(self.layer)
+        self.chunk_rows = step.chunk_rows(layer)
 
     def attend(
-        self,
-        module: torch.nn.Module,
-        query: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        *,
-        dropout: float = 0.0,
-        scaling: float | None = None,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        **kwargs,
+        self, module: torch.nn.Module, query: torch.Tensor, attention_mask, **kwargs
     ) -> tuple[torch.Tensor, None]:
         """`FixedDecodePlan.attend`, with the torch path's usual step taken directly: every row's keys gathered at
-        once (no shared prefix read once, no row chunks), none hidden (rows of one length, no window), SDPA called as
-        `sdpa_attention_forward` calls it there (`decode_sdpa`). A step pays this once per layer, where every call
-        and check shows."""
+        once (no shared prefix read once, no row chunks), none hidden (rows of one length, no window), and SDPA
+        called as transformers' `sdpa_attention_forward` calls it there (`decode_sdpa`). A step pays this once per
+        layer, where every call and check shows."""
         step = self._bound_step()
         if (
-            softcap is None
-            and (self.split_gather is None or not step.runner.shared_blocks(step.group))
+            kwargs.get("softcap") is None
             and not self.chunk_rows
             and self.backends[getattr(module, BACKEND_ATTR, None)] == "torch"
-            and self._length_mask(step.width, sliding_window) is None
+            and (self.split_gather is None or not step.runner.shared_blocks(step.group))  # never on the kernel path
+            and self._length_mask(step.width, kwargs.get("sliding_window")) is None
+            and decode_sdpa_applies(module, query, *self.layer.head_dims, kwargs)
         ):
             key, value = step.gather(self.layer)
-            out = decode_sdpa(module, query, key, value, dropout, scaling, kwargs)
-            if out is not None:
-                return out, None
-            return sdpa_or_torch_attention(module, query, key, value, None, dropout, scaling, softcap, **kwargs)
-        return super().attend(
-            module,
-            query,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            **kwargs,
-        )
+            return decode_sdpa(module, query, key, value, kwargs.get("dropout", 0.0), kwargs.get("scaling")), None
+        return super().attend(module, query, attention_mask, **kwargs)
 
     def unbind(self) -> None:
-        """Let go of the forward's step; an `attend` before the next `bind` raises."""
-        self.step = self.block_tables = self.seq_lens = self.length_masks = self.split_gather = None
+        """Let go of the forward's step and layer; an `attend` before the next `bind` raises."""
+        self.step = self.layer = self.block_tables = self.seq_lens = self.length_masks = self.split_gather = None
 
     def _bound_step(self) -> GroupStep:
         if self.step is None:
             raise RuntimeError("a runner's decode plan was used after its forward ended")
         return self.step
 
-    def _gather_all(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._bound_step().gather(self.layer)
 
-    def _gather_rows(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def gather_rows(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self._bound_step().gather_rows(self.layer, first, end)
 
     def _split_gather(self):
@@ -329,7 +305,7 @@ class RunnerCache(Cache):
                 view.index_copy_(1, step.slots, states[:, :, 0].transpose(0, 1))  # [kv_heads, B, head_dim]
         else:
             store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
-        layer.plan.bind(step)
+        layer.plan.bind(step, layer)
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
         # inference mode); they carry the layer's plan, bound to each forward in turn.
         key = (
