@@ -279,6 +279,13 @@ def test_shared_prefix_attention_equals_attention_over_the_whole_context(mask, s
     expected, _ = torch_attention_forward(query, keys, values, attention_mask, scaling=0.3, softcap=softcap)
     assert out.shape == (batch, 1, heads, v_head_dim)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    # tails gathered head-major (the decode runner's `[kv_heads, B, ...]` storage, seen as `[B, kv_heads, ...]`)
+    tails = [tail.transpose(0, 1).contiguous().transpose(0, 1) for tail in (tail_keys, tail_values)]
+    assert tails[0].stride(0) < tails[0].stride(1)
+    head_major = shared_prefix_attention(
+        query, prefix_keys, prefix_values, *tails, attention_mask, scaling=0.3, softcap=softcap
+    )
+    torch.testing.assert_close(head_major, out, rtol=1e-6, atol=1e-7)
     # all shared (no tails): the prefix alone
     out = shared_prefix_attention(query, prefix_keys, prefix_values, None, None, None)
     expected, _ = torch_attention_forward(

@@ -49,8 +49,11 @@ def shared_prefix_attention(
     stacked = grouped.transpose(0, 1).reshape(num_kv_heads, batch * groups, head_dim)
     logits = torch.matmul(stacked, prefix_keys[0].transpose(1, 2))
     logits = logits.view(num_kv_heads, batch, groups, prefix_len).transpose(0, 1)  # [B, kv_heads, groups, P]
+    # Tails gathered head-major (each kv head's rows together underneath, as the Engine's decode runner gathers
+    # them) are multiplied in that order: batched over (kv_heads, B) they need no copy before the product.
+    head_major = tail_keys is not None and tail_keys.stride(0) < tail_keys.stride(1)
     if tail_keys is not None:
-        logits = torch.cat([logits, torch.matmul(grouped, tail_keys.transpose(2, 3))], dim=-1)
+        logits = torch.cat([logits, _tail_product(grouped, tail_keys.transpose(2, 3), head_major)], dim=-1)
     logits = logits * scaling
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -65,8 +68,15 @@ def shared_prefix_attention(
     out = torch.matmul(prefix_weights, prefix_values[0])  # [kv_heads, B * groups, v_head_dim]
     out = out.view(num_kv_heads, batch, groups, -1).transpose(0, 1)  # [B, kv_heads, groups, v_head_dim]
     if tail_keys is not None:
-        out = out + torch.matmul(weights[..., prefix_len:], tail_values)
+        out = out + _tail_product(weights[..., prefix_len:], tail_values, head_major)
     return out.reshape(batch, 1, num_heads, -1)
+
+
+def _tail_product(left: torch.Tensor, right: torch.Tensor, head_major: bool) -> torch.Tensor:
+    """`left @ right` of `[B, kv_heads, ...]` operands, batched over (kv_heads, B) when the tails are head-major."""
+    if head_major:
+        return torch.matmul(left.transpose(0, 1), right.transpose(0, 1)).transpose(0, 1)
+    return torch.matmul(left, right)
 
 
 def per_row_mask(attention_mask: torch.Tensor | None) -> bool:
