@@ -124,6 +124,25 @@ def test_enable_switches_a_model_and_validates_the_backend():
     model.set_attn_implementation("sdpa")
 
 
+def test_a_backend_spelled_in_capitals_runs_the_engines_decode_steps():
+    """`enable(model, backend=" Torch ")` is accepted as "torch" (as `resolve_backend` reads it), and the modules
+    carry it so: the plans look the setting up among BACKENDS, and the Engine's decode runner gives generate()'s
+    tokens."""
+    from hf_paged import BlockPool, Engine
+    from hf_paged.attention.plan import BACKEND_ATTR
+
+    model = hf_paged.enable(tiny_model("llama", "sdpa", seed=5), backend=" Torch ")
+    assert {getattr(m, BACKEND_ATTR) for m in model.modules() if hasattr(m, BACKEND_ATTR)} == {"torch"}
+    prompt = random_prompt(12)
+    reference = tiny_model("llama", "sdpa", seed=5).generate(
+        prompt, past_key_values=DynamicCache(), max_new_tokens=MAX_NEW_TOKENS, do_sample=False
+    )
+    engine = Engine(model, BlockPool.for_model(model, num_blocks=16))
+    out = engine.generate([prompt[0].tolist()], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    assert out[0] == reference[0, prompt.shape[1] :].tolist()
+    assert engine.runner.stats.eager_steps > 0
+
+
 def test_from_pretrained_with_the_registered_name(tmp_path):
     from transformers import AutoModelForCausalLM
 

@@ -317,7 +317,8 @@ def test_a_forward_leaves_no_step_behind_on_the_reused_placeholders():
 def test_a_backend_that_cannot_run_raises_a_fresh_error_each_step(monkeypatch):
     """The resolved backends are memoized per device and environment (read-only); a setting that cannot run there
     raises a new error at each attention call, not one object whose traceback grows with every raise."""
-    from hf_paged.attention.fixed_plan import FixedDecodePlan, resolve_backends
+    from hf_paged.attention.fixed_plan import FixedDecodePlan
+    from hf_paged.attention.kernels.dispatch import resolve_backends
     from hf_paged.attention.plan import BACKEND_ATTR
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

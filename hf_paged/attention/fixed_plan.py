@@ -13,16 +13,12 @@ up to the new token" before it hands the kernel one start per row, this plan che
 
 from __future__ import annotations
 
-import functools
-import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import torch
 
 from .decode_plan import length_mask
-from .kernels.dispatch import BACKEND_ENV_VAR, BACKENDS, resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import BACKEND_ATTR
 from .shared_prefix import shared_prefix_attention
@@ -156,21 +152,3 @@ class FixedDecodePlan:
     @staticmethod
     def _bool_mask(attention_mask: torch.Tensor) -> bool:
         return attention_mask.dtype == torch.bool and attention_mask.shape[1] == 1
-
-
-def resolve_backends(device: torch.device) -> Mapping:
-    """Every module backend setting resolved for `device` on the host, before a compiled step: None (the environment
-    variable, else "auto") and each of BACKENDS, the error `resolve_backend` raises standing for a setting that
-    cannot run there. Read-only; the same mapping while the environment variables it depends on keep their values."""
-    return _resolved_backends(device, os.environ.get(BACKEND_ENV_VAR), os.environ.get("TRITON_INTERPRET"))
-
-
-@functools.lru_cache(maxsize=64)
-def _resolved_backends(device: torch.device, backend_env: str | None, interpret_env: str | None) -> Mapping:
-    backends = {}
-    for setting in (None, *BACKENDS):
-        try:
-            backends[setting] = resolve_backend(setting, device)
-        except ValueError as error:
-            backends[setting] = error.with_traceback(None)
-    return MappingProxyType(backends)

@@ -129,6 +129,7 @@ def enable(model, backend: str | None = None):
     """
     if backend is not None:
         resolve_backend(backend, model.device)  # validate now: a bad value names the allowed ones
+        backend = backend.strip().lower()  # as the plans look settings up
     refuse_unsupported_attention(model)
     register()
     model.set_attn_implementation(PAGED_ATTENTION)

@@ -13,7 +13,7 @@ from typing import Protocol
 
 import torch
 
-from .kernels.dispatch import resolve_backend
+from .kernels.dispatch import resolve_backend, resolve_backends
 
 # The attention implementation name hf_paged registers. "paged" is transformers' own continuous batching.
 PAGED_ATTENTION = "hf_paged"
@@ -68,5 +68,12 @@ def memoized_backend(backends: dict, module: torch.nn.Module, device: torch.devi
 
 def module_backend(module: torch.nn.Module, device: torch.device) -> str:
     """ "triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
-    `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device`."""
-    return resolve_backend(getattr(module, BACKEND_ATTR, None), device)
+    `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device` (memoized per device and environment:
+    `resolve_backends`)."""
+    setting = getattr(module, BACKEND_ATTR, None)
+    backend = resolve_backends(device).get(setting)
+    if backend is None:  # a setting spelled otherwise than BACKENDS: resolved (or refused) as given
+        return resolve_backend(setting, device)
+    if isinstance(backend, Exception):  # a fresh one: the memoized error keeps no traceback of earlier raises
+        raise type(backend)(*backend.args)
+    return backend

@@ -28,7 +28,7 @@ from ..storage import BlockPool
 from .decode_plan import DecodePlan, length_mask
 from .kernels import paged_prefill_attention
 from .plan import module_backend
-from .torch_attention import torch_attention_forward
+from .torch_attention import decode_sdpa, decode_sdpa_applies, torch_attention_forward
 
 
 @dataclass
@@ -152,19 +152,21 @@ class StepPlan:
         group = cache.group_step(layer_idx)
         # The paged kernels apply no attention sinks: rows with sinks take the torch path too, as do expanded K/V.
         if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None or expanded is not None:
+            lengths = group.host_seq_lens[: cache.num_decode]
+            longest, window = max(lengths), kwargs.get("sliding_window")
             if expanded is None:
                 key, value = cache.gather(layer_idx, 0, cache.num_decode)
             else:
-                length = max(group.host_seq_lens[: cache.num_decode])
-                key, value = (states[: cache.num_decode, :, :length] for states in expanded)
-            mask = length_mask(
-                group.seq_lens[: cache.num_decode],
-                kwargs.get("sliding_window"),
-                group.length_masks,
-                max_len=max(group.host_seq_lens[: cache.num_decode]),
-            )
+                key, value = (states[: cache.num_decode, :, :longest] for states in expanded)
+            mask = None
+            # Rows of one length see every key gathered (a window hides none of them): no mask, as DynamicCache's
+            # decode step of one row has none. Else each row's length masks the padding.
+            if min(lengths) != longest or (window is not None and longest > window):
+                mask = length_mask(group.seq_lens[: cache.num_decode], window, group.length_masks, max_len=longest)
             if needs_torch_attention(kwargs):
                 return torch_attention(query, key, value, mask, kwargs)[0]
+            if mask is None and decode_sdpa_applies(module, query, key.shape[-1], value.shape[-1], kwargs):
+                return decode_sdpa(module, query, key, value, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
             return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
         pool = cache.pool
         if group.decode_tables is None:

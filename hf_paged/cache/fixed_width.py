@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ..attention import plan_placeholders
-from ..attention.fixed_plan import FixedDecodePlan, resolve_backends
-from ..attention.kernels.dispatch import triton_possible
+from ..attention.fixed_plan import FixedDecodePlan
+from ..attention.kernels.dispatch import resolve_backends, triton_possible
 from ..errors import UnsupportedModel
 from ..storage import BlockPool, KVLayout, group_of_layer
 from ..storage.pool import check_positive_int

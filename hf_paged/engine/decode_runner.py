@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..attention import store_backend
-from ..attention.fixed_plan import resolve_backends
+from ..attention.kernels.dispatch import resolve_backends
 from ..cache.gather import GatherWorkspace
 from ..storage import BlockPool
 from .model_support import never_stored

@@ -37,7 +37,7 @@ class RunnerStep(Protocol):
     pool: BlockPool
     model_type: str | None
     store: str  # "triton" or "torch": where new K/V rows are written
-    backends: Mapping  # a module's backend setting -> "triton" / "torch", or the error (`resolve_backends`)
+    backends: Mapping  # a backend setting -> "triton" / "torch", or the error (`kernels.dispatch.resolve_backends`)
     num_rows: int  # the step's rows, padding included
     table_width: int  # block table entries the step's attention spans
     kv_width: int  # keys the step's attention spans

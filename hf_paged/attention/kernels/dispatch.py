@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 
@@ -56,6 +58,24 @@ def resolve_backend(backend: str | None, device: torch.device) -> str:
                 f"first Triton call to run the kernels on CPU in Triton's interpreter"
             )
     return choice
+
+
+def resolve_backends(device: torch.device) -> Mapping:
+    """Every module backend setting resolved for `device` on the host, before a compiled step: None (the environment
+    variable, else "auto") and each of BACKENDS, the error `resolve_backend` raises standing for a setting that
+    cannot run there. Read-only; the same mapping while the environment variables it depends on keep their values."""
+    return _resolved_backends(device, os.environ.get(BACKEND_ENV_VAR), os.environ.get("TRITON_INTERPRET"))
+
+
+@functools.lru_cache(maxsize=64)
+def _resolved_backends(device: torch.device, backend_env: str | None, interpret_env: str | None) -> Mapping:
+    backends = {}
+    for setting in (None, *BACKENDS):
+        try:
+            backends[setting] = resolve_backend(setting, device)
+        except ValueError as error:
+            backends[setting] = error.with_traceback(None)
+    return MappingProxyType(backends)
 
 
 def paged_decode_attention(
