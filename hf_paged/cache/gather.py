@@ -30,6 +30,12 @@ _WORKSPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WORKSPACES_LOCK = threading.Lock()
 
 
+def head_major(gathered: torch.Tensor, rows: int, width: int, head_dim: int) -> torch.Tensor:
+    """`[kv_heads, rows * W, block_size * head_dim]` blocks gathered per head -> the `[rows, kv_heads, width,
+    head_dim]` view of each row's first `width` keys (no copy: SDPA reads any strides but the last one's)."""
+    return gathered.view(gathered.shape[0], rows, -1, head_dim).transpose(0, 1)[:, :, :width]
+
+
 def workspace_for(pool) -> GatherWorkspace:
     """The gather workspace the caches of `pool` share in the calling thread.
 
@@ -194,6 +200,21 @@ class GatherWorkspace:
             # than 3-D ones.
             torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out.view(index.numel(), -1))
             gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop])
+        return gathered[0], gathered[1]
+
+    def gather_heads(
+        self, key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, num_rows: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The pool blocks `blocks` (`[num_rows * n]` ids, row after row) of one layer's K and V, each kv head's read
+        in one pass over that head (`index_select` on the block dimension): `[num_rows, kv_heads, length,
+        head_dim]` views of `[kv_heads, num_rows * n, ...]` copies (`head_major`). For attention the cache computes
+        itself (a placeholder's plan), which reads any strides; K/V handed to a model stay `gather`'s."""
+        gathered = []
+        for name, cache in (("keys", key_cache), ("values", value_cache)):
+            num_heads, num_pool_blocks, block_size, head_dim = cache.shape
+            out = self.buffer(name, (num_heads, blocks.numel(), block_size * head_dim), cache)
+            torch.index_select(cache.view(num_heads, num_pool_blocks, -1), 1, blocks, out=out)
+            gathered.append(head_major(out, num_rows, length, head_dim))
         return gathered[0], gathered[1]
 
     def buffer(self, name: str, shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:

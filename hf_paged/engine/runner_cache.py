@@ -25,6 +25,7 @@ from ..attention import plan_placeholders, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan
 from ..attention.plan import BACKEND_ATTR
 from ..attention.torch_attention import decode_sdpa, decode_sdpa_applies
+from ..cache.gather import head_major
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .step_cache import StepLayer
@@ -245,12 +246,6 @@ class RunnerPlan(FixedDecodePlan):
 
     def _split_gather(self):
         return self._bound_step().split_gather(self.layer)
-
-
-def head_major(gathered: torch.Tensor, rows: int, width: int, head_dim: int) -> torch.Tensor:
-    """`[kv_heads, rows * W, block_size * head_dim]` blocks gathered per head -> the `[rows, kv_heads, width,
-    head_dim]` view of each row's first `width` keys (no copy: SDPA reads any strides but the last one's)."""
-    return gathered.view(gathered.shape[0], rows, -1, head_dim).transpose(0, 1)[:, :, :width]
 
 
 class RunnerCache(Cache):

@@ -34,7 +34,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..attention import plan_placeholders, store_backend, store_kv_rows
 from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..attention.step_plan import GroupStep, StepPlan
-from ..cache.block_tables import GatherTables, head_major_index
 from ..cache.gather import GatherWorkspace, workspace_for
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
@@ -137,7 +136,8 @@ class StepCache(Cache):
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
         self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
         self._workspace = workspace_for(pool) if workspace is None else workspace
-        self._row_ranges: dict[tuple[int, int, int], _RowRange] = {}  # (group, first row, end row) -> its gather view
+        # (group, first row, end row) -> (their block ids, row after row; rows; keys of the longest)
+        self._row_blocks: dict[tuple[int, int, int], tuple[torch.Tensor, int, int]] = {}
         self._prefill_cu_seqlens: torch.Tensor | None = None  # [chunks + 1] int32, made on the first kernel call
         super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
@@ -244,35 +244,14 @@ class StepCache(Cache):
 
     def gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values (V's heads and head_dim may
-        differ) from each row's first held block, views into the gather workspace (cache/gather.py, valid until the
-        next gather); positions past a row's length are not keys."""
+        differ) from each row's first held block, views into the gather workspace (`GatherWorkspace.gather_heads`,
+        valid until the next gather); positions past a row's length are not keys."""
         group_idx = self.pool.group_of_layer[layer_idx]
-        group = self._groups[group_idx]
-        rows = self._row_ranges.get((group_idx, first_row, end_row))
+        rows = self._row_blocks.get((group_idx, first_row, end_row))
         if rows is None:
-            rows = self._row_ranges[(group_idx, first_row, end_row)] = _RowRange(self.pool, group, first_row, end_row)
-        length = max(group.host_seq_lens[first_row:end_row])
-        return self._workspace.gather(rows, layer_idx, 0, rows.num_blocks, 0, length)
-
-
-class _RowRange(GatherTables):
-    """Rows [first_row, end_row) of one layer group's share of a step, as a gather reads them: logical block 0 is each
-    row's first held block. The index of each (kv heads, pool blocks) shape is made once for the step's layers."""
-
-    def __init__(self, pool: BlockPool, group: GroupStep, first_row: int, end_row: int):
-        self.pool = pool
-        self.num_rows = end_row - first_row
-        self.num_blocks = max(group.num_table_blocks[first_row:end_row])
-        self.memo: dict = {}
-        self._tables = group.tables[first_row:end_row, : self.num_blocks]
-
-    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
-        return None  # several rows, or one row's blocks wherever they are: always gathered
-
-    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
-        key = (first_block, end_block, num_heads, num_pool_blocks)
-        index = self.memo.get(key)
-        if index is None:
-            tables = self._tables[:, first_block:end_block]
-            index = self.memo[key] = head_major_index(tables, num_heads, num_pool_blocks)
-        return index
+            group = self._groups[group_idx]
+            num_blocks = max(group.num_table_blocks[first_row:end_row])
+            length = max(group.host_seq_lens[first_row:end_row])
+            blocks = group.tables[first_row:end_row, :num_blocks].flatten()
+            rows = self._row_blocks[(group_idx, first_row, end_row)] = (blocks, end_row - first_row, length)
+        return self._workspace.gather_heads(self.pool.key_cache[layer_idx], self.pool.value_cache[layer_idx], *rows)
