@@ -128,10 +128,12 @@ def test_a_backend_spelled_in_capitals_runs_the_engines_decode_steps():
     """`enable(model, backend=" Torch ")` is accepted as "torch" (as `resolve_backend` reads it), and the modules
     carry it so: the plans look the setting up among BACKENDS, and the Engine's decode runner gives generate()'s
     tokens."""
+    import copy
+
     from hf_paged import BlockPool, Engine
     from hf_paged.attention.plan import BACKEND_ATTR
 
-    model = hf_paged.enable(tiny_model("llama", "sdpa", seed=5), backend=" Torch ")
+    model = hf_paged.enable(copy.deepcopy(tiny_model("llama", "sdpa", seed=5)), backend=" Torch ")  # cached: a copy
     assert {getattr(m, BACKEND_ATTR) for m in model.modules() if hasattr(m, BACKEND_ATTR)} == {"torch"}
     prompt = random_prompt(12)
     reference = tiny_model("llama", "sdpa", seed=5).generate(
