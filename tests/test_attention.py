@@ -143,6 +143,11 @@ def test_a_backend_spelled_in_capitals_runs_the_engines_decode_steps():
     out = engine.generate([prompt[0].tolist()], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
     assert out[0] == reference[0, prompt.shape[1] :].tolist()
     assert engine.runner.stats.eager_steps > 0
+    for module in model.modules():  # a setting put on the modules by hand, spelled otherwise: resolved as given
+        if hasattr(module, BACKEND_ATTR):
+            setattr(module, BACKEND_ATTR, "TORCH")
+    out = engine.generate([prompt[0].tolist()], max_new_tokens=MAX_NEW_TOKENS, ignore_eos=True)
+    assert out[0] == reference[0, prompt.shape[1] :].tolist()
 
 
 def test_from_pretrained_with_the_registered_name(tmp_path):

@@ -5,7 +5,7 @@ carrying a `StepPlan`; the "hf_paged" attention hands it the whole step's query:
 
     query [1, heads, num_tokens, head_dim]:  | d0 | d1 | p0: prefill chunk ...... | p1 ... |
       decode rows     one ragged batch: the paged decode kernel on the pool, or one gather and SDPA with a
-                      per-row length mask (`DecodePlan`)
+                      per-row length mask where the rows' lengths differ (`DecodePlan`)
       prefill chunks  the Triton backend: one launch of the paged prefill kernel for all of them, reading the pool
                       in place; otherwise each chunk gathers its row's K/V and runs SDPA with the causal mask
                       `generate()` would build for that row alone (`chunk_mask`)
@@ -144,7 +144,8 @@ class StepPlan:
         `expanded`: every row's expanded K/V of a latent layout (see `StepPlan.attend`), read instead of the pool.
 
         With the Triton backend the kernel reads the pool in place (a `DecodePlan`, made only here); with the torch
-        backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask.
+        backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask (none
+        when every row holds the longest row's keys and no window hides any: `decode_sdpa` where it applies).
         The backend is the one `enable(model, backend=...)` set on `module`, else `HF_PAGED_ATTENTION_BACKEND`, else
         "auto", resolved for the query's device.
         """

@@ -208,7 +208,8 @@ class GatherWorkspace:
         """The pool blocks `blocks` (`[num_rows * n]` ids, row after row) of one layer's K and V, each kv head's read
         in one pass over that head (`index_select` on the block dimension): `[num_rows, kv_heads, length,
         head_dim]` views of `[kv_heads, num_rows * n, ...]` copies (`head_major`). For attention the cache computes
-        itself (a placeholder's plan), which reads any strides; K/V handed to a model stay `gather`'s."""
+        itself (a placeholder's plan), which reads any strides; K/V of several heads handed to a model, which may
+        `.view` rows and heads together, are `gather`'s (one head's, a latent layout's, are laid out alike)."""
         gathered = []
         for name, cache in (("keys", key_cache), ("values", value_cache)):
             num_heads, num_pool_blocks, block_size, head_dim = cache.shape

@@ -220,7 +220,7 @@ class RunnerPlan(FixedDecodePlan):
         if (
             kwargs.get("softcap") is None
             and not self.chunk_rows
-            and self.backends[getattr(module, BACKEND_ATTR, None)] == "torch"
+            and self.backends.get(getattr(module, BACKEND_ATTR, None)) == "torch"
             and (self.split_gather is None or not step.runner.shared_blocks(step.group))  # never on the kernel path
             and self._length_mask(step.width, kwargs.get("sliding_window")) is None
             and decode_sdpa_applies(module, query, *self.layer.head_dims, kwargs)

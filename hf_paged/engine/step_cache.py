@@ -10,7 +10,8 @@ Linear layers, norms and rotary embeddings are per token, so they do not care ho
 attention does. `update` stores every new token in its slot and returns an empty placeholder carrying a `StepPlan`
 (attention/step_plan.py), which the "hf_paged" attention hands the whole step to (`StepPlan.attend`):
 - the decode rows (one query each) go through the paged decode path as one ragged batch (Triton kernel on the
-  pool, or one gather + SDPA with a per-row length mask), so no row is padded to the longest for storage;
+  pool, or one gather + SDPA, with a per-row length mask where the rows' lengths differ), so no row is padded to
+  the longest for storage;
 - the prefill chunks: with the Triton backend, one launch of the paged prefill kernel for all of them (each chunk
   attends causally to its row's keys in the pool, no gather and no mask); otherwise each chunk gathers its own row's
   K/V and runs SDPA with a causal mask offset by its cached length (the mask `generate()` would build for that row
@@ -240,7 +241,10 @@ class StepCache(Cache):
                 "Engine",
             )
         attention_kwargs[EXPANDED_PLAN_KWARG] = StepPlan(self, layer_idx)
-        return self.gather(layer_idx, 0, len(self.seq_lens))
+        key, value = self.gather(layer_idx, 0, len(self.seq_lens))
+        if key.shape[1] > 1 or value.shape[1] > 1:  # the model reshapes them: row after row, as a gather once gave
+            key, value = key.contiguous(), value.contiguous()
+        return key, value
 
     def gather(self, layer_idx: int, first_row: int, end_row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows [first_row, end_row): [rows, kv_heads, longest, head_dim] keys and values (V's heads and head_dim may
