@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .decode_plan import length_mask
-from .kernels.dispatch import resolve_backend
 from .kernels.ops import paged_decode_attention_compiled
-from .plan import BACKEND_ATTR
+from .plan import backend_of
 from .shared_prefix import shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
 
@@ -67,12 +66,7 @@ class FixedDecodePlan:
     ) -> tuple[torch.Tensor, None]:
         """query [B, heads, 1, head_dim], the step's [B, 1, 1, max_cache_len] mask -> ([B, 1, heads, head_dim],
         None)."""
-        setting = getattr(module, BACKEND_ATTR, None)
-        backend = self.backends.get(setting)
-        if backend is None:  # a setting spelled otherwise than BACKENDS (set on the module by hand)
-            backend = resolve_backend(setting, self.key_cache.device)
-        if isinstance(backend, Exception):  # a fresh one: the memoized error keeps no traceback of earlier raises
-            raise type(backend)(*backend.args)
+        backend = backend_of(self.backends, module, query.device)
         sinks, bias = kwargs.get("s_aux"), kwargs.get("position_bias")
         kernel = backend == "triton" and sinks is None and bias is None and not dropout
         if self.ragged:

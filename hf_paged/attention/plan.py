@@ -9,6 +9,7 @@ contract: `DecodePlan` (a `PagedCache` decode step) and the engine's packed-step
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -70,10 +71,17 @@ def module_backend(module: torch.nn.Module, device: torch.device) -> str:
     """ "triton" or "torch" for `module`'s attention: what `enable(model, backend=...)` set on it, else
     `HF_PAGED_ATTENTION_BACKEND`, else "auto", resolved for `device` (memoized per device and environment:
     `resolve_backends`)."""
+    return backend_of(resolve_backends(device), module, device)
+
+
+def backend_of(backends: Mapping, module: torch.nn.Module, device: torch.device) -> str:
+    """ "triton" or "torch" for `module`'s backend setting, read in `backends` (`resolve_backends`' mapping, which a
+    compiled step resolves on the host beforehand); a setting spelled otherwise than BACKENDS is resolved (or refused)
+    as given. A setting that cannot run raises a fresh error: the memoized one keeps no traceback of earlier raises."""
     setting = getattr(module, BACKEND_ATTR, None)
-    backend = resolve_backends(device).get(setting)
-    if backend is None:  # a setting spelled otherwise than BACKENDS: resolved (or refused) as given
+    backend = backends.get(setting)
+    if backend is None:
         return resolve_backend(setting, device)
-    if isinstance(backend, Exception):  # a fresh one: the memoized error keeps no traceback of earlier raises
+    if isinstance(backend, Exception):
         raise type(backend)(*backend.args)
     return backend

@@ -28,7 +28,7 @@ from ..storage import BlockPool
 from .decode_plan import DecodePlan, length_mask
 from .kernels import paged_prefill_attention
 from .plan import module_backend
-from .torch_attention import decode_sdpa, decode_sdpa_applies, torch_attention_forward
+from .torch_attention import sdpa_or_torch_attention, torch_attention_forward
 
 
 @dataclass
@@ -164,11 +164,8 @@ class StepPlan:
             # decode step of one row has none. Else each row's length masks the padding.
             if min(lengths) != longest or (window is not None and longest > window):
                 mask = length_mask(group.seq_lens[: cache.num_decode], window, group.length_masks, max_len=longest)
-            if needs_torch_attention(kwargs):
-                return torch_attention(query, key, value, mask, kwargs)[0]
-            if mask is None and decode_sdpa_applies(module, query, key.shape[-1], value.shape[-1], kwargs):
-                return decode_sdpa(module, query, key, value, kwargs.get("dropout", 0.0), kwargs.get("scaling"))
-            return sdpa_attention_forward(module, query, key, value, mask, **kwargs)[0]
+            # SDPA (called directly where the mask is None), or the torch attention for a softcap or sinks.
+            return sdpa_or_torch_attention(module, query, key, value, mask, **kwargs)[0]
         pool = cache.pool
         if group.decode_tables is None:
             group.decode_tables = group.tables[: cache.num_decode].to(torch.int32)

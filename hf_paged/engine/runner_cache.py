@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from ..attention import plan_placeholders, store_kv_rows
 from ..attention.fixed_plan import FixedDecodePlan
-from ..attention.plan import BACKEND_ATTR
+from ..attention.plan import backend_of
 from ..attention.torch_attention import decode_sdpa, decode_sdpa_applies
 from ..cache.gather import head_major
 from ..errors import UnsupportedModel
@@ -220,7 +220,7 @@ class RunnerPlan(FixedDecodePlan):
         if (
             kwargs.get("softcap") is None
             and not self.chunk_rows
-            and self.backends.get(getattr(module, BACKEND_ATTR, None)) == "torch"
+            and backend_of(self.backends, module, query.device) == "torch"
             and (self.split_gather is None or not step.runner.shared_blocks(step.group))  # never on the kernel path
             and self._length_mask(step.width, kwargs.get("sliding_window")) is None
             and decode_sdpa_applies(module, query, *self.layer.head_dims, kwargs)
