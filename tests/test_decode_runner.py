@@ -1,12 +1,15 @@
 """The Engine's decode runner (engine/decode_runner.py) on CPU: persistent buffers, rows padded to batch buckets as
-under CUDA graphs, the same tokens as the packed step, no host read inside its forward. CUDA graphs themselves are
-checked in tests/test_gpu.py."""
+under CUDA graphs, the same tokens as the packed step, no host read inside its forward, and capture and replay with a
+stand-in that traces the captured forward (`_TracedGraph`). CUDA graphs themselves are checked in tests/test_gpu.py."""
 
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
 from models import greedy_reference, random_prompts, tiny_engine, tiny_model
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from hf_paged import BlockPool, Engine
 from hf_paged.engine.decode_runner import batch_buckets
@@ -223,27 +226,50 @@ class _FakeStream:
     def wait_stream(self, stream) -> None: ...
 
 
-class _FakeGraph:
-    """A CUDA graph stand-in: capturing records nothing, replaying runs the runner's forward again into the captured
-    output, which is what a replay computes from the same buffers."""
+class _TracedGraph:
+    """A CUDA graph stand-in that keeps what a graph keeps: capturing records the forward's ATen ops on the tensors
+    they touch (`make_fx` on real tensors: the runner's buffers, the pool and the weights, by reference), with every
+    value the host read during the capture (a shape, a Python int worked out from the rows, a tensor's `.item()`)
+    frozen into it; replaying runs those ops again into the captured output. A forward that depends on anything but
+    the buffers' contents gives other tokens on replay."""
 
-    runner = None
+    capturing: list[_TracedGraph] = []
+
+    def __init__(self):
+        self.ops = self.output = None
 
     def replay(self) -> None:
-        runner = _FakeGraph.runner
-        for graph, logits in runner._graphs.values():
-            if graph is self:
-                logits.copy_(runner._run_model())
+        self.output.copy_(self.ops())
+
+    @classmethod
+    @contextlib.contextmanager
+    def capture(cls, graph, pool=None, stream=None):
+        cls.capturing.append(graph)
+        try:
+            yield
+        finally:
+            cls.capturing.pop()
 
 
-def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
-    """Capture per bucket, replay, full-width tables that double (and are captured again) as rows grow, padding in a
-    block taken per step: the same tokens as per-request generate(), every block back in the pool."""
-    import contextlib
+def _trace_when_capturing(run_model):
+    def run():
+        if not _TracedGraph.capturing:
+            return run_model()
+        graph = _TracedGraph.capturing[-1]
+        graph.ops = make_fx(lambda: run_model(), tracing_mode="real")()
+        graph.output = graph.ops()
+        return graph.output
 
-    for name, value in {
-        "CUDAGraph": _FakeGraph,
-        "graph": lambda graph, pool=None, stream=None: contextlib.nullcontext(),
+    return run
+
+
+def _runner_with_traced_graphs(monkeypatch, name: str):
+    """`(engine, pool)`: the tiny `name` Engine whose decode runner captures and replays `_TracedGraph`s, padded to
+    its buckets, with the rest of the CUDA API it calls stood in for."""
+    for attribute, value in {
+        "CUDAGraph": _TracedGraph,
+        "graph": _TracedGraph.capture,
+        "is_current_stream_capturing": lambda: bool(_TracedGraph.capturing),
         "Stream": lambda device=None: _FakeStream(),
         "stream": lambda stream: contextlib.nullcontext(),
         "current_stream": lambda device=None: _FakeStream(),
@@ -253,21 +279,47 @@ def test_graph_bookkeeping_on_cpu_with_a_stand_in_for_cuda_graphs(monkeypatch):
         "set_stream": lambda stream: None,
         "synchronize": lambda device=None: None,
     }.items():
-        monkeypatch.setattr(torch.cuda, name, value)
-    prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
-    engine, pool = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=16)
+        monkeypatch.setattr(torch.cuda, attribute, value)
+    engine, pool = tiny_engine(name, 64, max_num_seqs=5, max_num_batched_tokens=16)
     runner = engine.runner
     runner.cuda_graphs = runner.pad_to_buckets = True
-    _FakeGraph.runner = runner
+    monkeypatch.setattr(runner, "_run_model", _trace_when_capturing(runner._run_model))
+    return engine, pool
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma3", "gpt2", "phi3"])
+def test_graph_replays_on_cpu_with_a_traced_stand_in_for_cuda_graphs(name, monkeypatch):
+    """Capture per bucket, replay, full-width tables that double (and are captured again) as rows grow, padding in a
+    block taken per busy period: every decode step replayed from a trace of the ops its capture ran, and the same
+    tokens as per-request generate(), every block back in the pool."""
+    prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
+    engine, pool = _runner_with_traced_graphs(monkeypatch, name)
+    runner = engine.runner
     assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
-        "llama", prompts, NEW_TOKENS
+        name, prompts, NEW_TOKENS
     )
     stats = runner.stats
-    assert stats.replayed_steps > 0 and stats.padded_rows > 0
-    widths = {width for _, width, _ in stats.captures}
-    assert widths == {16, 32}  # captured again when the 60-token prompt's row passed 16 blocks
-    assert runner.graph_width == 32 and runner.tables[0].shape[1] == 32  # the buffers grew with it
+    assert runner.capture_error is None
+    assert stats.eager_steps == 0 and stats.replayed_steps > 0 and stats.padded_rows > 0
+    # Captured again when the 60-token prompt's row passed 16 blocks, and the buffers grew with it; mistral's tables
+    # (every layer on its window of 8) hold a few blocks only.
+    width = 16 if name == "mistral" else 32
+    assert {width for _, width, _ in stats.captures} == {16, width}
+    assert runner.graph_width == width and runner.tables[0].shape[1] == width
     assert pool.num_used_blocks == 0
+
+
+def test_the_traced_stand_in_catches_a_value_frozen_at_capture(monkeypatch):
+    """The stand-in above is strict: a runner that sized its step from the capture's rows (the keys of the padding
+    rows, not the full width) replays other tokens."""
+    prompts = random_prompts((60, 11, 3, 17, 8))
+    engine, _ = _runner_with_traced_graphs(monkeypatch, "llama")
+    runner = engine.runner
+    fill = runner._fill
+    monkeypatch.setattr(runner, "_fill", lambda rows, bucket, dummy, full_width: fill(rows, bucket, dummy, False))
+    outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    assert runner.stats.replayed_steps > 0
+    assert outputs != greedy_reference("llama", prompts, NEW_TOKENS)
 
 
 @pytest.mark.parametrize("padded", [False, True])
