@@ -44,8 +44,8 @@ microbench: setup
 
 # Everything that needs a CUDA GPU: tests/test_gpu.py and the kernel tests on CUDA tensors, bench/decode_attention.py
 # (fraction of HBM peak), bench/generate_speed.py (generate() per cache, compiled ones included), bench/engine_speed.py
-# (the Engine with and without CUDA graphs beside transformers' batching) and the serving harness in float32 and
-# bfloat16, into bench/results/gpu/REPORT.md. Exits 1 if a step failed; without CUDA it runs nothing, says so, and
+# (the Engine eager, with CUDA graphs and with asynchronous scheduling beside transformers' batching) and the
+# serving harness in float32 and bfloat16, into bench/results/gpu/REPORT.md. Exits 1 if a step failed; without CUDA it runs nothing, says so, and
 # exits 2. GPU_REPORT_ARGS="--skip serving decode" leaves steps out.
 bench-gpu: setup $(VENV)/.plot-installed
 	$(PY) -m bench.gpu_report $(GPU_REPORT_ARGS)

@@ -5,15 +5,18 @@ Model: Llama-3.2-1B's shape with random weights (bench/models.py), bf16. Workloa
 requests at t=0, prompts uniform in `--prompt-lens`, outputs uniform in `--output-lens` (seeded). Every backend
 gets `--kv-memory` of K/V:
 
-    engine           Engine(max_num_seqs, max_num_batched_tokens, cuda_graphs=False): decode steps eager
+    engine           Engine(max_num_seqs, max_num_batched_tokens, cuda_graphs=False, async_scheduling=False):
+                     decode steps eager, every step's tokens read before the next is scheduled
     engine-graphs    the same with CUDA graphs (decode steps replayed per batch bucket)
+    engine-async     CUDA graphs and asynchronous scheduling (the Engine's defaults on CUDA): a decode step is
+                     launched before the tokens of the one before it are read
     transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
     generate-static  generate() with DynamicCache in static batches as large as the memory holds
 
 For each: output tokens per second over the whole burst, and for the Engine a profile of `--profile-steps`
 decode-only steps (once every request is past its prompt): wall and CUDA kernel time per step (torch.profiler), so
-the GPU's busy share. Then the graph run's tokens against the eager run's, in float32 (`--check-dtype`), on the
-first `--check-requests` requests.
+the GPU's busy share. Then the graph run's and the asynchronous run's tokens against the eager run's, in float32
+(`--check-dtype`), on the first `--check-requests` requests.
 
 On CPU, `--tiny` runs the Engine parts on a 2-layer model (a dry run; graphs need CUDA).
 
@@ -41,10 +44,14 @@ from bench.workloads import burst  # noqa: E402
 from hf_paged import BlockPool, Engine  # noqa: E402
 from hf_paged.storage.pool import parse_memory  # noqa: E402
 
-BACKENDS = ("engine", "engine-graphs", "transformers-cb", "generate-static")
+BACKENDS = ("engine", "engine-graphs", "engine-async", "transformers-cb", "generate-static")
+# Engine backends: (cuda_graphs, async_scheduling)
+ENGINE_MODES = {"engine": (False, False), "engine-graphs": (True, False), "engine-async": (True, True)}
 
 
-def run_engine(model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profile: bool) -> dict:
+def run_engine(
+    model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profile: bool, async_scheduling: bool = False
+) -> dict:
     pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
     engine = Engine(
         model,
@@ -52,6 +59,7 @@ def run_engine(model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profi
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=cuda_graphs,
+        async_scheduling=async_scheduling,
     )
     request_ids = [
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
@@ -79,6 +87,7 @@ def run_engine(model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profi
         output_tokens=sum(len(o) for o in outputs),
         tok_per_s=sum(len(o) for o in outputs) / wall,
         num_steps=engine.stats.num_steps,
+        num_async_steps=engine.stats.num_async_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
         runner=None if runner is None else dataclasses.asdict(runner),
@@ -146,7 +155,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda"
-    if not cuda:
+    if not cuda:  # graphs need CUDA; the asynchronous run then runs eagerly
         args.backends = [b for b in args.backends if b != "engine-graphs"]
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
     model = llama_shaped(shape, getattr(torch, args.dtype), args.device)
@@ -160,10 +169,13 @@ def main(argv=None) -> int:
     results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "runs": {}}
     warm = burst(vocab_size=shape["vocab_size"], num_requests=4, prompt_lens=(16, 32), output_lens=(4, 8), seed=1)
     for name in args.backends:
-        if name.startswith("engine"):  # a short burst first: Triton compiles, graphs of small buckets capture
-            graphs = name == "engine-graphs"
-            run_engine(model, warm, kv_bytes, args, cuda_graphs=graphs, profile=False)
-            run = run_engine(model, workload, kv_bytes, args, cuda_graphs=graphs, profile=True)
+        if name in ENGINE_MODES:  # a short burst first: Triton compiles, graphs of small buckets capture
+            graphs, overlap = ENGINE_MODES[name]
+            graphs = graphs and cuda
+            run_engine(model, warm, kv_bytes, args, cuda_graphs=graphs, profile=False, async_scheduling=overlap)
+            run = run_engine(
+                model, workload, kv_bytes, args, cuda_graphs=graphs, profile=True, async_scheduling=overlap
+            )
         else:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run
@@ -177,12 +189,13 @@ def main(argv=None) -> int:
                 f"per step ({p['mean_rows']:.0f} rows): GPU busy {p['gpu_busy']:.0%}"
             )
     runs = results["runs"]
-    if "engine" in runs and "engine-graphs" in runs:
-        same = sum(a == b for a, b in zip(runs["engine"]["outputs"], runs["engine-graphs"]["outputs"]))
-        results["graphs_vs_eager_identical"] = f"{same}/{len(workload.requests)} ({args.dtype})"
+    for other in ("engine-graphs", "engine-async"):
+        if "engine" in runs and other in runs:
+            same = sum(a == b for a, b in zip(runs["engine"]["outputs"], runs[other]["outputs"]))
+            results[f"{other}_vs_eager_identical"] = f"{same}/{len(workload.requests)} ({args.dtype})"
     if cuda and args.check_dtype != "none":
         results["check"] = check_graph_tokens(args, shape, kv_bytes)
-        print(f"graph vs eager tokens in {args.check_dtype}: {results['check']}")
+        print(f"graph and async vs eager tokens in {args.check_dtype}: {results['check']}")
     table = [
         [name, f"{run['tok_per_s']:.1f}", f"{run['tok_per_s'] / runs['transformers-cb']['tok_per_s']:.2f}x"]
         if "transformers-cb" in runs
@@ -199,7 +212,8 @@ def main(argv=None) -> int:
 
 
 def check_graph_tokens(args, shape: dict, kv_bytes: int) -> str:
-    """The first `--check-requests` requests in `--check-dtype`, eager and with graphs: identical requests."""
+    """The first `--check-requests` requests in `--check-dtype`, eager, with graphs and with graphs and asynchronous
+    scheduling: identical requests of each against the eager run."""
     model = llama_shaped(shape, getattr(torch, args.check_dtype), args.device)
     workload = burst(
         vocab_size=shape["vocab_size"],
@@ -210,7 +224,10 @@ def check_graph_tokens(args, shape: dict, kv_bytes: int) -> str:
     )
     eager = run_engine(model, workload, kv_bytes, args, cuda_graphs=False, profile=False)["outputs"]
     graphs = run_engine(model, workload, kv_bytes, args, cuda_graphs=True, profile=False)["outputs"]
-    return f"{sum(a == b for a, b in zip(eager, graphs))}/{len(eager)} requests identical"
+    overlapped = run_engine(model, workload, kv_bytes, args, cuda_graphs=True, profile=False, async_scheduling=True)
+    same = sum(a == b for a, b in zip(eager, graphs))
+    same_async = sum(a == b for a, b in zip(eager, overlapped["outputs"]))
+    return f"graphs {same}/{len(eager)}, graphs + async {same_async}/{len(eager)} requests identical"
 
 
 if __name__ == "__main__":

@@ -11,8 +11,9 @@
    tokens, batch 1 and 16) with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and
    PagedCache(max_cache_len), milliseconds per new token, and each one's tokens against DynamicCache's in float32;
 5. bench/engine_speed.py: the Engine on the same model, a burst of 128 requests (prompts 128-1024, outputs 64-256)
-   at 1 GiB of K/V, with and without CUDA graphs, beside transformers' continuous batching and static generate()
-   batches; GPU busy share of its decode steps (torch.profiler); graph tokens against eager ones in float32;
+   at 1 GiB of K/V, with and without CUDA graphs and asynchronous scheduling, beside transformers' continuous
+   batching and static generate() batches; GPU busy share of its decode steps (torch.profiler); graph and
+   asynchronous tokens against eager ones in float32;
 6. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
@@ -215,10 +216,15 @@ def _engine_section(out: Path) -> str:
         f"outputs {args['output_lens']}), {args['kv_memory']} of K/V; {report['versions']}\n",
         tabulate(rows, headers, tablefmt="github"),
     ]
-    for key, label in (("graphs_vs_eager_identical", "graph vs eager tokens"), ("check", "in float32")):
+    labels = (
+        ("engine-graphs_vs_eager_identical", "graph vs eager tokens"),
+        ("engine-async_vs_eager_identical", "graphs + async scheduling vs eager tokens"),
+        ("check", "in float32"),
+    )
+    for key, label in labels:
         if key in report:
             lines.append(f"\n{label}: {report[key]}")
-    graphs = runs.get("engine-graphs", {}).get("runner")
+    graphs = (runs.get("engine-async") or runs.get("engine-graphs") or {}).get("runner")
     if graphs:
         seconds = sum(capture[2] for capture in graphs["captures"])
         lines.append(

@@ -22,9 +22,11 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
         assert exit.code == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
-    assert set(runs) == {"engine", "transformers-cb", "generate-static"}  # graphs need CUDA
+    assert set(runs) == {"engine", "engine-async", "transformers-cb", "generate-static"}  # graphs need CUDA
     tokens = {name: run["output_tokens"] for name, run in runs.items()}
     assert len(set(tokens.values())) == 1 and tokens["engine"] > 0  # every backend served the whole burst
+    assert runs["engine-async"]["num_async_steps"] > 0 and runs["engine"]["num_async_steps"] == 0
+    assert report["engine-async_vs_eager_identical"] == "6/6 (bfloat16)"
     profile = runs["engine"]["profile"]
     assert profile["steps"] == 3 and profile["mean_rows"] >= 2 and profile["wall_ms_per_step"] > 0
     assert runs["engine"]["runner"]["eager_steps"] > 0

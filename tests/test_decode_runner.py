@@ -130,14 +130,15 @@ def test_staged_tables_are_every_rows_table_through_preemption_release_and_paddi
     runner.pad_to_buckets, runner.buckets = True, [4]
     fill, checked = runner._fill, []
 
-    def checked_fill(rows, bucket, dummy, full_width):
-        fill(rows, bucket, dummy, full_width)
+    def checked_fill(rows, bucket, dummy, full_width, feed=None):
+        num_fed = fill(rows, bucket, dummy, full_width, feed)
         width = runner.graph_width
         staged = runner._host[runner._num_fields * runner._max_rows :].view(runner.pool.num_groups, -1, width)
         for row, (request, _) in enumerate(rows):
             for group, table in enumerate(request.block_tables):
                 assert staged[group, row, : len(table)].tolist() == table
         checked.append(len(rows))
+        return num_fed
 
     runner._fill = checked_fill
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
@@ -316,7 +317,9 @@ def test_the_traced_stand_in_catches_a_value_frozen_at_capture(monkeypatch):
     engine, _ = _runner_with_traced_graphs(monkeypatch, "llama")
     runner = engine.runner
     fill = runner._fill
-    monkeypatch.setattr(runner, "_fill", lambda rows, bucket, dummy, full_width: fill(rows, bucket, dummy, False))
+    monkeypatch.setattr(
+        runner, "_fill", lambda rows, bucket, dummy, full_width, feed=None: fill(rows, bucket, dummy, False, feed)
+    )
     outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     assert runner.stats.replayed_steps > 0
     assert outputs != greedy_reference("llama", prompts, NEW_TOKENS)

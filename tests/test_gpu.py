@@ -66,8 +66,9 @@ def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(n
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("name", ["llama", "gemma3"])
-def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
+def test_engine_on_cuda_matches_generate_per_request(name, async_scheduling, monkeypatch):
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
     # The decode runner's steps reach the kernel through its custom op's implementation, the packed ones through
     # the decode plan: both end in the Triton launcher (under CUDA graphs only while warming up and capturing).
@@ -78,11 +79,13 @@ def test_engine_on_cuda_matches_generate_per_request(name, monkeypatch):
     new_tokens = [12, 6, 20, 9]
     model = tiny_model(name, PAGED_ATTENTION, device="cuda")
     pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
-    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=32)  # chunked prefill beside decode rows
+    # Chunked prefill beside decode rows.
+    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=32, async_scheduling=async_scheduling)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         name, prompts, new_tokens, "cuda"
     )
     assert decode_calls and prefill_calls and pool.num_used_blocks == 0
+    assert (engine.stats.num_async_steps > 0) == async_scheduling
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -163,14 +166,14 @@ def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
     forward, checked = decode_runner.DecodeRunner.forward, []
 
-    def checking(runner, rows):
+    def checking(runner, rows, feed=None):
         bucket = next(b for b in runner.buckets if b >= len(rows))
         if bucket not in runner._graphs or runner.graph_width < max(len(r.block_tables[0]) for r, _ in rows):
-            return forward(runner, rows)  # a capture, or a width that outgrows the graphs: not a plain replay
+            return forward(runner, rows, feed)  # a capture, or a width that outgrows the graphs: not a plain replay
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            logits = forward(runner, rows)
+            logits = forward(runner, rows, feed)
         finally:
             torch.cuda.set_sync_debug_mode(0)
         checked.append(len(rows))
@@ -187,3 +190,39 @@ def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
         "llama", prompts, new_tokens, "cuda"
     )
     assert checked and engine.runner.stats.replayed_steps >= len(checked)
+
+
+def test_an_asynchronous_launch_does_not_sync(monkeypatch):
+    """Asynchronous scheduling on CUDA: launching a replayed decode step (fill, the tokens in flight fed on the
+    device, replay, argmax, its copy to pinned memory) makes no host synchronization; only reading the tokens waits,
+    for that step's copy. The tokens stay generate()'s."""
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    launch, checked = Engine._launch, []
+
+    def checking(engine, requests, inflight):
+        runner = engine.runner
+        bucket = next(b for b in runner.buckets if b >= len(requests))
+        if inflight is None or bucket not in runner._graphs:
+            return launch(engine, requests, inflight)
+        if runner.graph_width < max(len(r.block_tables[0]) for r in requests):
+            return launch(engine, requests, inflight)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            launched = launch(engine, requests, inflight)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        checked.append(len(requests))
+        return launched
+
+    monkeypatch.setattr(Engine, "_launch", checking)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 9, 7, 3)]
+    new_tokens = [12, 14, 10, 16]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
+    engine = Engine(model, pool, max_num_seqs=4)
+    assert engine.async_scheduling and engine.runner.cuda_graphs  # the defaults on CUDA
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
+        "llama", prompts, new_tokens, "cuda"
+    )
+    assert checked and engine.stats.num_async_steps >= len(checked)

@@ -65,6 +65,10 @@ class BlockManager:
             del new[:count]
         return True
 
+    def need(self, request: Request, num_tokens: int) -> int:
+        """The blocks `grow(request, num_tokens)` would take, all groups."""
+        return sum(self._missing_blocks(request, num_tokens))
+
     def fit_chunk(self, request: Request, chunk: int) -> int:
         """The most of `chunk` tokens (ending at a block boundary when fewer) that `request` can compute now with the
         pool's free blocks; 0 when not even one."""

@@ -23,6 +23,10 @@ multiples of 8 up to `max_num_seqs`), captured the first time a bucket runs; a s
 bucket >= n, its extra rows padded. A model whose forward cannot be captured (it synchronizes with the host) runs
 eager, and `capture_error` says why. Padded rows exist only under graphs; without them a step has exactly its rows
 (`pad_to_buckets` forces padding, which tests use to check it on CPU).
+
+With asynchronous scheduling (`Engine(async_scheduling=True)`) a step is launched before the host has read the tokens
+of the step before it: a row whose input is such a token names its row of that step (`Feed`), and the runner copies
+it into the input ids on the device (`_feed`).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +46,14 @@ from .model_support import never_stored
 from .runner_cache import RunnerCache
 
 logger = logging.getLogger(__name__)
+
+
+class Feed(NamedTuple):
+    """The tokens a step still in flight picked (`tokens`: `[rows]` int64 on the pool's device) and, per request id,
+    its row there: the next step's rows feed them from the device (asynchronous scheduling)."""
+
+    tokens: torch.Tensor
+    rows: dict[int, int]
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -164,11 +177,12 @@ class DecodeRunner:
 
     def _allocate(self, max_rows: int) -> None:
         """The persistent buffers, views of one int64 device tensor (and a host staging twin, the same tensor on CPU)
-        laid out so that each is contiguous, as the kernels read them: a `[2 + 2 * num_groups, rows]` block of per-row
+        laid out so that each is contiguous, as the kernels read them: a `[3 + 2 * num_groups, rows]` block of per-row
         values (input ids, positions, then per layer group the new token's slot and the row's length from its first
-        held block), then per layer group a `[rows, W]` block table."""
+        held block, then where a row's input id comes from on the device: `feed`), then per layer group a `[rows, W]`
+        block table."""
         num_groups, width = self.pool.num_groups, self.graph_width
-        self._num_fields = 2 + 2 * num_groups
+        self._num_fields = 3 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
         self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
         # On CPU the buffers are their own staging tensor: nothing to copy.
@@ -181,6 +195,7 @@ class DecodeRunner:
         self.input_ids, self.position_ids = fields[0].view(-1, 1), fields[1].view(-1, 1)  # [rows, 1] each
         self.slots = [fields[2 + g] for g in range(num_groups)]  # [rows]
         self.seq_lens = [fields[2 + num_groups + g] for g in range(num_groups)]  # [rows]
+        self.sources = fields[2 + 2 * num_groups]  # [rows]: the fed token's index in `feed`'s tokens, or -1
         tables = self._device[self._num_fields * max_rows :].view(num_groups, max_rows, width)
         self.tables = [tables[g] for g in range(num_groups)]  # [rows, W]
         # Per layer group and row: (request id, its table epoch, table entries staged) of what the staging tensor
@@ -198,9 +213,11 @@ class DecodeRunner:
         return self._gathers.buffer(name, (numel,), like)
 
     # ---------------------------------------------------------------------- step
-    def forward(self, rows) -> torch.Tensor:
+    def forward(self, rows, feed: Feed | None = None) -> torch.Tensor:
         """rows: `(request, 1)` pairs, each adding its token at position `request.num_computed` -> `[len(rows),
-        vocab]` logits of each row's next token."""
+        vocab]` logits of each row's next token. `feed`: the tokens a step still in flight picked, on the device;
+        a row whose input is its request's token in flight (`Request.num_inflight`) takes it from there, without
+        the host reading it."""
         num_rows = len(rows)
         bucket = next(b for b in self.buckets if b >= num_rows) if self.pad_to_buckets else num_rows
         graphing = self.cuda_graphs and self.capture_error is None
@@ -214,7 +231,9 @@ class DecodeRunner:
         graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
         if not graphed:
             self.backends = resolve_backends(self.pool.device)
-        self._fill(rows, bucket, dummy, full_width=graphed)
+        fed = self._fill(rows, bucket, dummy, full_width=graphed, feed=feed)
+        if fed:
+            self._feed(feed.tokens, bucket)
         self.stats.padded_rows += bucket - num_rows
         if graphed:
             graph, logits = self._graphs[bucket]
@@ -252,11 +271,18 @@ class DecodeRunner:
             self.pool.allocator.free([self._dummy_block])
             self._dummy_block = None
 
-    def _fill(self, rows, bucket: int, dummy: int | None, full_width: bool) -> None:
+    def _feed(self, tokens: torch.Tensor, bucket: int) -> None:
+        """Input ids of the rows whose `sources` name one of `tokens` (device ops on the buffers: no host read)."""
+        sources = self.sources[:bucket]
+        fed = tokens.index_select(0, sources.clamp(min=0))
+        ids = self.input_ids[:bucket, 0]
+        ids.copy_(torch.where(sources >= 0, fed, ids))
+
+    def _fill(self, rows, bucket: int, dummy: int | None, full_width: bool, feed: Feed | None = None) -> int:
         """Write the rows' inputs (and padding rows up to `bucket`) into the host staging tensor, then copy the rows'
         share of it (one copy of the per-row values, one per layer group of the tables). Table entries past a row's
         blocks keep what an earlier step left there: never read (each row stops at its length), and always a block id
-        of the pool."""
+        of the pool. Returns how many rows take their input id from `feed`."""
         block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.graph_width
         max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
         # The last copy may still read the pinned staging tensor (a step that raised); after a step whose logits the
@@ -266,14 +292,21 @@ class DecodeRunner:
         fields = [[] for _ in range(self._num_fields)]
         table_index, table_values = [], []
         staging: list[tuple[int, int, tuple[int, int, int] | None]] = []  # (group, row, what `_staged` records)
-        longest = 1
+        longest, num_fed = 1, 0
         lengths = [set() for _ in range(num_groups)]
+        sources = fields[2 + 2 * num_groups]
         for row, (request, _) in enumerate(rows):
             position = request.num_computed
-            num_prompt = len(request.prompt_ids)
-            fields[0].append(
-                request.prompt_ids[position] if position < num_prompt else request.output_ids[position - num_prompt]
-            )
+            num_prompt, num_known = len(request.prompt_ids), len(request.prompt_ids) + len(request.output_ids)
+            if position < num_known:
+                fields[0].append(
+                    request.prompt_ids[position] if position < num_prompt else request.output_ids[position - num_prompt]
+                )
+                sources.append(-1)
+            else:  # its token in flight
+                fields[0].append(0)
+                sources.append(feed.rows[request.request_id])
+                num_fed += 1
             fields[1].append(position)
             for g in range(num_groups):
                 table, first = request.block_tables[g], request.first_blocks[g] * block_size
@@ -293,7 +326,7 @@ class DecodeRunner:
                     table_values += table[done:]
                     staging.append((g, row, (request.request_id, request.table_epoch, len(table))))
         for row in range(len(rows), bucket):  # padding: token 0 at position 0, in the dummy block only
-            for index, value in enumerate([0, 0] + [dummy * block_size] * num_groups + [1] * num_groups):
+            for index, value in enumerate([0, 0] + [dummy * block_size] * num_groups + [1] * num_groups + [-1]):
                 fields[index].append(value)
             for g in range(num_groups):
                 table_index.append(tables_start + (g * max_rows + row) * width)
@@ -325,6 +358,7 @@ class DecodeRunner:
         # an attention asks (`shared_blocks`: never on the kernel path).
         self.split_rows = rows if not full_width and bucket == len(rows) >= self.cascade_min_rows else None
         self._shared_blocks = {}
+        return num_fed
 
     def shared_blocks(self, group: int) -> int:
         """How many leading blocks of layer group `group` every row of this eager step holds alike (the same block ids

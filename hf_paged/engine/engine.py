@@ -15,6 +15,10 @@ then the engine appends tokens and retires finished requests:
       │                      step_cache.py); decode-only steps on the DecodeRunner (decode_runner.py: CUDA graphs)
       └─ PerRequestStep      a forward per row with the model's own attention (per_request.py)
 
+With asynchronous scheduling (on CUDA by default) a decode-only step of greedy rows is launched before the host
+reads the tokens of the step before it; the device feeds those tokens to it, and the host reads them (and appends,
+streams and retires) while the new step runs: `_launch`, `_resolve`, `_advance` below, docs/engine.md.
+
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
 return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
 not what ever ran.
@@ -34,13 +38,13 @@ from ..attention import enable
 from ..errors import LockstepError, PoolMismatch, RequestFailed, UnknownRequest
 from ..storage import BlockPool, KVLayout, block_windows
 from .checkpoint import StepCheckpoint
-from .decode_runner import DecodeRunner, build_decode_runner
+from .decode_runner import DecodeRunner, Feed, build_decode_runner
 from .inputs import PromptLimits, as_prompt, as_prompts, check_sampling_keywords, spread_over_prompts
 from .lockstep import Lockstep
 from .model_support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 from .packed import PackedStep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
-from .request import Request
+from .request import Request, ScheduledStep
 from .sampling import SamplingParams, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats
@@ -69,6 +73,10 @@ class Engine:
             arrival order.
         cuda_graphs (`bool`, *optional*): replay decode-only steps as CUDA graphs, one per batch bucket; defaults
             to True on CUDA, not available elsewhere.
+        async_scheduling (`bool`, *optional*): launch a decode-only step of greedy rows before reading the tokens of
+            the step before it, which the device feeds to it, so the host schedules step n + 1 while the device runs
+            step n (vLLM's async scheduling); the tokens are the same. Defaults to True on CUDA where the Engine has
+            a decode runner (`runner`); True needs one.
         lockstep_timeout (`float`, defaults to 300): under tensor parallelism (one engine per rank), the seconds a
             rank waits for the others at a step's agreement points before raising `LockstepError`.
 
@@ -91,6 +99,7 @@ class Engine:
         decode_reserve_tokens: int | None = None,
         backfill_depth: int = 8,
         cuda_graphs: bool | None = None,
+        async_scheduling: bool | None = None,
         lockstep_timeout: float = 300.0,
     ):
         # Before anything: a model neither step serves raises.
@@ -146,6 +155,14 @@ class Engine:
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
         self.step_runner, self.runner_reason = self._step_runner(packed, max_num_seqs, cuda_graphs)
+        self.async_scheduling = self._check_async_scheduling(async_scheduling)
+        self._inflight: _InFlight | None = None  # the step launched last whose tokens the host has not read
+        self._sync_next = False  # an asynchronous launch raised: the next step runs synchronously
+        self._host_tokens = (
+            [torch.empty(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
+            if self.async_scheduling and pool.device.type == "cuda"
+            else []
+        )
 
     @property
     def runner(self) -> DecodeRunner | None:
@@ -175,6 +192,17 @@ class Engine:
         if not packed:
             return StepRunner(PerRequestStep(self.model, self.pool, keyword), rows_alone=True), reason
         return StepRunner(PackedStep(self.model, self.pool, keyword, sizes, runner), rows_alone=False), reason
+
+    def _check_async_scheduling(self, async_scheduling: bool | None) -> bool:
+        if async_scheduling is not None and not isinstance(async_scheduling, bool):
+            raise ValueError(f"async_scheduling must be None, True or False, got {async_scheduling!r}")
+        if async_scheduling is None:
+            return self.runner is not None and self.pool.device.type == "cuda"
+        if async_scheduling and self.runner is None:
+            raise ValueError(
+                f"async_scheduling=True needs the decode runner, and this Engine has none: {self.runner_reason}"
+            )
+        return async_scheduling
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
@@ -455,11 +483,140 @@ class Engine:
     # ----------------------------------------------------------------- step
     def _step(self) -> list[tuple[int, int]]:
         self._num_attempts += 1
-        checkpoint = self.scheduler.checkpoint()
+        if not self.async_scheduling:
+            return self._sync_step()
+        events: list[tuple[int, int]] = []
+        inflight = self._inflight
+        if inflight is not None:
+            self.scheduler.set_aside_finishing()
+            # Rows that could be preempted for blocks a token in flight may free, and a step after a launch that
+            # raised (its rows' failures are isolated synchronously), run with every token read.
+            if self._sync_next or not self.scheduler.decode_step_fits():
+                events, inflight = self._resolve(inflight), None
+        if not self._sync_next:
+            checkpoint = self.scheduler.checkpoint()
+            try:
+                scheduled = self.scheduler.schedule()
+            except BaseException:
+                self.scheduler.restore(checkpoint)
+                self.stats.num_failed_steps += 1
+                raise
+            rows = scheduled.decode
+            if rows and not scheduled.prefill and all(_overlaps(request) for request in rows):
+                try:
+                    launched = self._launch(rows, inflight)
+                except Exception:
+                    # Undone as a synchronous step would be; the next step runs synchronously.
+                    self.scheduler.restore(checkpoint)
+                    self._note_finished_since(checkpoint)
+                    self.stats.num_failed_steps += 1
+                    self._sync_next = True
+                    raise
+                self._note_finished_since(checkpoint)  # a request that could never fit, failed while scheduling
+                if inflight is not None:
+                    events += self._resolve(inflight)
+                self._advance(launched)
+                return events
+            if inflight is None:
+                return events + self._sync_step(checkpoint, scheduled)
+            # Prefill, sampled or processed rows: scheduled again once the tokens in flight are read.
+            self.scheduler.restore(checkpoint)
+            self._note_finished_since(checkpoint)
+            events += self._resolve(inflight)
+        self._sync_next = False
+        return events + self._sync_step()
+
+    def _launch(self, requests: list[Request], inflight: _InFlight | None) -> _InFlight:
+        """Run decode rows of greedy `requests` on the decode runner, their inputs in flight fed from `inflight`'s
+        tokens on the device, and start copying their argmax to the host: nothing here waits for the device."""
+        feed = inflight.feed if inflight is not None else None
+        with torch.inference_mode():
+            tokens = self.runner.forward([(request, 1) for request in requests], feed).argmax(-1)
+            if tokens.is_cuda:
+                # Two pinned buffers in turn: the step before's tokens are read after this copy is issued.
+                self._host_tokens.reverse()
+                host = self._host_tokens[0][: len(requests)]
+                host.copy_(tokens, non_blocking=True)
+                copied = torch.cuda.Event()
+                copied.record(torch.cuda.current_stream(tokens.device))
+            else:
+                host, copied = tokens, None
+        return _InFlight(requests, Feed(tokens, {r.request_id: row for row, r in enumerate(requests)}), host, copied)
+
+    def _advance(self, launched: _InFlight) -> None:
+        """What a launched step changes before its tokens are read: each row's input is computed, and a token is in
+        flight (requests finished since the launch left out)."""
+        stats = self.stats
+        for request in launched.requests:
+            if request.finished:
+                continue
+            if request.output_ids or request.num_inflight:
+                stats.decode_tokens += 1
+            else:  # the prompt's last token (the rest was cached): prefill work
+                stats.prefill_tokens += 1
+            request.num_computed += 1
+            request.num_inflight += 1
+            self.scheduler.cache_full_blocks(request)
+        # Its tokens are read by the next step, unless every row's request finished meanwhile (nothing to read).
+        self._inflight = None if all(request.finished for request in launched.requests) else launched
+        stats.num_async_steps += 1
+        stats.record_step(len(launched.requests), self.pool.num_used_blocks)
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+
+    def _resolve(self, inflight: _InFlight) -> list[tuple[int, int]]:
+        """Read the tokens of the step in flight and apply them: append each row's token, finish the requests it
+        ends. Returns the step's (request_id, token_id) pairs."""
+        if inflight.copied is not None:
+            inflight.copied.synchronize()
+        tokens = inflight.host.tolist()
+        self._inflight = None
+        now = time.perf_counter()
+        events: list[tuple[int, int]] = []
+        finishing = set(self.scheduler.finishing)
+        ended: list[Request] = []  # set aside for their last token (`Scheduler.set_aside_finishing`)
+        preempted: list[Request] = []  # ended by this token while waiting to be computed again
+        for request, token in zip(inflight.requests, tokens):
+            if request.finished:  # aborted meanwhile: the token is dropped
+                request.num_inflight = 0
+                continue
+            request.num_inflight -= 1
+            request.output_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            events.append((request.request_id, token))
+            if request in finishing:
+                self.scheduler.finish(request)
+                ended.append(request)
+            elif not request.block_tables and request.is_stopped:
+                preempted.append(request)
+        if preempted:
+            self.scheduler.remove(preempted)
+        done = [request for request in self.scheduler.running if request.is_done]
+        for request in done:
+            self.scheduler.retire(request)
+        for request in ended + preempted + done:
+            self._note_finished(request)
+        self._release_runner_when_idle()
+        return events
+
+    def _note_finished_since(self, checkpoint: StepCheckpoint) -> None:
+        for request in checkpoint.saved:
+            if request.finished:
+                self._note_finished(request)
+
+    def _sync_step(
+        self, checkpoint: StepCheckpoint | None = None, scheduled: ScheduledStep | None = None
+    ) -> list[tuple[int, int]]:
+        """A step whose tokens are read before it returns (`scheduled`: the step `schedule()` gave after
+        `checkpoint`, when already made)."""
+        if checkpoint is None:
+            checkpoint = self.scheduler.checkpoint()
         lockstep = self._lockstep
         generators: list[tuple[torch.Generator, torch.Tensor]] = []  # seeded samplers' states before this step
         try:
-            scheduled = self.scheduler.schedule()
+            if scheduled is None:
+                scheduled = self.scheduler.schedule()
             rows = [(request, 1) for request in scheduled.decode] + scheduled.prefill
             rows.sort(key=lambda row: row[1] > 1)  # one-token rows first (a stable sort keeps the scheduler's order)
             if lockstep is not None:
@@ -541,6 +698,24 @@ class Engine:
             self.scheduler.remove([rows[row][0] for row in blamed])
             return None
         return results
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A step launched and not read yet: its rows' requests, their tokens on the device (fed to the next step), the
+    host copy of them and the event that says the copy is done (None on CPU)."""
+
+    requests: list[Request]
+    feed: Feed
+    host: torch.Tensor
+    copied: torch.cuda.Event | None
+
+
+def _overlaps(request: Request) -> bool:
+    """Whether a decode row of `request` can run before the host reads its last token: it is greedy, with no
+    penalties, bias or minimum length on its logits and no log probabilities to record."""
+    params = request.params
+    return params.temperature == 0.0 and params.logprobs is None and not params.processes_logits
 
 
 def _check_prefix_caching(pool: BlockPool, enable_prefix_caching: bool) -> None:

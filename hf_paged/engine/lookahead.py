@@ -62,7 +62,8 @@ class GrowthModel:
     def growth(self, request: Request, delay: int, prefilling: bool, start: int | None = None) -> Growth:
         """`request`'s forecast in the lookahead when its prefill may wait `delay` steps for budget; `start`: the
         position its computation goes on from (default: its computed tokens)."""
-        num_tokens = len(request.prompt_ids) + len(request.output_ids)  # what it holds once its input is computed
+        # What it holds once its input is computed (a token in flight counted: `Request.num_inflight`).
+        num_tokens = len(request.prompt_ids) + len(request.output_ids) + request.num_inflight
         # NOTE: the last sampled token is never fed back, so K/V peak at prompt + max_new_tokens - 1 tokens.
         final = len(request.prompt_ids) + request.params.max_new_tokens - 1
         steps = max(final - num_tokens, 0)  # decode steps until its K/V stop growing

@@ -27,6 +27,10 @@ class Request:
     # out of the window): the decode runner then writes the row's whole table again, else only the new blocks.
     table_epoch: int = 0
     num_computed: int = 0  # tokens whose K/V are in the pool
+    # Tokens a step still running on the device has picked and the host has not read yet (0 or 1; asynchronous
+    # scheduling, `Engine(async_scheduling=True)`): they follow `output_ids`, and the next step feeds one from the
+    # device.
+    num_inflight: int = 0
     generator: torch.Generator | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # hash chain over its full blocks of tokens
     num_registered_blocks: int = 0  # leading blocks the prefix cache knows (in every group)
@@ -73,14 +77,24 @@ class Request:
     @property
     def num_pending(self) -> int:
         """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight - self.num_computed
 
     @property
     def is_done(self) -> bool:
         """It fed back its last token and reached `max_new_tokens` or a stop token."""
-        if not self.output_ids or self.num_pending != 1:
+        return self.num_pending == 1 and not self.num_inflight and self.is_stopped
+
+    @property
+    def is_stopped(self) -> bool:
+        """Its tokens reached `max_new_tokens` or end with a stop token."""
+        if not self.output_ids:
             return False
         return len(self.output_ids) >= self.params.max_new_tokens or self.params.is_stop(self.output_ids[-1])
+
+    @property
+    def awaits_last_token(self) -> bool:
+        """The token in flight is its last by `max_new_tokens`: nothing to schedule until it is read."""
+        return self.num_inflight > 0 and len(self.output_ids) + self.num_inflight >= self.params.max_new_tokens
 
     def extend_hashes(self, num_blocks: int, block_size: int) -> None:
         """Hash its tokens up to `num_blocks` full blocks of `block_size` (`block_hashes`), the missing ones only."""

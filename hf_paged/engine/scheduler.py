@@ -112,6 +112,9 @@ class Scheduler:
         )
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # in admission order: the last one is preempted first
+        # Requests whose last token a step still in flight computes (asynchronous scheduling), their blocks given back
+        # (`set_aside_finishing`), until the engine reads the token and `finish`es them.
+        self.finishing: list[Request] = []
         self.num_preemptions = 0
 
     @property
@@ -134,7 +137,29 @@ class Scheduler:
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.finishing)
+
+    def set_aside_finishing(self) -> None:
+        """Give back the blocks of the running requests whose last token (by `max_new_tokens`) is in flight, as their
+        retirement would once it is read: the next step is scheduled as if they had finished. The device runs steps
+        in order, so the step in flight has written their K/V before a later step writes blocks they held."""
+        for request in [r for r in self.running if r.awaits_last_token]:
+            self.block_manager.free(request)
+            request.states = None
+            self.running.remove(request)
+            self.finishing.append(request)
+
+    def decode_step_fits(self) -> bool:
+        """Whether the free blocks hold one more token of every running request (all decode rows of a step grow
+        without preempting anyone)."""
+        need = sum(self.block_manager.need(request, request.num_computed + 1) for request in self.running)
+        return need == 0 or self.pool.allocator.can_allocate(need)
+
+    def finish(self, request: Request) -> None:
+        """A request set aside while its last token was in flight (`set_aside_finishing`) has it now: it finishes."""
+        self.finishing.remove(request)
+        request.finished = True
+        request.finish_time = time.perf_counter()
 
     def fits(self, newcomer: Request) -> bool:
         """Whether admission would let `newcomer` in next to the running requests now (`Admission.fits`)."""
@@ -222,6 +247,8 @@ class Scheduler:
         (its `error` set first) end this way."""
         assert not any(request.finished for request in requests), [r.request_id for r in requests if r.finished]
         leaving = set(requests)
+        if self.finishing:
+            self.finishing = [request for request in self.finishing if request not in leaving]
         for request in [r for r in self.running if r in leaving]:
             self.retire(request)
             leaving.discard(request)

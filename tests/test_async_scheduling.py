@@ -1,0 +1,228 @@
+"""Asynchronous scheduling (`Engine(async_scheduling=True)`): a decode step of greedy rows is launched before the host
+reads the tokens of the step before it, which the device feeds to it. On CPU nothing overlaps (every op runs when it
+is issued), but every decision is the one the device would see: these tests check that tokens, finish reasons,
+blocks and counters are those of the synchronous engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+from models import greedy_reference, random_prompts, tiny_engine, tiny_model
+
+from hf_paged import BlockPool, Engine
+
+PROMPT_LENGTHS = (5, 11, 3, 17, 8)
+NEW_TOKENS = [9, 4, 14, 6, 11]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma3", "gpt2", "phi3"])
+def test_async_steps_give_generates_tokens(name):
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine(name, 64, max_num_seqs=5, max_num_batched_tokens=8, async_scheduling=True)
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
+        name, prompts, NEW_TOKENS
+    )
+    stats = engine.stats
+    assert stats.num_async_steps > stats.num_steps // 2  # most steps are decode-only
+    assert stats.decode_tokens == sum(NEW_TOKENS) - len(prompts)  # every token but each request's last fed back
+    assert pool.num_used_blocks == 0 and not engine.has_unfinished() and engine._inflight is None
+
+
+def _serve(engine: Engine, arrivals: dict[int, list[tuple[list[int], dict]]]) -> dict:
+    """A serving loop: requests added at the `step()` call their key names, finished ones taken after every call.
+    Returns {request id: (output ids, finish reason, log probabilities)}."""
+    results, call = {}, 0
+    while engine.has_unfinished() or any(at >= call for at in arrivals):
+        for prompt, kwargs in arrivals.get(call, []):
+            engine.add_request(prompt, **kwargs)
+        if engine.has_unfinished():
+            engine.step()
+        for request in engine.pop_finished():
+            results[request.request_id] = (request.output_ids, request.finish_reason, request.logprobs)
+        call += 1
+    return results
+
+
+def _mixed_arrivals(stops: list[list[int]]) -> dict[int, list[tuple[list[int], dict]]]:
+    """Greedy requests that stop at a stop token or at their length, with seeded samples, penalties and log
+    probabilities among them, arriving over the first steps."""
+    prompts = random_prompts((5, 11, 3, 17, 8, 6, 9, 4), seed=4)
+    kwargs = [
+        dict(max_new_tokens=12, stop_token_ids=stops[0]),
+        dict(max_new_tokens=7),
+        dict(max_new_tokens=10, temperature=0.8, seed=3),
+        dict(max_new_tokens=9, stop_token_ids=stops[3]),
+        dict(max_new_tokens=8, frequency_penalty=1.5),
+        dict(max_new_tokens=6, logprobs=2),
+        dict(max_new_tokens=15, stop_token_ids=stops[6]),
+        dict(max_new_tokens=5),
+    ]
+    return {
+        0: [(prompts[i], kwargs[i]) for i in (0, 1, 2)],
+        3: [(prompts[3], kwargs[3])],
+        6: [(prompts[i], kwargs[i]) for i in (4, 5, 6, 7)],
+    }
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3", "gpt2"])
+def test_a_serving_loop_gets_the_synchronous_engines_results(name):
+    """Arrivals between steps, stop tokens met while the next step is in flight, rows that sample, process their
+    logits or record log probabilities (their steps wait for the tokens in flight): same tokens, finish reasons and
+    log probabilities as without async scheduling, every block back."""
+    # Stop tokens that greedy requests meet part way (their third token in a run without stops).
+    probe, _ = tiny_engine(name, 64, max_num_seqs=4, max_num_batched_tokens=8)
+    plain = _serve(probe, _mixed_arrivals([[]] * 8))
+    stops = [[plain[i][0][2]] if len(plain[i][0]) > 2 else [] for i in range(8)]
+    results = {}
+    for mode in (False, True):
+        engine, pool = tiny_engine(name, 64, max_num_seqs=4, max_num_batched_tokens=8, async_scheduling=mode)
+        results[mode] = _serve(engine, _mixed_arrivals(stops))
+        assert pool.num_used_blocks == 0
+        if mode:
+            assert engine.stats.num_async_steps > 0
+    assert results[True] == results[False]
+    assert [results[True][i][1] for i in (0, 3, 6)] == ["stop"] * 3  # ended by a token read after the next launch
+
+
+def test_a_request_waiting_for_its_last_token_holds_no_blocks():
+    """A request whose last token (by length) is in flight gives its blocks back before the next step is scheduled,
+    as its retirement would, and finishes when the token is read."""
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, async_scheduling=True)
+    short = engine.add_request(random_prompts((6,))[0], max_new_tokens=3)
+    engine.add_request(random_prompts((9,), seed=1)[0], max_new_tokens=10)
+    request = engine.request(short)
+    schedule, seen = engine.scheduler.schedule, []
+
+    def watched_schedule():
+        seen.append((request in engine.scheduler.finishing, request.block_tables, request.finished))
+        return schedule()
+
+    engine.scheduler.schedule = watched_schedule
+    while not request.finished:
+        engine.step()
+    assert (True, [], False) in seen  # scheduled around it, its blocks back, not finished yet
+    assert request.finish_reason == "length" and len(request.output_ids) == 3
+    assert not engine.scheduler.finishing
+    assert [r.request_id for r in engine.pop_finished()] == [short]
+    while engine.has_unfinished():
+        engine.step()
+    assert pool.num_used_blocks == 0
+
+
+def test_the_last_token_in_flight_does_not_cost_a_preemption():
+    """Blocks that the request ending in the step in flight gives back are there for the next step's rows: a long
+    request that needs one more block is not preempted (the synchronous engine's schedule, no preemption)."""
+    generator = torch.Generator().manual_seed(3)
+    lengths, new_tokens = (12, 40, 6, 5, 7), [8, 8, 6, 6, 6]
+    prompts = [torch.randint(2, 128, (n,), generator=generator).tolist() for n in lengths]
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    engine = Engine(model, pool, max_num_seqs=8, backfill_depth=1, async_scheduling=True)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert engine.stats.num_preemptions == 0 and engine.stats.num_async_steps > 0
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])
+def test_preemption_with_a_token_in_flight(name):
+    """A pool too small for the requests admitted (a lookahead of 0 steps): requests are preempted and computed
+    again, tokens in flight included, with generate()'s tokens."""
+    prompts = random_prompts((5, 11, 3, 17, 8, 9))
+    new_tokens = [14, 9, 20, 6, 11, 16]
+    engine, pool = tiny_engine(
+        name, 11, max_num_seqs=4, max_num_batched_tokens=8, decode_reserve_tokens=0, async_scheduling=True
+    )
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        name, prompts, new_tokens
+    )
+    assert engine.stats.num_preemptions > 0 and engine.stats.num_async_steps > 0
+    assert pool.num_used_blocks == 0
+
+
+def test_an_abort_while_a_token_is_in_flight_drops_it():
+    """An aborted request keeps the tokens read before the abort (a prefix of its greedy tokens), the token in
+    flight is dropped when read, and the others go on unchanged."""
+    prompts = random_prompts(PROMPT_LENGTHS)
+    reference = greedy_reference("llama", prompts, NEW_TOKENS)
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=64, async_scheduling=True)
+    ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, NEW_TOKENS)]
+    while engine._inflight is None or len(engine.request(ids[2]).output_ids) < 3:
+        engine.step()
+    aborted = engine.request(ids[2])
+    assert aborted.num_inflight == 1
+    assert engine.abort_request(ids[2])
+    kept = list(aborted.output_ids)
+    while engine.has_unfinished():
+        engine.step()
+    assert aborted.finish_reason == "abort" and aborted.output_ids == kept == reference[2][: len(kept)]
+    outputs = {r.request_id: r.output_ids for r in engine.pop_finished()}
+    assert [outputs[i] for i in ids if i != ids[2]] == [reference[i] for i in range(5) if i != 2]
+    assert pool.num_used_blocks == 0 and engine._inflight is None
+
+
+def test_a_launch_that_raises_is_undone_and_the_next_step_runs_synchronously():
+    """A forward that raises at an asynchronous launch is undone as a synchronous step would be (the exception goes
+    to the caller, nothing advances); the next step reads the tokens in flight and runs synchronously, where a row
+    whose forward raises alone would be found. Same tokens in the end."""
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=8, async_scheduling=True)
+    forward = engine.runner.forward
+    fail = [False]
+
+    def flaky(rows, feed=None):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("a forward that fails once")
+        return forward(rows, feed)
+
+    engine.runner.forward = flaky
+    ids = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, NEW_TOKENS)]
+    while engine._inflight is None:
+        engine.step()
+    inflight = engine._inflight
+    engine.scheduler.set_aside_finishing()  # what the step does first, and keeps: a retirement
+    before = [
+        (r.num_computed, r.num_inflight, list(r.output_ids), [list(t) for t in r.block_tables])
+        for r in engine.scheduler.running
+    ]
+    fail[0] = True
+    with pytest.raises(RuntimeError, match="fails once"):
+        engine.step()
+    after = [
+        (r.num_computed, r.num_inflight, list(r.output_ids), [list(t) for t in r.block_tables])
+        for r in engine.scheduler.running
+    ]
+    assert after == before and engine._inflight is inflight and engine.stats.num_failed_steps == 1
+    num_async = engine.stats.num_async_steps
+    engine.step()
+    assert engine._inflight is None and engine.stats.num_async_steps == num_async  # read, then run synchronously
+    while engine.has_unfinished():
+        engine.step()
+    outputs = {r.request_id: r.output_ids for r in engine.pop_finished()}
+    assert [outputs[i] for i in ids] == greedy_reference("llama", prompts, NEW_TOKENS)
+    assert engine.stats.num_async_steps > num_async and pool.num_used_blocks == 0
+
+
+def test_streamed_tokens_are_the_read_ones():
+    """`stream()` yields every input's tokens in order, none of them in flight."""
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=8, async_scheduling=True)
+    streamed = [[] for _ in prompts]
+    for index, token in engine.stream(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True):
+        assert 0 <= token < tiny_model("llama").config.vocab_size
+        streamed[index].append(token)
+    assert streamed == greedy_reference("llama", prompts, NEW_TOKENS)
+
+
+def test_async_scheduling_argument():
+    engine, _ = tiny_engine("llama")
+    assert engine.async_scheduling is False  # on by default only on CUDA
+    model = tiny_model("llama", "hf_paged")
+    with pytest.raises(ValueError, match="async_scheduling must be None, True or False, got 'yes'"):
+        Engine(model, BlockPool.for_model(model, num_blocks=16, block_size=4), async_scheduling="yes")
+    bloom = zoo.tiny_model("bloom", zoo.architectures()["bloom"])
+    pool = BlockPool.for_model(bloom, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="async_scheduling=True needs the decode runner.*one forward per request"):
+        Engine(bloom, pool, async_scheduling=True)
