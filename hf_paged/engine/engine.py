@@ -489,42 +489,55 @@ class Engine:
         inflight = self._inflight
         if inflight is not None:
             self.scheduler.set_aside_finishing()
-            # Rows that could be preempted for blocks a token in flight may free, and a step after a launch that
-            # raised (its rows' failures are isolated synchronously), run with every token read.
+            # Rows that could be preempted for blocks a token in flight may free, and the steps after a launch that
+            # raised (until one runs: a row whose forward raises alone is found there), run with every token read.
             if self._sync_next or not self.scheduler.decode_step_fits():
                 events, inflight = self._resolve(inflight), None
-        if not self._sync_next:
-            checkpoint = self.scheduler.checkpoint()
+        if self._sync_next:
+            if self.scheduler.has_unfinished():
+                events += self._sync_step()
+            self._sync_next = False
+            return events
+        checkpoint = self.scheduler.checkpoint()
+        try:
+            scheduled = self.scheduler.schedule()
+        except BaseException:
+            self.scheduler.restore(checkpoint)
+            self.stats.num_failed_steps += 1
+            raise
+        rows = scheduled.decode
+        if rows and not scheduled.prefill and all(_overlaps(request) for request in rows):
             try:
-                scheduled = self.scheduler.schedule()
-            except BaseException:
+                launched = self._launch(rows, inflight)
+            except Exception:
+                # Undone, and run again synchronously with the tokens in flight read: a row whose forward raises
+                # alone is found there (its request fails, the others go on), or the exception goes to the caller
+                # and the steps after it run synchronously until one runs.
                 self.scheduler.restore(checkpoint)
-                self.stats.num_failed_steps += 1
-                raise
-            rows = scheduled.decode
-            if rows and not scheduled.prefill and all(_overlaps(request) for request in rows):
-                try:
-                    launched = self._launch(rows, inflight)
-                except Exception:
-                    # Undone as a synchronous step would be; the next step runs synchronously.
-                    self.scheduler.restore(checkpoint)
-                    self._note_finished_since(checkpoint)
-                    self.stats.num_failed_steps += 1
-                    self._sync_next = True
-                    raise
-                self._note_finished_since(checkpoint)  # a request that could never fit, failed while scheduling
+                self._note_finished_since(checkpoint)
+                self._sync_next = True
                 if inflight is not None:
                     events += self._resolve(inflight)
-                self._advance(launched)
+                events += self._sync_step()
+                self._sync_next = False
                 return events
-            if inflight is None:
-                return events + self._sync_step(checkpoint, scheduled)
-            # Prefill, sampled or processed rows: scheduled again once the tokens in flight are read.
-            self.scheduler.restore(checkpoint)
-            self._note_finished_since(checkpoint)
+            self._note_finished_since(checkpoint)  # a request that could never fit, failed while scheduling
+            if inflight is not None:
+                events += self._resolve(inflight)
+            self._advance(launched)
+            return events
+        if inflight is not None:
+            # Prefill chunks, or rows that sample, process their logits or record log probabilities: this step runs
+            # synchronously once the tokens in flight are read, without the rows of requests they finished.
             events += self._resolve(inflight)
-        self._sync_next = False
-        return events + self._sync_step()
+            scheduled = ScheduledStep(
+                decode=[request for request in scheduled.decode if not request.finished],
+                prefill=[(request, chunk) for request, chunk in scheduled.prefill if not request.finished],
+            )
+            if not scheduled.decode and not scheduled.prefill:  # the tokens read finished every request
+                self._note_finished_since(checkpoint)
+                return events
+        return events + self._sync_step(checkpoint, scheduled)
 
     def _launch(self, requests: list[Request], inflight: _InFlight | None) -> _InFlight:
         """Run decode rows of greedy `requests` on the decode runner, their inputs in flight fed from `inflight`'s
