@@ -272,6 +272,48 @@ def test_streamed_tokens_are_the_read_ones():
     assert streamed == greedy_reference("llama", prompts, NEW_TOKENS)
 
 
+def test_unseeded_samples_are_drawn_on_the_device_in_async_steps():
+    """Requests that sample without a seed run asynchronously, their tokens drawn on the device (`sample_batch`);
+    top_k=1 leaves one token to draw: generate()'s greedy tokens."""
+    prompts = random_prompts(PROMPT_LENGTHS)
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=8, async_scheduling=True)
+    outputs = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=0.9, top_k=1)
+    assert outputs == greedy_reference("llama", prompts, NEW_TOKENS)
+    assert engine.stats.num_async_steps > engine.stats.num_steps // 2
+    torch.manual_seed(0)
+    sampled = engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True, temperature=1.5)
+    assert [len(output) for output in sampled] == NEW_TOKENS and sampled != outputs
+    assert pool.num_used_blocks == 0
+
+
+def test_sample_batch_draws_each_token_with_its_probability():
+    """`sample_batch` against the distribution `sample` draws from, row by row: temperature, top-k, top-p, greedy,
+    over 20,000 draws of each row."""
+    from hf_paged.engine.sampling import SamplingParams, sample_batch
+
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0]))  # the last token can never be drawn
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.5, top_k=2),
+        SamplingParams(temperature=1.0, top_p=0.65),
+    ]
+    draws = 20_000
+    torch.manual_seed(0)
+    tokens = sample_batch(logits.repeat(len(params) * draws, 1), params * draws).view(draws, len(params))
+    frequencies = torch.stack([torch.bincount(tokens[:, row], minlength=5) for row in range(len(params))]) / draws
+    sharpened = torch.tensor([0.3, 0.4]) ** 2 / (torch.tensor([0.3, 0.4]) ** 2).sum()  # temperature 0.5, top 2
+    expected = torch.tensor(
+        [
+            [0.0, 0.0, 0.0, 1.0, 0.0],
+            [0.1, 0.2, 0.3, 0.4, 0.0],
+            [0.0, 0.0, *sharpened.tolist(), 0.0],
+            [0.0, 0.0, 0.3 / 0.7, 0.4 / 0.7, 0.0],  # 0.4 then 0.3 reach 0.65: 0.2 and 0.1 are dropped
+        ]
+    )
+    assert torch.allclose(frequencies, expected, atol=0.015), frequencies
+
+
 def test_async_scheduling_argument():
     engine, _ = tiny_engine("llama")
     assert engine.async_scheduling is False  # on by default only on CUDA

@@ -194,8 +194,8 @@ def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
 
 def test_an_asynchronous_launch_does_not_sync(monkeypatch):
     """Asynchronous scheduling on CUDA: launching a replayed decode step (fill, the tokens in flight fed on the
-    device, replay, argmax, its copy to pinned memory) makes no host synchronization; only reading the tokens waits,
-    for that step's copy. The tokens stay generate()'s."""
+    device, replay, argmax or a draw on the device, the copy to pinned memory) makes no host synchronization; only
+    reading the tokens waits, for that step's copy. The greedy tokens stay generate()'s."""
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
     launch, checked = Engine._launch, []
 
@@ -226,3 +226,10 @@ def test_an_asynchronous_launch_does_not_sync(monkeypatch):
         "llama", prompts, new_tokens, "cuda"
     )
     assert checked and engine.stats.num_async_steps >= len(checked)
+    # Rows that sample without a seed draw on the device (temperature, top-k, top-p): no sync either.
+    checked.clear()
+    sampled = engine.generate(
+        prompts, max_new_tokens=new_tokens, ignore_eos=True, temperature=[0.0, 0.8, 1.2, 0.7], top_k=20, top_p=0.9
+    )
+    assert checked and [len(tokens) for tokens in sampled] == new_tokens
+    assert all(0 <= token < model.config.vocab_size for tokens in sampled for token in tokens)

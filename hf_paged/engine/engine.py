@@ -15,8 +15,8 @@ then the engine appends tokens and retires finished requests:
       │                      step_cache.py); decode-only steps on the DecodeRunner (decode_runner.py: CUDA graphs)
       └─ PerRequestStep      a forward per row with the model's own attention (per_request.py)
 
-With asynchronous scheduling (on CUDA by default) a decode-only step of greedy rows is launched before the host
-reads the tokens of the step before it; the device feeds those tokens to it, and the host reads them (and appends,
+With asynchronous scheduling (on CUDA by default) a decode-only step is launched before the host reads the tokens of
+the step before it; the device feeds those tokens to it, and the host reads them (and appends,
 streams and retires) while the new step runs: `_launch`, `_resolve`, `_advance` below, docs/engine.md.
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
@@ -45,7 +45,7 @@ from .model_support import PACKED, cache_keyword, choose_step_mode, chunk_sizes
 from .packed import PackedStep
 from .per_request import PerRequestStep, check_chunked_prompt, prefix_caching_reason
 from .request import Request, ScheduledStep
-from .sampling import SamplingParams, token_logprob
+from .sampling import SamplingParams, sample_batch, token_logprob
 from .scheduler import Scheduler
 from .stats import EngineStats
 from .step_runner import StepRunner
@@ -73,10 +73,10 @@ class Engine:
             arrival order.
         cuda_graphs (`bool`, *optional*): replay decode-only steps as CUDA graphs, one per batch bucket; defaults
             to True on CUDA, not available elsewhere.
-        async_scheduling (`bool`, *optional*): launch a decode-only step of greedy rows before reading the tokens of
-            the step before it, which the device feeds to it, so the host schedules step n + 1 while the device runs
-            step n (vLLM's async scheduling); the tokens are the same. Defaults to True on CUDA where the Engine has
-            a decode runner (`runner`); True needs one.
+        async_scheduling (`bool`, *optional*): launch a decode-only step before reading the tokens of the step
+            before it, which the device feeds to it, so the host schedules step n + 1 while the device runs step n
+            (vLLM's async scheduling); greedy and seeded tokens are the same, unseeded samples are drawn on the
+            device. Defaults to True on CUDA where the Engine has a decode runner (`runner`); True needs one.
         lockstep_timeout (`float`, defaults to 300): under tensor parallelism (one engine per rank), the seconds a
             rank waits for the others at a step's agreement points before raising `LockstepError`.
 
@@ -540,11 +540,13 @@ class Engine:
         return events + self._sync_step(checkpoint, scheduled)
 
     def _launch(self, requests: list[Request], inflight: _InFlight | None) -> _InFlight:
-        """Run decode rows of greedy `requests` on the decode runner, their inputs in flight fed from `inflight`'s
-        tokens on the device, and start copying their argmax to the host: nothing here waits for the device."""
+        """Run decode rows of `requests` on the decode runner, their inputs in flight fed from `inflight`'s tokens on
+        the device, pick their tokens there (`sample_batch`) and start copying them to the host: nothing here waits
+        for the device."""
         feed = inflight.feed if inflight is not None else None
         with torch.inference_mode():
-            tokens = self.runner.forward([(request, 1) for request in requests], feed).argmax(-1)
+            logits = self.runner.forward([(request, 1) for request in requests], feed)
+            tokens = sample_batch(logits, [request.params for request in requests])
             if tokens.is_cuda:
                 # Two pinned buffers in turn: the step before's tokens are read after this copy is issued.
                 self._host_tokens.reverse()
@@ -725,10 +727,13 @@ class _InFlight:
 
 
 def _overlaps(request: Request) -> bool:
-    """Whether a decode row of `request` can run before the host reads its last token: it is greedy, with no
-    penalties, bias or minimum length on its logits and no log probabilities to record."""
+    """Whether a decode row of `request` can run before the host reads its last token: it is greedy or samples
+    without a seed (on the device, `sample_batch`; a seeded request draws from its own generator on the host), with
+    no penalties, bias or minimum length on its logits and no log probabilities to record."""
     params = request.params
-    return params.temperature == 0.0 and params.logprobs is None and not params.processes_logits
+    return (
+        (params.temperature == 0.0 or params.seed is None) and params.logprobs is None and not params.processes_logits
+    )
 
 
 def _check_prefix_caching(pool: BlockPool, enable_prefix_caching: bool) -> None:

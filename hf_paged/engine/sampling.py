@@ -1,5 +1,7 @@
 """Per-request sampling: greedy, temperature, top-k, top-p, with a per-request seed; penalties, logit bias and a
-minimum length applied to the logits first (`apply_logits_processing`, batched over the rows that ask for them)."""
+minimum length applied to the logits first (`apply_logits_processing`, batched over the rows that ask for them).
+`sample` picks one row's token on the host; `sample_batch` picks every row's on the device (asynchronous
+scheduling, for requests without a seed)."""
 
 from __future__ import annotations
 
@@ -188,6 +190,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
+
+
+def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logits [rows, vocab] -> [rows] token ids (int64, on the logits' device), each row picked as `sample` picks it:
+    argmax for greedy rows; for the others temperature, top-k and top-p, then one draw, all rows at once and without
+    reading anything on the host (an exponential race, `argmax(probs / E)` with `E ~ Exp(1)`, which draws each token
+    with its probability). Draws come from the device's global generator: for requests without a seed."""
+    greedy = logits.argmax(-1)
+    sampled_rows = [row for row, p in enumerate(params) if p.temperature > 0.0]
+    if not sampled_rows:
+        return greedy
+    device, vocab = logits.device, logits.shape[-1]
+
+    def column(values, dtype) -> torch.Tensor:
+        host = torch.tensor(values, dtype=dtype)
+        if device.type == "cuda":
+            return host.pin_memory().to(device, non_blocking=True)[:, None]
+        return host.to(device)[:, None]
+
+    picked = [params[row] for row in sampled_rows]
+    index = column(sampled_rows, torch.long)[:, 0]
+    x = logits.index_select(0, index).float() / column([p.temperature for p in picked], torch.float32)
+    top_k, top_p = any(p.top_k > 0 for p in picked), any(p.top_p < 1.0 for p in picked)
+    if top_k or top_p:
+        sorted_x, order = torch.sort(x, dim=-1, descending=True)  # one sort serves both
+    if top_k:
+        k = column([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in picked], torch.long)
+        kth = sorted_x.gather(1, k - 1)
+        x = x.masked_fill(x < kth, float("-inf"))
+        sorted_x = sorted_x.masked_fill(sorted_x < kth, float("-inf"))
+    if top_p:
+        probs = sorted_x.softmax(-1)
+        # Drop a token when the tokens before it already reach top_p (the first token always stays).
+        drop = probs.cumsum(-1) - probs >= column([p.top_p for p in picked], torch.float32)
+        x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    probs = x.softmax(-1)
+    draws = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    return greedy.index_copy(0, index, draws)
 
 
 def _is_int(value) -> bool:
