@@ -13,6 +13,7 @@ import zoo
 from models import greedy_reference, random_prompts, tiny_engine, tiny_model
 
 from hf_paged import BlockPool, Engine
+from hf_paged.engine.sampling import SamplingParams, sample_batch
 
 PROMPT_LENGTHS = (5, 11, 3, 17, 8)
 NEW_TOKENS = [9, 4, 14, 6, 11]
@@ -286,12 +287,14 @@ def test_unseeded_samples_are_drawn_on_the_device_in_async_steps():
     assert pool.num_used_blocks == 0
 
 
-def test_sample_batch_draws_each_token_with_its_probability():
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_sample_batch_draws_each_token_with_its_probability(device):
     """`sample_batch` against the distribution `sample` draws from, row by row: temperature, top-k, top-p, greedy,
     over 20,000 draws of each row."""
-    from hf_paged.engine.sampling import SamplingParams, sample_batch
-
-    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0]))  # the last token can never be drawn
+    logits = torch.log(torch.tensor([0.1, 0.2, 0.3, 0.4, 0.0], device=device))  # the last token can never be drawn
     params = [
         SamplingParams(temperature=0.0),
         SamplingParams(temperature=1.0),
@@ -300,7 +303,7 @@ def test_sample_batch_draws_each_token_with_its_probability():
     ]
     draws = 20_000
     torch.manual_seed(0)
-    tokens = sample_batch(logits.repeat(len(params) * draws, 1), params * draws).view(draws, len(params))
+    tokens = sample_batch(logits.repeat(len(params) * draws, 1), params * draws).view(draws, len(params)).cpu()
     frequencies = torch.stack([torch.bincount(tokens[:, row], minlength=5) for row in range(len(params))]) / draws
     sharpened = torch.tensor([0.3, 0.4]) ** 2 / (torch.tensor([0.3, 0.4]) ** 2).sum()  # temperature 0.5, top 2
     expected = torch.tensor(
@@ -312,6 +315,82 @@ def test_sample_batch_draws_each_token_with_its_probability():
         ]
     )
     assert torch.allclose(frequencies, expected, atol=0.015), frequencies
+
+
+def test_sample_batch_applies_top_p_only_to_the_rows_that_ask_for_it(monkeypatch):
+    """A row without top-p keeps its least likely token beside a row with top-p (float32 sums of its probabilities
+    reach 1.0 long before its last token). The race is rigged so that the last token wins wherever it can."""
+    logits = torch.zeros(2, 1000)
+    logits[:, 0] = 30.0  # one token holds all but about 1e-10 of the probability
+    exponential = torch.Tensor.exponential_
+
+    def rigged(tensor, *args, **kwargs):
+        exponential(tensor, *args, **kwargs).fill_(1.0)
+        tensor[:, -1] = 1e-30
+        return tensor
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", rigged)
+    both = sample_batch(logits, [SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_p=0.5)])
+    assert both.tolist() == [999, 0]
+
+
+def test_a_row_that_cannot_sample_fails_its_request_alone():
+    """Logits with no distribution to draw from (all -inf here) in an asynchronous step: the request fails with its
+    error when the token is read, as `sample()` makes it fail in a synchronous step; the others go on."""
+    prompts = random_prompts((6, 9))
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, async_scheduling=True)
+    forward = engine.runner.forward
+
+    def broken(rows, feed=None):
+        logits = forward(rows, feed)
+        for row, (request, _) in enumerate(rows):
+            if request.request_id == 0 and request.num_computed >= len(request.prompt_ids) + 2:
+                logits[row] = float("-inf")
+        return logits
+
+    engine.runner.forward = broken
+    ids = [engine.add_request(prompts[0], max_new_tokens=8, temperature=0.7), engine.add_request(prompts[1], 8)]
+    while engine.has_unfinished():
+        engine.step()
+    failed, other = (engine.request(i) for i in ids)
+    assert failed.finish_reason == "error" and "could not sample its next token" in failed.error
+    assert len(failed.output_ids) == 3 and engine.stats.num_failed == 1 and engine.stats.num_async_steps > 0
+    assert other.output_ids == greedy_reference("llama", [prompts[1]], [8])[0]
+    assert pool.num_used_blocks == 0
+
+
+def test_tokens_read_in_a_step_that_raises_come_back_with_the_next_step():
+    """A step that reads the tokens in flight and then raises (its synchronous forward) keeps their events: the next
+    step returns them, so a loop that sends each step's events sends every token once."""
+    prompts = random_prompts((6, 9, 5))
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, async_scheduling=True)
+    step_forward, fail = engine.step_runner.forward, [False]
+
+    def flaky(rows):
+        if fail[0]:
+            fail[0] = False
+            raise RuntimeError("device lost for a moment")
+        return step_forward(rows)
+
+    engine.step_runner.forward = flaky
+    ids = [engine.add_request(p, max_new_tokens=10, ignore_eos=True) for p in prompts[:2]]
+    sent: dict[int, list[int]] = {}
+    raised = 0
+    while engine.has_unfinished():
+        if engine._inflight is not None and len(ids) == 2:
+            ids.append(engine.add_request(prompts[2], max_new_tokens=10, ignore_eos=True))  # a prefill: synchronous
+            fail[0] = True
+        try:
+            events = engine.step()
+        except RuntimeError:
+            raised += 1
+            continue
+        for request_id, token in events:
+            sent.setdefault(request_id, []).append(token)
+    assert raised == 1
+    assert [sent[i] for i in ids] == [engine.request(i).output_ids for i in ids]
+    assert [engine.request(i).output_ids for i in ids] == greedy_reference("llama", prompts, [10, 10, 10])
+    assert pool.num_used_blocks == 0
 
 
 def test_async_scheduling_argument():

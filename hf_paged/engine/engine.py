@@ -158,6 +158,7 @@ class Engine:
         self.async_scheduling = self._check_async_scheduling(async_scheduling)
         self._inflight: _InFlight | None = None  # the step launched last whose tokens the host has not read
         self._sync_next = False  # an asynchronous launch raised: the next step runs synchronously
+        self._unreported: list[tuple[int, int]] = []  # events of tokens read, not returned by a step yet
         self._host_tokens = (
             [torch.empty(max_num_seqs, dtype=torch.long, pin_memory=True) for _ in range(2)]
             if self.async_scheduling and pool.device.type == "cuda"
@@ -485,17 +486,24 @@ class Engine:
         self._num_attempts += 1
         if not self.async_scheduling:
             return self._sync_step()
-        events: list[tuple[int, int]] = []
+        # The events of tokens read in a step that then raised are handed back by the next one (`_read`).
+        events = self._async_step()
+        events, self._unreported = self._unreported + events, []
+        return events
+
+    def _async_step(self) -> list[tuple[int, int]]:
+        """A step with asynchronous scheduling: launched when its rows allow (`_overlaps`), else synchronous; the
+        tokens in flight are read (`_read`) when its rows are launched, or first."""
         inflight = self._inflight
         if inflight is not None:
             self.scheduler.set_aside_finishing()
             # Rows that could be preempted for blocks a token in flight may free, and the steps after a launch that
             # raised (until one runs: a row whose forward raises alone is found there), run with every token read.
             if self._sync_next or not self.scheduler.decode_step_fits():
-                events, inflight = self._resolve(inflight), None
+                self._read(inflight)
+                inflight = None
         if self._sync_next:
-            if self.scheduler.has_unfinished():
-                events += self._sync_step()
+            events = self._sync_step() if self.scheduler.has_unfinished() else []
             self._sync_next = False
             return events
         checkpoint = self.scheduler.checkpoint()
@@ -509,43 +517,50 @@ class Engine:
         if rows and not scheduled.prefill and all(_overlaps(request) for request in rows):
             try:
                 launched = self._launch(rows, inflight)
-            except Exception:
+            except Exception as error:
                 # Undone, and run again synchronously with the tokens in flight read: a row whose forward raises
                 # alone is found there (its request fails, the others go on), or the exception goes to the caller
                 # and the steps after it run synchronously until one runs.
                 self.scheduler.restore(checkpoint)
                 self._note_finished_since(checkpoint)
+                self.stats.num_failed_launches += 1
+                if self.stats.num_failed_launches == 1:
+                    logger.warning("Engine: an asynchronous launch raised, its rows run again synchronously: %r", error)
                 self._sync_next = True
                 if inflight is not None:
-                    events += self._resolve(inflight)
-                events += self._sync_step()
+                    self._read(inflight)
+                events = self._sync_step()
                 self._sync_next = False
                 return events
             self._note_finished_since(checkpoint)  # a request that could never fit, failed while scheduling
             if inflight is not None:
-                events += self._resolve(inflight)
+                self._read(inflight)
             self._advance(launched)
-            return events
+            return []
         if inflight is not None:
-            # Prefill chunks, or rows that sample, process their logits or record log probabilities: this step runs
-            # synchronously once the tokens in flight are read, without the rows of requests they finished.
-            events += self._resolve(inflight)
+            # Prefill chunks, or rows that sample with a seed, process their logits or record log probabilities: this
+            # step runs synchronously once the tokens in flight are read, without the rows of requests they finished.
+            self._read(inflight)
             scheduled = ScheduledStep(
                 decode=[request for request in scheduled.decode if not request.finished],
                 prefill=[(request, chunk) for request, chunk in scheduled.prefill if not request.finished],
             )
             if not scheduled.decode and not scheduled.prefill:  # the tokens read finished every request
                 self._note_finished_since(checkpoint)
-                return events
-        return events + self._sync_step(checkpoint, scheduled)
+                return []
+        return self._sync_step(checkpoint, scheduled)
+
+    def _read(self, inflight: _InFlight) -> None:
+        """Read the tokens in flight (`_resolve`); their events wait in `_unreported` for the step to return them."""
+        self._unreported += self._resolve(inflight)
 
     def _launch(self, requests: list[Request], inflight: _InFlight | None) -> _InFlight:
         """Run decode rows of `requests` on the decode runner, their inputs in flight fed from `inflight`'s tokens on
         the device, pick their tokens there (`sample_batch`) and start copying them to the host: nothing here waits
         for the device."""
-        feed = inflight.feed if inflight is not None else None
+        fed = inflight.feed if inflight is not None else None
         with torch.inference_mode():
-            logits = self.runner.forward([(request, 1) for request in requests], feed)
+            logits = self.runner.forward([(request, 1) for request in requests], fed)
             tokens = sample_batch(logits, [request.params for request in requests])
             if tokens.is_cuda:
                 # Two pinned buffers in turn: the step before's tokens are read after this copy is issued.
@@ -556,7 +571,9 @@ class Engine:
                 copied.record(torch.cuda.current_stream(tokens.device))
             else:
                 host, copied = tokens, None
-        return _InFlight(requests, Feed(tokens, {r.request_id: row for row, r in enumerate(requests)}), host, copied)
+        # A row that could not sample (-1) feeds a valid id to the step after it; its request fails when read.
+        feed = Feed(tokens.clamp(min=0), {r.request_id: row for row, r in enumerate(requests)})
+        return _InFlight(requests, feed, host, copied)
 
     def _advance(self, launched: _InFlight) -> None:
         """What a launched step changes before its tokens are read: each row's input is computed, and a token is in
@@ -591,11 +608,16 @@ class Engine:
         finishing = set(self.scheduler.finishing)
         ended: list[Request] = []  # set aside for their last token (`Scheduler.set_aside_finishing`)
         preempted: list[Request] = []  # ended by this token while waiting to be computed again
+        failed: list[Request] = []  # could not sample (`sample_batch`: no distribution to draw from)
         for request, token in zip(inflight.requests, tokens):
             if request.finished:  # aborted meanwhile: the token is dropped
                 request.num_inflight = 0
                 continue
             request.num_inflight -= 1
+            if token < 0:
+                request.error = f"request {request.request_id} could not sample its next token: {_NO_DISTRIBUTION}"
+                failed.append(request)
+                continue
             request.output_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
@@ -605,12 +627,12 @@ class Engine:
                 ended.append(request)
             elif not request.block_tables and request.is_stopped:
                 preempted.append(request)
-        if preempted:
-            self.scheduler.remove(preempted)
+        if preempted or failed:
+            self.scheduler.remove(preempted + failed)
         done = [request for request in self.scheduler.running if request.is_done]
         for request in done:
             self.scheduler.retire(request)
-        for request in ended + preempted + done:
+        for request in ended + preempted + failed + done:
             self._note_finished(request)
         self._release_runner_when_idle()
         return events
@@ -724,6 +746,9 @@ class _InFlight:
     feed: Feed
     host: torch.Tensor
     copied: torch.cuda.Event | None
+
+
+_NO_DISTRIBUTION = "its probabilities are not a distribution (logits all -inf, or nan or inf among them)"
 
 
 def _overlaps(request: Request) -> bool:

@@ -196,7 +196,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     """logits [rows, vocab] -> [rows] token ids (int64, on the logits' device), each row picked as `sample` picks it:
     argmax for greedy rows; for the others temperature, top-k and top-p, then one draw, all rows at once and without
     reading anything on the host (an exponential race, `argmax(probs / E)` with `E ~ Exp(1)`, which draws each token
-    with its probability). Draws come from the device's global generator: for requests without a seed."""
+    with its probability). Draws come from the device's global generator: for requests without a seed. A sampled row
+    whose probabilities are no distribution (its logits all -inf, or with nan or +inf: `sample` raises there) gets
+    -1."""
     greedy = logits.argmax(-1)
     sampled_rows = [row for row, p in enumerate(params) if p.temperature > 0.0]
     if not sampled_rows:
@@ -223,10 +225,13 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     if top_p:
         probs = sorted_x.softmax(-1)
         # Drop a token when the tokens before it already reach top_p (the first token always stays).
-        drop = probs.cumsum(-1) - probs >= column([p.top_p for p in picked], torch.float32)
+        # A row without top-p beside rows with it: no threshold (float32 sums can reach 1.0 before the last token).
+        thresholds = column([p.top_p if p.top_p < 1.0 else math.inf for p in picked], torch.float32)
+        drop = probs.cumsum(-1) - probs >= thresholds
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = x.softmax(-1)
     draws = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
+    draws = draws.masked_fill(probs.isnan().any(-1), -1)
     return greedy.index_copy(0, index, draws)
 
 

@@ -23,6 +23,7 @@ class EngineStats:
     prefill_tokens: int = 0  # input tokens computed before a request's first output (recomputation included)
     decode_tokens: int = 0  # generated tokens fed back
     num_async_steps: int = 0  # steps launched before the host read the tokens of the step before (async scheduling)
+    num_failed_launches: int = 0  # asynchronous launches that raised (their rows ran again synchronously)
     used_blocks_sum: int = 0  # sum over steps of the pool blocks in use after the step, for the mean
     peak_used_blocks: int = 0
     # Pool blocks in use after each of the last RECENT_STEPS steps (all of them in a shorter run).
