@@ -158,6 +158,16 @@ def test_a_replayed_compiled_decode_step_does_not_sync(monkeypatch):
     assert cache.get_seq_length() == 16
 
 
+def _four_requests_on_cuda():
+    """An Engine with its CUDA defaults (graphs, asynchronous scheduling) on the tiny llama, four prompts and their
+    new tokens."""
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 9, 7, 3)]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
+    return Engine(model, pool, max_num_seqs=4), prompts, [12, 14, 10, 16]
+
+
 def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
     """The Engine's decode runner under CUDA graphs: once a bucket's graph is captured, a step's fill (pinned
     staging, non-blocking copies), replay and logits make no host synchronization; the tokens stay generate()'s."""
@@ -180,12 +190,7 @@ def test_a_replayed_engine_decode_step_does_not_sync(monkeypatch):
         return logits
 
     monkeypatch.setattr(decode_runner.DecodeRunner, "forward", checking)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 9, 7, 3)]
-    new_tokens = [12, 14, 10, 16]
-    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
-    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
-    engine = Engine(model, pool, max_num_seqs=4)
+    engine, prompts, new_tokens = _four_requests_on_cuda()
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         "llama", prompts, new_tokens, "cuda"
     )
@@ -218,12 +223,7 @@ def test_an_asynchronous_launch_does_not_sync(monkeypatch):
         return launched
 
     monkeypatch.setattr(Engine, "_launch", checking)
-    generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 9, 7, 3)]
-    new_tokens = [12, 14, 10, 16]
-    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
-    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
-    engine = Engine(model, pool, max_num_seqs=4)
+    engine, prompts, new_tokens = _four_requests_on_cuda()
     assert engine.async_scheduling and engine.runner.cuda_graphs  # the defaults on CUDA
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         "llama", prompts, new_tokens, "cuda"
@@ -236,4 +236,4 @@ def test_an_asynchronous_launch_does_not_sync(monkeypatch):
         prompts, max_new_tokens=new_tokens, ignore_eos=True, temperature=[0.0, 0.8, 1.2, 0.7], top_k=20, top_p=0.9
     )
     assert checked and not errors and [len(tokens) for tokens in sampled] == new_tokens
-    assert all(0 <= token < model.config.vocab_size for tokens in sampled for token in tokens)
+    assert all(0 <= token < engine.model.config.vocab_size for tokens in sampled for token in tokens)
