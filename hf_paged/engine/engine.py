@@ -16,8 +16,8 @@ then the engine appends tokens and retires finished requests:
       └─ PerRequestStep      a forward per row with the model's own attention (per_request.py)
 
 With asynchronous scheduling (on CUDA by default) a decode-only step is launched before the host reads the tokens of
-the step before it; the device feeds those tokens to it, and the host reads them (and appends,
-streams and retires) while the new step runs: `_launch`, `_resolve`, `_advance` below, docs/engine.md.
+the step before it; the device feeds those tokens to it, and the host reads them (and appends, streams and retires)
+while the new step runs: `_launch`, `_resolve`, `_advance` below, docs/engine.md.
 
 A request lives in the engine from `add_request` until its results are handed back: `generate()` / `stream()`
 return their own, a serving loop takes finished ones with `pop_finished()`. So the engine holds what is in flight,
@@ -592,9 +592,7 @@ class Engine:
         # Its tokens are read by the next step, unless every row's request finished meanwhile (nothing to read).
         self._inflight = None if all(request.finished for request in launched.requests) else launched
         stats.num_async_steps += 1
-        stats.record_step(len(launched.requests), self.pool.num_used_blocks)
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+        self._record_step(len(launched.requests))
 
     def _resolve(self, inflight: _InFlight) -> list[tuple[int, int]]:
         """Read the tokens of the step in flight and apply them: append each row's token, finish the requests it
@@ -638,9 +636,15 @@ class Engine:
         return events
 
     def _note_finished_since(self, checkpoint: StepCheckpoint) -> None:
-        for request in checkpoint.saved:
+        for request in checkpoint.saved:  # every request the step could have finished
             if request.finished:
                 self._note_finished(request)
+
+    def _record_step(self, num_rows: int) -> None:
+        stats = self.stats
+        stats.record_step(num_rows, self.pool.num_used_blocks)
+        stats.num_preemptions = self.scheduler.num_preemptions
+        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
 
     def _sync_step(
         self, checkpoint: StepCheckpoint | None = None, scheduled: ScheduledStep | None = None
@@ -704,14 +708,9 @@ class Engine:
                     request.logprobs.append(token_logprob(results[row][2], decision, request.params.logprobs))
         for request in [r for r in self.scheduler.running if r.error is not None or r.is_done]:
             self.scheduler.retire(request)
-        for request in checkpoint.saved:  # every request the step could have finished
-            if request.finished:
-                self._note_finished(request)
+        self._note_finished_since(checkpoint)
         self._release_runner_when_idle()
-        stats = self.stats
-        stats.record_step(len(rows), self.pool.num_used_blocks)
-        stats.num_preemptions = self.scheduler.num_preemptions
-        stats.prefix_hit_tokens = self.scheduler.num_prefix_hit_tokens
+        self._record_step(len(rows))
         return events
 
     def _run(self, rows: list[tuple[Request, int]], checkpoint: StepCheckpoint) -> dict | None:

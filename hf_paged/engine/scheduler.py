@@ -145,7 +145,6 @@ class Scheduler:
         in order, so the step in flight has written their K/V before a later step writes blocks they held."""
         for request in [r for r in self.running if r.awaits_last_token]:
             self.block_manager.free(request)
-            request.states = None
             self.running.remove(request)
             self.finishing.append(request)
 
@@ -158,8 +157,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """A request set aside while its last token was in flight (`set_aside_finishing`) has it now: it finishes."""
         self.finishing.remove(request)
-        request.finished = True
-        request.finish_time = time.perf_counter()
+        _end(request)
 
     def fits(self, newcomer: Request) -> bool:
         """Whether admission would let `newcomer` in next to the running requests now (`Admission.fits`)."""
@@ -220,10 +218,8 @@ class Scheduler:
 
     def retire(self, request: Request) -> None:
         self.block_manager.free(request)
-        request.states = None  # a hybrid model's recurrent states: no forward of it follows
-        request.finished = True
-        request.finish_time = time.perf_counter()
         self.running.remove(request)
+        _end(request)
 
     def abort(self, requests: list[Request]) -> None:
         """Stop unfinished `requests` for good, between steps: a running one's blocks go back at once (with prefix
@@ -256,9 +252,8 @@ class Scheduler:
             # A waiting request holds no blocks: a preempted one gave them back.
             assert not any(request.block_tables for request in leaving)
             self.waiting = deque(r for r in self.waiting if r not in leaving)
-            now = time.perf_counter()
             for request in leaving:
-                request.finished, request.finish_time, request.states = True, now, None
+                _end(request)
 
     def schedule(self) -> ScheduledStep:
         # Out-of-window blocks go back first, so admission sees them free and every running request holds at most
@@ -314,3 +309,10 @@ class Scheduler:
                 budget -= chunk
             (decode.append(request) if request.num_pending == 1 else prefill.append((request, chunk)))
         return ScheduledStep(decode=decode, prefill=prefill)
+
+
+def _end(request: Request) -> None:
+    """`request` is finished: no forward of it follows (a hybrid model's recurrent states are dropped)."""
+    request.finished = True
+    request.finish_time = time.perf_counter()
+    request.states = None
