@@ -26,6 +26,8 @@ admission owns the prefix cache and decides what a request takes from it.
 from __future__ import annotations
 
 import bisect
+import itertools
+from collections import Counter
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -188,7 +190,7 @@ class Lookahead:
         self.growths = [
             growth_model.growth(request, delay, waits) for request, delay, waits in zip(running, delays, prefilling)
         ]
-        held = {block_id for request in running for block_id in request.block_ids}
+        held = set().union(*(table for request in running for table in request.block_tables))
         self.available = num_free_blocks + len(held)
         windows = self.counts.group_windows
         self.full_groups = [group for group, window in enumerate(windows) if window is None]
@@ -201,12 +203,22 @@ class Lookahead:
         if self.full_shared:
             # Per running request, its table in each full group (none before it holds blocks: `_full_tables`).
             self.tables = [self._full_tables(request) for request in running]
-            # A held block counts at step t while a request holding it still runs: until the last of their ends.
+            # A held block counts at step t while a request holding it still runs: until the last of their ends
+            # (requests in the order of their ends, so a later one's end replaces an earlier one's).
             self.last_end: dict[int, int] = {}
-            for tables, growth in zip(self.tables, self.growths):
-                for block_id in (block_id for table in tables for block_id in table):
-                    self.last_end[block_id] = max(self.last_end.get(block_id, -1), growth.end)
+            for index in sorted(range(len(running)), key=lambda index: self.growths[index].end):
+                for table in self.tables[index]:
+                    self.last_end.update(dict.fromkeys(table, self.growths[index].end))
             self._sorted_ends = sorted(self.last_end.values())
+            # Per running request, what `_running_shared` reads: (tokens, steps, end, its full tables' lengths), the
+            # latest end first.
+            self._fresh_rows = sorted(
+                (
+                    (growth.tokens, growth.steps, growth.end, [len(table) for table in tables])
+                    for growth, tables in zip(self.growths, self.tables)
+                ),
+                key=lambda row: -row[2],
+            )
         if self.sliding_windows:  # a sliding group counts less once a prefill ends
             self.check_points.update(growth.end - growth.steps for growth in self.growths if growth.prefilling)
         # With prefix caching, a block several requests hold in a sliding group also counts once (`_sliding_demand`).
@@ -219,17 +231,16 @@ class Lookahead:
 
     def _sliding_share(self, running: list[Request], group: int, window: int) -> SlidingShare:
         """Sliding group `group`'s blocks held by two or more `running` requests, and each request's own share."""
-        holders: dict[int, int] = {}
-        last_end: dict[int, int] = {}
-        for request, growth in zip(running, self.growths):
-            for block_id in request.block_tables[group] if request.block_tables else ():
-                holders[block_id] = holders.get(block_id, 0) + 1
-                last_end[block_id] = max(last_end.get(block_id, -1), growth.end)
-        shared = {block_id: end for block_id, end in last_end.items() if holders[block_id] > 1}
+        tables = [request.block_tables[group] if request.block_tables else [] for request in running]
+        holders = Counter(itertools.chain.from_iterable(tables))
+        last_end: dict[int, int] = {}  # the last end of a block's holders (in the order of their ends)
+        for index in sorted(range(len(running)), key=lambda index: self.growths[index].end):
+            last_end.update(dict.fromkeys(tables[index], self.growths[index].end))
+        shared = {block_id: last_end[block_id] for block_id, count in holders.items() if count > 1}
         alone, reach = [], []
-        for request in running:
-            table = request.block_tables[group] if request.block_tables else []
-            alone.append(sum(1 for block_id in table if block_id not in shared))
+        for request, table in zip(running, tables):
+            # A table holds a block once.
+            alone.append(len(table) - len(shared.keys() & table) if shared else len(table))
             reach.append(request.first_blocks[group] + len(table) if request.block_tables else 0)
         return SlidingShare(group, window, shared, sorted(shared.values()), alone, reach)
 
@@ -365,8 +376,15 @@ class Lookahead:
         memo = self._shared_memo.get(t)
         if memo is None:
             held = len(self._sorted_ends) - bisect.bisect_left(self._sorted_ends, t)
-            fresh = sum(
-                self._fresh(growth, tables, t) for growth, tables in zip(self.growths, self.tables) if growth.end >= t
-            )
+            # NOTE: `_fresh` of every request still running at t, inlined: this runs for every check point of every
+            # forecast, over every running request, and is most of admission's time with many of them.
+            fresh, block_size = 0, self.counts.block_size
+            for tokens, steps, end, lengths in self._fresh_rows:
+                if end < t:  # and every request after it
+                    break
+                num_blocks = -(-(tokens + (t if t < steps else steps)) // block_size)
+                for length in lengths:
+                    if num_blocks > length:
+                        fresh += num_blocks - length
             memo = self._shared_memo[t] = (held, fresh)
         return memo

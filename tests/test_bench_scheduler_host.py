@@ -1,0 +1,23 @@
+"""bench/scheduler_host.py: the Engine's host time per step without a model, on the GPU workload's shapes."""
+
+from bench.scheduler_host import main, measure
+
+
+def test_every_step_is_timed_once_as_decode_only_or_with_prefill():
+    result = measure(num_requests=8, prompt_lens=(24, 48), output_lens=(4, 12), kv_memory="4MiB")
+    steps = result["steps"]
+    assert len(steps["with prefill"]) + len(steps["decode only"]) == result["num_steps"]
+    assert steps["with prefill"] and steps["decode only"]  # prompts first, then decode-only steps to the end
+    assert all(seconds > 0 for times in steps.values() for seconds in times)
+    # The pool holds a few requests at a time: later ones are admitted as earlier ones finish.
+    assert result["num_blocks"] == 8 and max(result["rows"]["decode only"]) < 8
+    assert 0 < result["admission_s"] < sum(sum(times) for times in steps.values())
+    assert result["num_preemptions"] == 0
+
+
+def test_main_prints_the_table_and_the_host_bound(capsys):
+    args = ["--num-requests", "4", "--prompt-lens", "16", "32", "--output-lens", "4", "8", "--kv-memory", "8MiB"]
+    assert main([*args, "--repeats", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| with prefill |" in out and "| decode only  |" in out
+    assert "output tok/s" in out and "admission:" in out
