@@ -93,6 +93,8 @@ class PrefixReuse:
         if not self.enabled:
             return
         num_full = request.num_computed // self.counts.block_size
+        if num_full <= request.num_registered_blocks:  # most steps: no block filled up
+            return
         request.extend_hashes(num_full, self.counts.block_size)
         for group, (table, first) in enumerate(zip(request.block_tables, request.first_blocks)):
             for index in range(max(request.num_registered_blocks, first), num_full):

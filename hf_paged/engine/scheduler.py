@@ -265,20 +265,21 @@ class Scheduler:
 
         # Every request with one token to feed gets its row, so its token is set aside first; prefill chunks share
         # the rest in order, and the step never passes max_num_batched_tokens.
-        decode_rows = {request.request_id for request in self.running if request.num_pending == 1}
-        budget = self.max_num_batched_tokens - len(decode_rows)
+        pending = {request: request.num_pending for request in self.running}
+        budget = self.max_num_batched_tokens - sum(1 for num_pending in pending.values() if num_pending == 1)
         decode: list[Request] = []
         prefill: list[tuple[Request, int]] = []
         # Hashes of the prompt blocks being computed, not cached yet (prefix caching): a request whose next uncached
         # block is one of them waits until it is cached, then takes it instead of computing a copy.
         computing = set()
-        for running in self.running:
-            if running.block_tables and running.num_pending > 1:
+        for running, num_pending in pending.items():
+            if running.block_tables and num_pending > 1:
                 computing.update(running.block_hashes[running.num_registered_blocks :])
-        for request in list(self.running):
-            if request not in self.running:  # preempted while making room for an earlier one
+        left: set[Request] = set()  # preempted (or failed alone) while making room: out of `self.running`
+        for request, num_pending in pending.items():
+            if request in left:  # preempted while making room for an earlier one
                 continue
-            if request.num_pending > 1 and budget <= 0:
+            if num_pending > 1 and budget <= 0:
                 continue  # no prefill budget left this step
             if request.num_computed == 0 and not request.block_tables:
                 if self.prefix.waits(request, computing):
@@ -287,9 +288,10 @@ class Scheduler:
                 # one that waits for blocks another is computing (or has no hit) looks up when its prefill starts,
                 # and finds what is computed and cached meanwhile.
                 self.prefix.take(request)
-                if request.num_pending > 1:
+                num_pending = request.num_pending
+                if num_pending > 1:
                     computing.update(request.block_hashes[request.num_registered_blocks :])
-            chunk = 1 if request.num_pending == 1 else min(request.num_pending, budget)
+            chunk = 1 if num_pending == 1 else min(num_pending, budget)
             while not self.block_manager.grow(request, request.num_computed + chunk):
                 victim = self.running[-1]
                 if victim is request and len(self.running) == 1:
@@ -297,17 +299,19 @@ class Scheduler:
                     fitting = self.block_manager.fit_chunk(request, chunk)
                     if fitting == 0:
                         self._fail_alone(request, chunk)
+                        left.add(request)
                         break
                     chunk = fitting
                     continue
                 self._preempt(victim)
+                left.add(victim)
                 if victim is request:
                     break
-            if request not in self.running:
+            if request in left:
                 continue
-            if request.request_id not in decode_rows:
+            if pending[request] != 1:  # not a decode row when the step began: its tokens come out of the budget
                 budget -= chunk
-            (decode.append(request) if request.num_pending == 1 else prefill.append((request, chunk)))
+            (decode.append(request) if num_pending == 1 else prefill.append((request, chunk)))
         return ScheduledStep(decode=decode, prefill=prefill)
 
 
