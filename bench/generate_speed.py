@@ -16,6 +16,12 @@ also compiles). Then `--check-dtype` (float32 by default) runs every variant onc
 DynamicCache's. On CPU, `--tiny` runs the same on a 2-layer model in seconds (a dry run of the script); compiled
 variants then need `--compile-all-devices` (transformers compiles by itself on CUDA only).
 
+Then `--trace-steps` decode steps at batch 1 in the speed dtype, teacher-forced: DynamicCache's greedy tokens are fed
+to each eager PagedCache variant, and every step's logits are compared with DynamicCache's (bit for bit, largest
+difference, argmax), with what SDPA received at layer 0 (the K strides: a view of the pool or a contiguous tensor) and
+the backend it picks for those inputs (`torch._fused_sdp_choice`). "paged, contiguous K/V" hands SDPA a contiguous
+copy of the same K/V, as DynamicCache does, so a difference that only the view causes shows as the two disagreeing.
+
     python bench/generate_speed.py --json bench/results/gpu/generate.json
 """
 
@@ -90,6 +96,9 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-len", type=int, default=1024)
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--check-tokens", type=int, default=64, help="new tokens of the identity check")
+    parser.add_argument(
+        "--trace-steps", type=int, default=32, help="teacher-forced steps of the logits trace (0: none)"
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on CPU")
@@ -124,6 +133,8 @@ def main(argv=None) -> int:
             print(f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token", flush=True)
     print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
 
+    if args.trace_steps:
+        results["trace"] = trace_logits(models, shape, args)
     if args.check_dtype != "none":
         results["identity"] = check_tokens(args, shape, compile_config)
     if args.json:
@@ -152,6 +163,113 @@ def check_tokens(args, shape: dict, compile_config) -> list[dict]:
             )
             print(f"tokens {args.check_dtype} batch {batch:3d} {variant:26s} {int(same.sum())}/{batch} rows identical")
     return rows
+
+
+TRACE_VARIANTS = ("paged", "paged, contiguous K/V", "paged+hf_paged")
+
+
+class _SdpaInputs:
+    """Records what `scaled_dot_product_attention` receives at the first call of each forward (layer 0): K's layout
+    (contiguous, or the strides of a view) and the backend SDPA picks for those inputs."""
+
+    def __init__(self):
+        self.calls: list[tuple[str, str]] = []  # (K's layout, SDPA's backend)
+        self.armed = False
+        self._sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def __enter__(self):
+        sdpa = self._sdpa
+
+        def recording(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+            if self.armed:
+                self.armed = False
+                choice = torch._fused_sdp_choice(
+                    query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs
+                )
+                layout = "contiguous" if key.is_contiguous() else f"strided {list(key.stride())}"
+                self.calls.append((layout, torch.nn.attention.SDPBackend(choice).name))
+            return sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, **kwargs)
+
+        torch.nn.functional.scaled_dot_product_attention = recording
+        return self
+
+    def __exit__(self, *exc):
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa
+
+
+def _contiguous_kv(cache: PagedCache) -> PagedCache:
+    """`cache` handing attention contiguous copies of the K/V it returns (what DynamicCache's `torch.cat` gives)."""
+    update = cache.update
+
+    def contiguous_update(*args, **kwargs):
+        return tuple(states.contiguous() for states in update(*args, **kwargs))
+
+    cache.update = contiguous_update
+    return cache
+
+
+def _teacher_forced(model, cache, input_ids: torch.Tensor, tokens: list[int] | None, steps: int, sdpa: _SdpaInputs):
+    """Prefill `input_ids`, then `steps` decode steps feeding `tokens` (None: the step's own argmax); per step, the
+    last position's logits (float32) and what SDPA received at layer 0."""
+    logits, fed = [], []
+    with torch.inference_mode():
+        sdpa.armed = True
+        out = model(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache)
+        for step in range(steps + 1):
+            logits.append(out.logits[0, -1].float())
+            if step == steps:
+                break
+            token = tokens[step] if tokens is not None else int(logits[-1].argmax())
+            fed.append(token)
+            position = input_ids.shape[1] + step
+            sdpa.armed = True
+            out = model(
+                torch.tensor([[token]], device=input_ids.device),
+                attention_mask=torch.ones(1, position + 1, dtype=torch.long, device=input_ids.device),
+                position_ids=torch.tensor([[position]], device=input_ids.device),
+                cache=cache,
+            )
+    if isinstance(cache, PagedCache):
+        cache.release()
+    return logits, fed
+
+
+def trace_logits(models, shape: dict, args) -> dict:
+    """Batch 1, the speed dtype: DynamicCache's greedy tokens fed to each eager PagedCache variant (`TRACE_VARIANTS`);
+    per variant, the steps whose logits differ from DynamicCache's, and what SDPA received and picked."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
+    with _SdpaInputs() as sdpa:
+        expected, tokens = _teacher_forced(
+            models[0], DynamicCache(config=models[0].config), input_ids, None, args.trace_steps, sdpa
+        )
+        reference_calls, sdpa.calls = sdpa.calls, []
+        variants = []
+        for variant in TRACE_VARIANTS:
+            model = models[1] if "hf_paged" in variant else models[0]
+            cache = PagedCache(config=model.config)  # a pool of its own: a row's blocks are consecutive
+            if "contiguous" in variant:
+                cache = _contiguous_kv(cache)
+            got, _ = _teacher_forced(model, cache, input_ids, tokens, args.trace_steps, sdpa)
+            calls, sdpa.calls = sdpa.calls, []
+            differing = [step for step, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
+            variants.append(
+                dict(
+                    variant=variant,
+                    differing_steps=differing,
+                    max_abs_diff=max(float((a - b).abs().max()) for a, b in zip(got, expected)),
+                    argmax_differs=[step for step, (a, b) in enumerate(zip(got, expected)) if a.argmax() != b.argmax()],
+                    sdpa=sorted({f"{backend}, K {layout}" for layout, backend in calls}),
+                )
+            )
+            first = differing[0] if differing else "none"
+            print(
+                f"trace {args.dtype} {variant:24s} first step with other logits: {first}, "
+                f"max |diff| {variants[-1]['max_abs_diff']:.3g}, SDPA: {variants[-1]['sdpa']}",
+                flush=True,
+            )
+    reference = sorted({f"{backend}, K {layout}" for layout, backend in reference_calls})
+    return dict(dtype=args.dtype, steps=args.trace_steps, dynamic_sdpa=reference, variants=variants)
 
 
 def _num_blocks(batch: int, args) -> int:

@@ -179,6 +179,36 @@ def _generate_section(out: Path) -> str:
         f"{report['versions']}\n",
         tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"),
     ]
+    trace = report.get("trace")
+    if trace:
+        rows = [
+            [
+                v["variant"],
+                v["differing_steps"][0] if v["differing_steps"] else "none",
+                f"{len(v['differing_steps'])}/{trace['steps'] + 1}",
+                f"{v['max_abs_diff']:.3g}",
+                ", ".join(map(str, v["argmax_differs"])) or "none",
+                "; ".join(v["sdpa"]),
+            ]
+            for v in trace["variants"]
+        ]
+        parts += [
+            f"\nLogits against DynamicCache in {trace['dtype']}, batch 1, DynamicCache's tokens fed for "
+            f"{trace['steps']} steps (step 0: the prompt's forward); DynamicCache's SDPA at layer 0: "
+            f"{'; '.join(trace['dynamic_sdpa'])}\n",
+            tabulate(
+                rows,
+                [
+                    "variant",
+                    "first step with other logits",
+                    "steps differing",
+                    "max abs diff",
+                    "argmax differs at",
+                    "SDPA at layer 0 (backend, K)",
+                ],
+                tablefmt="github",
+            ),
+        ]
     identity = report.get("identity") or []
     if identity:
         rows = [

@@ -13,7 +13,17 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, monkeypatch):
     out = tmp_path / "generate.json"
     argv = ["generate_speed.py", "--tiny", "--device", "cpu", "--batch", "2", "--prompt-len", "10"]
-    argv += ["--new-tokens", "3", "--check-tokens", "4", "--repeats", "1", "--compile-all-devices"]
+    argv += [
+        "--new-tokens",
+        "3",
+        "--check-tokens",
+        "4",
+        "--trace-steps",
+        "5",
+        "--repeats",
+        "1",
+        "--compile-all-devices",
+    ]
     argv += ["--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
     try:
@@ -25,8 +35,17 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert {r["variant"] for r in report["speed"]} == variants
     assert all(r["ms_per_token"] > 0 for r in report["speed"])
     assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 6
+    # The teacher-forced trace in the speed dtype: on CPU every variant's logits are DynamicCache's, bit for bit; SDPA
+    # got the pool's strided view from PagedCache, and a contiguous copy where the variant asks for one.
+    trace = {v["variant"]: v for v in report["trace"]["variants"]}
+    assert set(trace) == {"paged", "paged, contiguous K/V", "paged+hf_paged"}
+    assert all(v["differing_steps"] == [] and v["max_abs_diff"] == 0.0 for v in trace.values())
+    assert all(entry.endswith("K contiguous") for entry in report["trace"]["dynamic_sdpa"])
+    assert any("K strided" in entry for entry in trace["paged"]["sdpa"])
+    assert all(entry.endswith("K contiguous") for entry in trace["paged, contiguous K/V"]["sdpa"])
 
     from bench.gpu_report import _generate_section
 
     section = _generate_section(tmp_path)
     assert "paged+hf_paged-compiled" in section and "2/2" in section
+    assert "| paged, contiguous K/V " in section and "first step with other logits" in section
