@@ -3,34 +3,44 @@
 1. the GPU tests: tests/test_gpu.py (the paged path end to end on CUDA models) and tests/test_kernels.py /
    tests/test_prefill_kernel.py / tests/test_kernel_dispatch.py on CUDA tensors (the Triton kernels against their
    reference on the GPU);
-2. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
+2. bench/engine_speed.py: the Engine on a Llama-3.2-1B-shaped bf16 model, a burst of 128 requests (prompts
+   128-1024, outputs 64-256) at 1 GiB of K/V, with and without CUDA graphs and asynchronous scheduling, beside
+   transformers' continuous batching and static generate() batches; GPU busy share of its decode steps
+   (torch.profiler); graph and asynchronous tokens against eager ones in float32;
+3. bench/generate_speed.py: plain generate() on the same model (1024-token prompt, 128 new tokens, batch 1 and 16)
+   with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and PagedCache(max_cache_len),
+   milliseconds per new token, each one's tokens against DynamicCache's in float32, and a bf16 trace of every
+   step's logits against DynamicCache's;
+4. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
    contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
-3. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
+5. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
    2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
-4. bench/generate_speed.py: plain generate() on a Llama-3.2-1B-shaped bf16 model (1024-token prompt, 128 new
-   tokens, batch 1 and 16) with DynamicCache, PagedCache (sdpa and "hf_paged"), and compiled StaticCache and
-   PagedCache(max_cache_len), milliseconds per new token, and each one's tokens against DynamicCache's in float32;
-5. bench/engine_speed.py: the Engine on the same model, a burst of 128 requests (prompts 128-1024, outputs 64-256)
-   at 1 GiB of K/V, with and without CUDA graphs and asynchronous scheduling, beside transformers' continuous
-   batching and static generate() batches; GPU busy share of its decode steps (torch.profiler); graph and
-   asynchronous tokens against eager ones in float32;
 6. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
 does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
 step failed. Without CUDA it runs nothing, says so, and exits 2.
 
+On a lent GPU the time is counted: `--deadline` stops starting steps once that many seconds have passed (each step's
+timeout is cut to what is left, and `--step-timeout` caps every step), and the report says which steps timed out or
+were not run; `--bundle` packs the raw results into one archive, so REPORT.md and the archive are the only two files
+to bring back.
+
     python -m bench.gpu_report                 # everything
     python -m bench.gpu_report --skip serving  # tests and decode only
+    python -m bench.gpu_report --skip serving --deadline 540 --out /tmp/gpu --bundle "$OUT/raw.tar.gz"
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import signal
 import subprocess
 import sys
+import tarfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +51,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "decode", "prefill", "generate", "engine", "serving")
+STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "serving")  # in the order they run
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -52,9 +62,18 @@ class Step:
     kind: str
     name: str
     command: list[str]
-    returncode: int | None = None
+    returncode: int | None = None  # None: not run (the deadline had passed)
     seconds: float | None = None
     output_tail: str = ""
+    timed_out: bool = False
+
+    @property
+    def status(self) -> str:
+        if self.returncode is None:
+            return "not run (deadline)"
+        if self.timed_out:
+            return f"TIMED OUT after {self.seconds:.0f} s"
+        return "ok" if self.returncode == 0 else f"FAILED ({self.returncode})"
 
 
 def plan(out: Path, skip: set[str]) -> list[Step]:
@@ -64,6 +83,12 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
         tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_prefill_kernel.py"]
         tests.append("tests/test_kernel_dispatch.py")
         steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *tests]))
+    if "engine" not in skip:
+        command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
+        steps.append(Step("engine", "engine speed", command))
+    if "generate" not in skip:
+        command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
+        steps.append(Step("generate", "generate speed", command))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
@@ -74,12 +99,6 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
             json_path = out / f"prefill_{dtype}_d{head_dim}.json"
             command = [python, "-m", "bench.prefill_attention", "--dtype", dtype, "--head-dim", str(head_dim)]
             steps.append(Step("prefill", f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
-    if "generate" not in skip:
-        command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
-        steps.append(Step("generate", "generate speed", command))
-    if "engine" not in skip:
-        command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
-        steps.append(Step("engine", "engine speed", command))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
@@ -89,15 +108,48 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     return steps
 
 
-def run(step: Step, out: Path) -> None:
+TIMEOUT_EXIT = 124  # what `timeout` exits with
+
+
+def run(step: Step, out: Path, timeout: float | None = None) -> None:
+    """Run `step` in its own process, its output to a log in `out`; killed after `timeout` seconds."""
     print(f"== {step.name}: {' '.join(step.command)}", flush=True)
     start = time.perf_counter()
     log = out / f"{step.name.replace(' ', '_')}.log"
     with open(log, "w") as f:
-        result = subprocess.run(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT)
-    step.returncode, step.seconds = result.returncode, time.perf_counter() - start
+        # A session of its own, so that a timeout stops what the step started too (the serving harness's servers).
+        process = subprocess.Popen(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            step.returncode = process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            step.returncode, step.timed_out = TIMEOUT_EXIT, True
+    step.seconds = time.perf_counter() - start
     step.output_tail = "\n".join(log.read_text().splitlines()[-25:])
-    print(f"   exit {step.returncode} in {step.seconds:.0f} s (log: {log})", flush=True)
+    print(f"   {step.status} in {step.seconds:.0f} s (log: {log})", flush=True)
+
+
+def run_all(steps: list[Step], out: Path, deadline: float | None, step_timeout: float | None) -> None:
+    """Run `steps` in order; none starts once `deadline` seconds have passed, and each is killed at the deadline or
+    after `step_timeout` seconds, whichever comes first."""
+    start = time.perf_counter()
+    for step in steps:
+        left = None if deadline is None else deadline - (time.perf_counter() - start)
+        if left is not None and left <= 0:
+            print(f"== {step.name}: not run, the deadline of {deadline:.0f} s has passed", flush=True)
+            continue
+        limits = [limit for limit in (left, step_timeout) if limit is not None]
+        run(step, out, min(limits) if limits else None)
+
+
+def bundle(out: Path, path: Path) -> None:
+    """Every file of `out` but REPORT.md in one gzipped tar at `path`."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w:gz") as archive:
+        for file in sorted(out.iterdir()):
+            if file.is_file() and file.name != "REPORT.md" and file.resolve() != path.resolve():
+                archive.add(file, arcname=file.name)
 
 
 def _decode_section(out: Path) -> str:
@@ -292,14 +344,14 @@ def report(steps: list[Step], out: Path) -> str:
         "## Steps",
         "",
         tabulate(
-            [[s.name, "ok" if s.returncode == 0 else f"FAILED ({s.returncode})", f"{s.seconds:.0f}"] for s in steps],
+            [[s.name, s.status, "" if s.seconds is None else f"{s.seconds:.0f}"] for s in steps],
             ["step", "status", "seconds"],
             tablefmt="github",
         ),
         "",
     ]
     for step in steps:
-        if step.kind == "tests" or step.returncode != 0:
+        if step.returncode is not None and (step.kind == "tests" or step.returncode != 0):
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
     lines += ["## Decode attention", "", _decode_section(out)]
     lines += ["## Prefill attention", "", _prefill_section(out)]
@@ -312,6 +364,9 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(OUT), help="folder for REPORT.md and the raw results")
     parser.add_argument("--skip", nargs="*", default=[], choices=STEP_KINDS, help="steps to leave out")
+    parser.add_argument("--deadline", type=float, help="seconds after which no step starts (and a running one stops)")
+    parser.add_argument("--step-timeout", type=float, help="seconds after which a step is stopped")
+    parser.add_argument("--bundle", help="also pack the raw results (all but REPORT.md) into this .tar.gz")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -321,9 +376,10 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     steps = plan(out, set(args.skip))
-    for step in steps:
-        run(step, out)
+    run_all(steps, out, args.deadline, args.step_timeout)
     (out / "REPORT.md").write_text(report(steps, out))
+    if args.bundle:
+        bundle(out, Path(args.bundle))
     failed = [s.name for s in steps if s.returncode != 0]
     print(f"wrote {out / 'REPORT.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

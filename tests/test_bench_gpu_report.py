@@ -1,0 +1,51 @@
+"""bench/gpu_report.py's running of steps on a lent GPU's clock: timeouts, the deadline, and the bundle."""
+
+import sys
+import tarfile
+import time
+
+from bench.gpu_report import TIMEOUT_EXIT, Step, bundle, run_all
+
+
+def _step(name: str, code: str) -> Step:
+    return Step("tests", name, [sys.executable, "-c", code])
+
+
+def test_a_step_past_its_timeout_is_stopped_and_none_starts_after_the_deadline(tmp_path):
+    steps = [
+        _step("quick", "print('done')"),
+        _step("fails", "raise SystemExit(3)"),
+        _step("slow", "import time; time.sleep(60)"),
+        _step("late", "print('never')"),
+    ]
+    start = time.perf_counter()
+    run_all(steps, tmp_path, deadline=30.0, step_timeout=2.0)
+    assert time.perf_counter() - start < 20  # the slow step was stopped at its timeout, not waited for
+    quick, fails, slow, late = steps
+    assert (quick.returncode, quick.status, quick.output_tail) == (0, "ok", "done")
+    assert fails.status == "FAILED (3)"
+    assert slow.timed_out and slow.returncode == TIMEOUT_EXIT and slow.status.startswith("TIMED OUT after")
+    assert late.status == "ok"  # the deadline had not passed
+
+    # A step whose own child outlives it: the timeout stops the child too (a serving step's servers).
+    marker = tmp_path / "child_alive"
+    child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').close()"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    steps = [_step("slow", parent), _step("late", "print('never')")]
+    run_all(steps, tmp_path, deadline=1.5, step_timeout=None)
+    assert steps[0].timed_out  # cut at the deadline
+    assert steps[1].returncode is None and steps[1].status == "not run (deadline)"
+    assert (tmp_path / "quick.log").read_text() == "done\n"
+    time.sleep(3)
+    assert not marker.exists()
+
+
+def test_the_bundle_holds_every_raw_file_but_the_report(tmp_path):
+    out = tmp_path / "gpu"
+    out.mkdir()
+    for name in ("REPORT.md", "engine.json", "generate_speed.log"):
+        (out / name).write_text(name)
+    bundle(out, tmp_path / "back" / "raw.tar.gz")
+    with tarfile.open(tmp_path / "back" / "raw.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["engine.json", "generate_speed.log"]
+        assert archive.extractfile("engine.json").read() == b"engine.json"
