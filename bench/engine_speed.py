@@ -168,6 +168,14 @@ def main(argv=None) -> int:
     kv_bytes = parse_memory(args.kv_memory)
     results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "runs": {}}
     warm = burst(vocab_size=shape["vocab_size"], num_requests=4, prompt_lens=(16, 32), output_lens=(4, 8), seed=1)
+
+    def save() -> None:
+        """Write what is measured so far (a run stopped by a timeout leaves its finished backends)."""
+        if args.json:
+            runs = {name: {k: v for k, v in run.items() if k != "outputs"} for name, run in results["runs"].items()}
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps({**results, "runs": runs}, indent=1))
+
     for name in args.backends:
         if name in ENGINE_MODES:  # a short burst first: Triton compiles, graphs of small buckets capture
             graphs, overlap = ENGINE_MODES[name]
@@ -179,6 +187,7 @@ def main(argv=None) -> int:
         else:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run
+        save()
         print(
             f"{name:16s} {run['tok_per_s']:9.1f} output tok/s  ({run['output_tokens']} tokens in {run['wall_s']:.1f} s)"
         )
@@ -203,11 +212,7 @@ def main(argv=None) -> int:
         for name, run in runs.items()
     ]
     print(tabulate(table, ["backend", "output tok/s", "vs transformers-cb"], tablefmt="github"))
-    for run in runs.values():
-        run.pop("outputs", None)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    save()
     return 0
 
 

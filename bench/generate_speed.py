@@ -115,6 +115,13 @@ def main(argv=None) -> int:
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
     results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "speed": []}
     speed_rows = []
+
+    def save() -> None:
+        """Write what is measured so far (a run stopped by a timeout leaves its finished variants)."""
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(results, indent=1))
+
     models = build_model(shape, getattr(torch, args.dtype), args.device)
     for batch in args.batch:
         generator = torch.Generator().manual_seed(batch)
@@ -129,17 +136,17 @@ def main(argv=None) -> int:
             )
             ms_per_token = seconds / args.new_tokens * 1e3
             results["speed"].append(dict(batch=batch, variant=variant, ms_per_token=ms_per_token))
+            save()
             speed_rows.append([batch, variant, f"{ms_per_token:.2f}"])
             print(f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token", flush=True)
     print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
 
     if args.trace_steps:
         results["trace"] = trace_logits(models, shape, args)
+        save()
     if args.check_dtype != "none":
         results["identity"] = check_tokens(args, shape, compile_config)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=1))
+    save()
     return 0
 
 

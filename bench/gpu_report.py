@@ -87,8 +87,12 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
         steps.append(Step("engine", "engine speed", command))
     if "generate" not in skip:
-        command = [python, "bench/generate_speed.py", "--json", str(out / "generate.json")]
-        steps.append(Step("generate", "generate speed", command))
+        for name, variants in GENERATE_RUNS.items():
+            command = [python, "bench/generate_speed.py", "--variants", *variants, "--json", str(out / name)]
+            if "compiled" in name:  # the bf16 trace is of the eager variants
+                command += ["--trace-steps", "0"]
+            label = "generate speed" + (", compiled" if "compiled" in name else "")
+            steps.append(Step("generate", label, command))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
@@ -213,25 +217,37 @@ def _prefill_section(out: Path) -> str:
     return "\n".join(parts) if parts else "(no prefill results)\n"
 
 
+GENERATE_RUNS = {  # json file -> the variants of that step (compiled ones apart: a timeout there leaves the eager)
+    "generate.json": ["dynamic", "paged", "paged+hf_paged"],
+    "generate_compiled.json": ["dynamic", "static-compiled", "paged-compiled", "paged+hf_paged-compiled"],
+}
+
+
 def _generate_section(out: Path) -> str:
-    path = out / "generate.json"
-    if not path.exists():
+    reports = [json.loads((out / name).read_text()) for name in GENERATE_RUNS if (out / name).exists()]
+    if not reports:
         return "(no generate results)\n"
-    report = json.loads(path.read_text())
-    args = report["args"]
-    rows, dynamic = [], {}
-    for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
-        if r["variant"] == "dynamic":
-            dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
-    for r in report["speed"]:
-        speed = dynamic[r["batch"]] / r["ms_per_token"] if r["batch"] in dynamic else None
-        rows.append([r["batch"], r["variant"], f"{r['ms_per_token']:.2f}", "" if speed is None else f"{speed:.2f}x"])
+    args = reports[0]["args"]
     parts = [
-        f"{report['device']}, {args['dtype']}, prompt {args['prompt_len']}, {args['new_tokens']} new tokens, greedy; "
-        f"{report['versions']}\n",
-        tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"),
+        f"{reports[0]['device']}, {args['dtype']}, prompt {args['prompt_len']}, {args['new_tokens']} new tokens, "
+        f"greedy; {reports[0]['versions']}\n"
     ]
-    trace = report.get("trace")
+    rows, identity, trace = [], [], None
+    for report in reports:  # each step's speeds against the DynamicCache runs of that step
+        dynamic = {}
+        for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
+            if r["variant"] == "dynamic":
+                dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
+        for r in report["speed"]:
+            if r["variant"] == "dynamic" and report is not reports[0]:
+                continue  # DynamicCache's rows once, from the first step
+            speed = dynamic[r["batch"]] / r["ms_per_token"] if r["batch"] in dynamic else None
+            rows.append(
+                [r["batch"], r["variant"], f"{r['ms_per_token']:.2f}", "" if speed is None else f"{speed:.2f}x"]
+            )
+        identity += [r for r in report.get("identity") or [] if r["variant"] != "dynamic"]
+        trace = trace or report.get("trace")
+    parts.append(tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"))
     if trace:
         rows = [
             [
@@ -261,7 +277,6 @@ def _generate_section(out: Path) -> str:
                 tablefmt="github",
             ),
         ]
-    identity = report.get("identity") or []
     if identity:
         rows = [
             [r["batch"], r["variant"], f"{r['identical_rows']}/{r['rows']}", r["first_diff"] or ""] for r in identity

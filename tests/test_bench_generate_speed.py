@@ -49,3 +49,10 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     section = _generate_section(tmp_path)
     assert "paged+hf_paged-compiled" in section and "2/2" in section
     assert "| paged, contiguous K/V " in section and "first step with other logits" in section
+
+    # The compiled variants' own step (bench/gpu_report.py runs them apart) joins the same table.
+    compiled = dict(report, speed=[r for r in report["speed"] if r["variant"] in ("dynamic", "paged-compiled")])
+    (tmp_path / "generate_compiled.json").write_text(json.dumps(compiled))
+    merged = _generate_section(tmp_path)
+    assert merged.count("| paged-compiled ") == 2 * section.count("| paged-compiled ")
+    assert merged.count("| dynamic ") == section.count("| dynamic ")
