@@ -310,6 +310,84 @@ def test_graph_replays_on_cpu_with_a_traced_stand_in_for_cuda_graphs(name, monke
     assert pool.num_used_blocks == 0
 
 
+def test_each_width_captures_into_a_memory_pool_of_its_own_with_two_streams_made_once(monkeypatch):
+    """Graphs of a new table width go into a new memory pool (capturing again into a pool whose graphs are all gone
+    trips the CUDA caching allocator), and every capture and warm-up runs on the runner's two streams."""
+    engine, _ = _runner_with_traced_graphs(monkeypatch, "llama")
+    pools, streams = [], []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: object())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: streams.append(_FakeStream()) or streams[-1])
+    capture = _TracedGraph.capture
+
+    def recording(graph, pool=None, stream=None):
+        pools.append((engine.runner.graph_width, pool, stream))
+        return capture(graph, pool, stream)
+
+    monkeypatch.setattr(torch.cuda, "graph", recording)
+    prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
+        "llama", prompts, NEW_TOKENS
+    )
+    by_width = {width: {id(pool) for w, pool, _ in pools if w == width} for width, _, _ in pools}
+    assert set(by_width) == {16, 32} and all(len(ids) == 1 for ids in by_width.values())
+    assert by_width[16] != by_width[32]
+    assert len(streams) == 2 and {id(stream) for _, _, stream in pools} == {id(engine.runner._capture_stream)}
+
+
+def test_a_failed_capture_runs_eager_steps_without_padding_rows(monkeypatch):
+    """A forward that cannot be captured: the error is kept, the steps run eagerly with the same tokens, and no
+    padding rows are run from then on (they only serve graphs)."""
+    engine, pool = _runner_with_traced_graphs(monkeypatch, "llama")
+    runner = engine.runner
+
+    @contextlib.contextmanager
+    def failing(graph, pool=None, stream=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+        yield
+
+    monkeypatch.setattr(torch.cuda, "graph", failing)
+    prompts = random_prompts((11, 3, 17))  # 3 rows: a bucket of 4 would pad one
+    assert engine.generate(prompts, max_new_tokens=[9, 4, 14], ignore_eos=True) == greedy_reference(
+        "llama", prompts, [9, 4, 14]
+    )
+    assert runner.capture_error == "RuntimeError: operation not permitted when stream is capturing"
+    assert runner.stats.replayed_steps == 0 and runner.stats.eager_steps > 0
+    assert not runner.pad_to_buckets and runner.stats.padded_rows == 0
+    assert pool.num_used_blocks == 0
+
+
+def test_the_staging_copies_are_contiguous_and_carry_every_step(monkeypatch):
+    """With a host staging tensor apart from the buffers (as on CUDA: pinned memory), each step's values and tables
+    reach the buffers in copies that are contiguous on both sides (a strided one goes through a pageable host copy
+    on CUDA, which blocks the host), and the tokens are per-request generate()'s."""
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=16)
+    runner = engine.runner
+    runner._host = runner._device.clone()  # the staging tensor, apart
+    copies, filling = [], [False]
+    copy_, fill = torch.Tensor.copy_, runner._fill
+
+    def recording_copy(self, src, non_blocking=False):
+        if filling[0]:
+            copies.append((self.is_contiguous(), src.is_contiguous(), self.data_ptr() == src.data_ptr()))
+        return copy_(self, src, non_blocking)
+
+    def recording_fill(*args, **kwargs):
+        filling[0] = True
+        try:
+            return fill(*args, **kwargs)
+        finally:
+            filling[0] = False
+
+    monkeypatch.setattr(torch.Tensor, "copy_", recording_copy)
+    monkeypatch.setattr(runner, "_fill", recording_fill)
+    prompts = random_prompts((11, 3, 17, 8))  # tables within the first width: the staging tensor stays apart
+    assert engine.generate(prompts, max_new_tokens=[9, 4, 14, 6], ignore_eos=True) == greedy_reference(
+        "llama", prompts, [9, 4, 14, 6]
+    )
+    assert runner.stats.eager_steps > 0 and runner._host is not runner._device
+    assert copies and all(copy == (True, True, False) for copy in copies)
+
+
 def test_the_traced_stand_in_catches_a_value_frozen_at_capture(monkeypatch):
     """The stand-in above is strict: a runner that sized its step from the capture's rows (the keys of the padding
     rows, not the full width) replays other tokens."""

@@ -168,7 +168,8 @@ class DecodeRunner:
         self.chunk_bytes, self.chunk_min_bytes = 4 << 20, 12 << 20
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
-        self._capture_stream = None  # the runner's own, on the pool's device (not the current device's)
+        # The runner's own streams for a capture and its warm-up, on the pool's device (not the current device's).
+        self._capture_stream = self._warm_up_stream = None
         self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
         self._gathers = GatherWorkspace()  # K and V of one layer at a time (`gather_buffer`)
@@ -231,6 +232,8 @@ class DecodeRunner:
         graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
         if not graphed:
             self.backends = resolve_backends(self.pool.device)
+            if not self.pad_to_buckets:  # a capture that failed just now
+                bucket = num_rows
         fed = self._fill(rows, bucket, dummy, full_width=graphed, feed=feed)
         if fed:
             self._feed(feed.tokens, bucket)
@@ -252,6 +255,9 @@ class DecodeRunner:
                 self.graph_width *= 2
             self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
             self._graphs.clear()
+            # A fresh memory pool for the next width's graphs: capturing again into a pool whose graphs are all gone
+            # trips the CUDA caching allocator (its use count is 0 while blocks captured there may still be held).
+            self._graph_pool = None
             if self._copied is not None:  # the last copy may still read the old staging tensor
                 self._copied.synchronize()
                 self._copied = None
@@ -345,10 +351,10 @@ class DecodeRunner:
         if self._host is not self._device:
             self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
             host_tables = self._host[tables_start:].view(num_groups, max_rows, width)
-            for g in range(num_groups):  # the step's rows, and of each only the entries it can read
-                self.tables[g][:bucket, : self.table_width].copy_(
-                    host_tables[g, :bucket, : self.table_width], non_blocking=True
-                )
+            for g in range(num_groups):  # the step's rows, whole: a slice of rows is contiguous on both sides
+                # NOTE: a slice of entries too (`[:bucket, :table_width]`) is not, and copying it stages it through a
+                # pageable host copy, which blocks the host until the copy is done.
+                self.tables[g][:bucket].copy_(host_tables[g, :bucket], non_blocking=True)
         if self._host.is_pinned():
             self._copied = torch.cuda.Event()
             self._copied.record(torch.cuda.current_stream(self.pool.device))
@@ -411,7 +417,10 @@ class DecodeRunner:
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)
             try:
-                warm_up = torch.cuda.Stream(device)
+                if self._capture_stream is None:  # the runner's two streams, made once (a stream per capture would
+                    # leave a cuBLAS workspace behind for each)
+                    self._warm_up_stream, self._capture_stream = torch.cuda.Stream(device), torch.cuda.Stream(device)
+                warm_up = self._warm_up_stream
                 warm_up.wait_stream(current)
                 with torch.cuda.stream(warm_up):
                     for _ in range(2):  # Triton compiles and allocators settle outside the capture
@@ -420,7 +429,6 @@ class DecodeRunner:
                 graph = torch.cuda.CUDAGraph()
                 if self._graph_pool is None:
                     self._graph_pool = torch.cuda.graph_pool_handle()
-                    self._capture_stream = torch.cuda.Stream(device)
                 with torch.cuda.graph(graph, pool=self._graph_pool, stream=self._capture_stream):
                     logits = self._run_model()
             except Exception as error:  # a forward that synchronizes with the host cannot be captured
@@ -428,6 +436,7 @@ class DecodeRunner:
                 torch.cuda.set_stream(current)
                 torch.cuda.synchronize(device)
                 self.capture_error = f"{type(error).__name__}: {error}"
+                self.pad_to_buckets = False  # padding rows serve graphs only
                 logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
                 return False
         self._graphs[bucket] = (graph, logits)
