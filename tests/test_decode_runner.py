@@ -388,6 +388,37 @@ def test_the_staging_copies_are_contiguous_and_carry_every_step(monkeypatch):
     assert copies and all(copy == (True, True, False) for copy in copies)
 
 
+def test_graphs_are_captured_again_when_a_growable_pool_grows(monkeypatch):
+    """A growable pool that grows between steps replaces its K/V tensors: the graphs captured on the old ones are
+    dropped and captured again, and a request prefilled after the growth decodes its own tokens."""
+    for attribute, value in {"CUDAGraph": _TracedGraph, "graph": _TracedGraph.capture}.items():
+        monkeypatch.setattr(torch.cuda, attribute, value)
+    _runner_with_traced_graphs(monkeypatch, "llama")  # the CUDA stand-ins
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=24, block_size=4)
+    pool.growable = True  # as a PagedCache's private pool
+    engine = Engine(model, pool, max_num_seqs=5, max_num_batched_tokens=16)
+    runner = engine.runner
+    runner.cuda_graphs = runner.pad_to_buckets = True
+    monkeypatch.setattr(runner, "_run_model", _trace_when_capturing(runner._run_model))
+    prompts, new_tokens = random_prompts((11, 3, 17)), [5, 16, 9]
+    # Two rows (a bucket of 2, captured), then the first ends and a request prefilled after the growth joins the
+    # second: two rows again, the bucket captured before.
+    first = [engine.add_request(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts[:2], new_tokens)]
+    for _ in range(4):
+        engine.step()
+    assert runner.stats.replayed_steps > 0
+    num_captures = len(runner.stats.captures)
+    pool.grow(16)
+    last = engine.add_request(prompts[2], max_new_tokens=new_tokens[2], ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.request(request_id).output_ids for request_id in [*first, last]]
+    assert outputs == greedy_reference("llama", prompts, new_tokens)
+    assert 2 in [bucket for bucket, _, _ in runner.stats.captures[num_captures:]]  # captured again
+    assert runner.capture_error is None
+
+
 def test_the_traced_stand_in_catches_a_value_frozen_at_capture(monkeypatch):
     """The stand-in above is strict: a runner that sized its step from the capture's rows (the keys of the padding
     rows, not the full width) replays other tokens."""

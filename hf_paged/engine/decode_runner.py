@@ -168,6 +168,7 @@ class DecodeRunner:
         self.chunk_bytes, self.chunk_min_bytes = 4 << 20, 12 << 20
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._graph_pool = None
+        self._graphs_num_blocks = 0  # the pool's blocks when the graphs were captured
         # The runner's own streams for a capture and its warm-up, on the pool's device (not the current device's).
         self._capture_stream = self._warm_up_stream = None
         self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
@@ -222,6 +223,8 @@ class DecodeRunner:
         num_rows = len(rows)
         bucket = next(b for b in self.buckets if b >= num_rows) if self.pad_to_buckets else num_rows
         graphing = self.cuda_graphs and self.capture_error is None
+        if self._graphs and self._graphs_num_blocks != self.pool.num_blocks:
+            self._drop_graphs()  # a growable pool grew: its K/V are new tensors, which the graphs do not read
         self._fit_width(rows)
         # Padding rows, and a capture, write to the runner's own block; with none free, the step runs its own rows
         # only, replayed only if their number is a captured bucket.
@@ -247,6 +250,13 @@ class DecodeRunner:
         self.stats.eager_steps += 1
         return self._run_model()[:num_rows]
 
+    def _drop_graphs(self) -> None:
+        """Forget every captured graph (they are captured again as buckets are used)."""
+        self._graphs.clear()
+        # A fresh memory pool for the next graphs: capturing again into a pool whose graphs are all gone trips the
+        # CUDA caching allocator (its use count is 0 while blocks captured there may still be held).
+        self._graph_pool = None
+
     def _fit_width(self, rows) -> None:
         """Double W until it holds the longest row: new buffers, and the graphs captured again."""
         longest = max(len(table) for request, _ in rows for table in request.block_tables)
@@ -254,10 +264,7 @@ class DecodeRunner:
             while self.graph_width < longest:
                 self.graph_width *= 2
             self.graph_width = min(self.graph_width, self.max_blocks_per_seq)
-            self._graphs.clear()
-            # A fresh memory pool for the next width's graphs: capturing again into a pool whose graphs are all gone
-            # trips the CUDA caching allocator (its use count is 0 while blocks captured there may still be held).
-            self._graph_pool = None
+            self._drop_graphs()
             if self._copied is not None:  # the last copy may still read the old staging tensor
                 self._copied.synchronize()
                 self._copied = None
@@ -291,8 +298,9 @@ class DecodeRunner:
         of the pool. Returns how many rows take their input id from `feed`."""
         block_size, num_groups, width = self.pool.block_size, self.pool.num_groups, self.graph_width
         max_rows, tables_start = self._max_rows, self._num_fields * self._max_rows
-        # The last copy may still read the pinned staging tensor (a step that raised); after a step whose logits the
-        # host read it is done, and asking (a query, not a wait) keeps a replayed step free of host syncs.
+        # The last copy may still read the pinned staging tensor (a step that raised). Otherwise it is done: it was
+        # queued before the last device-to-host copy the host waited for (the logits read, or with asynchronous
+        # scheduling the tokens of the step before), and asking (a query, not a wait) keeps a step free of syncs.
         if self._copied is not None and not self._copied.query():
             self._copied.synchronize()
         fields = [[] for _ in range(self._num_fields)]
@@ -440,6 +448,7 @@ class DecodeRunner:
                 logger.warning("Engine: decode steps run without CUDA graphs: %s", self.capture_error)
                 return False
         self._graphs[bucket] = (graph, logits)
+        self._graphs_num_blocks = self.pool.num_blocks
         self.stats.captures.append((bucket, self.graph_width, time.perf_counter() - start))
         self.stats.capture_bytes += torch.cuda.memory_allocated(device) - before
         return True
