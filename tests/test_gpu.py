@@ -88,6 +88,25 @@ def test_engine_on_cuda_matches_generate_per_request(name, async_scheduling, mon
     assert (engine.stats.num_async_steps > 0) == async_scheduling
 
 
+def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(monkeypatch):
+    """A row past 16 blocks doubles the graphs' table width: the graphs are captured again (into a memory pool of
+    their own), the steps after it are replayed, and the tokens stay generate()'s."""
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (60, 7)]
+    new_tokens = [16, 12]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=4)  # the 60-token prompt alone fills 15 blocks
+    engine = Engine(model, pool, max_num_seqs=4)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
+        "llama", prompts, new_tokens, "cuda"
+    )
+    runner = engine.runner
+    assert runner.capture_error is None, runner.capture_error
+    assert {width for _, width, _ in runner.stats.captures} == {16, 32}
+    assert runner.stats.replayed_steps > 0 and pool.num_used_blocks == 0
+
+
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
     """A model on cuda:1 from a process whose current device is cuda:0: Triton launches on the current device
