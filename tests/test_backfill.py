@@ -46,6 +46,28 @@ def test_a_later_request_that_fits_goes_first_and_the_head_counts_a_skip():
     assert big.num_skips == 1 and small.num_skips == 0
 
 
+def test_a_try_checks_first_where_the_try_before_failed_and_answers_the_same():
+    """The lookahead remembers the step a newcomer failed at and checks it first for the next one (and, a step
+    later, in the next step's forecast): a second newcomer that fails there stops after one check point, and every
+    answer is the one of checking them all."""
+    scheduler = _scheduler(10)
+    running, big, small = _fill(scheduler)
+    twin = new_request(3, 20, 5)  # fails where `big` does
+    lookahead = scheduler.admission.lookahead(scheduler.running)
+    assert lookahead.failed_at is None and not lookahead.fits(big)
+    failed_at = lookahead.failed_at
+    assert failed_at is not None
+    checked = []  # the steps the running requests' demand is asked for
+    running_demand = lookahead._running_demand
+    lookahead._running_demand = lambda t: checked.append(t) or running_demand(t)
+    assert not lookahead.fits(twin) and checked == [failed_at]
+    assert lookahead.fits(small) and lookahead.failed_at == failed_at  # a newcomer that fits checks them all
+    fresh = scheduler.admission.lookahead(scheduler.running)  # no hint: the same answers
+    assert (fresh.fits(big), fresh.fits(twin), fresh.fits(small)) == (False, False, True)
+    scheduler.schedule()  # admits `small`, passes `big`: the hint carries to the next step, a step earlier
+    assert scheduler.admission._failed_at is not None
+
+
 def test_strict_arrival_order_with_a_window_of_one():
     scheduler = _scheduler(10, backfill_depth=1)
     running, big, small = _fill(scheduler)

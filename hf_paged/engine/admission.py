@@ -41,11 +41,13 @@ class Admission:
         self.growth_model = growth_model
         self.max_num_seqs = max_num_seqs
         self.backfill_depth = backfill_depth
+        self._failed_at: int | None = None  # the step (from the last admission's) where its last try failed
 
-    def lookahead(self, running: list[Request]) -> Lookahead:
-        """The forecast of `running` as the pool stands now, to try newcomers against (`Lookahead.fits`)."""
+    def lookahead(self, running: list[Request], failed_at: int | None = None) -> Lookahead:
+        """The forecast of `running` as the pool stands now, to try newcomers against (`Lookahead.fits`); `failed_at`:
+        where a try is likely to fail, checked first (`Lookahead.failed_at`)."""
         peek = self.prefix.peek if self.prefix.enabled else None
-        return Lookahead(running, self.pool.num_free_blocks, self.growth_model, peek)
+        return Lookahead(running, self.pool.num_free_blocks, self.growth_model, peek, failed_at)
 
     def fits(self, newcomer: Request, running: list[Request]) -> bool:
         """Whether the pool can hold `newcomer` next to the `running` requests at every step of the lookahead.
@@ -69,11 +71,15 @@ class Admission:
         # request, admission and preemption chase each other (a preempted request is re-admitted as soon as blocks
         # free, re-prefilled, and preempted again), and a larger fixed reserve still preempts and holds concurrency
         # below what the pool allows.
+        # Where the last try of the step before failed, a step later now: the first check of this step's tries.
+        failed_at = None if self._failed_at is None else self._failed_at - 1
         while waiting and len(running) < self.max_num_seqs:
             # One forecast of the running requests for every waiting request tried against them (a new one after each
             # admission): nothing else changes between tries.
-            lookahead = self.lookahead(running) if running else None
+            lookahead = self.lookahead(running, failed_at) if running else None
             chosen = 0 if lookahead is None else self._first_fitting(waiting, lookahead)
+            if lookahead is not None:
+                failed_at = self._failed_at = lookahead.failed_at
             if chosen is None:
                 return
             for passed in itertools.islice(waiting, chosen):

@@ -164,8 +164,17 @@ class Lookahead:
     """
 
     def __init__(
-        self, running: list[Request], num_free_blocks: int, growth_model: GrowthModel, peek: Peek | None = None
+        self,
+        running: list[Request],
+        num_free_blocks: int,
+        growth_model: GrowthModel,
+        peek: Peek | None = None,
+        failed_at: int | None = None,
     ):
+        # The step the last newcomer that did not fit failed at (`failed_at`: a hint from the forecast before): the
+        # next try checks it first, as a newcomer that does not fit most often fails where the one before it did.
+        # The order of the checks decides how soon a try that fails stops, never its answer.
+        self.failed_at = failed_at
         self.growth_model = growth_model
         self.counts = growth_model.counts
         self.peek = peek
@@ -277,8 +286,7 @@ class Lookahead:
         taken_hit = hit if taken else None
         if self.full_shared:
             return self._fits_shared(self._full_tables(newcomer, taken_hit), new, taken_hit)
-        checks = {*self.check_points, new.end, new.end - new.steps}
-        for t in checks:
+        for t in self._in_order({*self.check_points, new.end, new.end - new.steps}):
             if self.sliding_shares:  # every group slides (a full group takes `_fits_shared`)
                 demand = self._sliding_demand(new, taken_hit, t)
             else:
@@ -286,8 +294,15 @@ class Lookahead:
                 if new.end >= t:
                     demand += self._demand_at(new, t)
             if demand > self.available:
+                self.failed_at = t
                 return False
         return True
+
+    def _in_order(self, checks: set[int]) -> list[int]:
+        """The check points `checks`, the one the last try failed at first."""
+        if self.failed_at in checks:
+            return [self.failed_at, *(t for t in checks if t != self.failed_at)]
+        return list(checks)
 
     def _demand_at(self, growth: Growth, t: int, windows: list[int | None] | None = None) -> int:
         """What `growth` holds at step t (`GrowthModel.demand`), in the groups of `windows` (default: all)."""
@@ -312,7 +327,7 @@ class Lookahead:
         checks = {*self.check_points, new.end}
         if self.sliding_windows:
             checks.add(new.end - new.steps)
-        for t in checks:
+        for t in self._in_order(checks):
             held, fresh = self._running_shared(t)
             if new.end >= t:
                 held += sum(  # not held by them then
@@ -322,6 +337,7 @@ class Lookahead:
             if self.sliding_shares:
                 fresh += self._sliding_demand(new, hit, t)
             if held + fresh > self.available:
+                self.failed_at = t
                 return False
         return True
 
