@@ -12,7 +12,10 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
 
 Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that
-also compiles). Then `--check-dtype` (float32 by default) runs every variant once more for tokens, each against
+also compiles). The timed runs reuse the warm-up's cache, emptied in between (`PagedCache.release()`,
+`StaticCache.reset()`), as a server keeps its caches: the compiled step's CUDA graphs read the cache's static buffers
+in place, so a new cache would record them again; DynamicCache is made anew, as generate() makes it. Then
+`--check-dtype` (float32 by default) runs every variant once more for tokens, each against
 DynamicCache's. On CPU, `--tiny` runs the same on a 2-layer model in seconds (a dry run of the script); compiled
 variants then need `--compile-all-devices` (transformers compiles by itself on CUDA only).
 
@@ -64,13 +67,15 @@ def make_cache(variant: str, model, pool: BlockPool, max_cache_len: int):
     return PagedCache(config=model.config, pool=pool, max_cache_len=max_cache_len if compiled else None)
 
 
-def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: bool = False):
-    """One generate(); `fresh`: forget what dynamo compiled before (the graphs of the other variants and batches, which
-    all compile the same forward code and would exhaust its recompile limit)."""
+def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: bool = False, cache=None):
+    """One generate() -> (tokens, seconds, the cache, emptied for another run); `fresh`: forget what dynamo compiled
+    before (the graphs of the other variants and batches, which all compile the same forward code and would exhaust
+    its recompile limit); `cache`: one an earlier run returned (a new one without it)."""
     model = models[1] if "hf_paged" in variant else models[0]
     if fresh and variant.endswith("-compiled"):
         torch._dynamo.reset()
-    cache = make_cache(variant, model, pool, input_ids.shape[1] + new_tokens)
+    if cache is None:
+        cache = make_cache(variant, model, pool, input_ids.shape[1] + new_tokens)
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
     if variant.endswith("-compiled") and compile_config is not None:
         options["compile_config"] = compile_config
@@ -84,7 +89,10 @@ def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: boo
     seconds = time.perf_counter() - start
     if isinstance(cache, PagedCache):
         cache.release()
-    return out, seconds
+    elif isinstance(cache, StaticCache):
+        with torch.inference_mode():  # its tensors were made there
+            cache.reset()
+    return out, seconds, cache
 
 
 def main(argv=None) -> int:
@@ -130,9 +138,13 @@ def main(argv=None) -> int:
         pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
         order = [*args.variants, "dynamic"] if "dynamic" in args.variants else list(args.variants)
         for variant in order:
-            run(variant, models, pool, input_ids, args.new_tokens, compile_config, fresh=True)  # warm-up, compile
+            # A warm-up that compiles, then timed runs on its cache (but DynamicCache's, made anew each time, as
+            # generate() does): a compiled step's CUDA graphs read the cache's buffers in place and replay.
+            _, _, cache = run(variant, models, pool, input_ids, args.new_tokens, compile_config, fresh=True)
+            cache = None if variant == "dynamic" else cache
             seconds = min(
-                run(variant, models, pool, input_ids, args.new_tokens, compile_config)[1] for _ in range(args.repeats)
+                run(variant, models, pool, input_ids, args.new_tokens, compile_config, cache=cache)[1]
+                for _ in range(args.repeats)
             )
             ms_per_token = seconds / args.new_tokens * 1e3
             results["speed"].append(dict(batch=batch, variant=variant, ms_per_token=ms_per_token))

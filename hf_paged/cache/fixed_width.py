@@ -57,7 +57,8 @@ class FixedWidthSteps:
         self.width = -(-max_cache_len // block_size)  # W: block table entries per row
         self.num_groups = num_groups
         self.block_tables: list[torch.Tensor] = []
-        self.slot_mapping: list[torch.Tensor] = []
+        self.slot_mapping: list[torch.Tensor] = []  # the step's, one of `_slots`
+        self._slots: dict[int, list[torch.Tensor]] = {}  # new tokens of a step -> its slot buffers per layer group
         self.seq_lens: torch.Tensor | None = None
         self.past_length: torch.Tensor | None = None
         self._versions: list[int] = [-1] * num_groups  # the BlockTables version each table buffer holds
@@ -86,22 +87,30 @@ class FixedWidthSteps:
         self.past_length.fill_(past_length)
 
     def _allocate(self, num_rows: int, num_new_tokens: int, device: torch.device) -> None:
-        """(Re)make the buffers when the batch, the step's token count or the device changed."""
+        """(Re)make the buffers when the batch or the device changed, and the slots' when the step's token count did.
+
+        The decode step's slots are kept while the batch stays (a prompt's between two decode turns does not replace
+        them): a compiled step's CUDA graphs read static buffers in place, and one at a new address records the
+        graphs again."""
         same_rows = self.seq_lens is not None and self.seq_lens.device == device and self.seq_lens.shape[0] == num_rows
-        if same_rows and self.slot_mapping[0].shape[0] == num_rows * num_new_tokens:
-            return
-        self.slot_mapping = [
-            _static(torch.zeros(num_rows * num_new_tokens, dtype=torch.long, device=device))
-            for _ in range(self.num_groups)
-        ]
-        if same_rows:
-            return
-        self.block_tables = [
-            _static(torch.zeros(num_rows, self.width, dtype=torch.long, device=device)) for _ in range(self.num_groups)
-        ]
-        self.seq_lens = _static(torch.zeros(num_rows, dtype=torch.int32, device=device))
-        self.past_length = _static(torch.zeros((), dtype=torch.long, device=device))
-        self._versions = [-1] * self.num_groups
+        if not same_rows:
+            self.block_tables = [
+                _static(torch.zeros(num_rows, self.width, dtype=torch.long, device=device))
+                for _ in range(self.num_groups)
+            ]
+            self.seq_lens = _static(torch.zeros(num_rows, dtype=torch.int32, device=device))
+            self.past_length = _static(torch.zeros((), dtype=torch.long, device=device))
+            self._versions = [-1] * self.num_groups
+            self._slots = {}
+        slots = self._slots.get(num_new_tokens)
+        if slots is None:
+            if num_new_tokens != 1:  # the decode step's and the last other step's
+                self._slots = {n: buffers for n, buffers in self._slots.items() if n == 1}
+            slots = self._slots[num_new_tokens] = [
+                _static(torch.zeros(num_rows * num_new_tokens, dtype=torch.long, device=device))
+                for _ in range(self.num_groups)
+            ]
+        self.slot_mapping = slots
 
     def _mark_pool_static(self, pool) -> None:
         """A compiled step writes the pool in place: its tensors must be static inputs, or CUDA graphs would copy them
@@ -205,7 +214,9 @@ class ReservedSteps:
         # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan.
         self._plans = num_new_tokens == 1 and runs_paged_attention(self._config) and triton_possible(device)
         if self._plans and self._backends is None:
-            self._backends = resolve_backends(device)
+            # NOTE: a dict, not the shared read-only mapping: dynamo breaks the graph at a read of a mapping proxy
+            # once the traced frame mutated any dict (transformers pops `return_dict` from the forward's kwargs).
+            self._backends = dict(resolve_backends(device))
         self.pending = self.unsettled = num_new_tokens
 
     def settle(self) -> None:
