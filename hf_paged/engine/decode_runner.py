@@ -357,15 +357,18 @@ class DecodeRunner:
         else:
             self.table_width, self.kv_width = -(-longest // block_size), longest
         if self._host is not self._device:
-            self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=True)
+            # Asynchronous only from pinned memory (CUDA): a pageable staging tensor (another accelerator) is copied
+            # before the host writes it again, as no event then says when the copy is done.
+            pinned = self._host.is_pinned()
+            self._device[:tables_start].copy_(self._host[:tables_start], non_blocking=pinned)
             host_tables = self._host[tables_start:].view(num_groups, max_rows, width)
             for g in range(num_groups):  # the step's rows, whole: a slice of rows is contiguous on both sides
                 # NOTE: a slice of entries too (`[:bucket, :table_width]`) is not, and copying it stages it through a
                 # pageable host copy, which blocks the host until the copy is done.
-                self.tables[g][:bucket].copy_(host_tables[g, :bucket], non_blocking=True)
-        if self._host.is_pinned():
-            self._copied = torch.cuda.Event()
-            self._copied.record(torch.cuda.current_stream(self.pool.device))
+                self.tables[g][:bucket].copy_(host_tables[g, :bucket], non_blocking=pinned)
+            if pinned:
+                self._copied = torch.cuda.Event()
+                self._copied.record(torch.cuda.current_stream(self.pool.device))
         self.num_rows = bucket
         self.full_rows = [not full_width and bucket == len(rows) and group == {longest} for group in lengths]
         # Rows whose shared prefix the torch path may read once; how many blocks they share is worked out only when
