@@ -11,6 +11,11 @@ It reports the steps with a prefill chunk and the decode-only ones (those the de
 on a GPU), the host milliseconds each took, and admission's share (`Admission.admit`: the lookahead each waiting
 request is tried against).
 
+Then, for `--runner-rows`, an Engine decode step through the decode runner on the negligible-arithmetic model of
+`bench/host_overhead.py`, its forward stood in by the logits of a real one: scheduling, the runner's inputs, the
+argmax and the requests' bookkeeping, what a replayed CUDA graph leaves to the host (median of 60 steps, one
+thread).
+
     python -m bench.scheduler_host
 """
 
@@ -95,6 +100,26 @@ def measure(
     )
 
 
+def runner_step(rows: int, steps: int = 60) -> float:
+    """Median host seconds of an Engine decode step of `rows` requests (128-token prompts) through the decode runner,
+    the model's forward replaced by the logits of a real one."""
+    from bench.host_overhead import engine_for, negligible_model
+
+    prompts = torch.randint(1, 128, (rows, 128), generator=torch.Generator().manual_seed(rows))
+    engine = engine_for(negligible_model(), prompts, steps + 8, True)
+    for _ in range(3):
+        engine.step()
+    with torch.inference_mode():
+        logits = engine.runner._run_model()
+    engine.runner._run_model = lambda: logits
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def table(result: dict) -> str:
     lines = []
     for kind, times in result["steps"].items():
@@ -127,6 +152,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=3, help="runs; the one with the least host time is shown")
+    parser.add_argument("--runner-rows", type=int, nargs="*", default=[1, 8, 64, 128])
     args = parser.parse_args(argv)
     runs = [
         measure(
@@ -150,6 +176,14 @@ def main(argv=None) -> int:
         f"admission: {result['admission_s']:.3f} s ({result['admission_s'] / total:.0%} of the host time); "
         f"the host alone allows {result['output_tokens'] / total:,.0f} output tok/s"
     )
+    if args.runner_rows:
+        torch.set_num_threads(1)
+        lines = []
+        for rows in args.runner_rows:
+            seconds = min(runner_step(rows) for _ in range(args.repeats))
+            lines.append([rows, f"{seconds * 1e3:.3f}", f"{seconds * 1e6 / rows:.1f}"])
+        print("\nAn Engine decode step through the decode runner, its forward stood in (best of the medians):")
+        print(tabulate(lines, headers=["rows", "host ms/step", "host us/row"], tablefmt="github"))
     return 0
 
 

@@ -1,6 +1,6 @@
 """bench/scheduler_host.py: the Engine's host time per step without a model, on the GPU workload's shapes."""
 
-from bench.scheduler_host import main, measure
+from bench.scheduler_host import main, measure, runner_step
 
 
 def test_every_step_is_timed_once_as_decode_only_or_with_prefill():
@@ -17,7 +17,12 @@ def test_every_step_is_timed_once_as_decode_only_or_with_prefill():
 
 def test_main_prints_the_table_and_the_host_bound(capsys):
     args = ["--num-requests", "4", "--prompt-lens", "16", "32", "--output-lens", "4", "8", "--kv-memory", "8MiB"]
-    assert main([*args, "--repeats", "1"]) == 0
+    assert main([*args, "--repeats", "1", "--runner-rows", "2"]) == 0
     out = capsys.readouterr().out
     assert "| with prefill |" in out and "| decode only  |" in out
     assert "output tok/s" in out and "admission:" in out
+    assert "decode runner" in out and "host us/row" in out
+
+
+def test_a_runner_step_without_its_forward_takes_host_time_only():
+    assert 0 < runner_step(2, steps=5) < 0.5  # a forward of the model takes milliseconds on its own
