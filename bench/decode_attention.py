@@ -8,7 +8,10 @@ For every (batch, context) cell, one new token per sequence attends to `context`
 GQA runs through SDPA without copying K/V heads: the q heads of one kv head become the query "length" dim.
 
 Bandwidth = bytes that must be read (K and V of every sequence, plus the queries) / time, the same count for all
-three methods, so the columns compare directly. Timing: `triton.testing.do_bench` (median, L2 flushed between runs).
+three methods, so the columns compare directly. Timing: `triton.testing.do_bench` (median, L2 flushed between runs):
+each call launched from Python, so a small cell's time is the host's launch when that is longer than the kernel.
+On CUDA each method is also timed replayed from a CUDA graph (`triton.testing.do_bench_cudagraph`, calls unrolled in
+one graph, no L2 flush): the device's time alone, as the Engine's replayed decode steps see it.
 
     python bench/decode_attention.py                                  # default grid, bf16, on the GPU
     python bench/decode_attention.py --batch-sizes 1 8 --context-lens 8192 --json bench/results/decode.json
@@ -106,6 +109,15 @@ def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
     return statistics.median(times)
 
 
+def graph_ms(fn, device: torch.device, rep_ms: float) -> float | None:
+    """Median milliseconds per call of `fn` replayed from a CUDA graph (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    from triton.testing import do_bench_cudagraph
+
+    return do_bench_cudagraph(fn, rep=rep_ms, return_mode="median")
+
+
 def fits_in_memory(num_bytes: int, device: torch.device) -> bool:
     if device.type != "cuda":
         return True
@@ -160,21 +172,25 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
 
     backend = resolve_backend(args.backend, device)
     rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
+    rows[0]["graph_ms"] = graph_ms(paged, device, args.rep_ms)
     if backend == "triton":
         from hf_paged.attention.kernels.triton_decode import choose_num_splits
 
         rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, blocks_per_seq * args.block_size, device)
     paged_out = out.float()
     rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
+    rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.rep_ms)
 
     key = gather_kv(key_cache, block_tables, context).contiguous()
     value = gather_kv(value_cache, block_tables, context).contiguous()
     key_cache = value_cache = None  # keep the peak at the pool plus one copy
+    contiguous = lambda: sdpa_decode(query, key, value, scale)  # noqa: E731
     rows.append(
         {
             **cell,
             "method": "sdpa-contig",
-            "ms": time_ms(lambda: sdpa_decode(query, key, value, scale), device, args.warmup_ms, args.rep_ms),
+            "ms": time_ms(contiguous, device, args.warmup_ms, args.rep_ms),
+            "graph_ms": graph_ms(contiguous, device, args.rep_ms),
         }
     )
     max_err = (sdpa_decode(query, key, value, scale).float() - paged_out).abs().max().item()
@@ -216,6 +232,7 @@ def main(argv=None) -> int:
             r["context"],
             r["method"],
             r.get("skipped") or f"{r['ms'] * 1e3:.1f}",
+            f"{r['graph_ms'] * 1e3:.1f}" if r.get("graph_ms") is not None else "",
             f"{r['bandwidth_gbs']:.1f}" if "ms" in r else "",
             f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "",
             r.get("num_splits", ""),
@@ -223,7 +240,7 @@ def main(argv=None) -> int:
         ]
         for r in results
     ]
-    headers = ["batch", "context", "method", "time (us)", "GB/s", "% peak", "splits", "max |err|"]
+    headers = ["batch", "context", "method", "time (us)", "graph (us)", "GB/s", "% peak", "splits", "max |err|"]
     print(tabulate(table, headers=headers, disable_numparse=True))
     if args.json:
         write_report(args.json, {"device": device_name, "peak_bandwidth": peak, "args": vars(args), "results": results})

@@ -176,13 +176,23 @@ def _decode_section(out: Path) -> str:
                 r["context"],
                 r["method"],
                 r.get("skipped") or f"{r['ms'] * 1e3:.1f}",
+                f"{r['graph_ms'] * 1e3:.1f}" if r.get("graph_ms") is not None else "",
                 f"{r['bandwidth_gbs']:.0f}" if "ms" in r else "",
                 f"{r['peak_fraction']:.0%}" if r.get("peak_fraction") is not None else "",
                 r.get("num_splits", ""),
             ]
             for r in report["results"]
         ]
-        headers = ["batch", "context", "method", "time (us)", "GB/s", "% of HBM peak", "splits"]
+        headers = [
+            "batch",
+            "context",
+            "method",
+            "time (us)",
+            "under a CUDA graph (us)",
+            "GB/s",
+            "% of HBM peak",
+            "splits",
+        ]
         parts.append(tabulate(rows, headers, tablefmt="github", disable_numparse=True) + "\n")
     return "\n".join(parts) if parts else "(no decode results)\n"
 

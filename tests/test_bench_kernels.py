@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench import prefill_attention
-from bench.gpu_report import _prefill_section
+from bench.gpu_report import _decode_section, _prefill_section
 from hf_paged.attention.kernels import paged_decode_attention_torch, store_kv_torch
 from tests.models import require_triton_on_cpu
 
@@ -70,3 +70,19 @@ def test_prefill_benchmark_smoke_run_matches_sdpa(tmp_path, backend):
     assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in results if "max_abs_err_vs_sdpa" in r)
     section = _prefill_section(tmp_path)  # the GPU report's table of it
     assert section.count("sdpa-contig") == 2 and f"paged ({backend})" in section
+
+
+def test_decode_benchmark_smoke_run_matches_sdpa(tmp_path):
+    """`python bench/decode_attention.py --device cpu --tiny`: every cell timed for the three methods (no CUDA graph
+    time off CUDA), the paged output equal to SDPA's, and the GPU report's table of it with its graph column."""
+    import bench.decode_attention as decode_attention
+
+    path = tmp_path / "decode_bf16_d64.json"  # the name `make bench-gpu` gives its first decode run
+    argv = ["--device", "cpu", "--tiny", "--backend", "torch", "--rep-ms", "1", "--warmup-ms", "1", "--json", str(path)]
+    assert decode_attention.main(argv) == 0
+    results = json.loads(path.read_text())["results"]
+    assert [r["method"] for r in results[:3]] == ["paged (torch)", "gather+sdpa", "sdpa-contig"]
+    assert len(results) == 4 * 3 and all(r["ms"] > 0 and r["graph_ms"] is None for r in results)
+    assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in results if "max_abs_err_vs_sdpa" in r)
+    section = _decode_section(tmp_path)
+    assert "under a CUDA graph (us)" in section and section.count("sdpa-contig") == 4
