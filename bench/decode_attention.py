@@ -1,7 +1,8 @@
 """Decode attention over a paged KV pool: the Triton kernel vs. gather + SDPA vs. SDPA on contiguous K/V.
 
 For every (batch, context) cell, one new token per sequence attends to `context` cached tokens:
-  (a) paged:         `hf_paged.attention.kernels.paged_decode_attention` reading the block pool through block tables;
+  (a) paged:         `hf_paged.attention.kernels.paged_decode_attention` reading the block pool through block tables
+                     (K/V stored head-major, as a `BlockPool` stores them: each head's blocks contiguous);
   (b) gather+sdpa:   copy each sequence's K/V out of the pool into contiguous tensors (the block-table gather),
                      then `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
   (c) sdpa-contig:   SDPA on K/V that are already contiguous (what a non-paged cache would do; the bound to beat).
@@ -31,6 +32,7 @@ import time
 import torch
 from tabulate import tabulate
 
+from hf_paged import BlockPool
 from hf_paged.attention.kernels import gather_kv, paged_decode_attention, resolve_backend
 
 # Peak HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name(); the first row whose words all occur
@@ -149,9 +151,11 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
         return [{**cell, "method": "all", "skipped": "does not fit in memory"}]
 
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
-    value_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    # Stored as a BlockPool stores them (head-major: each head's blocks contiguous), handed over as the pool hands
+    # them to the kernels (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`).
+    shape = (args.num_kv_heads, num_blocks, args.block_size, args.head_dim)
+    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     # Scattered block tables, as in a pool that has served many requests.
     perm = torch.randperm(num_blocks, generator=gen, device=device)
     block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)

@@ -15,7 +15,9 @@
    contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
 5. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
    2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
-6. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+6. bench/decode_tuning.py: the decode kernel's tile, warps and stages tried beside its defaults, head_dim 64, 128 and
+   256, the numbers its launch choices are to be made from;
+7. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 Each step runs in its own process and the report records its command, exit status and time, so one failing step
 does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
@@ -51,7 +53,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "serving")  # in the order they run
+STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "tuning", "serving")  # in the order they run
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -103,6 +105,9 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
             json_path = out / f"prefill_{dtype}_d{head_dim}.json"
             command = [python, "-m", "bench.prefill_attention", "--dtype", dtype, "--head-dim", str(head_dim)]
             steps.append(Step("prefill", f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+    if "tuning" not in skip:
+        command = [python, "-m", "bench.decode_tuning", "--json", str(out / "decode_tuning.json")]
+        steps.append(Step("tuning", "decode kernel tuning", command))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
@@ -343,6 +348,28 @@ def _engine_section(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _tuning_section(out: Path) -> str:
+    from bench.decode_tuning import best_overall
+    from bench.decode_tuning import table as tuning_table
+
+    path = out / "decode_tuning.json"
+    if not path.exists():
+        return "(no tuning results)\n"
+    report = json.loads(path.read_text())
+    args = report["args"]
+    parts = [
+        f"{report['device']}, {args['dtype']}, {args['num_q_heads']} q / {args['num_kv_heads']} kv heads, block_size "
+        f"{args['block_size']}; each configuration's time replayed from a CUDA graph (N: BLOCK_N, w: warps, "
+        "s: stages)\n"
+    ]
+    for result in report["results"]:
+        overall = best_overall(result)
+        parts += [f"### head_dim {result['head_dim']}\n", tuning_table(result)]
+        if overall is not None:
+            parts.append(f"\nBest over every cell: {overall[0]} ({overall[1]:.2f}x each cell's best, geometric mean)\n")
+    return "\n".join(parts) + "\n"
+
+
 def _serving_section(out: Path) -> str:
     parts = []
     for dtype in SERVING_DTYPES:
@@ -380,6 +407,7 @@ def report(steps: list[Step], out: Path) -> str:
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
     lines += ["## Decode attention", "", _decode_section(out)]
     lines += ["## Prefill attention", "", _prefill_section(out)]
+    lines += ["## Decode kernel launch choices", "", _tuning_section(out)]
     lines += ["## generate() per cache", "", _generate_section(out), "## Engine", "", _engine_section(out)]
     lines += ["## Serving", "", _serving_section(out)]
     return "\n".join(lines)

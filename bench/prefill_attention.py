@@ -3,7 +3,8 @@
 For every (batch, new tokens, cached tokens) cell, each of `batch` sequences adds `new` tokens after `cached` ones
 and attends causally over all of them:
   (a) paged:        `hf_paged.attention.kernels.paged_prefill_attention`, the sequences packed (`cu_seqlens_q`),
-                    K/V read from the block pool through scattered block tables;
+                    K/V read from the block pool through scattered block tables (stored head-major, as a
+                    `BlockPool` stores them);
   (b) sdpa-contig:  `torch.nn.functional.scaled_dot_product_attention` per batch on contiguous K/V with the
                     lower-right causal bias (flash or memory-efficient kernels on CUDA): what a non-paged cache does.
 GQA runs through SDPA with `enable_gqa`. FLOPs count the causal half of QK^T and PV, `4 * heads * head_dim * new *
@@ -25,6 +26,7 @@ from tabulate import tabulate
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.decode_attention import DTYPES, fits_in_memory, peak_of, time_ms, write_report
+from hf_paged import BlockPool
 from hf_paged.attention.kernels import paged_prefill_attention, resolve_backend
 
 # (batch, new tokens, cached tokens): whole prompts of 2k-8k tokens, and chunks over a cached prefix
@@ -73,9 +75,11 @@ def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, pe
     if not fits_in_memory(int(2.5 * kv_bytes) + (1 << 30), device):
         return [{**cell, "method": "all", "skipped": "does not fit in memory"}]
     gen = torch.Generator(device=device).manual_seed(0)
-    shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
-    value_cache = torch.randn(shape, generator=gen, dtype=dtype, device=device)
+    # Stored as a BlockPool stores them (head-major: each head's blocks contiguous), handed over as the pool hands
+    # them to the kernels (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`).
+    shape = (args.num_kv_heads, num_blocks, args.block_size, args.head_dim)
+    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
     seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
     cu_seqlens_q = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
