@@ -79,6 +79,9 @@ block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does no
   elements for fp16/bf16 and 16 for fp32 (whose dot products run on CUDA cores in full precision), with at most
   64 tokens and at most twice the tile width (narrow heads spend their registers on the `[16, BLOCK_N]` logits).
 - 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used).
+- `python -m bench.decode_tuning` (a step of `make bench-gpu`) times the decode kernel with other tiles, warps and
+  stages beside these on a GPU, replayed from CUDA graphs over K/V stored as the pool stores them: the numbers a
+  change of these choices is to be made from (then checked for spills here).
 
 ## Columns
 
