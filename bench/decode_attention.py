@@ -61,6 +61,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--peak-bandwidth", type=float, help="bytes/s; overrides the table keyed by device name")
     parser.add_argument("--warmup-ms", type=float, default=25.0)
     parser.add_argument("--rep-ms", type=float, default=100.0)
+    parser.add_argument("--graph-rep-ms", type=float, default=20.0, help="time replayed from a CUDA graph, per method")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     parser.add_argument(
         "--tiny", action="store_true", help="tiny shapes (batch 1 2, context 64 256, 4/2 heads, head_dim 64, fp32)"
@@ -88,12 +89,13 @@ def peak_of(device: torch.device, table: list) -> tuple[str, float | None]:
     return name, next((value for words, value in table if all(word in name for word in words)), None)
 
 
-def write_report(path: str, report: dict) -> None:
+def write_report(path: str, report: dict, quiet: bool = False) -> None:
     """`report` as JSON at `path` (its folder made)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
-    print(f"wrote {path}")
+    if not quiet:
+        print(f"wrote {path}")
 
 
 def time_ms(fn, device: torch.device, warmup_ms: float, rep_ms: float) -> float:
@@ -176,14 +178,14 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
 
     backend = resolve_backend(args.backend, device)
     rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
-    rows[0]["graph_ms"] = graph_ms(paged, device, args.rep_ms)
+    rows[0]["graph_ms"] = graph_ms(paged, device, args.graph_rep_ms)
     if backend == "triton":
         from hf_paged.attention.kernels.triton_decode import choose_num_splits
 
         rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, blocks_per_seq * args.block_size, device)
     paged_out = out.float()
     rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
-    rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.rep_ms)
+    rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.graph_rep_ms)
 
     key = gather_kv(key_cache, block_tables, context).contiguous()
     value = gather_kv(value_cache, block_tables, context).contiguous()
@@ -194,7 +196,7 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
             **cell,
             "method": "sdpa-contig",
             "ms": time_ms(contiguous, device, args.warmup_ms, args.rep_ms),
-            "graph_ms": graph_ms(contiguous, device, args.rep_ms),
+            "graph_ms": graph_ms(contiguous, device, args.graph_rep_ms),
         }
     )
     max_err = (sdpa_decode(query, key, value, scale).float() - paged_out).abs().max().item()
@@ -229,6 +231,9 @@ def main(argv=None) -> int:
             results.extend(bench_cell(args, batch, context, device, peak))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+            if args.json:  # after every cell: a run stopped early keeps what it measured
+                report = {"device": device_name, "peak_bandwidth": peak, "args": vars(args), "results": results}
+                write_report(args.json, report, quiet=True)
 
     table = [
         [

@@ -35,8 +35,8 @@ from bench.host import device_name  # noqa: E402
 from hf_paged import BlockPool  # noqa: E402
 from hf_paged.attention.kernels import gather_kv, launch_config  # noqa: E402
 
-BLOCK_NS = (16, 32, 64, 128)
-NUM_WARPS = (2, 4, 8)
+BLOCK_NS = (32, 64, 128)
+NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3, 4)
 # A thread's share of one K (or V) tile above this many elements spills whatever the rest (launch_config.py keeps 32).
 MAX_TILE_ELEMENTS = 64
@@ -70,18 +70,21 @@ def _label(config: launch_config.DecodeConfig) -> str:
     return f"N{config.block_n} w{config.num_warps} s{config.num_stages}"
 
 
-def tune_head_dim(args, head_dim: int, device: torch.device) -> dict:
-    """Every candidate configuration of `head_dim` on every cell: times (ms), and the default configuration."""
+def tune_head_dim(args, head_dim: int, device: torch.device, save=lambda result: None) -> dict:
+    """Every candidate configuration of `head_dim` on every cell: times (ms), and the default configuration; `save`
+    is called with what is measured after every cell."""
     default = launch_config.decode_config(head_dim, DTYPES[args.dtype], launch_config.device_capability(device))
     configs = candidates(default, args.block_ns, args.num_warps, args.num_stages)
     cells = []
+    result = dict(head_dim=head_dim, default=_label(default), cells=cells)
     for batch, context in args.cells:
         cells.append(
             dict(batch=batch, context=context, times=tune_cell(args, head_dim, configs, batch, context, device))
         )
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return dict(head_dim=head_dim, default=_label(default), cells=cells)
+        save(result)
+    return result
 
 
 def tune_cell(args, head_dim: int, configs: list, batch: int, context: int, device: torch.device) -> dict:
@@ -110,15 +113,14 @@ def tune_cell(args, head_dim: int, configs: list, batch: int, context: int, devi
         with launched_with(config):
             try:
                 paged()
-            except Exception as error:  # a configuration the compiler refuses
+                error = float((out.float() - expected).abs().max())
+                if error > args.tolerance:
+                    times[_label(config)] = f"wrong (max |err| {error:.1e})"
+                    continue
+                measured = graph_ms(paged, device, args.rep_ms)
+                times[_label(config)] = measured if measured is not None else time_ms(paged, device, 1.0, args.rep_ms)
+            except Exception as error:  # a configuration the compiler refuses, or one its graph capture does
                 times[_label(config)] = type(error).__name__
-                continue
-            error = float((out.float() - expected).abs().max())
-            if error > args.tolerance:
-                times[_label(config)] = f"wrong (max |err| {error:.1e})"
-                continue
-            measured = graph_ms(paged, device, args.rep_ms)
-            times[_label(config)] = measured if measured is not None else time_ms(paged, device, 1.0, args.rep_ms)
     return times
 
 
@@ -160,7 +162,7 @@ def table(result: dict) -> str:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.decode_tuning", description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--cells", type=str, nargs="+", default=["1x512", "8x512", "8x8192", "32x8192"])
+    parser.add_argument("--cells", type=str, nargs="+", default=["8x512", "8x8192", "32x8192"])
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
     parser.add_argument("--block-size", type=int, default=16)
@@ -169,7 +171,7 @@ def parse_args(argv=None):
     parser.add_argument("--block-ns", type=int, nargs="+", default=list(BLOCK_NS))
     parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
     parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
-    parser.add_argument("--rep-ms", type=float, default=20.0)
+    parser.add_argument("--rep-ms", type=float, default=10.0)
     parser.add_argument("--tolerance", type=float, default=2e-2, help="largest |error| against SDPA accepted")
     parser.add_argument("--tiny", action="store_true", help="head_dim 32, cells 1x32 2x64, 4/2 heads, fp32, 2 configs")
     parser.add_argument("--json", help="write the results here")
@@ -198,18 +200,21 @@ def main(argv=None) -> int:
         print("On CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1 python -m bench.decode_tuning ...")
         return 2
     results = []
+
+    def save(result: dict) -> None:  # after every cell: a run stopped early keeps what it measured
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            report = {"device": device_name(device.type), "args": vars(args), "results": [*results, result]}
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
     for head_dim in args.head_dims:
-        result = tune_head_dim(args, head_dim, device)
+        result = tune_head_dim(args, head_dim, device, save)
         results.append(result)
         overall = best_overall(result)
         print(f"head_dim {head_dim}, {args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads", flush=True)
         print(table(result))
         if overall is not None:
             print(f"best over every cell: {overall[0]} ({overall[1]:.2f}x the best of each cell, geometric mean)\n")
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            report = {"device": device_name(device.type), "args": vars(args), "results": results}
-            Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 

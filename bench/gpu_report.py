@@ -36,6 +36,7 @@ to bring back.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -44,7 +45,7 @@ import subprocess
 import sys
 import tarfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -68,6 +69,7 @@ class Step:
     seconds: float | None = None
     output_tail: str = ""
     timed_out: bool = False
+    outputs: list[Path] = field(default_factory=list)  # the files it writes (a run's old ones go first)
 
     @property
     def status(self) -> str:
@@ -87,37 +89,41 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
         steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *tests]))
     if "engine" not in skip:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
-        steps.append(Step("engine", "engine speed", command))
+        steps.append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
     if "generate" not in skip:
         for name, variants in GENERATE_RUNS.items():
             command = [python, "bench/generate_speed.py", "--variants", *variants, "--json", str(out / name)]
             if "compiled" in name:  # the bf16 trace is of the eager variants
                 command += ["--trace-steps", "0"]
             label = "generate speed" + (", compiled" if "compiled" in name else "")
-            steps.append(Step("generate", label, command))
+            steps.append(Step("generate", label, command, outputs=[out / name]))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
             command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
-            steps.append(Step("decode", f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+            name, command = f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]
+            steps.append(Step("decode", name, command, outputs=[json_path]))
     if "prefill" not in skip:
         for dtype, head_dim in PREFILL_RUNS:
             json_path = out / f"prefill_{dtype}_d{head_dim}.json"
             command = [python, "-m", "bench.prefill_attention", "--dtype", dtype, "--head-dim", str(head_dim)]
-            steps.append(Step("prefill", f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]))
+            name, command = f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]
+            steps.append(Step("prefill", name, command, outputs=[json_path]))
     if "tuning" not in skip:
         command = [python, "-m", "bench.decode_tuning", "--json", str(out / "decode_tuning.json")]
-        steps.append(Step("tuning", "decode kernel tuning", command))
+        steps.append(Step("tuning", "decode kernel tuning", command, outputs=[out / "decode_tuning.json"]))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
             command += ["--log", str(out / f"SERVING_{dtype}.md"), "--json", str(out / f"cache_report_{dtype}.json")]
             command += ["--serving-json", str(out / f"serving_{dtype}.json")]
-            steps.append(Step("serving", f"serving {dtype}", command))
+            outputs = [out / f"SERVING_{dtype}.md", out / f"cache_report_{dtype}.json", out / f"serving_{dtype}.json"]
+            steps.append(Step("serving", f"serving {dtype}", command, outputs=outputs))
     return steps
 
 
 TIMEOUT_EXIT = 124  # what `timeout` exits with
+MIN_STEP_SECONDS = 5  # a step is not started with less time than this left before the deadline
 
 
 def run(step: Step, out: Path, timeout: float | None = None) -> None:
@@ -131,21 +137,25 @@ def run(step: Step, out: Path, timeout: float | None = None) -> None:
         try:
             step.returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # the group may have ended meanwhile
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()
             step.returncode, step.timed_out = TIMEOUT_EXIT, True
     step.seconds = time.perf_counter() - start
     step.output_tail = "\n".join(log.read_text().splitlines()[-25:])
-    print(f"   {step.status} in {step.seconds:.0f} s (log: {log})", flush=True)
+    print(f"   {step.status}" + ("" if step.timed_out else f" in {step.seconds:.0f} s") + f" (log: {log})", flush=True)
 
 
 def run_all(steps: list[Step], out: Path, deadline: float | None, step_timeout: float | None) -> None:
     """Run `steps` in order; none starts once `deadline` seconds have passed, and each is killed at the deadline or
     after `step_timeout` seconds, whichever comes first."""
+    for step in steps:  # no result of an earlier run is reported as this one's
+        for path in step.outputs:
+            path.unlink(missing_ok=True)
     start = time.perf_counter()
     for step in steps:
         left = None if deadline is None else deadline - (time.perf_counter() - start)
-        if left is not None and left <= 0:
+        if left is not None and left < MIN_STEP_SECONDS:
             print(f"== {step.name}: not run, the deadline of {deadline:.0f} s has passed", flush=True)
             continue
         limits = [limit for limit in (left, step_timeout) if limit is not None]
@@ -434,7 +444,7 @@ def main(argv=None) -> int:
     if args.bundle:
         bundle(out, Path(args.bundle))
     failed = [s.name for s in steps if s.returncode != 0]
-    print(f"wrote {out / 'REPORT.md'}" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    print(f"wrote {out / 'REPORT.md'}" + (f"; failed or not run: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
 
 

@@ -4,6 +4,7 @@ import sys
 import tarfile
 import time
 
+from bench import gpu_report
 from bench.gpu_report import TIMEOUT_EXIT, Step, bundle, run_all
 
 
@@ -11,7 +12,8 @@ def _step(name: str, code: str) -> Step:
     return Step("tests", name, [sys.executable, "-c", code])
 
 
-def test_a_step_past_its_timeout_is_stopped_and_none_starts_after_the_deadline(tmp_path):
+def test_a_step_past_its_timeout_is_stopped_and_none_starts_after_the_deadline(tmp_path, monkeypatch):
+    monkeypatch.setattr(gpu_report, "MIN_STEP_SECONDS", 0.5)
     steps = [
         _step("quick", "print('done')"),
         _step("fails", "raise SystemExit(3)"),
@@ -31,10 +33,13 @@ def test_a_step_past_its_timeout_is_stopped_and_none_starts_after_the_deadline(t
     marker = tmp_path / "child_alive"
     child = f"import time; time.sleep(3); open({str(marker)!r}, 'w').close()"
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
-    steps = [_step("slow", parent), _step("late", "print('never')")]
+    stale = tmp_path / "late.json"  # what an earlier run of the late step left
+    stale.write_text("{}")
+    steps = [_step("slow", parent), Step("tests", "late", [sys.executable, "-c", "print('never')"], outputs=[stale])]
     run_all(steps, tmp_path, deadline=1.5, step_timeout=None)
     assert steps[0].timed_out  # cut at the deadline
     assert steps[1].returncode is None and steps[1].status == "not run (deadline)"
+    assert not stale.exists()  # not reported as this run's
     assert (tmp_path / "quick.log").read_text() == "done\n"
     time.sleep(3)
     assert not marker.exists()

@@ -285,12 +285,13 @@ def test_decode_steps_keep_their_buffers_across_turns():
 
     def recording(groups, past_length, num_new_tokens, device):
         fill(groups, past_length, num_new_tokens, device)
+        # The buffers themselves, kept alive here: a freed one's address could be taken again by its replacement.
         buffers = [*steps.slot_mapping, *steps.block_tables, steps.seq_lens, steps.past_length]
-        addresses.append((num_new_tokens, [buffer.data_ptr() for buffer in buffers]))
+        addresses.append((num_new_tokens, buffers))
 
     steps.fill = recording
     first = model.generate(random_prompt(12), cache=cache, max_new_tokens=6, do_sample=False)
     model.generate(torch.cat([first, random_prompt(5, seed=3)], dim=1), cache=cache, max_new_tokens=6, do_sample=False)
-    decode = {str(ptrs) for n, ptrs in addresses if n == 1}
+    decode = {tuple((id(b), b.data_ptr()) for b in buffers) for n, buffers in addresses if n == 1}
     assert [n for n, _ in addresses].count(1) == 10 and len(decode) == 1  # 5 decode steps a turn, one set of buffers
     assert [n for n, _ in addresses if n != 1] == [6]  # the second turn: its 5 tokens after the last one sampled
