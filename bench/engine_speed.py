@@ -136,17 +136,23 @@ def run_peer_backend(name: str, model, workload, kv_bytes: int) -> dict:
     return dict(wall_s=result.wall_s, output_tokens=tokens, tok_per_s=tokens / result.wall_s, outputs=result.outputs)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    parser.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float16", "float32", "none"])
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload's arguments (the burst, its lengths, the K/V memory and the Engine's limits), which
+    bench/scheduler_host.py shares."""
     parser.add_argument("--num-requests", type=int, default=128)
     parser.add_argument("--prompt-lens", type=int, nargs=2, default=[128, 1024])
     parser.add_argument("--output-lens", type=int, nargs=2, default=[64, 256])
     parser.add_argument("--kv-memory", default="1GiB")
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float16", "float32", "none"])
+    add_workload_arguments(parser)
     parser.add_argument("--profile-steps", type=int, default=30)
     parser.add_argument("--check-requests", type=int, default=16)
     parser.add_argument("--backends", nargs="+", default=list(BACKENDS), choices=BACKENDS)

@@ -33,6 +33,7 @@ from transformers import LlamaConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.engine_speed import add_workload_arguments  # noqa: E402
 from bench.models import LLAMA_1B_SHAPE  # noqa: E402
 from bench.replay import StandInModel  # noqa: E402
 from bench.workloads import burst  # noqa: E402
@@ -145,12 +146,7 @@ def table(result: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.scheduler_host", description=__doc__.splitlines()[0])
-    parser.add_argument("--num-requests", type=int, default=128)
-    parser.add_argument("--prompt-lens", type=int, nargs=2, default=[128, 1024])
-    parser.add_argument("--output-lens", type=int, nargs=2, default=[64, 256])
-    parser.add_argument("--kv-memory", default="1GiB")
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="runs; the one with the least host time is shown")
     parser.add_argument("--runner-rows", type=int, nargs="*", default=[1, 8, 64, 128])
     args = parser.parse_args(argv)
