@@ -54,3 +54,14 @@ def test_the_bundle_holds_every_raw_file_but_the_report(tmp_path):
     with tarfile.open(tmp_path / "back" / "raw.tar.gz") as archive:
         assert sorted(archive.getnames()) == ["engine.json", "generate_speed.log"]
         assert archive.extractfile("engine.json").read() == b"engine.json"
+
+
+def test_the_plan_runs_each_kind_in_order_and_compiled_generate_apart_at_batch_1(tmp_path):
+    steps = gpu_report.plan(tmp_path, set())
+    kinds = [step.kind for step in steps]
+    assert set(kinds) == set(gpu_report.STEP_KINDS)
+    assert kinds == sorted(kinds, key=gpu_report.STEP_KINDS.index)
+    compiled = [step for step in steps if step.name.startswith("generate speed, compiled")]
+    assert len(compiled) == 2 and all(step.command[step.command.index("--batch") + 1] == "1" for step in compiled)
+    assert all(step.outputs and step.outputs[0].parent == tmp_path for step in steps if step.kind != "tests")
+    assert [step.kind for step in gpu_report.plan(tmp_path, {"tests", "serving"})][0] == "engine"
