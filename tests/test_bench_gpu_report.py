@@ -65,3 +65,28 @@ def test_the_plan_runs_each_kind_in_order_and_compiled_generate_apart_at_batch_1
     assert len(compiled) == 2 and all(step.command[step.command.index("--batch") + 1] == "1" for step in compiled)
     assert all(step.outputs and step.outputs[0].parent == tmp_path for step in steps if step.kind != "tests")
     assert [step.kind for step in gpu_report.plan(tmp_path, {"tests", "serving"})][0] == "engine"
+
+
+def test_a_run_writes_the_report_and_brings_back_the_raw_results_in_one_archive(tmp_path, monkeypatch):
+    """`main` end to end with stand-in steps (the real ones need a GPU): each step's output and log, REPORT.md with
+    every step's status, the archive with the rest, and exit 1 as one step failed."""
+    out, archive = tmp_path / "gpu", tmp_path / "back" / "raw.tar.gz"
+
+    def plan(out, skip):
+        writes = f"open({str(out / 'engine.json')!r}, 'w').write('{{}}')"
+        return [
+            Step("engine", "engine speed", [sys.executable, "-c", writes], outputs=[out / "engine.json"]),
+            _step("generate speed", "raise SystemExit(2)"),
+        ]
+
+    monkeypatch.setattr(gpu_report, "plan", plan)
+    monkeypatch.setattr(gpu_report.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(gpu_report.torch.cuda, "get_device_name", lambda *args: "Stand-in GPU")
+    monkeypatch.setattr(gpu_report.torch.cuda, "get_device_capability", lambda *args: (9, 0))
+    monkeypatch.setattr(gpu_report, "_engine_section", lambda out: "engine section\n")
+    argv = ["--out", str(out), "--deadline", "60", "--step-timeout", "30", "--bundle", str(archive)]
+    assert gpu_report.main(argv) == 1
+    text = (out / "REPORT.md").read_text()
+    assert "Stand-in GPU" in text and "| engine speed " in text and "FAILED (2)" in text
+    with tarfile.open(archive) as bundled:
+        assert sorted(bundled.getnames()) == ["engine.json", "engine_speed.log", "generate_speed.log"]
