@@ -30,7 +30,7 @@ to bring back.
 
     python -m bench.gpu_report                 # everything
     python -m bench.gpu_report --skip serving  # tests and decode only
-    python -m bench.gpu_report --skip serving --deadline 540 --out /tmp/gpu --bundle "$OUT/raw.tar.gz"
+    python -m bench.gpu_report --skip serving --deadline 450 --out /tmp/gpu --bundle "$OUT/raw.tar.gz"
 """
 
 from __future__ import annotations
