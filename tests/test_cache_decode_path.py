@@ -108,6 +108,24 @@ def test_interleaved_caches_gather_into_one_workspace_sized_in_whole_blocks():
     second.release()
 
 
+def test_a_layer_after_the_workspace_grew_gathers_into_the_new_buffer():
+    """A step's gather views are made at its first layer and reused by its other layers: with another cache on the
+    pool growing the shared buffer between two of them, every layer's K/V are still every row's own (the next layer
+    gathers into the new buffer)."""
+    pool = _pool()
+    small, large = PagedCache(pool=pool), PagedCache(pool=pool)
+    caches = ((small, 2, DynamicCache()), (large, 3, DynamicCache()))  # the larger gather grows the shared buffer
+    for step, length in enumerate([6, 1, 1, 1]):
+        for layer in (0, 1):
+            for cache, batch, reference in caches:
+                keys = _states(batch, length, 100 * step + 10 * layer + batch)
+                out, values = cache.update(keys, -keys, layer)
+                expected_keys, expected_values = reference.update(keys, -keys, layer)
+                assert torch.equal(out, expected_keys) and torch.equal(values, expected_values)
+    small.release()
+    large.release()
+
+
 def test_each_thread_gets_its_own_workspace_of_a_pool():
     pool = _pool()
     seen = []

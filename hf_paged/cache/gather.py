@@ -183,24 +183,53 @@ class GatherWorkspace:
         stop - start, head_dim]` keys and `[B, value_heads, stop - start, value_head_dim]` values (views). `name`
         picks buffers apart from the plain gather's, for a gather whose result is used together with another."""
         pool = blocks.pool
-        num_rows = blocks.num_rows if row is None else 1
         gathered = []
         for buffer, cache in (
             (name + "keys", pool.key_cache[layer_idx]),
             (name + "values", pool.value_cache[layer_idx]),
         ):
-            # V may have other heads and head_dim than K (multi-head latent attention): each its own shape.
-            num_heads, num_pool_blocks, block_size, head_dim = cache.shape
-            if row is None:
-                index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
-            else:
-                index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks, row=row)
-            out = self.buffer(buffer, (index.numel(), block_size, head_dim), cache)
+            # What does not depend on the layer (the index, the buffer's views) is made at the step's first layer
+            # and kept in the tables' memo (dropped when they change) while the buffer is the same: a later layer then
+            # costs one index_select, where making the views again costs more than the copy at small contexts.
+            key = ("gather views", buffer, first_block, end_block, start, stop, row, cache.shape, cache.dtype)
+            made = blocks.memo.get(key)
+            if made is None or made[0] is not self._buffers.get((buffer, cache.device, cache.dtype)):
+                made = blocks.memo[key] = self._gather_views(
+                    blocks, buffer, cache, first_block, end_block, start, stop, row
+                )
+            _, index, out, result = made
             # NOTE: blocks as rows of block_size * head_dim values: on CPU, index_select copies 2-D rows ~3x faster
             # than 3-D ones.
-            torch.index_select(cache.view(-1, block_size * head_dim), 0, index, out=out.view(index.numel(), -1))
-            gathered.append(out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop])
+            rows = blocks.memo.get(("gather rows", buffer, layer_idx))
+            if rows is None or rows[0] is not cache:
+                rows = blocks.memo[("gather rows", buffer, layer_idx)] = (cache, cache.view(-1, out.shape[1]))
+            torch.index_select(rows[1], 0, index, out=out)
+            gathered.append(result)
         return gathered[0], gathered[1]
+
+    def _gather_views(
+        self,
+        blocks: GatherTables,
+        buffer: str,
+        cache: torch.Tensor,
+        first_block: int,
+        end_block: int,
+        start: int,
+        stop: int,
+        row: int | None,
+    ) -> tuple:
+        """(the buffer, the gather's index, the buffer's `[blocks, block_size * head_dim]` view it fills, the
+        `[B, heads, stop - start, head_dim]` view `gather` returns) for `cache`'s shape."""
+        # V may have other heads and head_dim than K (multi-head latent attention): each its own shape.
+        num_heads, num_pool_blocks, block_size, head_dim = cache.shape
+        num_rows = blocks.num_rows if row is None else 1
+        if row is None:
+            index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks)
+        else:
+            index = blocks.gather_index(first_block, end_block, num_heads, num_pool_blocks, row=row)
+        out = self.buffer(buffer, (index.numel(), block_size, head_dim), cache)
+        result = out.view(num_rows, num_heads, -1, head_dim)[:, :, start:stop]
+        return self._buffers[(buffer, cache.device, cache.dtype)], index, out.view(index.numel(), -1), result
 
     def gather_heads(
         self, key_cache: torch.Tensor, value_cache: torch.Tensor, blocks: torch.Tensor, num_rows: int, length: int

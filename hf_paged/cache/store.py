@@ -11,7 +11,6 @@ import torch
 
 from ..attention import store_backend, store_kv_rows
 from ..storage import BlockPool
-from .gather import pool_views
 
 
 class KVStore:
@@ -57,6 +56,9 @@ class KVStore:
                 if key_states.shape[0] == 1:
                     key_slots.index_copy_(2, slots, key_states)
                     value_slots.index_copy_(2, slots, value_states)
+                elif key_states.shape[2] == 1:  # one token a row: [B, kv_heads, head_dim] into slot-major views
+                    views[4].index_copy_(0, slots, key_states[:, :, 0])
+                    views[5].index_copy_(0, slots, value_states[:, :, 0])
                 else:
                     key_slots[0].index_copy_(1, slots, heads_first(key_states))
                     value_slots[0].index_copy_(1, slots, heads_first(value_states))
@@ -66,11 +68,16 @@ class KVStore:
         )
 
     def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, ...]:
-        """Layer `layer_idx`'s K and V pool tensors and their [1, kv_heads, num_blocks * block_size, head_dim] views
-        (slot-indexed), kept in `_flat_memo` and made again only when the pool's tensors changed (a private pool
-        grew)."""
-        pool_views(self._flat_memo, pool, layer_idx, lambda t: t.view(1, t.shape[0], -1, t.shape[-1]))
-        return self._flat_memo[layer_idx]
+        """Layer `layer_idx`'s K and V pool tensors, their [1, kv_heads, num_blocks * block_size, head_dim] views
+        (slot-indexed) and their [num_blocks * block_size, kv_heads, head_dim] views (slot-major, for a row's token
+        each), kept in `_flat_memo` and made again only when the pool's tensors changed (a private pool grew)."""
+        key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+        key_slots, value_slots = (
+            cache.view(1, cache.shape[0], -1, cache.shape[-1]) for cache in (key_cache, value_cache)
+        )
+        slot_major = (key_slots[0].transpose(0, 1), value_slots[0].transpose(0, 1))
+        views = self._flat_memo[layer_idx] = (key_cache, value_cache, key_slots, value_slots, *slot_major)
+        return views
 
 
 def heads_first(states: torch.Tensor) -> torch.Tensor:

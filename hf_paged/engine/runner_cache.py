@@ -60,7 +60,7 @@ class RunnerStep(Protocol):
 class RunnerLayer:
     """One pool layer's tensors as the runner's eager steps read and write them, made once (the Engine's pool keeps
     its tensors): its layer group, K and V as the kernels view them (`[num_blocks, block_size, kv_heads, head_dim]`),
-    slot-indexed (`[kv_heads, num_slots, head_dim]`, where the torch store copies new rows) and per head as rows of
+    slot-indexed (`[num_slots, kv_heads, head_dim]`, where the torch store copies new rows) and per head as rows of
     one block (`[kv_heads, num_blocks, block_size * head_dim]`, what a gather selects)."""
 
     def __init__(self, pool: BlockPool, layer_idx: int, shape_ids: dict):
@@ -70,7 +70,8 @@ class RunnerLayer:
         shapes = (self.key_cache.shape, self.value_cache.shape, self.key_cache.dtype)
         self.shape_id = shape_ids.setdefault(shapes, len(shape_ids))
         self.key_nhd, self.value_nhd = pool.nhd_view(self.key_cache), pool.nhd_view(self.value_cache)
-        self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]) for cache in self.caches]
+        # Slot-major (`[num_slots, kv_heads, head_dim]`): a row's new token, `[kv_heads, head_dim]`, copies in as is.
+        self.slot_views = [cache.view(cache.shape[0], -1, cache.shape[3]).transpose(0, 1) for cache in self.caches]
         self.head_blocks = [cache.view(cache.shape[0], cache.shape[1], -1) for cache in self.caches]
         self.head_dims = (self.key_cache.shape[3], self.value_cache.shape[3])
         self.plan = RunnerPlan(self.key_nhd, self.value_nhd)
@@ -297,7 +298,7 @@ class RunnerCache(Cache):
         if runner.store == "torch":
             # `store_kv_rows`' torch path on the layer's slot views: one index_copy_ per K and V.
             for view, states in zip(layer.slot_views, (key_states, value_states)):
-                view.index_copy_(1, step.slots, states[:, :, 0].transpose(0, 1))  # [kv_heads, B, head_dim]
+                view.index_copy_(0, step.slots, states[:, :, 0])  # [B, kv_heads, head_dim]
         else:
             store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
         layer.plan.bind(step, layer)
