@@ -362,7 +362,8 @@ def test_the_staging_copies_are_contiguous_and_carry_every_step(monkeypatch):
     on CUDA, which blocks the host), and the tokens are per-request generate()'s."""
     engine, _ = tiny_engine("llama", 64, max_num_seqs=5, max_num_batched_tokens=16)
     runner = engine.runner
-    runner._host = runner._device.clone()  # the staging tensor, apart
+    runner._host = runner._device.clone()  # the staging tensor, apart, with its per-row values' view
+    runner._host_fields = runner._host[: runner._num_fields * runner._max_rows].view(runner._num_fields, -1)
     copies, filling = [], [False]
     copy_, fill = torch.Tensor.copy_, runner._fill
 

@@ -193,6 +193,7 @@ class DecodeRunner:
             self._device if on_cpu else torch.zeros(size, dtype=torch.long, pin_memory=self.pool.device.type == "cuda")
         )
         self._max_rows = max_rows
+        self._host_fields = self._host[: self._num_fields * max_rows].view(self._num_fields, max_rows)
         fields = self._device[: self._num_fields * max_rows].view(self._num_fields, max_rows)
         self.input_ids, self.position_ids = fields[0].view(-1, 1), fields[1].view(-1, 1)  # [rows, 1] each
         self.slots = [fields[2 + g] for g in range(num_groups)]  # [rows]
@@ -346,8 +347,7 @@ class DecodeRunner:
                 table_index.append(tables_start + (g * max_rows + row) * width)
                 table_values.append(dummy)
                 staging.append((g, row, None))
-        host_fields = self._host[:tables_start].view(self._num_fields, max_rows)
-        host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
+        self._host_fields[:, :bucket] = torch.tensor(fields, dtype=torch.long)
         if table_index:
             self._host[torch.tensor(table_index)] = torch.tensor(table_values, dtype=torch.long)
         for g, row, staged in staging:  # recorded once the host tables hold them
