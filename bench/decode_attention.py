@@ -136,6 +136,25 @@ def sdpa_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
     return torch.nn.functional.scaled_dot_product_attention(q, key, value, scale=scale).reshape(query.shape)
 
 
+def decode_inputs(args, batch: int, context: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]` int32, seq_lens `[B]` int32)
+    for `batch` sequences of `context` cached tokens in `args.dtype`, seeded: the caches stored as a BlockPool stores
+    them (head-major: each head's blocks contiguous) and handed over as the pool hands them to the kernels
+    (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`), the block tables scattered, as in a pool
+    that has served many requests."""
+    dtype = DTYPES[args.dtype]
+    blocks_per_seq = math.ceil(context / args.block_size)
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
+    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
+    query = torch.randn(batch, args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, seq_lens
+
+
 def bench_cell(args, batch: int, context: int, device: torch.device, peak: float | None) -> list[dict]:
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -152,17 +171,7 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
         print(f"skip batch={batch} context={context}: needs ~{needed / 2**30:.1f} GiB", file=sys.stderr)
         return [{**cell, "method": "all", "skipped": "does not fit in memory"}]
 
-    gen = torch.Generator(device=device).manual_seed(0)
-    # Stored as a BlockPool stores them (head-major: each head's blocks contiguous), handed over as the pool hands
-    # them to the kernels (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`).
-    shape = (args.num_kv_heads, num_blocks, args.block_size, args.head_dim)
-    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    # Scattered block tables, as in a pool that has served many requests.
-    perm = torch.randperm(num_blocks, generator=gen, device=device)
-    block_tables = perm.view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, args.num_q_heads, args.head_dim, generator=gen, dtype=dtype, device=device)
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(args, batch, context, args.head_dim, device)
     scale = args.head_dim**-0.5
     out = torch.empty_like(query)
 

@@ -30,9 +30,8 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_attention import DTYPES, graph_ms, sdpa_decode, time_ms  # noqa: E402
+from bench.decode_attention import DTYPES, decode_inputs, graph_ms, sdpa_decode, time_ms  # noqa: E402
 from bench.host import device_name  # noqa: E402
-from hf_paged import BlockPool  # noqa: E402
 from hf_paged.attention.kernels import gather_kv, launch_config  # noqa: E402
 
 BLOCK_NS = (32, 64, 128)
@@ -91,16 +90,7 @@ def tune_cell(args, head_dim: int, configs: list, batch: int, context: int, devi
     """{configuration: ms per call, or why it has no time} for `batch` sequences of `context` cached tokens."""
     from hf_paged.attention.kernels.triton_decode import paged_decode_attention_triton
 
-    dtype = DTYPES[args.dtype]
-    blocks_per_seq = math.ceil(context / args.block_size)
-    num_blocks = batch * blocks_per_seq
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
-    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
+    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(args, batch, context, head_dim, device)
     scale, out = head_dim**-0.5, torch.empty_like(query)
     keys, values = gather_kv(key_cache, block_tables, context), gather_kv(value_cache, block_tables, context)
     expected = sdpa_decode(query, keys, values, scale).float()
