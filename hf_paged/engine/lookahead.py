@@ -212,12 +212,8 @@ class Lookahead:
         if self.full_shared:
             # Per running request, its table in each full group (none before it holds blocks: `_full_tables`).
             self.tables = [self._full_tables(request) for request in running]
-            # A held block counts at step t while a request holding it still runs: until the last of their ends
-            # (requests in the order of their ends, so a later one's end replaces an earlier one's).
-            self.last_end: dict[int, int] = {}
-            for index in sorted(range(len(running)), key=lambda index: self.growths[index].end):
-                for table in self.tables[index]:
-                    self.last_end.update(dict.fromkeys(table, self.growths[index].end))
+            # A held block counts at step t while a request holding it still runs: until the last of their ends.
+            self.last_end = self._last_ends(self.tables)
             self._sorted_ends = sorted(self.last_end.values())
             # Per running request, what `_running_shared` reads: (tokens, steps, end, its full tables' lengths), the
             # latest end first.
@@ -238,13 +234,21 @@ class Lookahead:
         )
         self._sliding_memo: dict[int, list[tuple[int, int]]] = {}  # step -> `_running_sliding(step)`
 
+    def _last_ends(self, tables: list[list[list[int]]]) -> dict[int, int]:
+        """Block id -> the last end (`Growth.end`) of the running requests holding it; `tables[i]`: the tables of
+        running request i to count."""
+        last_end: dict[int, int] = {}
+        # In the order of their ends, so that a later end replaces an earlier one.
+        for index in sorted(range(len(tables)), key=lambda index: self.growths[index].end):
+            for table in tables[index]:
+                last_end.update(dict.fromkeys(table, self.growths[index].end))
+        return last_end
+
     def _sliding_share(self, running: list[Request], group: int, window: int) -> SlidingShare:
         """Sliding group `group`'s blocks held by two or more `running` requests, and each request's own share."""
         tables = [request.block_tables[group] if request.block_tables else [] for request in running]
         holders = Counter(itertools.chain.from_iterable(tables))
-        last_end: dict[int, int] = {}  # the last end of a block's holders (in the order of their ends)
-        for index in sorted(range(len(running)), key=lambda index: self.growths[index].end):
-            last_end.update(dict.fromkeys(tables[index], self.growths[index].end))
+        last_end = self._last_ends([[table] for table in tables])
         shared = {block_id: last_end[block_id] for block_id, count in holders.items() if count > 1}
         alone, reach = [], []
         for request, table in zip(running, tables):
