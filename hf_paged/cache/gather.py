@@ -165,6 +165,8 @@ class GatherWorkspace:
 
     def __init__(self):
         self._buffers: dict[tuple, torch.Tensor] = {}  # (name, device, dtype) -> buffer
+        # Per pool layer: its K and V as `[kv_heads * num_blocks, block_size * head_dim]` rows (`pool_views`).
+        self._rows: dict[int, tuple[torch.Tensor, ...]] = {}
 
     def gather(
         self,
@@ -183,10 +185,13 @@ class GatherWorkspace:
         stop - start, head_dim]` keys and `[B, value_heads, stop - start, value_head_dim]` values (views). `name`
         picks buffers apart from the plain gather's, for a gather whose result is used together with another."""
         pool = blocks.pool
+        # NOTE: blocks as rows of block_size * head_dim values: on CPU, index_select copies 2-D rows ~3x faster than
+        # 3-D ones.
+        key_rows, value_rows = pool_views(self._rows, pool, layer_idx, lambda t: t.view(-1, t.shape[2] * t.shape[3]))
         gathered = []
-        for buffer, cache in (
-            (name + "keys", pool.key_cache[layer_idx]),
-            (name + "values", pool.value_cache[layer_idx]),
+        for buffer, cache, rows in (
+            (name + "keys", pool.key_cache[layer_idx], key_rows),
+            (name + "values", pool.value_cache[layer_idx], value_rows),
         ):
             # What does not depend on the layer (the index, the buffer's views) is made at the step's first layer
             # and kept in the tables' memo (dropped when they change) while the buffer is the same: a later layer then
@@ -198,12 +203,7 @@ class GatherWorkspace:
                     blocks, buffer, cache, first_block, end_block, start, stop, row
                 )
             _, index, out, result = made
-            # NOTE: blocks as rows of block_size * head_dim values: on CPU, index_select copies 2-D rows ~3x faster
-            # than 3-D ones.
-            rows = blocks.memo.get(("gather rows", buffer, layer_idx))
-            if rows is None or rows[0] is not cache:
-                rows = blocks.memo[("gather rows", buffer, layer_idx)] = (cache, cache.view(-1, out.shape[1]))
-            torch.index_select(rows[1], 0, index, out=out)
+            torch.index_select(rows, 0, index, out=out)
             gathered.append(result)
         return gathered[0], gathered[1]
 
@@ -260,6 +260,7 @@ class GatherWorkspace:
 
     def clear(self) -> None:
         self._buffers.clear()
+        self._rows.clear()
 
     @property
     def nbytes(self) -> int:
