@@ -215,6 +215,11 @@ class _SdpaInputs:
     def __exit__(self, *exc):
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
 
+    def taken(self) -> list[str]:
+        """What SDPA received and picked since the last call, each once ("backend, K layout")."""
+        described, self.calls = sorted({f"{backend}, K {layout}" for layout, backend in self.calls}), []
+        return described
+
 
 def _contiguous_kv(cache: PagedCache) -> PagedCache:
     """`cache` handing attention contiguous copies of the K/V it returns (what DynamicCache's `torch.cat` gives)."""
@@ -262,7 +267,7 @@ def trace_logits(models, shape: dict, args) -> dict:
         expected, tokens = _teacher_forced(
             models[0], DynamicCache(config=models[0].config), input_ids, None, args.trace_steps, sdpa
         )
-        reference_calls, sdpa.calls = sdpa.calls, []
+        reference = sdpa.taken()
         variants = []
         for variant in TRACE_VARIANTS:
             model = models[1] if "hf_paged" in variant else models[0]
@@ -270,7 +275,6 @@ def trace_logits(models, shape: dict, args) -> dict:
             if "contiguous" in variant:
                 cache = _contiguous_kv(cache)
             got, _ = _teacher_forced(model, cache, input_ids, tokens, args.trace_steps, sdpa)
-            calls, sdpa.calls = sdpa.calls, []
             differing = [step for step, (a, b) in enumerate(zip(got, expected)) if not torch.equal(a, b)]
             variants.append(
                 dict(
@@ -278,7 +282,7 @@ def trace_logits(models, shape: dict, args) -> dict:
                     differing_steps=differing,
                     max_abs_diff=max(float((a - b).abs().max()) for a, b in zip(got, expected)),
                     argmax_differs=[step for step, (a, b) in enumerate(zip(got, expected)) if a.argmax() != b.argmax()],
-                    sdpa=sorted({f"{backend}, K {layout}" for layout, backend in calls}),
+                    sdpa=sdpa.taken(),
                 )
             )
             first = differing[0] if differing else "none"
@@ -287,7 +291,6 @@ def trace_logits(models, shape: dict, args) -> dict:
                 f"max |diff| {variants[-1]['max_abs_diff']:.3g}, SDPA: {variants[-1]['sdpa']}",
                 flush=True,
             )
-    reference = sorted({f"{backend}, K {layout}" for layout, backend in reference_calls})
     return dict(dtype=args.dtype, steps=args.trace_steps, dynamic_sdpa=reference, variants=variants)
 
 
