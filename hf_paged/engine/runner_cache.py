@@ -298,7 +298,7 @@ class RunnerCache(Cache):
         if runner.store == "torch":
             # `store_kv_rows`' torch path on the layer's slot views: one index_copy_ per K and V.
             for view, states in zip(layer.slot_views, (key_states, value_states)):
-                view.index_copy_(0, step.slots, states[:, :, 0])  # [B, kv_heads, head_dim]
+                view.index_copy_(0, step.slots, states.squeeze(2))  # [B, kv_heads, head_dim]
         else:
             store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
         layer.plan.bind(step, layer)

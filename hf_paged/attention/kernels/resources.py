@@ -133,7 +133,8 @@ class _Specializer:
         kwargs = dict(launch.kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # Triton >= 3.7 passes it too
+            kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         if fn not in self.binders:
             self.binders[fn] = create_function_from_signature(fn.signature, fn.params, self.backend)
         bound_args, specialization, options = self.binders[fn](*launch.args, **kwargs)

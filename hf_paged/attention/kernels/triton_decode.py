@@ -86,7 +86,7 @@ def softcap_logits(logits, softcap):
 # to. Sizes that vary with the model or the workload (block table width, GQA group, block size, window) are excluded,
 # so one variant per (dtype, head_dim_pad, softcap) serves every model and step; head_dim stays specialized, because
 # knowing it is a multiple of 16 is what lets the loads of its rows vectorize.
-@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size"])
+@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size", "has_kv_start"])
 def _paged_decode_kernel(
     q_ptr,  # [B, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -119,7 +119,7 @@ def _paged_decode_kernel(
     group,  # q heads per kv head
     head_dim,
     block_size,
-    has_kv_start,  # bool
+    has_kv_start,  # 0 or 1 (an int: Triton 3.6's interpreter takes no bool argument)
     BLOCK_G: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -334,7 +334,7 @@ def paged_decode_attention_triton(
             group,
             head_dim,
             block_size,
-            kv_start is not None,
+            int(kv_start is not None),
             BLOCK_G=config.block_g,
             HEAD_DIM_PAD=config.head_dim_pad,
             BLOCK_N=config.block_n,

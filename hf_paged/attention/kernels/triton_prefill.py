@@ -55,7 +55,19 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q):
     return left - 1
 
 
-@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size", "num_seqs", "heads", "block_q"])
+@triton.jit(
+    do_not_specialize=[
+        "stride_bt",
+        "sliding_window",
+        "group",
+        "block_size",
+        "num_seqs",
+        "has_kv_start",
+        "use_sinks",
+        "heads",
+        "block_q",
+    ]
+)
 def _paged_prefill_kernel(
     q_ptr,  # [num_tokens, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -88,8 +100,8 @@ def _paged_prefill_kernel(
     head_dim,
     block_size,
     num_seqs,
-    has_kv_start,  # bool
-    use_sinks,  # bool
+    has_kv_start,  # 0 or 1 (an int: Triton 3.6's interpreter takes no bool argument)
+    use_sinks,  # 0 or 1
     heads,  # q heads per program (a power of two up to 16)
     block_q,  # new tokens per program: BLOCK_M // heads
     BLOCK_M: tl.constexpr,  # query rows per program: block_q tokens x heads q heads
@@ -249,8 +261,8 @@ def paged_prefill_attention_triton(
             head_dim,
             block_size,
             num_seqs,
-            kv_start is not None,
-            sinks.numel() > 0,
+            int(kv_start is not None),
+            int(sinks.numel() > 0),
             config.heads,
             config.block_q,
             BLOCK_M=config.block_m,
