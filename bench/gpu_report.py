@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import json
 import os
 import platform
@@ -86,7 +87,7 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     if "tests" not in skip:
         tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_prefill_kernel.py"]
         tests.append("tests/test_kernel_dispatch.py")
-        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *tests]))
+        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *test_workers(), *tests]))
     if "engine" not in skip:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
         steps.append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
@@ -119,6 +120,18 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     return steps
 
 
+def test_workers(cpu_count: int | None = None) -> list[str]:
+    """pytest-xdist's `-n` for the GPU tests where it is installed (the lent GPU's machine has it), [] where not.
+
+    Why: a fresh machine's Triton cache is empty, and the kernel tests launch some hundred kernel variants, each
+    compiled on the CPU at its first launch (LLVM and ptxas, seconds each); compiled in turn they would take much of
+    the step's timeout. Workers compile in parallel on the machine's cores and share the GPU."""
+    if importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(max(1, min(MAX_TEST_WORKERS, cpu_count or os.cpu_count() or 1)))]
+
+
+MAX_TEST_WORKERS = 8  # of the lent machine's 16 cores: each worker holds a CUDA context and compiles on one core
 TIMEOUT_EXIT = 124  # what `timeout` exits with
 MIN_STEP_SECONDS = 5  # a step is not started with less time than this left before the deadline
 

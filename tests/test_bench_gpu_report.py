@@ -90,3 +90,24 @@ def test_a_run_writes_the_report_and_brings_back_the_raw_results_in_one_archive(
     assert "Stand-in GPU" in text and "| engine speed " in text and "FAILED (2)" in text
     with tarfile.open(archive) as bundled:
         assert sorted(bundled.getnames()) == ["engine.json", "engine_speed.log", "generate_speed.log"]
+
+
+def test_the_gpu_tests_compile_their_kernels_in_parallel_where_xdist_is_installed(tmp_path, monkeypatch):
+    """On a fresh machine every Triton variant compiles at its first launch: pytest-xdist's workers, when the
+    machine has it, compile them in parallel; without it the tests run in one process."""
+    installed = {"xdist": True}
+    find_spec = gpu_report.importlib.util.find_spec
+    monkeypatch.setattr(
+        gpu_report.importlib.util,
+        "find_spec",
+        lambda name, *args: (object() if installed["xdist"] else None) if name == "xdist" else find_spec(name, *args),
+    )
+    assert gpu_report.test_workers(16) == ["-n", str(gpu_report.MAX_TEST_WORKERS)]
+    assert gpu_report.test_workers(2) == ["-n", "2"]
+    (tests,) = [step for step in gpu_report.plan(tmp_path, set()) if step.kind == "tests"]
+    assert tests.command[tests.command.index("-n") + 1].isdigit()
+    assert tests.command.index("-n") < tests.command.index("tests/test_gpu.py")
+    installed["xdist"] = False
+    assert gpu_report.test_workers(16) == []
+    (tests,) = [step for step in gpu_report.plan(tmp_path, set()) if step.kind == "tests"]
+    assert "-n" not in tests.command
