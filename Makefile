@@ -4,7 +4,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench bench-full microbench bench-gpu kernel-resources bench-serve bench-serve-quick serve-soak soak zoo
+.PHONY: setup test bench bench-full microbench bench-gpu test-gpu-versions kernel-resources bench-serve bench-serve-quick serve-soak soak zoo
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,20 @@ microbench: setup
 # exits 2. GPU_REPORT_ARGS="--skip serving decode" leaves steps out.
 bench-gpu: setup $(VENV)/.plot-installed
 	$(PY) -m bench.gpu_report $(GPU_REPORT_ARGS)
+
+# The suite on CPU with the torch and Triton of the lent GPU machine (../shared/gpu/README.md: torch 2.11.0+cu130,
+# triton 3.6.0), in an environment of its own: an API those versions lack shows here, not on the GPU's clock. pip's
+# torch 2.11.0 is the CUDA build (its CUDA packages are several GB; CUDA stays unused). numpy below 2.4: Triton 3.6's
+# interpreter turns one-element arrays into scalars, which numpy 2.4 refuses.
+GPU_VERSIONS_VENV ?= .venv-gpu-versions
+$(GPU_VERSIONS_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(GPU_VERSIONS_VENV)
+	$(GPU_VERSIONS_VENV)/bin/pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4"
+	$(GPU_VERSIONS_VENV)/bin/pip install --quiet -e '.[dev]'
+	touch $@
+
+test-gpu-versions: $(GPU_VERSIONS_VENV)/.installed
+	$(GPU_VERSIONS_VENV)/bin/python -m pytest -q --benchmark-disable -p no:cacheprovider
 
 # Regenerates docs/kernels.md: registers, spills, shared memory and occupancy of every Triton kernel variant on
 # sm_80 and sm_90 (compiled here, no GPU needed).

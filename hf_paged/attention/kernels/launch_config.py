@@ -109,15 +109,18 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     Why: a program's rows are `block_q` tokens x `heads` q heads, so a K/V tile read from the pool serves the whole
     GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
     arguments, so one variant serves every group); 64 rows, K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
-    wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256), 2 stages:
+    wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
+    stage at 64 wide), 2 stages:
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
     spills (tests/test_kernel_compile.py).
     """
     pad = head_dim_pad(head_dim)
     heads = min(16, 1 << (max(group, 1) - 1).bit_length())
-    block_m, block_n, num_warps = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8
+    block_m, block_n, num_warps, num_stages = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8, 2
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
+        # One stage at 64 wide: with two, Triton 3.6 leaves an 8-byte stack frame on sm_90.
+        num_stages = 1 if pad == 64 else 2
     return PrefillConfig(
         head_dim_pad=pad,
         block_m=block_m,
@@ -125,7 +128,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
         block_q=block_m // heads,
         block_n=block_n,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
         dot_precision="ieee" if dtype == torch.float32 else "tf32",
         dot_upcast=dtype == torch.bfloat16 and capability is None,
     )
