@@ -50,15 +50,15 @@ microbench: setup
 bench-gpu: setup $(VENV)/.plot-installed
 	$(PY) -m bench.gpu_report $(GPU_REPORT_ARGS)
 
-# The suite on CPU with the torch and Triton of the lent GPU machine (../shared/gpu/README.md: torch 2.11.0+cu130,
-# triton 3.6.0), in an environment of its own: an API those versions lack shows here, not on the GPU's clock. pip's
-# torch 2.11.0 is the CUDA build (its CUDA packages are several GB; CUDA stays unused). numpy below 2.4: Triton 3.6's
-# interpreter turns one-element arrays into scalars, which numpy 2.4 refuses.
+# The suite on CPU with the torch and Triton of the GPU machine bench-gpu runs on (torch 2.11.0+cu130, triton 3.6.0,
+# Python 3.12), in an environment of its own: an API those versions lack shows here, before a GPU run. pip's torch
+# 2.11.0 is the CUDA build (its CUDA packages are several GB; CUDA stays unused). numpy below 2.4: Triton 3.6's
+# interpreter turns one-element arrays into scalars, which numpy 2.4 refuses. One pip command, so the project's
+# dependencies are resolved with these pins.
 GPU_VERSIONS_VENV ?= .venv-gpu-versions
 $(GPU_VERSIONS_VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(GPU_VERSIONS_VENV)
-	$(GPU_VERSIONS_VENV)/bin/pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4"
-	$(GPU_VERSIONS_VENV)/bin/pip install --quiet -e '.[dev]'
+	$(GPU_VERSIONS_VENV)/bin/pip install --quiet torch==2.11.0 triton==3.6.0 "numpy<2.4" -e '.[dev]'
 	touch $@
 
 test-gpu-versions: $(GPU_VERSIONS_VENV)/.installed

@@ -71,6 +71,7 @@ class Step:
     output_tail: str = ""
     timed_out: bool = False
     outputs: list[Path] = field(default_factory=list)  # the files it writes (a run's old ones go first)
+    env: dict[str, str] = field(default_factory=dict)  # set for its process, over the report's own environment
 
     @property
     def status(self) -> str:
@@ -87,7 +88,10 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     if "tests" not in skip:
         tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_prefill_kernel.py"]
         tests.append("tests/test_kernel_dispatch.py")
-        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *test_workers(), *tests]))
+        workers = test_workers()
+        # Workers' torch threads share the machine's cores (the CPU references run in each worker).
+        env = {"OMP_NUM_THREADS": str(max(1, available_cpus() // int(workers[1])))} if workers else {}
+        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *workers, *tests], env=env))
     if "engine" not in skip:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
         steps.append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
@@ -128,7 +132,14 @@ def test_workers(cpu_count: int | None = None) -> list[str]:
     the step's timeout. Workers compile in parallel on the machine's cores and share the GPU."""
     if importlib.util.find_spec("xdist") is None:
         return []
-    return ["-n", str(max(1, min(MAX_TEST_WORKERS, cpu_count or os.cpu_count() or 1)))]
+    return ["-n", str(max(1, min(MAX_TEST_WORKERS, cpu_count or available_cpus())))]
+
+
+def available_cpus() -> int:
+    """The cores this process may run on (its affinity where the platform says, else all of them)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 MAX_TEST_WORKERS = 8  # of the lent machine's 16 cores: each worker holds a CUDA context and compiles on one core
@@ -143,7 +154,10 @@ def run(step: Step, out: Path, timeout: float | None = None) -> None:
     log = out / f"{step.name.replace(' ', '_')}.log"
     with open(log, "w") as f:
         # A session of its own, so that a timeout stops what the step started too (the serving harness's servers).
-        process = subprocess.Popen(step.command, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        env = {**os.environ, **step.env}
+        process = subprocess.Popen(
+            step.command, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             step.returncode = process.wait(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -163,8 +163,8 @@ PREFILL_TEXT = (
     "the tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA "
     "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
     "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
-    "CUDA cores and hold more per thread), in one stage at 64 wide (in two, Triton 3.6 leaves an 8-byte stack frame "
-    "on sm_90)."
+    "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
+    "stack frame there)."
 )
 
 

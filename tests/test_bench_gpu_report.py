@@ -100,14 +100,26 @@ def test_the_gpu_tests_compile_their_kernels_in_parallel_where_xdist_is_installe
     monkeypatch.setattr(
         gpu_report.importlib.util,
         "find_spec",
-        lambda name, *args: (object() if installed["xdist"] else None) if name == "xdist" else find_spec(name, *args),
+        lambda name, *args, **kwargs: (
+            (object() if installed["xdist"] else None) if name == "xdist" else find_spec(name, *args, **kwargs)
+        ),
     )
+    monkeypatch.setattr(gpu_report, "available_cpus", lambda: 16)
     assert gpu_report.test_workers(16) == ["-n", str(gpu_report.MAX_TEST_WORKERS)]
     assert gpu_report.test_workers(2) == ["-n", "2"]
     (tests,) = [step for step in gpu_report.plan(tmp_path, set()) if step.kind == "tests"]
-    assert tests.command[tests.command.index("-n") + 1].isdigit()
+    assert tests.command[tests.command.index("-n") + 1] == str(gpu_report.MAX_TEST_WORKERS)
     assert tests.command.index("-n") < tests.command.index("tests/test_gpu.py")
+    assert tests.env == {"OMP_NUM_THREADS": str(16 // gpu_report.MAX_TEST_WORKERS)}  # the cores shared out
     installed["xdist"] = False
     assert gpu_report.test_workers(16) == []
     (tests,) = [step for step in gpu_report.plan(tmp_path, set()) if step.kind == "tests"]
-    assert "-n" not in tests.command
+    assert "-n" not in tests.command and tests.env == {}
+
+
+def test_a_step_runs_with_its_own_environment_over_the_reports(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_PAGED_REPORT_PROBE", "report")
+    code = "import os; print(os.environ['HF_PAGED_REPORT_PROBE'], os.environ['HF_PAGED_STEP_PROBE'])"
+    step = Step("tests", "env", [sys.executable, "-c", code], env={"HF_PAGED_STEP_PROBE": "step"})
+    run_all([step], tmp_path, deadline=None, step_timeout=30.0)
+    assert step.status == "ok" and step.output_tail == "report step"

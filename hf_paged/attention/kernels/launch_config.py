@@ -110,7 +110,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
     arguments, so one variant serves every group); 64 rows, K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
-    stage at 64 wide), 2 stages:
+    stage at 64 wide on sm_90), 2 stages:
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
     spills (tests/test_kernel_compile.py).
     """
@@ -119,8 +119,8 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     block_m, block_n, num_warps, num_stages = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8, 2
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
-        # One stage at 64 wide: with two, Triton 3.6 leaves an 8-byte stack frame on sm_90.
-        num_stages = 1 if pad == 64 else 2
+        # One stage at 64 wide on sm_90: with two, Triton 3.6 leaves an 8-byte stack frame there.
+        num_stages = 1 if pad == 64 and capability is not None and capability >= 90 else 2
     return PrefillConfig(
         head_dim_pad=pad,
         block_m=block_m,

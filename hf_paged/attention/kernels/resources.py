@@ -133,7 +133,7 @@ class _Specializer:
         kwargs = dict(launch.kwargs)
         kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
         kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # Triton >= 3.7 passes it too
+        if hasattr(knobs.compilation, "fpsan_homomorphic_casts"):  # Triton 3.9 passes it too; 3.6 has no such knob
             kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
         if fn not in self.binders:
             self.binders[fn] = create_function_from_signature(fn.signature, fn.params, self.backend)
