@@ -19,8 +19,10 @@
    256, the numbers its launch choices are to be made from;
 7. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
-Each step runs in its own process and the report records its command, exit status and time, so one failing step
-does not hide the others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
+They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, 3 eager), then 3 compiled
+(each compiles the model), 4 in fp32, 6 and 7, so a run cut short by its deadline loses the least. Each step runs in
+its own process and the report records its command, exit status and time, so one failing step does not hide the
+others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
 step failed. Without CUDA it runs nothing, says so, and exits 2.
 
 On a lent GPU the time is counted: `--deadline` stops starting steps once that many seconds have passed (each step's
@@ -30,7 +32,7 @@ to bring back.
 
     python -m bench.gpu_report                 # everything
     python -m bench.gpu_report --skip serving  # tests and decode only
-    python -m bench.gpu_report --skip serving --deadline 450 --out /tmp/gpu --bundle "$OUT/raw.tar.gz"
+    python -m bench.gpu_report --skip serving --deadline 510 --out /tmp/gpu --bundle "$OUT/raw.tar.gz"
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "tuning", "serving")  # in the order they run
+STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "tuning", "serving")  # what --skip names
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -84,44 +86,60 @@ class Step:
 
 def plan(out: Path, skip: set[str]) -> list[Step]:
     python = sys.executable
-    steps = []
+    runs: dict[str, list[Step]] = {kind: [] for kind in STEP_KINDS}
     if "tests" not in skip:
         tests = ["tests/test_gpu.py", "tests/test_kernels.py", "tests/test_prefill_kernel.py"]
         tests.append("tests/test_kernel_dispatch.py")
         workers = test_workers()
         # Workers' torch threads share the machine's cores (the CPU references run in each worker).
         env = {"OMP_NUM_THREADS": str(max(1, available_cpus() // int(workers[1])))} if workers else {}
-        steps.append(Step("tests", "GPU tests", [python, "-m", "pytest", "-q", "-rs", *workers, *tests], env=env))
+        command = [python, "-m", "pytest", "-q", "-rs", *workers, *tests]
+        runs["tests"].append(Step("tests", "GPU tests", command, env=env))
     if "engine" not in skip:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
-        steps.append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
+        runs["engine"].append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
     if "generate" not in skip:
         for name, (label, arguments) in GENERATE_RUNS.items():
             command = [python, "bench/generate_speed.py", *arguments, "--json", str(out / name)]
-            steps.append(Step("generate", label, command, outputs=[out / name]))
+            runs["generate"].append(Step("generate", label, command, outputs=[out / name]))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
             command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
             name, command = f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]
-            steps.append(Step("decode", name, command, outputs=[json_path]))
+            runs["decode"].append(Step("decode", name, command, outputs=[json_path]))
     if "prefill" not in skip:
         for dtype, head_dim in PREFILL_RUNS:
             json_path = out / f"prefill_{dtype}_d{head_dim}.json"
             command = [python, "-m", "bench.prefill_attention", "--dtype", dtype, "--head-dim", str(head_dim)]
             name, command = f"prefill {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]
-            steps.append(Step("prefill", name, command, outputs=[json_path]))
+            runs["prefill"].append(Step("prefill", name, command, outputs=[json_path]))
     if "tuning" not in skip:
         command = [python, "-m", "bench.decode_tuning", "--json", str(out / "decode_tuning.json")]
-        steps.append(Step("tuning", "decode kernel tuning", command, outputs=[out / "decode_tuning.json"]))
+        runs["tuning"].append(Step("tuning", "decode kernel tuning", command, outputs=[out / "decode_tuning.json"]))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
             command += ["--log", str(out / f"SERVING_{dtype}.md"), "--json", str(out / f"cache_report_{dtype}.json")]
             command += ["--serving-json", str(out / f"serving_{dtype}.json")]
             outputs = [out / f"SERVING_{dtype}.md", out / f"cache_report_{dtype}.json", out / f"serving_{dtype}.json"]
-            steps.append(Step("serving", f"serving {dtype}", command, outputs=outputs))
-    return steps
+            runs["serving"].append(Step("serving", f"serving {dtype}", command, outputs=outputs))
+    # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, eager generate()),
+    # then what takes longest (compiling the model) and what no floor reads (fp32 decode, tuning, serving), so a run
+    # cut short by its deadline loses the least.
+    decode_bf16 = [step for step in runs["decode"] if " bf16 " in step.name]
+    generate_eager = [step for step in runs["generate"] if "compiled" not in step.name]
+    return [
+        *runs["tests"],
+        *runs["engine"],
+        *decode_bf16,
+        *runs["prefill"],
+        *generate_eager,
+        *[step for step in runs["generate"] if step not in generate_eager],
+        *[step for step in runs["decode"] if step not in decode_bf16],
+        *runs["tuning"],
+        *runs["serving"],
+    ]
 
 
 def test_workers(cpu_count: int | None = None) -> list[str]:

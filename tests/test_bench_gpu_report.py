@@ -56,11 +56,29 @@ def test_the_bundle_holds_every_raw_file_but_the_report(tmp_path):
         assert archive.extractfile("engine.json").read() == b"engine.json"
 
 
-def test_the_plan_runs_each_kind_in_order_and_compiled_generate_apart_at_batch_1(tmp_path):
+def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at_batch_1(tmp_path):
     steps = gpu_report.plan(tmp_path, set())
     kinds = [step.kind for step in steps]
     assert set(kinds) == set(gpu_report.STEP_KINDS)
-    assert kinds == sorted(kinds, key=gpu_report.STEP_KINDS.index)
+    # tests, the Engine, the bf16 decode and prefill kernels, eager generate(); then the model compiled; then fp32
+    # decode, tuning and serving, which no floor reads.
+    order = [
+        "tests",
+        "engine",
+        "decode bf16 head_dim 64",
+        "decode bf16 head_dim 128",
+        "decode bf16 head_dim 256",
+        "prefill bf16 head_dim 64",
+        "prefill bf16 head_dim 128",
+        "generate speed",
+        "generate speed, compiled",
+        "generate speed, compiled paged kernel",
+        "decode fp32 head_dim 128",
+        "tuning",
+        "serving",
+    ]
+    ranks = [next(i for i, name in enumerate(order) if name in (step.name, step.kind)) for step in steps]
+    assert ranks == sorted(ranks) and set(ranks) == set(range(len(order)))
     compiled = [step for step in steps if step.name.startswith("generate speed, compiled")]
     assert len(compiled) == 2 and all(step.command[step.command.index("--batch") + 1] == "1" for step in compiled)
     assert all(step.outputs and step.outputs[0].parent == tmp_path for step in steps if step.kind != "tests")
