@@ -7,9 +7,10 @@ bf16 K/V, `max_num_seqs=128`, `max_num_batched_tokens=4096`) through the real `E
 stand-in forward, so every step takes the real decisions and only the model's time is missing. The stand-in's
 vocabulary is cut to 128 entries (its argmax over 128,256 zeros would be device work on a GPU, not the host's).
 
-It reports the steps with a prefill chunk and the decode-only ones (those the decode runner replays as CUDA graphs
-on a GPU), the host milliseconds each took, and admission's share (`Admission.admit`: the lookahead each waiting
-request is tried against).
+It reports the steps with a prefill chunk and the decode-only ones, the host milliseconds each took, and admission's
+share (`Admission.admit`: the lookahead each waiting request is tried against). Decode-only steps run through a decode
+runner over the stand-in forward (`stand_in_runner`), as on a GPU, where the runner replays them as CUDA graphs: their
+time is what a replayed graph leaves to the host (`--packed-decode` keeps them packed, as the stand-in alone would).
 
 Then, for `--runner-rows`, an Engine decode step through the decode runner on the negligible-arithmetic model of
 `bench/host_overhead.py`, its forward stood in by the logits of a real one: scheduling, the runner's inputs, the
@@ -38,6 +39,7 @@ from bench.models import LLAMA_1B_SHAPE  # noqa: E402
 from bench.replay import StandInModel  # noqa: E402
 from bench.workloads import burst  # noqa: E402
 from hf_paged import BlockPool, Engine  # noqa: E402
+from hf_paged.engine.decode_runner import DecodeRunner  # noqa: E402
 from hf_paged.storage.pool import parse_memory  # noqa: E402
 
 STAND_IN_VOCAB = 128
@@ -52,9 +54,11 @@ def measure(
     max_num_seqs: int = 128,
     max_num_batched_tokens: int = 4096,
     seed: int = 0,
+    decode_runner: bool = True,
 ) -> dict:
     """Run the burst through an Engine with the stand-in forward; host seconds of each step by kind, and of
-    admission over the whole run."""
+    admission over the whole run. `decode_runner`: decode-only steps through the decode runner, as on a GPU
+    (`stand_in_runner`); False keeps them packed."""
     config = LlamaConfig(**{**LLAMA_1B_SHAPE, "vocab_size": STAND_IN_VOCAB})
     model = StandInModel(config, dtype=torch.bfloat16)
     workload = burst(
@@ -66,6 +70,7 @@ def measure(
     )
     pool = BlockPool.for_model(model, max_memory=parse_memory(kv_memory), block_size=16)
     engine = Engine(model, pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    runner = stand_in_runner(engine, max_num_seqs) if decode_runner else None
     for spec in workload.requests:
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
 
@@ -98,7 +103,19 @@ def measure(
         steps=steps,
         rows=rows,
         admission_s=sum(admission_times),
+        runner_steps=0 if runner is None else runner.stats.eager_steps,
     )
+
+
+def stand_in_runner(engine: Engine, max_num_seqs: int) -> DecodeRunner:
+    """Give `engine` a decode runner over the stand-in forward, so decode-only steps take the runner's host path
+    (the rows' inputs written into its buffers, its cache's steps, the logits of its rows), as they do on a GPU,
+    where a replayed graph stands for the forward. The stand-in is no torch module, so the Engine made none."""
+    step, pool = engine.step_runner.step, engine.pool
+    runner = DecodeRunner(engine.model, pool, max_num_seqs, pool.num_blocks, step.cache_keyword, cuda_graphs=False)
+    runner._run_model = lambda: torch.zeros(runner.num_rows, STAND_IN_VOCAB)
+    step.runner = runner
+    return runner
 
 
 def runner_step(rows: int, steps: int = 60) -> float:
@@ -149,6 +166,9 @@ def main(argv=None) -> int:
     add_workload_arguments(parser)
     parser.add_argument("--repeats", type=int, default=3, help="runs; the one with the least host time is shown")
     parser.add_argument("--runner-rows", type=int, nargs="*", default=[1, 8, 64, 128])
+    parser.add_argument(
+        "--packed-decode", action="store_true", help="decode-only steps packed, not through the decode runner"
+    )
     args = parser.parse_args(argv)
     runs = [
         measure(
@@ -158,6 +178,7 @@ def main(argv=None) -> int:
             kv_memory=args.kv_memory,
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            decode_runner=not args.packed_decode,
         )
         for _ in range(args.repeats)
     ]
@@ -165,7 +186,8 @@ def main(argv=None) -> int:
     total = sum(sum(times) for times in result["steps"].values())
     print(
         f"{args.num_requests} requests, {result['output_tokens']} output tokens, {result['num_blocks']} blocks, "
-        f"{result['num_preemptions']} preemptions; best of {args.repeats}"
+        f"{result['num_preemptions']} preemptions, {result['runner_steps']} steps through the decode runner; best of "
+        f"{args.repeats}"
     )
     print(table(result))
     print(

@@ -13,6 +13,10 @@ def test_every_step_is_timed_once_as_decode_only_or_with_prefill():
     assert result["num_blocks"] == 8 and max(result["rows"]["decode only"]) < 8
     assert 0 < result["admission_s"] < sum(sum(times) for times in steps.values())
     assert result["num_preemptions"] == 0
+    # Decode-only steps went through the decode runner, as on a GPU; the same steps and rows packed.
+    assert result["runner_steps"] == len(steps["decode only"])
+    packed = measure(num_requests=8, prompt_lens=(24, 48), output_lens=(4, 12), kv_memory="4MiB", decode_runner=False)
+    assert packed["runner_steps"] == 0 and packed["rows"] == result["rows"]
 
 
 def test_main_prints_the_table_and_the_host_bound(capsys):
