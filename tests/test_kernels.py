@@ -278,6 +278,35 @@ def test_decode_split_k(num_splits, options):
     check_decode("triton", batch, num_splits=num_splits, **options)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_launch_works_out_its_sizes_without_triton_cdiv(num_splits, monkeypatch):
+    """The launchers run at every layer and step: their sizes come from integer arithmetic on the host
+    (`launch_config.ceil_div`), not `triton.cdiv`, a Triton constexpr function that costs over a microsecond a call
+    from Python; a launch with one split passes the same empty partials every time, not a new allocation."""
+    import triton
+
+    from hf_paged.attention.kernels import launch_config, triton_decode
+
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    assert [launch_config.ceil_div(a, b) for a, b in [(0, 16), (1, 16), (16, 16), (17, 16), (1000, 7)]] == [
+        0,
+        1,
+        1,
+        2,
+        143,
+    ]
+
+    def host_cdiv(*args):
+        raise AssertionError("triton.cdiv called on the host")
+
+    monkeypatch.setattr(triton, "cdiv", host_cdiv)
+    batch = make_batch([1, 200, 130], block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32)
+    check_decode("triton", batch, num_splits=num_splits)
+    assert triton_decode.no_partials(DEVICE) is triton_decode.no_partials(DEVICE)
+    assert triton_decode.no_partials(DEVICE).numel() == 0 and triton_decode.no_partials(DEVICE).dtype == torch.float32
+
+
 # ------------------------------------------------------------------ strides and `out`
 def as_strided_cache(cache: torch.Tensor, storage: str) -> torch.Tensor:
     """The same values as `cache` ([num_blocks, block_size, H, D]), viewed out of another storage layout."""

@@ -44,6 +44,12 @@ class DecodeConfig:
     dot_upcast: bool  # widen bf16 dot inputs to fp32: only in Triton's CPU interpreter (see triton_decode.fp32_dot)
 
 
+def ceil_div(a: int, b: int) -> int:
+    """`ceil(a / b)` of two ints, on the host. Why not `triton.cdiv`: called from Python it is a Triton constexpr
+    function, about 1.3-1.9 us a call, and a launcher asks it several times at every launch."""
+    return -(-a // b)
+
+
 def head_dim_pad(head_dim: int) -> int:
     """The power-of-two tile width for `head_dim` (>= 16: the smallest `tl.dot` dimension)."""
     return max(16, 1 << (head_dim - 1).bit_length())

@@ -243,6 +243,13 @@ def _merge_splits_kernel(
 
 
 @functools.cache
+def no_partials(device: torch.device) -> torch.Tensor:
+    """An empty fp32 tensor on `device`, made once: what a launch with one split passes for the partial outputs it
+    never reads (a fresh one per launch is an allocation every layer and step)."""
+    return torch.empty(0, dtype=torch.float32, device=device)
+
+
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device (cached: the property lookup is slow); 1 off CUDA."""
     if device.type != "cuda":
@@ -264,7 +271,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     num_sms = _num_sms(device)
     if num_programs >= num_sms:
         return 1
-    wanted = max(1, min(triton.cdiv(2 * num_sms, num_programs), max_context // 512, SPLIT_COUNTS[-1]))
+    wanted = max(1, min(launch_config.ceil_div(2 * num_sms, num_programs), max_context // 512, SPLIT_COUNTS[-1]))
     return 1 << (wanted.bit_length() - 1)
 
 
@@ -299,18 +306,19 @@ def paged_decode_attention_triton(
         return out.zero_()
 
     config = launch_config.decode_config(head_dim, key_cache.dtype, launch_config.device_capability(query.device))
-    group_tiles = triton.cdiv(group, config.block_g)
+    group_tiles = launch_config.ceil_div(group, config.block_g)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device)
     # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
-    tokens_per_split = triton.cdiv(triton.cdiv(max_context, num_splits), config.block_n) * config.block_n
+    tokens_per_split = launch_config.ceil_div(launch_config.ceil_div(max_context, num_splits), config.block_n)
+    tokens_per_split *= config.block_n
 
     if num_splits > 1:
         partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     else:  # unused by the kernel with one split; fp32 like the real ones, so that both share one compiled variant
-        partial_out = partial_lse = torch.empty(0, dtype=torch.float32, device=query.device)
+        partial_out = partial_lse = no_partials(query.device)
     with on_device(query):
         _paged_decode_kernel[(batch, num_kv_heads * group_tiles, num_splits)](
             query,

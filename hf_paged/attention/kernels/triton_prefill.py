@@ -234,7 +234,7 @@ def paged_prefill_attention_triton(
     config = launch_config.prefill_config(
         head_dim, group, key_cache.dtype, launch_config.device_capability(query.device)
     )
-    head_tiles = triton.cdiv(group, config.heads)
+    head_tiles = launch_config.ceil_div(group, config.heads)
     num_tiles = num_tokens // config.block_q + num_seqs
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
     sinks = sinks.to(torch.float32) if sinks is not None else torch.empty(0, dtype=torch.float32, device=query.device)
