@@ -4,6 +4,8 @@ The Triton path runs in Triton's interpreter on CPU (tests/conftest.py sets TRIT
 keep generations short.
 """
 
+import importlib.util
+
 import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -49,11 +51,12 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
         "paged_decode_attention",
         lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k),
     )
-    store_calls = []
-    store = hf_paged.attention.kernels.dispatch.store_kv
-    monkeypatch.setattr(
-        hf_paged.attention.kernels.dispatch, "store_kv", lambda *a, **k: store_calls.append(1) or store(*a, **k)
-    )
+    store_calls = []  # the Triton store kernel's launches
+    if importlib.util.find_spec("triton") is not None:
+        from hf_paged.attention.kernels import triton_store
+
+        store = triton_store.store_kv_triton
+        monkeypatch.setattr(triton_store, "store_kv_triton", lambda *a, **k: store_calls.append(1) or store(*a, **k))
     reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
     model = tiny_model(name, PAGED_ATTENTION)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)

@@ -112,7 +112,9 @@ def test_kernels_launch_on_the_tensors_gpu_not_the_current_one(monkeypatch):
     """A model on cuda:1 from a process whose current device is cuda:0: Triton launches on the current device
     unless told otherwise, which would hand it another GPU's pointers."""
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
-    store_calls = _count_calls(monkeypatch, hf_paged.attention.kernels.dispatch, "store_kv")
+    from hf_paged.attention.kernels import triton_store
+
+    store_calls = _count_calls(monkeypatch, triton_store, "store_kv_triton")
     assert torch.cuda.current_device() == 0
     prompts = [random_prompt(9)[0].tolist(), random_prompt(20, seed=1)[0].tolist()]
     model = tiny_model("llama", PAGED_ATTENTION, device="cuda:1")

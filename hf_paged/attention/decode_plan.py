@@ -137,7 +137,12 @@ class DecodePlan:
         mask cannot be described by one start per row, and the caller falls back to gather + SDPA.
         """
         if attention_mask is None or self.ragged:
-            return torch.zeros_like(self.seq_lens)
+            # Every key visible from the first: zeros like the lengths, made once for the step's layers that read
+            # these lengths (a pool over several devices has lengths on each).
+            memo = self._kv_starts.get(id(self.seq_lens))
+            if memo is None or memo[0] is not self.seq_lens:
+                memo = self._kv_starts[id(self.seq_lens)] = (self.seq_lens, torch.zeros_like(self.seq_lens))
+            return memo[1]
         memo = self._kv_starts.get(id(attention_mask))
         if memo is not None and memo[0] is attention_mask:
             return memo[1]

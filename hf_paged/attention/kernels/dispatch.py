@@ -13,7 +13,7 @@ import functools
 import importlib.util
 import os
 from collections.abc import Mapping
-from types import MappingProxyType
+from types import MappingProxyType, SimpleNamespace
 
 import torch
 
@@ -101,9 +101,9 @@ def paged_decode_attention(
     kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, out=out)
     if resolve_backend(backend, query.device) == "torch":
         return paged_decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
-    from .triton_decode import paged_decode_attention_triton
-
-    return paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, **kwargs)
+    return _triton_modules().decode.paged_decode_attention_triton(
+        query, key_cache, value_cache, block_tables, seq_lens, **kwargs
+    )
 
 
 def paged_prefill_attention(
@@ -133,9 +133,7 @@ def paged_prefill_attention(
     kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, sinks=sinks, out=out)
     if resolve_backend(backend, query.device) == "torch":
         return paged_prefill_attention_torch(*args, **kwargs)
-    from .triton_prefill import paged_prefill_attention_triton
-
-    return paged_prefill_attention_triton(*args, **kwargs)
+    return _triton_modules().prefill.paged_prefill_attention_triton(*args, **kwargs)
 
 
 def store_kv(
@@ -154,9 +152,24 @@ def store_kv(
     if resolve_backend(backend, key_cache.device) == "torch":
         store_kv_torch(key, value, key_cache, value_cache, slot_mapping)
         return
-    from .triton_store import store_kv_triton
-
     store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def store_kv_triton(
+    key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, slots: torch.Tensor
+) -> None:
+    """`triton_store.store_kv_triton`, imported at its first call (Triton is optional); arguments as there."""
+    _triton_modules().store.store_kv_triton(key, value, key_cache, value_cache, slots)
+
+
+@functools.cache
+def _triton_modules() -> SimpleNamespace:
+    """The Triton launchers' modules, imported once at the first launch (an `import` inside a launcher costs about a
+    microsecond at every layer and step): Triton is optional, and a process without it never gets here. Launchers are
+    looked up in their module at each call."""
+    from . import triton_decode, triton_prefill, triton_store
+
+    return SimpleNamespace(decode=triton_decode, prefill=triton_prefill, store=triton_store)
 
 
 def store_backend(device: torch.device) -> str:
