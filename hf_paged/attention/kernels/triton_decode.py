@@ -367,5 +367,9 @@ def paged_decode_attention_triton(
 
 
 def on_device(tensor: torch.Tensor):
-    """Triton launches on the current CUDA device: make it the tensor's (`cuda:1` from a process on `cuda:0`)."""
-    return torch.cuda.device(tensor.device) if tensor.device.type == "cuda" else contextlib.nullcontext()
+    """Triton launches on the current CUDA device: make it the tensor's (`cuda:1` from a process on `cuda:0`) for the
+    launch, where it is another (switching costs each launch a few microseconds)."""
+    device = tensor.device
+    if device.type != "cuda" or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
