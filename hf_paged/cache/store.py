@@ -12,6 +12,7 @@ import torch
 from ..attention import store_backend, store_kv_rows
 from ..attention.kernels.dispatch import store_kv_triton
 from ..storage import BlockPool
+from .gather import pool_views
 
 
 class KVStore:
@@ -22,7 +23,7 @@ class KVStore:
         self._backend: str | None = None
         self._multi_device = False
         self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
-        self._kernel_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their kernel views)
+        self._kernel_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> its kernel views (`pool_views`)
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: the store backend for the step's layers (`multi_device`: `pool.is_multi_device`)."""
@@ -67,14 +68,11 @@ class KVStore:
                 return
             if backend == "triton" and key_states.shape == value_states.shape:
                 # `store_kv_rows`' Triton path, with the pool's kernel views made once: one launch for K and V.
-                key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
-                views = self._kernel_memo.get(layer_idx)
-                if views is None or views[0] is not key_cache or views[1] is not value_cache:
-                    views = self._kernel_memo[layer_idx] = (key_cache, value_cache, *map(nhd, (key_cache, value_cache)))
+                key_view, value_view = pool_views(self._kernel_memo, pool, layer_idx, pool.nhd_view)
                 num_heads, head_dim = key_states.shape[1], key_states.shape[3]
                 key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
                 value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
-                store_kv_triton(key_rows, value_rows, views[2], views[3], slots)
+                store_kv_triton(key_rows, value_rows, key_view, value_view, slots)
                 return
         store_kv_rows(
             pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots, backend=backend
@@ -91,12 +89,6 @@ class KVStore:
         slot_major = (key_slots[0].transpose(0, 1), value_slots[0].transpose(0, 1))
         views = self._flat_memo[layer_idx] = (key_cache, value_cache, key_slots, value_slots, *slot_major)
         return views
-
-
-def nhd(cache: torch.Tensor) -> torch.Tensor:
-    """A head-major pool tensor `[kv_heads, num_blocks, block_size, head_dim]` as the kernels read it: `[num_blocks,
-    block_size, kv_heads, head_dim]` (a view)."""
-    return cache.permute(1, 2, 0, 3)
 
 
 def heads_first(states: torch.Tensor) -> torch.Tensor:
