@@ -303,8 +303,8 @@ def test_a_launch_works_out_its_sizes_without_triton_cdiv(num_splits, monkeypatc
     monkeypatch.setattr(triton, "cdiv", host_cdiv)
     batch = make_batch([1, 200, 130], block_size=16, num_q_heads=8, num_kv_heads=2, head_dim=32, dtype=torch.float32)
     check_decode("triton", batch, num_splits=num_splits)
-    assert triton_decode.no_partials(DEVICE) is triton_decode.no_partials(DEVICE)
-    assert triton_decode.no_partials(DEVICE).numel() == 0 and triton_decode.no_partials(DEVICE).dtype == torch.float32
+    assert triton_decode.unused_fp32(DEVICE) is triton_decode.unused_fp32(DEVICE)
+    assert triton_decode.unused_fp32(DEVICE).numel() == 0 and triton_decode.unused_fp32(DEVICE).dtype == torch.float32
 
 
 # ------------------------------------------------------------------ strides and `out`

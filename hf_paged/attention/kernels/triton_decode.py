@@ -243,9 +243,10 @@ def _merge_splits_kernel(
 
 
 @functools.cache
-def no_partials(device: torch.device) -> torch.Tensor:
-    """An empty fp32 tensor on `device`, made once: what a launch with one split passes for the partial outputs it
-    never reads (a fresh one per launch is an allocation every layer and step)."""
+def unused_fp32(device: torch.device) -> torch.Tensor:
+    """An empty fp32 tensor on `device`, made once: what a launch passes for a pointer its kernel never reads (the
+    decode kernel's partial outputs with one split, the prefill kernel's sinks without any); a fresh one per launch is
+    an allocation every layer and step."""
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
@@ -318,7 +319,7 @@ def paged_decode_attention_triton(
         partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
         partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
     else:  # unused by the kernel with one split; fp32 like the real ones, so that both share one compiled variant
-        partial_out = partial_lse = no_partials(query.device)
+        partial_out = partial_lse = unused_fp32(query.device)
     with on_device(query):
         _paged_decode_kernel[(batch, num_kv_heads * group_tiles, num_splits)](
             query,

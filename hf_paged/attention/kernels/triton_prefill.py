@@ -36,7 +36,16 @@ import triton.language as tl
 
 from . import launch_config
 from .reference import check_prefill_args
-from .triton_decode import LOG2E, NO_WINDOW, fp32_dot, load_kv_tile, on_device, softcap_logits, tile_slots
+from .triton_decode import (
+    LOG2E,
+    NO_WINDOW,
+    fp32_dot,
+    load_kv_tile,
+    on_device,
+    softcap_logits,
+    tile_slots,
+    unused_fp32,
+)
 
 
 @triton.jit
@@ -237,7 +246,7 @@ def paged_prefill_attention_triton(
     head_tiles = launch_config.ceil_div(group, config.heads)
     num_tiles = num_tokens // config.block_q + num_seqs
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
-    sinks = sinks.to(torch.float32) if sinks is not None else torch.empty(0, dtype=torch.float32, device=query.device)
+    sinks = sinks.to(torch.float32) if sinks is not None else unused_fp32(query.device)
     with on_device(query):
         _paged_prefill_kernel[(num_tiles, num_kv_heads * head_tiles)](
             query,
