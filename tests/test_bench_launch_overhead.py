@@ -26,7 +26,8 @@ def test_each_launcher_and_a_decode_step_are_timed_with_the_launches_stood_in():
     launches = dict(re.findall(r"\| (decode, batch 1 \(\d splits?\)|store, batch 1) +\| +(\d)", out))
     assert launches == {"decode, batch 1 (2 splits)": "2", "store, batch 1": "1"}, out
     for name in ("DynamicCache", "PagedCache, sdpa", 'PagedCache, "hf_paged" (launches stood in)'):
-        assert re.search(rf"\| +1 \| {re.escape(name)} +\| +\d+\.\d+ \|", out), out
+        # tabulate aligns the numbers on their decimal point (4.38 is padded where 4.382 is not)
+        assert re.search(rf"\| +1 \| {re.escape(name)} +\| +\d+(\.\d+)? +\|", out), out
 
 
 def test_it_refuses_interpreted_kernels(monkeypatch):
