@@ -14,7 +14,9 @@ of a `[BLOCK_G, head_dim_pad]` fp32 accumulator, the query tile, the `[BLOCK_G, 
   warps from 128 wide) instead of more registers per thread, and an fp32 cache, whose dot products run on CUDA
   cores in full precision, takes half the tokens of a 16-bit one;
 - narrow heads stop at 64 tokens and at twice the tile width: past that a tile adds more logits than K/V;
-- 2 pipeline stages: the next tile's loads are in flight while one is used.
+- 2 pipeline stages: the next tile's loads are in flight while one is used;
+- except where measured better: 16-bit caches at head_dim 64, 128 and 256 take the tiles, warps and stages of
+  `TUNED_DECODE` (`python -m bench.decode_tuning` on an H200, bench/logs/gpu-h200/REPORT.md).
 """
 
 from __future__ import annotations
@@ -29,6 +31,14 @@ CHECKED_CAPABILITIES = (80, 90)
 TILE_REGISTERS = 16  # per thread, for its share of one [BLOCK_N, head_dim_pad] K or V tile
 # Narrow heads: past these, a longer tile adds more logits ([BLOCK_G, BLOCK_N] fp32) than K/V per thread.
 MAX_BLOCK_N = 64
+# 16-bit caches, tile width -> (BLOCK_N, warps, stages): the fastest over batch x context 8 x 512, 8 x 8192 and
+# 32 x 8192 of `python -m bench.decode_tuning` (bf16, 32 q / 8 kv heads, block size 16) on an NVIDIA H200, triton
+# 3.6, against the register rule's N64 w4 s2 / N64 w8 s2 / N32 w8 s2 (us at those three cells):
+#   64:  N128 w8 s3   8.6 / 46.7 / 158.2   against 11.3 / 63.7 / 227.9 (1.32-1.44x): longer tiles, more loads in flight
+#   128: N128 w8 s2  13.1 / 75.6 / 268.0   against 14.7 / 88.8 / 325.3 (1.13-1.21x)
+#   256: N32 w4 s3   31.3 / 152.7 / 568.7  against 29.5 / 186.1 / 702.1 (0.94x at 8 x 512, 1.22-1.23x at 8k)
+# Each keeps a thread's share of a K or V tile at <= 64 elements and compiles without spills for sm_80 and sm_90.
+TUNED_DECODE = {64: (128, 8, 3), 128: (128, 8, 2), 256: (32, 4, 3)}
 
 
 @dataclass(frozen=True)
@@ -76,12 +86,15 @@ def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
     # Each thread holds TILE_REGISTERS registers of a K (or V) tile: 32 elements of a 16-bit cache, 16 of fp32.
     elements_per_thread = TILE_REGISTERS * 4 // dtype.itemsize
     block_n = min(MAX_BLOCK_N, 2 * pad, elements_per_thread * 32 * num_warps // pad)
+    num_stages = 2
+    if dtype.itemsize == 2 and pad in TUNED_DECODE:
+        block_n, num_warps, num_stages = TUNED_DECODE[pad]
     return DecodeConfig(
         head_dim_pad=pad,
         block_g=16,
         block_n=block_n,
         num_warps=num_warps,
-        num_stages=2,
+        num_stages=num_stages,
         dot_precision="ieee" if dtype == torch.float32 else "tf32",
         dot_upcast=dtype == torch.bfloat16 and capability is None,
     )
