@@ -67,13 +67,18 @@ def run_engine(
     ]
     cuda = pool.device.type == "cuda"
     step_profile = None
+    # Wall time of each kind of step, outside the profiler: "decode" (every running request adds one token, nothing
+    # waits: the steps CUDA graphs replay) and "prefill" (a step that also prefills, run eagerly).
+    step_seconds: dict[str, list[float]] = {"decode": [], "prefill": []}
     start = time.perf_counter()
     while engine.has_unfinished():
         decode_only = not engine.num_waiting and all(r.num_pending == 1 for r in engine.scheduler.running)
         if profile and step_profile is None and decode_only and engine.num_running >= 2:
             step_profile = profile_steps(engine, args.profile_steps, cuda)
             continue
+        step_start = time.perf_counter()
         engine.step()
+        step_seconds["decode" if decode_only else "prefill"].append(time.perf_counter() - step_start)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start
@@ -90,16 +95,27 @@ def run_engine(
         num_async_steps=engine.stats.num_async_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
+        steps={
+            kind: dict(steps=len(seconds), seconds=sum(seconds), ms_per_step=1e3 * sum(seconds) / max(len(seconds), 1))
+            for kind, seconds in step_seconds.items()
+        },
         runner=None if runner is None else dataclasses.asdict(runner),
         outputs=outputs,
     )
 
 
+TOP_KERNELS = 12  # the CUDA kernels a profile lists, by time
+
+
 def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
-    """Wall and CUDA kernel time of the next `num_steps` steps (decode-only ones, from where the caller calls it)."""
+    """Wall and CUDA kernel time of the next `num_steps` steps (decode-only ones, from where the caller calls it),
+    and the kernels that take most of it.
+
+    On CUDA only kernels are traced: tracing every operator on the host too would slow the host down, and the host
+    is what the step's wall time is made of when the GPU idles."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     rows = []
     with profile(activities=activities) as profiler:
         if cuda:
@@ -113,9 +129,16 @@ def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    kernel_us = sum(e.self_device_time_total for e in profiler.key_averages() if e.self_device_time_total > 0)
+    kernels = sorted(
+        (e for e in profiler.key_averages() if e.self_device_time_total > 0), key=lambda e: -e.self_device_time_total
+    )
+    kernel_us = sum(e.self_device_time_total for e in kernels)
     steps = max(len(rows), 1)
     return dict(
+        top_kernels=[
+            dict(name=e.key[:100], calls_per_step=e.count / steps, us_per_step=e.self_device_time_total / steps)
+            for e in kernels[:TOP_KERNELS]
+        ],
         steps=len(rows),
         mean_rows=sum(rows) / steps,
         wall_ms_per_step=wall / steps * 1e3,

@@ -374,6 +374,7 @@ def _engine_section(out: Path) -> str:
     rows = []
     for name, run in runs.items():
         profile = run.get("profile") or {}
+        steps = run.get("steps") or {}
         rows.append(
             [
                 name,
@@ -381,9 +382,14 @@ def _engine_section(out: Path) -> str:
                 f"{run['tok_per_s'] / peer:.2f}x" if peer else "",
                 f"{profile['wall_ms_per_step']:.2f} / {profile['cuda_ms_per_step']:.2f}" if profile else "",
                 f"{profile['gpu_busy']:.0%}" if profile else "",
+                *(
+                    f"{steps[kind]['steps']} x {steps[kind]['ms_per_step']:.2f} ms" if kind in steps else ""
+                    for kind in ("decode", "prefill")
+                ),
             ]
         )
-    headers = ["backend", "output tok/s", "vs transformers-cb", "decode step wall / CUDA ms", "GPU busy"]
+    headers = ["backend", "output tok/s", "vs transformers-cb", "decode step wall / CUDA ms (profiled)", "GPU busy"]
+    headers += ["decode steps", "steps with prefill"]
     lines = [
         f"{report['device']}, {args['dtype']}, {args['num_requests']} requests (prompts {args['prompt_lens']}, "
         f"outputs {args['output_lens']}), {args['kv_memory']} of K/V; {report['versions']}\n",
@@ -397,6 +403,14 @@ def _engine_section(out: Path) -> str:
     for key, label in labels:
         if key in report:
             lines.append(f"\n{label}: {report[key]}")
+    for name, run in runs.items():  # where the profiled decode steps' CUDA time goes
+        kernels = (run.get("profile") or {}).get("top_kernels")
+        if kernels:
+            table = [[k["name"], f"{k['calls_per_step']:.1f}", f"{k['us_per_step']:.0f}"] for k in kernels]
+            lines.append(f"\nCUDA kernels of a profiled decode step, {name}:\n")
+            lines.append(
+                tabulate(table, ["kernel", "calls a step", "us a step"], tablefmt="github", disable_numparse=True)
+            )
     graphs = (runs.get("engine-async") or runs.get("engine-graphs") or {}).get("runner")
     if graphs:
         seconds = sum(capture[2] for capture in graphs["captures"])

@@ -30,7 +30,12 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
     profile = runs["engine"]["profile"]
     assert profile["steps"] == 3 and profile["mean_rows"] >= 2 and profile["wall_ms_per_step"] > 0
     assert runs["engine"]["runner"]["eager_steps"] > 0
+    steps = runs["engine"]["steps"]  # every step but the profiled ones, by kind
+    assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
+    assert steps["prefill"]["steps"] + steps["decode"]["steps"] + 3 == runs["engine"]["num_steps"]
+    assert profile["top_kernels"] == []  # on CPU no kernel has device time
 
     from bench.gpu_report import _engine_section
 
-    assert "transformers-cb" in _engine_section(tmp_path)
+    section = _engine_section(tmp_path)
+    assert "transformers-cb" in section and f"{steps['prefill']['steps']} x " in section

@@ -1,5 +1,6 @@
 """bench/gpu_report.py's running of steps on a lent GPU's clock: timeouts, the deadline, and the bundle."""
 
+import json
 import sys
 import tarfile
 import time
@@ -141,3 +142,22 @@ def test_a_step_runs_with_its_own_environment_over_the_reports(tmp_path, monkeyp
     step = Step("tests", "env", [sys.executable, "-c", code], env={"HF_PAGED_STEP_PROBE": "step"})
     run_all([step], tmp_path, deadline=None, step_timeout=30.0)
     assert step.status == "ok" and step.output_tail == "report step"
+
+
+def test_the_engine_section_shows_step_kinds_and_the_kernels_of_a_profiled_decode_step(tmp_path):
+    profile = dict(steps=30, mean_rows=41.0, wall_ms_per_step=4.0, cuda_ms_per_step=3.0, gpu_busy=0.75)
+    profile["top_kernels"] = [dict(name="_paged_decode_kernel", calls_per_step=16.0, us_per_step=410.0)]
+    steps = {
+        "decode": dict(steps=400, seconds=2.0, ms_per_step=5.0),
+        "prefill": dict(steps=60, seconds=3.0, ms_per_step=50.0),
+    }
+    run = dict(tok_per_s=3000.0, profile=profile, steps=steps)
+    args = dict(dtype="bfloat16", num_requests=128, prompt_lens=[128, 1024], output_lens=[64, 256], kv_memory="1GiB")
+    report = dict(
+        args=args, device="GPU", versions={}, runs={"engine-async": run, "transformers-cb": dict(tok_per_s=300.0)}
+    )
+    (tmp_path / "engine.json").write_text(json.dumps(report))
+    section = gpu_report._engine_section(tmp_path)
+    assert "| 10.00x" in section and "400 x 5.00 ms" in section and "60 x 50.00 ms" in section and "75%" in section
+    assert "CUDA kernels of a profiled decode step, engine-async" in section
+    assert "| _paged_decode_kernel | 16.0" in section and "| 410 " in section
