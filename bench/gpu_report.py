@@ -15,8 +15,8 @@
    contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
 5. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
    2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
-6. bench/decode_tuning.py: the decode kernel's tile, warps and stages tried beside its defaults, head_dim 64, 128 and
-   256, the numbers its launch choices are to be made from;
+6. bench/decode_tuning.py and bench/prefill_tuning.py: the decode and prefill kernels' tiles, warps and stages tried
+   beside their defaults (head_dim 64, 128 and 256; 64 and 128), the numbers their launch choices are made from;
 7. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
 They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, 3 eager), then 3 compiled
@@ -117,6 +117,9 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
     if "tuning" not in skip:
         command = [python, "-m", "bench.decode_tuning", "--json", str(out / "decode_tuning.json")]
         runs["tuning"].append(Step("tuning", "decode kernel tuning", command, outputs=[out / "decode_tuning.json"]))
+        command = [python, "-m", "bench.prefill_tuning", "--json", str(out / "prefill_tuning.json")]
+        outputs = [out / "prefill_tuning.json"]
+        runs["tuning"].append(Step("tuning", "prefill kernel tuning", command, outputs=outputs))
     if "serving" not in skip:
         for dtype in SERVING_DTYPES:
             command = [python, "-m", "bench", "--quick", "--device", "cuda", "--dtype", dtype, "--no-progress"]
@@ -427,22 +430,29 @@ def _tuning_section(out: Path) -> str:
     from bench.decode_tuning import best_overall
     from bench.decode_tuning import table as tuning_table
 
-    path = out / "decode_tuning.json"
-    if not path.exists():
-        return "(no tuning results)\n"
-    report = json.loads(path.read_text())
-    args = report["args"]
-    parts = [
-        f"{report['device']}, {args['dtype']}, {args['num_q_heads']} q / {args['num_kv_heads']} kv heads, block_size "
-        f"{args['block_size']}; each configuration's time replayed from a CUDA graph (N: BLOCK_N, w: warps, "
-        "s: stages)\n"
-    ]
-    for result in report["results"]:
-        overall = best_overall(result)
-        parts += [f"### head_dim {result['head_dim']}\n", tuning_table(result)]
-        if overall is not None:
-            parts.append(f"\nBest over every cell: {overall[0]} ({overall[1]:.2f}x each cell's best, geometric mean)\n")
-    return "\n".join(parts) + "\n"
+    parts = []
+    for kernel, name, timing in (
+        ("decode", "decode_tuning.json", "replayed from a CUDA graph"),
+        ("prefill", "prefill_tuning.json", "the median of do_bench (M: BLOCK_M rows, tokens x q heads)"),
+    ):
+        path = out / name
+        if not path.exists():
+            continue
+        report = json.loads(path.read_text())
+        args = report["args"]
+        parts.append(
+            f"### {kernel} kernel\n\n{report['device']}, {args['dtype']}, {args['num_q_heads']} q / "
+            f"{args['num_kv_heads']} kv heads, block_size {args['block_size']}; each configuration's time {timing} "
+            "(N: BLOCK_N, w: warps, s: stages)\n"
+        )
+        for result in report["results"]:
+            overall = best_overall(result)
+            parts += [f"#### {kernel}, head_dim {result['head_dim']}\n", tuning_table(result)]
+            if overall is not None:
+                parts.append(
+                    f"\nBest over every cell: {overall[0]} ({overall[1]:.2f}x each cell's best, geometric mean)\n"
+                )
+    return "\n".join(parts) + "\n" if parts else "(no tuning results)\n"
 
 
 def _serving_section(out: Path) -> str:
@@ -482,7 +492,7 @@ def report(steps: list[Step], out: Path) -> str:
             lines += [f"### {step.name}: `{' '.join(step.command)}`", "", "```", step.output_tail, "```", ""]
     lines += ["## Decode attention", "", _decode_section(out)]
     lines += ["## Prefill attention", "", _prefill_section(out)]
-    lines += ["## Decode kernel launch choices", "", _tuning_section(out)]
+    lines += ["## Kernel launch choices", "", _tuning_section(out)]
     lines += ["## generate() per cache", "", _generate_section(out), "## Engine", "", _engine_section(out)]
     lines += ["## Serving", "", _serving_section(out)]
     return "\n".join(lines)

@@ -50,4 +50,4 @@ def test_a_dry_run_times_each_configuration_and_the_report_shows_the_best(tmp_pa
         assert set(cell["times"]) == {"N64 w4 s2", "N16 w4 s2", "N32 w4 s2"}
         assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
     section = _tuning_section(tmp_path)
-    assert "### head_dim 32" in section and "Best over every cell" in section
+    assert "#### decode, head_dim 32" in section and "Best over every cell" in section

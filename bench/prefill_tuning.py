@@ -1,0 +1,227 @@
+"""`python -m bench.prefill_tuning`: the paged prefill kernel's launch choices tried on the GPU, beside the ones
+`launch_config.prefill_config` makes.
+
+For each `--head-dims` (bf16, 32 q / 8 kv heads, block size 16, K/V stored head-major as a `BlockPool` stores them,
+scattered block tables), every (BLOCK_M, BLOCK_N, num_warps, num_stages) of the grid below is timed on each cell
+(batch x new tokens after cached ones), its output checked against SDPA's on contiguous K/V. The report has
+`bench.decode_tuning`'s form: per cell the default configuration's time, the best one's and what it is, and the
+configuration best over all cells. A configuration that spills registers is one CI refuses
+(tests/test_kernel_compile.py): check a new choice there before taking it.
+
+    python -m bench.prefill_tuning --json bench/results/gpu/prefill_tuning.json
+    TRITON_INTERPRET=1 python -m bench.prefill_tuning --device cpu --tiny      # a dry run in Triton's interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention.bias import causal_lower_right
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench.decode_attention import DTYPES, time_ms  # noqa: E402
+from bench.decode_tuning import MAX_TILE_ELEMENTS, best_overall, table  # noqa: E402
+from bench.host import device_name  # noqa: E402
+from hf_paged import BlockPool  # noqa: E402
+from hf_paged.attention.kernels import launch_config  # noqa: E402
+
+BLOCK_MS = (64, 128)
+BLOCK_NS = (32, 64, 128)
+NUM_WARPS = (4, 8)
+NUM_STAGES = (2, 3, 4)
+
+
+def candidates(
+    default: launch_config.PrefillConfig,
+    block_ms=BLOCK_MS,
+    block_ns=BLOCK_NS,
+    num_warps=NUM_WARPS,
+    num_stages=NUM_STAGES,
+) -> list[launch_config.PrefillConfig]:
+    """`default`, then every tile, warps and stages of the grid whose per-thread share of the query tile (and of the
+    fp32 accumulator of the same shape) and of one K or V tile stays bounded."""
+    configs = []
+    for block_m, block_n, warps, stages in itertools.product(block_ms, block_ns, num_warps, num_stages):
+        threads = 32 * warps
+        if max(block_m, block_n) * default.head_dim_pad // threads > MAX_TILE_ELEMENTS or block_m < default.heads:
+            continue
+        configs.append(
+            dataclasses.replace(
+                default,
+                block_m=block_m,
+                block_q=block_m // default.heads,
+                block_n=block_n,
+                num_warps=warps,
+                num_stages=stages,
+            )
+        )
+    return [default, *(config for config in configs if config != default)]
+
+
+@contextlib.contextmanager
+def launched_with(config: launch_config.PrefillConfig):
+    """The prefill launcher takes `config` whatever the shapes, while inside."""
+    prefill_config = launch_config.prefill_config
+    launch_config.prefill_config = lambda *args: config
+    try:
+        yield
+    finally:
+        launch_config.prefill_config = prefill_config
+
+
+def _label(config: launch_config.PrefillConfig) -> str:
+    return f"M{config.block_m} N{config.block_n} w{config.num_warps} s{config.num_stages}"
+
+
+def prefill_inputs(args, batch: int, new: int, cached: int, head_dim: int, device: torch.device):
+    """(query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens) for `batch` sequences of `new` tokens
+    after `cached` ones; the pool head-major as a `BlockPool` stores it, the block tables a random permutation."""
+    dtype = DTYPES[args.dtype]
+    seq_len = cached + new
+    blocks_per_seq = -(-seq_len // args.block_size)
+    num_blocks = batch * blocks_per_seq
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
+    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
+    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    cu_seqlens_q = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
+    query = torch.randn(batch * new, args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
+    return query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens
+
+
+def sdpa_prefill(query, key_cache, value_cache, block_tables, batch: int, new: int, seq_len: int, scale: float):
+    """SDPA over the same K/V made contiguous, causal from the bottom right: the expected output, packed."""
+    block_size = key_cache.shape[1]
+    positions = torch.arange(seq_len, device=query.device)
+    ids = block_tables[:, positions // block_size].long()
+    key = key_cache[ids, positions % block_size].transpose(1, 2)
+    value = value_cache[ids, positions % block_size].transpose(1, 2)
+    q = query.view(batch, new, *query.shape[1:]).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q.float(), key.float(), value.float(), attn_mask=causal_lower_right(new, seq_len), scale=scale, enable_gqa=True
+    )
+    return out.transpose(1, 2).reshape(query.shape)
+
+
+def tune_cell(args, head_dim: int, configs: list, cell: tuple[int, int, int], device: torch.device) -> dict:
+    """{configuration: ms per call, or why it has no time} for one (batch, new, cached) cell."""
+    from hf_paged.attention.kernels.triton_prefill import paged_prefill_attention_triton
+
+    batch, new, cached = cell
+    query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens = prefill_inputs(
+        args, batch, new, cached, head_dim, device
+    )
+    scale, out = head_dim**-0.5, torch.empty_like(query)
+    expected = sdpa_prefill(query, key_cache, value_cache, block_tables, batch, new, cached + new, scale)
+
+    def paged():
+        paged_prefill_attention_triton(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale, out=out
+        )
+
+    times = {}
+    for config in configs:
+        with launched_with(config):
+            try:
+                paged()
+                error = float((out.float() - expected).abs().max())
+                if error > args.tolerance:
+                    times[_label(config)] = f"wrong (max |err| {error:.1e})"
+                    continue
+                times[_label(config)] = time_ms(paged, device, 1.0, args.rep_ms)
+            except Exception as error:  # a configuration the compiler refuses (shared memory, say)
+                times[_label(config)] = type(error).__name__
+    return times
+
+
+def tune_head_dim(args, head_dim: int, device: torch.device, save=lambda result: None) -> dict:
+    """Every candidate configuration of `head_dim` on every cell; `save` is called after every cell."""
+    group = args.num_q_heads // args.num_kv_heads
+    capability = launch_config.device_capability(device)
+    default = launch_config.prefill_config(head_dim, group, DTYPES[args.dtype], capability)
+    configs = candidates(default, args.block_ms, args.block_ns, args.num_warps, args.num_stages)
+    cells = []
+    result = dict(head_dim=head_dim, default=_label(default), cells=cells)
+    for cell in args.cells:
+        times = tune_cell(args, head_dim, configs, cell, device)
+        # `context` is the column bench.decode_tuning.table shows: here new tokens + cached ones
+        cells.append(dict(batch=cell[0], context=f"{cell[1]}+{cell[2]}", times=times))
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        save(result)
+    return result
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill_tuning", description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
+    parser.add_argument("--cells", nargs="+", default=["1:2048:0", "1:8192:0", "8:512:4096"], help="BATCH:NEW:CACHED")
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--block-ms", type=int, nargs="+", default=list(BLOCK_MS))
+    parser.add_argument("--block-ns", type=int, nargs="+", default=list(BLOCK_NS))
+    parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
+    parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
+    parser.add_argument("--rep-ms", type=float, default=20.0)
+    parser.add_argument("--tolerance", type=float, default=3e-2, help="largest |error| against SDPA accepted")
+    parser.add_argument("--tiny", action="store_true", help="head_dim 32, 2 small cells, 4/2 heads, fp32, 2 configs")
+    parser.add_argument("--json", help="write the results here")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.head_dims, args.cells, args.num_q_heads, args.num_kv_heads, args.dtype = (
+            [32],
+            ["1:24:0", "2:8:20"],
+            4,
+            2,
+            "fp32",
+        )
+        args.tolerance, args.block_ms, args.block_ns, args.num_warps, args.num_stages = 1e-4, [16], [16], [4], [2]
+        args.rep_ms = 1.0
+    args.cells = [tuple(int(n) for n in cell.split(":")) for cell in args.cells]
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        print("CUDA is not available: this tunes a GPU kernel (a dry run on CPU: --device cpu --tiny)")
+        return 0
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("On CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1 python -m bench.prefill_tuning ...")
+        return 2
+    results = []
+
+    def save(result: dict) -> None:  # after every cell: a run stopped early keeps what it measured
+        if args.json:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            report = {"device": device_name(device.type), "args": vars(args), "results": [*results, result]}
+            Path(args.json).write_text(json.dumps(report, indent=1))
+
+    for head_dim in args.head_dims:
+        result = tune_head_dim(args, head_dim, device, save)
+        results.append(result)
+        overall = best_overall(result)
+        print(f"head_dim {head_dim}, {args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads", flush=True)
+        print(table(result).replace("| context", "| new+cached", 1))
+        if overall is not None:
+            print(f"best over every cell: {overall[0]} ({overall[1]:.2f}x the best of each cell, geometric mean)\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

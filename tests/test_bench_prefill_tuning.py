@@ -1,0 +1,37 @@
+"""bench/prefill_tuning.py: the prefill kernel's launch choices tried beside its defaults (a dry run in Triton's
+interpreter here; on a GPU, `make bench-gpu`)."""
+
+import json
+
+import torch
+from models import require_triton_on_cpu
+
+from bench.gpu_report import _tuning_section
+from bench.prefill_tuning import candidates, launched_with, main
+from hf_paged.attention.kernels import launch_config
+
+
+def test_the_grid_starts_with_the_default_and_bounds_each_threads_tiles():
+    default = launch_config.prefill_config(128, 4, torch.bfloat16, 90)
+    configs = candidates(default)
+    assert configs[0] == default and len(set(configs)) == len(configs) > 20
+    for config in configs:
+        assert max(config.block_m, config.block_n) * config.head_dim_pad // (32 * config.num_warps) <= 64
+        assert config.block_q * config.heads == config.block_m and config.heads == default.heads
+    with launched_with(configs[-1]):
+        assert launch_config.prefill_config(64, 1, torch.float16, 80) == configs[-1]
+    assert launch_config.prefill_config(128, 4, torch.bfloat16, 90) == default  # put back
+
+
+def test_a_dry_run_times_each_configuration_against_sdpa(tmp_path, capsys):
+    require_triton_on_cpu()
+    path = tmp_path / "prefill_tuning.json"
+    assert main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())["results"]
+    assert result["default"] == "M32 N16 w4 s2" and [c["context"] for c in result["cells"]] == ["24+0", "8+20"]
+    for cell in result["cells"]:  # the default and the grid's one tile, each right (within 1e-4 of SDPA) and timed
+        assert set(cell["times"]) == {"M32 N16 w4 s2", "M16 N16 w4 s2"}
+        assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
+    assert "| new+cached" in capsys.readouterr().out
+    section = _tuning_section(tmp_path)
+    assert "### prefill kernel" in section and "#### prefill, head_dim 32" in section and "M16 N16 w4 s2" in section
