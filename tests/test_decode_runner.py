@@ -290,9 +290,9 @@ def _runner_with_traced_graphs(monkeypatch, name: str):
 
 @pytest.mark.parametrize("name", ["llama", "qwen3", "mistral", "gemma3", "gpt2", "phi3"])
 def test_graph_replays_on_cpu_with_a_traced_stand_in_for_cuda_graphs(name, monkeypatch):
-    """Capture per bucket, replay, full-width tables that double (and are captured again) as rows grow, padding in a
-    block taken per busy period: every decode step replayed from a trace of the ops its capture ran, and the same
-    tokens as per-request generate(), every block back in the pool."""
+    """Capture per bucket, replay, full-width tables as wide as the rows will grow, padding in a block taken per busy
+    period: every decode step replayed from a trace of the ops its capture ran, and the same tokens as per-request
+    generate(), every block back in the pool."""
     prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
     engine, pool = _runner_with_traced_graphs(monkeypatch, name)
     runner = engine.runner
@@ -302,10 +302,11 @@ def test_graph_replays_on_cpu_with_a_traced_stand_in_for_cuda_graphs(name, monke
     stats = runner.stats
     assert runner.capture_error is None
     assert stats.eager_steps == 0 and stats.replayed_steps > 0 and stats.padded_rows > 0
-    # Captured again when the 60-token prompt's row passed 16 blocks, and the buffers grew with it; mistral's tables
-    # (every layer on its window of 8) hold a few blocks only.
+    # The 60-token prompt's row holds 16 blocks of 4 at its first decode step and will hold 18 (9 new tokens): the
+    # tables are 32 wide from the first capture, never captured again at 16 then 32. Mistral's tables (every layer
+    # on its window of 8) hold a few blocks only.
     width = 16 if name == "mistral" else 32
-    assert {width for _, width, _ in stats.captures} == {16, width}
+    assert {width for _, width, _ in stats.captures} == {width}
     assert runner.graph_width == width and runner.tables[0].shape[1] == width
     assert pool.num_used_blocks == 0
 
@@ -325,9 +326,17 @@ def test_each_width_captures_into_a_memory_pool_of_its_own_with_two_streams_made
 
     monkeypatch.setattr(torch.cuda, "graph", recording)
     prompts = random_prompts((60, 11, 3, 17, 8))  # the first outgrows 16 blocks of 4 tokens
-    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == greedy_reference(
-        "llama", prompts, NEW_TOKENS
-    )
+    # The short prompts decode first (16 wide); the long one arrives later, and the tables double for it.
+    ids = [
+        engine.add_request(prompt, max_new_tokens=n, ignore_eos=True) for prompt, n in zip(prompts[1:], NEW_TOKENS[1:])
+    ]
+    for _ in range(4):
+        engine.step()
+    ids.insert(0, engine.add_request(prompts[0], max_new_tokens=NEW_TOKENS[0], ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    outputs = [engine.request(request_id).output_ids for request_id in ids]
+    assert outputs == greedy_reference("llama", prompts, NEW_TOKENS)
     by_width = {width: {id(pool) for w, pool, _ in pools if w == width} for width, _, _ in pools}
     assert set(by_width) == {16, 32} and all(len(ids) == 1 for ids in by_width.values())
     assert by_width[16] != by_width[32]

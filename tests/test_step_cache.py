@@ -93,6 +93,52 @@ def test_step_cache_rejects_bad_rows():
         StepCache(pool, [[[0]], [[1]]], [0], [1])
 
 
+def test_the_steps_tensors_come_from_one_copy_per_dtype_each_on_16_bytes(monkeypatch):
+    """No tensor of a step is made from a host list on the device directly (on CUDA each would be a copy the host
+    waits for): `to_device` makes them all. Each starts on a 16-byte boundary, the prefill rows' lengths and tables
+    too (the Triton kernels compile a variant per pointer alignment), and holds the step's values."""
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=32, block_size=4)
+    tensor = torch.tensor
+
+    def host_only(*args, **kwargs):
+        assert kwargs.get("device") is None, "a step tensor made on the device from a host list"
+        return tensor(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "tensor", host_only)
+    # three decode rows (a slice of all rows' lengths after them would start 12 bytes in), two prefill chunks
+    tables = [[0, 1], [2], [3, 4, 5], [6, 7], [8, 9, 10]]
+    cache = StepCache(pool, [tables], [5, 2, 9, 0, 4], [1, 1, 1, 6, 5], token_ids=list(range(1, 15)))
+    (group,) = cache._groups
+    tensors = [cache.position_ids, cache.input_ids, cache.logits_indices, cache.prefill_cu_seqlens(), group.slots]
+    tensors += [group.seq_lens, group.prefill_seq_lens, group.tables[3:], group.decode_tables]
+    assert all(t.data_ptr() % 16 == 0 for t in tensors)
+    assert cache.position_ids.tolist() == [[5, 2, 9, 0, 1, 2, 3, 4, 5, 4, 5, 6, 7, 8]]
+    assert cache.input_ids.tolist() == [list(range(1, 15))] and cache.logits_indices.tolist() == [0, 1, 2, 8, 13]
+    assert cache.prefill_cu_seqlens().tolist() == [0, 6, 11] and group.prefill_seq_lens.tolist() == [6, 9]
+    assert group.seq_lens.tolist() == [6, 3, 10, 6, 9] and group.tables.shape == (5, 4)  # 3 blocks, padded to even
+    assert group.tables[3:, :3].tolist() == [[6, 7, 0], [8, 9, 10]]
+    assert group.decode_tables.dtype == torch.int32 and group.decode_tables[:, :3].tolist() == [
+        [0, 1, 0],
+        [2, 0, 0],
+        [3, 4, 5],
+    ]
+    assert group.slots.tolist() == [5, 10, 21, 24, 25, 26, 27, 28, 29, 36, 37, 38, 39, 40]
+    with pytest.raises(ValueError, match=r"token_ids needs one id per new token \(14\), got 2"):
+        StepCache(pool, [tables], [5, 2, 9, 0, 4], [1, 1, 1, 6, 5], token_ids=[1, 2])
+
+
+def test_to_device_gives_each_list_its_own_aligned_tensor():
+    from hf_paged.storage.transfer import to_device
+
+    segments = [[1, 2, 3], [], [4], list(range(9))]
+    for dtype in (torch.int32, torch.long):
+        tensors = to_device(segments, dtype, torch.device("cpu"))
+        assert [t.tolist() for t in tensors] == segments and all(t.dtype == dtype for t in tensors)
+        assert all(t.data_ptr() % 16 == 0 for t in tensors)
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one host tensor: one copy on a GPU
+
+
 def test_a_lazy_chunk_mask_is_sdpas_lower_right_causal_bias_with_the_same_result():
     """On CUDA a prefill chunk over cached keys gets SDPA's lower-right causal bias (no mask over the context); it
     attends exactly the keys of the boolean chunk mask, through transformers' sdpa_attention_forward with GQA."""

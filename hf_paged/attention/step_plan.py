@@ -42,7 +42,8 @@ class GroupStep:
     seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
     host_seq_lens: list[int]  # the same on the host (no device sync to read one)
     length_masks: dict  # window -> the decode rows' length mask, shared by the group's layers this step
-    decode_tables: torch.Tensor | None = None  # [num_decode, width] int32, made on first use (Triton path)
+    decode_tables: torch.Tensor | None = None  # [num_decode, width] int32: the decode rows' (Triton path)
+    prefill_seq_lens: torch.Tensor | None = None  # [B - num_decode] int32: the prefill rows' (16-byte aligned)
 
 
 class PackedRows(Protocol):
@@ -169,6 +170,8 @@ class StepPlan:
         pool = cache.pool
         if group.decode_tables is None:
             group.decode_tables = group.tables[: cache.num_decode].to(torch.int32)
+        # NOTE: the kernels compile a variant per 16-byte alignment of each pointer: a row slice of seq_lens may be
+        # off it, where `prefill_seq_lens` is not.
         plan = DecodePlan(
             key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
             value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
@@ -208,7 +211,7 @@ class StepPlan:
             pool.nhd_view(pool.value_cache[layer_idx]),
             group.tables[first:],
             cache.prefill_cu_seqlens(),
-            group.seq_lens[first:],
+            group.seq_lens[first:] if group.prefill_seq_lens is None else group.prefill_seq_lens,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
             sliding_window=sliding_window,
             softcap=kwargs.get("softcap"),

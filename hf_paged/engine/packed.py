@@ -44,6 +44,11 @@ class PackedStep:
         if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
             return self.runner.forward(rows)
         groups = range(self.pool.num_groups)
+        token_ids = [
+            token
+            for request, num_tokens in rows
+            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
+        ]
         cache = StepCache(
             self.pool,
             [[request.block_tables[g] for request, _ in rows] for g in groups],
@@ -52,18 +57,17 @@ class PackedStep:
             first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
             chunk_sizes=self.chunk_sizes,
             model_type=self.model_type,
+            token_ids=token_ids,
         )
-        token_ids = [
-            token
-            for request, num_tokens in rows
-            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
-        ]
         device = self.model.device
+        input_ids, logits_to_keep = cache.input_ids, cache.logits_indices
+        if input_ids.device != device:  # a model whose embeddings are elsewhere than the pool (device_map)
+            input_ids, logits_to_keep = input_ids.to(device), logits_to_keep.to(device)
         out = self.model(
-            input_ids=torch.tensor([token_ids], device=device),
+            input_ids=input_ids,
             position_ids=cache.position_ids,
             use_cache=True,
-            logits_to_keep=torch.tensor(cache.last_token_indices, device=device),
+            logits_to_keep=logits_to_keep,
             **{self.cache_keyword: cache},
         )
         # A model that ran on a cache of its own computed something else than this step (a stand-in that is no torch

@@ -38,6 +38,7 @@ from ..attention.step_plan import GroupStep, StepPlan
 from ..cache.gather import GatherWorkspace, workspace_for
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
+from ..storage.transfer import to_device
 
 
 class StepLayer(CacheLayerMixin):
@@ -89,6 +90,12 @@ class StepCache(Cache):
             thread, `cache.gather.workspace_for`).
         model_type (`str`, *optional*): the model's type, named by the `UnsupportedModel` an update of a layer the
             pool does not hold raises.
+        token_ids (`list[int]`, *optional*): the step's new tokens, packed (`sum(q_lens)` of them): `input_ids`
+            ([1, num_tokens]) then holds them on the pool's device, copied with the step's other inputs.
+
+    Every tensor of the step (positions, slots, lengths, tables, the input ids and the rows' last-token indices)
+    reaches the device in one host-to-device copy per dtype that the host does not wait on
+    (`storage.transfer.to_device`), made before the forward.
     """
 
     def __init__(
@@ -102,6 +109,7 @@ class StepCache(Cache):
         chunk_sizes: list[int | None] | None = None,
         workspace: GatherWorkspace | None = None,
         model_type: str | None = None,
+        token_ids: list[int] | None = None,
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
@@ -132,44 +140,71 @@ class StepCache(Cache):
         self.chunk_sizes = [None] * pool.layout.num_layers if chunk_sizes is None else list(chunk_sizes)
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
-        positions = [p for n, q in zip(seq_lens, q_lens) for p in range(n, n + q)]
-        self.position_ids = torch.tensor([positions], device=pool.device)  # [1, T]: the model's position_ids
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
-        self._groups = [self._group_step(tables, firsts) for tables, firsts in zip(block_tables, first_blocks)]
+        self._groups = self._group_steps(block_tables, first_blocks, token_ids)
         self._workspace = workspace_for(pool) if workspace is None else workspace
         # (group, first row, end row) -> (their block ids, row after row; rows; keys of the longest)
         self._row_blocks: dict[tuple[int, int, int], tuple[torch.Tensor, int, int]] = {}
-        self._prefill_cu_seqlens: torch.Tensor | None = None  # [chunks + 1] int32, made on the first kernel call
         super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
-    def _group_step(self, tables: list[list[int]], first_blocks: list[int]) -> GroupStep:
-        # Slots, lengths and padded tables are worked out on the host and sent once: a decode step adds one token
-        # per row, and a few Python ints cost less than a chain of tiny tensor ops.
-        device, block_size = self.pool.device, self.pool.block_size
-        first_positions = [first * block_size for first in first_blocks]
-        ends = [n + q for n, q in zip(self.seq_lens, self.q_lens)]
-        num_table_blocks = [-(-(end - first) // block_size) for end, first in zip(ends, first_positions)]
-        for table, needed, end in zip(tables, num_table_blocks, ends):
-            if len(table) < needed:
-                raise ValueError(f"a block table of {len(table)} blocks cannot hold {end} tokens")
-        width = max(num_table_blocks)
-        # Rows padded to the longest table; padding entries are never read (each row stops at its length).
-        padded = [table[:width] + [0] * (width - len(table[:width])) for table in tables]
-        slots = [
-            table[(p - first) // block_size] * block_size + (p - first) % block_size
-            for table, first, n, q in zip(tables, first_positions, self.seq_lens, self.q_lens)
-            for p in range(n, n + q)
-        ]
-        host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
-        return GroupStep(
-            tables=torch.tensor(padded, dtype=torch.long, device=device),
-            num_table_blocks=num_table_blocks,
-            first_positions=first_positions,
-            slots=torch.tensor(slots, dtype=torch.long, device=device),
-            seq_lens=torch.tensor(host_seq_lens, dtype=torch.int32, device=device),
-            host_seq_lens=host_seq_lens,
-            length_masks={},
-        )
+    def _group_steps(
+        self, block_tables: list[list[list[int]]], first_blocks: list[list[int]], token_ids: list[int] | None
+    ) -> list[GroupStep]:
+        # Slots, lengths and padded tables are worked out on the host and sent in one copy per dtype: a decode step
+        # adds one token per row, and a few Python ints cost less than a chain of tiny tensor ops.
+        device, block_size, num_decode = self.pool.device, self.pool.block_size, self.num_decode
+        q_lens = self.q_lens
+        ends = [n + q for n, q in zip(self.seq_lens, q_lens)]
+        positions = [p for n, q in zip(self.seq_lens, q_lens) for p in range(n, n + q)]
+        if token_ids is not None and len(token_ids) != len(positions):
+            raise ValueError(f"token_ids needs one id per new token ({len(positions)}), got {len(token_ids)}")
+        longs = [positions, token_ids or [], self.last_token_indices]
+        ints = [list(itertools.accumulate(q_lens[num_decode:], initial=0))]  # the prefill chunks' cu_seqlens
+        hosts = []
+        for tables, firsts in zip(block_tables, first_blocks):
+            first_positions = [first * block_size for first in firsts]
+            num_table_blocks = [-(-(end - first) // block_size) for end, first in zip(ends, first_positions)]
+            for table, needed, end in zip(tables, num_table_blocks, ends):
+                if len(table) < needed:
+                    raise ValueError(f"a block table of {len(table)} blocks cannot hold {end} tokens")
+            # Rows padded to the longest table, to an even width: a row's slice of the int64 tables then starts on
+            # a 16-byte boundary (the prefill kernel takes the prefill rows' slice). Padding entries are never read.
+            width = max(num_table_blocks) + max(num_table_blocks) % 2
+            padded = [entry for table in tables for entry in table[:width] + [0] * (width - len(table[:width]))]
+            slots = [
+                table[(p - first) // block_size] * block_size + (p - first) % block_size
+                for table, first, n, q in zip(tables, first_positions, self.seq_lens, q_lens)
+                for p in range(n, n + q)
+            ]
+            host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
+            hosts.append((width, num_table_blocks, first_positions, host_seq_lens))
+            longs += [padded, slots]
+            # The decode rows' tables in int32 (the decode kernel's), the prefill rows' lengths on their own
+            # (an aligned tensor, where a slice of all the rows' lengths may not start on 16 bytes).
+            ints += [host_seq_lens, host_seq_lens[num_decode:], padded[: num_decode * width]]
+        longs, ints = to_device(longs, torch.long, device), to_device(ints, torch.int32, device)
+        self.position_ids = longs[0].view(1, -1)  # [1, T]: the model's position_ids
+        self.input_ids = longs[1].view(1, -1) if token_ids is not None else None  # [1, T]
+        self.logits_indices = longs[2]  # [B]: where each row's next-token logits are
+        self._prefill_cu_seqlens = ints[0]  # [chunks + 1]
+        groups = []
+        for g, (width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
+            tables, slots = longs[3 + 2 * g : 5 + 2 * g]
+            seq_lens, prefill_seq_lens, decode_tables = ints[1 + 3 * g : 4 + 3 * g]
+            groups.append(
+                GroupStep(
+                    tables=tables.view(-1, width),
+                    num_table_blocks=num_table_blocks,
+                    first_positions=first_positions,
+                    slots=slots,
+                    seq_lens=seq_lens,
+                    host_seq_lens=host_seq_lens,
+                    length_masks={},
+                    decode_tables=decode_tables.view(num_decode, width),
+                    prefill_seq_lens=prefill_seq_lens,
+                )
+            )
+        return groups
 
     @property
     def last_token_indices(self) -> list[int]:
@@ -184,10 +219,7 @@ class StepCache(Cache):
         return self._groups[self.pool.group_of_layer[layer_idx]]
 
     def prefill_cu_seqlens(self) -> torch.Tensor:
-        """[chunks + 1] int32: where each prefill chunk starts among the chunks' tokens (made on first use)."""
-        if self._prefill_cu_seqlens is None:
-            lengths = itertools.accumulate(self.q_lens[self.num_decode :], initial=0)
-            self._prefill_cu_seqlens = torch.tensor(list(lengths), dtype=torch.int32, device=self.pool.device)
+        """[chunks + 1] int32: where each prefill chunk starts among the chunks' tokens."""
         return self._prefill_cu_seqlens
 
     def first_position(self, layer_idx: int, row: int) -> int:
