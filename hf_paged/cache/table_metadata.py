@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..storage.transfer import to_device
 from .block_tables import BlockTables, GatherTables, head_major_index
 
 if TYPE_CHECKING:
@@ -57,7 +58,10 @@ class TableMetadata(GatherTables):
         devices); rebuilt only when a table changed."""
         memo = self.memo
         if self._tables_tensor is None:
-            self._tables_tensor = torch.tensor(self.tables.tables, dtype=torch.long, device=self.pool.device)
+            host = self.tables.tables
+            width = len(host[0]) if host else 0
+            flat = [entry for table in host for entry in table]
+            self._tables_tensor = to_device([flat], torch.long, self.pool.device)[0].view(len(host), width)
         if device is None or device == self._tables_tensor.device:
             return self._tables_tensor
         key = ("tables", device)
@@ -108,15 +112,14 @@ class TableMetadata(GatherTables):
             host_tables = self.tables.tables
             if (end - start) * len(host_tables) <= HOST_SLOTS:
                 # A decode step's few slots: worked out on the host and made in one tensor creation.
-                slots = torch.tensor(
-                    [
-                        host_tables[row][position // block_size - base] * block_size + position % block_size
-                        for row in (range(len(host_tables)) if rows is None else rows)
-                        for position in range(start, end)
-                    ],
-                    dtype=torch.long,
-                    device=device or self.pool.device,
-                )
+                # One asynchronous copy on CUDA (`to_device`): a plain `torch.tensor(..., device=)` would make the
+                # host wait for the GPU at the first layer of every step.
+                host_slots = [
+                    host_tables[row][position // block_size - base] * block_size + position % block_size
+                    for row in (range(len(host_tables)) if rows is None else rows)
+                    for position in range(start, end)
+                ]
+                (slots,) = to_device([host_slots], torch.long, device or self.pool.device)
             else:
                 tables = self.tables_tensor(device)
                 if rows is not None:
