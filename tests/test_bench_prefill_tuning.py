@@ -34,4 +34,5 @@ def test_a_dry_run_times_each_configuration_against_sdpa(tmp_path, capsys):
         assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
     assert "| new+cached" in capsys.readouterr().out
     section = _tuning_section(tmp_path)
-    assert "### prefill kernel" in section and "#### prefill, head_dim 32" in section and "M16 N16 w4 s2" in section
+    assert "### prefill kernel" in section and "#### prefill, head_dim 32" in section
+    assert "default M32 N16 w4 s2 (us)" in section and "Best over every cell: M" in section

@@ -76,20 +76,24 @@ def test_ragged_decode_through_the_triton_kernel(monkeypatch, name):
 @pytest.mark.parametrize("name", ["llama", "mistral", "gemma3"])  # full, every layer sliding, sliding tables late
 def test_prefill_chunks_through_the_paged_prefill_kernel(monkeypatch, name):
     """With the Triton backend every step's prefill chunks go through one launch of the paged prefill kernel per
-    layer (chunks over cached tokens, several packed in a step, beside decode rows): generate()'s tokens."""
+    layer (chunks over cached tokens, several packed in a step, beside decode rows): generate()'s tokens. Every
+    tensor it is handed starts on 16 bytes, whatever the number of decode rows before the chunks: Triton compiles a
+    variant per pointer alignment, which on a GPU would be a compile in the middle of a run."""
     require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
-    chunks = []
+    chunks, misaligned, decode_rows = [], [], set()
     import hf_paged.attention.kernels.triton_prefill as triton_prefill
 
     kernel = triton_prefill.paged_prefill_attention_triton
-    monkeypatch.setattr(
-        triton_prefill,
-        "paged_prefill_attention_triton",
-        lambda query, k, v, tables, cu_seqlens_q, *a, **kw: (
-            chunks.append(len(cu_seqlens_q) - 1) or kernel(query, k, v, tables, cu_seqlens_q, *a, **kw)
-        ),
-    )
+
+    def recording(query, k, v, tables, cu_seqlens_q, seq_lens, **kw):
+        chunks.append(len(cu_seqlens_q) - 1)
+        tensors = [query, k, v, tables, cu_seqlens_q, seq_lens, *(t for t in kw.values() if torch.is_tensor(t))]
+        misaligned.extend(t.shape for t in tensors if t.data_ptr() % 16)
+        decode_rows.add(len(engine.scheduler.running) - len(seq_lens))
+        return kernel(query, k, v, tables, cu_seqlens_q, seq_lens, **kw)
+
+    monkeypatch.setattr(triton_prefill, "paged_prefill_attention_triton", recording)
     prompts = random_prompts((13, 22, 5))
     engine, pool = tiny_engine(name, 64, max_num_seqs=3, max_num_batched_tokens=10)
     new_tokens = [5, 12, 6]  # past the window of 8 of the sliding layers
@@ -98,6 +102,7 @@ def test_prefill_chunks_through_the_paged_prefill_kernel(monkeypatch, name):
     )
     assert pool.num_used_blocks == 0
     assert chunks and max(chunks) >= 2  # several prompts' chunks in one launch
+    assert misaligned == [] and {1, 2} <= decode_rows  # chunks after 1 and 2 decode rows: 4 and 8 bytes into the rows
 
 
 @pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])  # logit softcap; attention sinks (s_aux)

@@ -45,6 +45,27 @@ def test_store_backend_is_resolved_like_the_kernels(monkeypatch):
         store_kv_rows(cache, cache.clone(), states, states, torch.tensor([0, 5, 7]), backend="auto")
 
 
+@pytest.mark.parametrize("rows, q_len", [(1, 5), (3, 1), (2, 3)], ids=["one-row", "decode", "rows-of-tokens"])
+def test_the_triton_store_writes_states_of_every_layout_as_the_torch_store(rows, q_len):
+    """The Triton store takes one row of tokens (the packed step) and one token per row (decode) as strided views of
+    the states, RoPE's contiguous [W, heads, q_len, D] output included; several rows of several tokens are copied
+    to rows first. Every layout stores what index_copy_ stores."""
+    if not CAN_RUN_TRITON:
+        pytest.skip("needs CUDA or TRITON_INTERPRET=1")
+    from hf_paged.attention import store_kv_rows
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    cache = torch.zeros(2, 6, 4, 16, device=device)  # [kv_heads, blocks, block_size, head_dim]
+    keys, values = torch.randn(2, rows, 2, q_len, 16, device=device).unbind(0)  # contiguous, as after RoPE
+    slots = torch.randperm(24, device=device)[: rows * q_len]
+    expected_k, expected_v = cache.clone(), cache.clone()
+    store_kv_rows(expected_k, expected_v, keys, values, slots, backend="torch")
+    key_cache, value_cache = cache.clone(), cache.clone()
+    store_kv_rows(key_cache, value_cache, keys, values, slots, backend="triton")
+    assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    assert expected_k.abs().sum() > 0
+
+
 def test_backend_bad_values(monkeypatch):
     with pytest.raises(ValueError, match=r"backend must be one of 'auto', 'triton', 'torch', got 'cuda'"):
         resolve_backend("cuda", torch.device("cpu"))
