@@ -59,9 +59,11 @@ class DecodePlan:
         scaling: float | None = None,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        out: torch.Tensor | None = None,
         **kwargs,
     ) -> tuple[torch.Tensor, None]:
-        """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None)."""
+        """query [B, heads, 1, head_dim], the step's decode mask -> ([B, 1, heads, head_dim], None). `out` ([B, heads,
+        head_dim]): where the kernel writes, when it runs (the torch path returns a tensor of its own)."""
         backend = self.backend(module, query.device)
         sinks = kwargs.get("s_aux")
         # The paged kernels read K and V of one shape and apply no attention sinks: gather for the torch path.
@@ -90,6 +92,7 @@ class DecodePlan:
             kv_start=kv_start,
             sliding_window=sliding_window,
             softcap=softcap,
+            out=out,
             backend="triton",
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]

@@ -17,7 +17,7 @@ layer group the block tables, slots and lengths (`GroupStep`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -44,6 +44,11 @@ class GroupStep:
     length_masks: dict  # window -> the decode rows' length mask, shared by the group's layers this step
     decode_tables: torch.Tensor | None = None  # [num_decode, width] int32: the decode rows' (Triton path)
     prefill_seq_lens: torch.Tensor | None = None  # [B - num_decode] int32: the prefill rows' (16-byte aligned)
+    # Made once a step and shared by the group's layers: the decode rows' lengths and the prefill rows' tables (views
+    # of the above), and the memos of the decode plans (kv starts, backends by setting)
+    decode_seq_lens: torch.Tensor | None = None
+    prefill_tables: torch.Tensor | None = None
+    plan_memos: dict = field(default_factory=dict)
 
 
 class PackedRows(Protocol):
@@ -101,18 +106,20 @@ class StepPlan:
             out = self._attend_chunked(module, query, chunk_size, expanded=expanded, **kwargs)
             return out, None
         num_decode = cache.num_decode
-        decoded = None
+        _, num_heads, num_tokens, _ = query.shape
+        out = None
+        if num_decode < len(cache.seq_lens):  # prefill chunks too: the whole step's output, decode rows first
+            out = query.new_empty(1, num_tokens, num_heads, self.value_head_dim(expanded))
         if num_decode:
             decode_query = query[0, :, :num_decode].transpose(0, 1).unsqueeze(2)  # [n, heads, 1, D]
+            decode_out = None if out is None else out[0, :num_decode]  # [n, heads, D]
             decoded = self._attend_decode(
-                module, decode_query, sliding_window=sliding_window, expanded=expanded, **kwargs
+                module, decode_query, sliding_window=sliding_window, expanded=expanded, out=decode_out, **kwargs
             )
-            if num_decode == len(cache.seq_lens):  # a decode-only step: the decode rows are the whole output
+            if out is None:  # a decode-only step: the decode rows are the whole output
                 return decoded.transpose(0, 1), None
-        _, num_heads, num_tokens, _ = query.shape
-        out = query.new_empty(1, num_tokens, num_heads, self.value_head_dim(expanded))
-        if decoded is not None:
-            out[0, :num_decode] = decoded[:, 0]  # [n, heads, D]
+            if decoded.data_ptr() != decode_out.data_ptr():  # the torch path: its own output
+                decode_out.copy_(decoded[:, 0])
         if expanded is None and self._prefill_kernel_runs(module, query.device):
             # Every prefill chunk in one launch of the paged prefill kernel, reading the pool in place.
             self._attend_prefill(query, out, sliding_window=sliding_window, **kwargs)
@@ -138,11 +145,13 @@ class StepPlan:
         module: torch.nn.Module,
         query: torch.Tensor,
         expanded: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
         **kwargs,
     ) -> torch.Tensor:
         """The decode rows' attention: query [num_decode, heads, 1, head_dim] ->
         [num_decode, 1, heads, value_head_dim]. `kwargs`: the attention function's (scaling, sliding_window, ...).
         `expanded`: every row's expanded K/V of a latent layout (see `StepPlan.attend`), read instead of the pool.
+        `out` ([num_decode, heads, value_head_dim]): where the kernel writes (the torch path returns its own).
 
         With the Triton backend the kernel reads the pool in place (a `DecodePlan`, made only here); with the torch
         backend the rows' keys are gathered once, padded to the longest row, for SDPA with a per-row length mask (none
@@ -167,23 +176,25 @@ class StepPlan:
                 mask = length_mask(group.seq_lens[: cache.num_decode], window, group.length_masks, max_len=longest)
             # SDPA (called directly where the mask is None), or the torch attention for a softcap or sinks.
             return sdpa_or_torch_attention(module, query, key, value, mask, **kwargs)[0]
-        pool = cache.pool
         if group.decode_tables is None:
             group.decode_tables = group.tables[: cache.num_decode].to(torch.int32)
-        # NOTE: the kernels compile a variant per 16-byte alignment of each pointer: a row slice of seq_lens may be
-        # off it, where `prefill_seq_lens` is not.
+        if group.decode_seq_lens is None:
+            group.decode_seq_lens = group.seq_lens[: cache.num_decode]
+        key_cache, value_cache = cache.pool.nhd_views(layer_idx)
         plan = DecodePlan(
-            key_cache=pool.nhd_view(pool.key_cache[layer_idx]),
-            value_cache=pool.nhd_view(pool.value_cache[layer_idx]),
+            key_cache=key_cache,
+            value_cache=value_cache,
             block_tables=group.decode_tables,
-            seq_lens=group.seq_lens[: cache.num_decode],
+            seq_lens=group.decode_seq_lens,
             kv_offset=0,
             position_offset=0,
             gather=lambda: cache.gather(layer_idx, 0, cache.num_decode),
             ragged=True,
             length_masks=group.length_masks,
+            _kv_starts=group.plan_memos.setdefault("kv_starts", {}),
+            _backends=group.plan_memos.setdefault("backends", {}),
         )
-        return plan.attend(module, query, None, **kwargs)[0]
+        return plan.attend(module, query, None, out=out, **kwargs)[0]
 
     def _prefill_kernel_runs(self, module: torch.nn.Module, device: torch.device) -> bool:
         """Whether the step's prefill chunks go through the paged prefill kernel: the Triton
@@ -202,16 +213,23 @@ class StepPlan:
         the window count from there, as the decode rows' do), with the attention function's scaling, softcap and
         sinks (`s_aux`)."""
         cache, layer_idx = self.cache, self.layer_idx
-        pool, first = cache.pool, cache.num_decode
+        first = cache.num_decode
         group = cache.group_step(layer_idx)
         scaling = kwargs.get("scaling")
+        # NOTE: the kernel compiles a variant per 16-byte alignment of each pointer: a slice of the rows' lengths
+        # after the decode rows may be off it, where `prefill_seq_lens` is not (StepCache aligns it).
+        if group.prefill_seq_lens is None:
+            group.prefill_seq_lens = group.seq_lens[first:]
+        if group.prefill_tables is None:
+            group.prefill_tables = group.tables[first:]
+        key_cache, value_cache = cache.pool.nhd_views(layer_idx)
         paged_prefill_attention(
             query[0, :, cache.starts[first] :].transpose(0, 1),  # [chunk tokens, heads, head_dim]
-            pool.nhd_view(pool.key_cache[layer_idx]),
-            pool.nhd_view(pool.value_cache[layer_idx]),
-            group.tables[first:],
+            key_cache,
+            value_cache,
+            group.prefill_tables,
             cache.prefill_cu_seqlens(),
-            group.seq_lens[first:] if group.prefill_seq_lens is None else group.prefill_seq_lens,
+            group.prefill_seq_lens,
             scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
             sliding_window=sliding_window,
             softcap=kwargs.get("softcap"),

@@ -300,7 +300,14 @@ class RunnerCache(Cache):
             for view, states in zip(layer.slot_views, (key_states, value_states)):
                 view.index_copy_(0, step.slots, states.squeeze(2))  # [B, kv_heads, head_dim]
         else:
-            store_kv_rows(*layer.caches, key_states, value_states, step.slots, backend=runner.store)
+            store_kv_rows(
+                *layer.caches,
+                key_states,
+                value_states,
+                step.slots,
+                backend=runner.store,
+                nhd_views=(layer.key_nhd, layer.value_nhd),
+            )
         layer.plan.bind(step, layer)
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
         # inference mode); they carry the layer's plan, bound to each forward in turn.

@@ -247,6 +247,7 @@ class StepCache(Cache):
             value_states,
             group.slots,
             backend=self._store_backend,
+            nhd_views=pool.nhd_views(layer_idx) if self._store_backend == "triton" else None,
         )
         if pool.layout.latent:
             return self._latent_kv(layer_idx, kwargs)

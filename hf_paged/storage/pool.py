@@ -392,6 +392,16 @@ class BlockPool:
         (of a K or a V tensor)."""
         return cache.permute(1, 2, 0, 3)
 
+    def nhd_views(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`nhd_view` of layer `layer_idx`'s K and V, made once per layer (and again when a growable pool grew): the
+        views the kernels read, asked for at every layer of every step."""
+        key_cache, value_cache = self.key_cache[layer_idx], self.value_cache[layer_idx]
+        memo = self.__dict__.setdefault("_nhd_views", {})
+        views = memo.get(layer_idx)
+        if views is None or views[0] is not key_cache or views[1] is not value_cache:
+            views = memo[layer_idx] = (key_cache, value_cache, self.nhd_view(key_cache), self.nhd_view(value_cache))
+        return views[2], views[3]
+
     def grow(self, num_new_blocks: int) -> None:
         """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
         if not self.growable:

@@ -20,7 +20,7 @@ def to_device(segments: Sequence[Sequence[int]], dtype: torch.dtype, device: tor
     `non_blocking` copy; PyTorch's pinned allocator keeps that host memory until the copy has run. Each tensor starts
     at a 16-byte boundary of the copy (`ALIGN_BYTES`). On CPU the tensors are views of the host tensor itself.
     """
-    step = max(1, ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    step = max(1, ALIGN_BYTES // dtype.itemsize)
     flat: list[int] = []
     offsets = []
     for segment in segments:

@@ -180,13 +180,16 @@ def store_backend(device: torch.device) -> str:
     return "torch"
 
 
-def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None) -> None:
+def store_kv_rows(
+    key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None, nhd_views=None
+) -> None:
     """Write [W, kv_heads, q_len, head_dim] states to `slots` ([W * q_len]) of the head-major pool, in place (V's
     heads and head_dim may differ from K's, as the pool's tensors say).
 
     The Triton store kernel on CUDA (or when HF_PAGED_ATTENTION_BACKEND=triton forces it, e.g. under
     TRITON_INTERPRET=1); `index_copy_` on the flattened [kv_heads, num_blocks * block_size, head_dim] view elsewhere.
-    `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now).
+    `backend`: "triton" or "torch" as `store_backend` resolves it (default: resolved now). `nhd_views`: the caches'
+    `BlockPool.nhd_view`s, where the caller keeps them (`BlockPool.nhd_views`), else made here.
     """
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
@@ -205,14 +208,9 @@ def store_kv_rows(key_cache, value_cache, key_states, value_states, slots, *, ba
             key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
             value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
         # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
-        store_kv(
-            key_rows,
-            value_rows,
-            key_cache.permute(1, 2, 0, 3),
-            value_cache.permute(1, 2, 0, 3),
-            slots,
-            backend="triton",
-        )
+        if nhd_views is None:
+            nhd_views = key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3)
+        store_kv(key_rows, value_rows, *nhd_views, slots, backend="triton")
         return
     for cache, states in ((key_cache, key_states), (value_cache, value_states)):
         num_heads, _, _, head_dim = cache.shape
