@@ -9,7 +9,10 @@ gets `--kv-memory` of K/V:
                      decode steps eager, every step's tokens read before the next is scheduled
     engine-graphs    the same with CUDA graphs (decode steps replayed per batch bucket)
     engine-async     CUDA graphs and asynchronous scheduling (the Engine's defaults on CUDA): a decode step is
-                     launched before the tokens of the one before it are read
+                     launched before the tokens of the one before it are read; with graphs, admission waits up to
+                     `GRAPH_MAX_WAITING_STEPS` decode-only steps (`max_waiting_steps`)
+    engine-async-admit-every-step
+                     the same with admission tried every step (`max_waiting_steps=0`, vLLM's way)
     transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
     generate-static  generate() with DynamicCache in static batches as large as the memory holds
 
@@ -44,13 +47,33 @@ from bench.workloads import burst  # noqa: E402
 from hf_paged import BlockPool, Engine  # noqa: E402
 from hf_paged.storage.pool import parse_memory  # noqa: E402
 
-BACKENDS = ("engine", "engine-graphs", "engine-async", "transformers-cb", "generate-static")
-# Engine backends: (cuda_graphs, async_scheduling)
-ENGINE_MODES = {"engine": (False, False), "engine-graphs": (True, False), "engine-async": (True, True)}
+BACKENDS = (
+    "engine",
+    "engine-graphs",
+    "engine-async",
+    "engine-async-admit-every-step",
+    "transformers-cb",
+    "generate-static",
+)
+# Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default)
+ENGINE_MODES = {
+    "engine": (False, False, None),
+    "engine-graphs": (True, False, None),
+    "engine-async": (True, True, None),
+    "engine-async-admit-every-step": (True, True, 0),
+}
 
 
 def run_engine(
-    model, workload, kv_bytes: int, args, *, cuda_graphs: bool, profile: bool, async_scheduling: bool = False
+    model,
+    workload,
+    kv_bytes: int,
+    args,
+    *,
+    cuda_graphs: bool,
+    profile: bool,
+    async_scheduling: bool = False,
+    max_waiting_steps: int | None = None,
 ) -> dict:
     pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
     engine = Engine(
@@ -60,6 +83,7 @@ def run_engine(
         max_num_batched_tokens=args.max_num_batched_tokens,
         cuda_graphs=cuda_graphs,
         async_scheduling=async_scheduling,
+        max_waiting_steps=max_waiting_steps,
     )
     request_ids = [
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
@@ -93,6 +117,7 @@ def run_engine(
         tok_per_s=sum(len(o) for o in outputs) / wall,
         num_steps=engine.stats.num_steps,
         num_async_steps=engine.stats.num_async_steps,
+        max_waiting_steps=engine.scheduler.max_waiting_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
         steps={
@@ -207,12 +232,11 @@ def main(argv=None) -> int:
 
     for name in args.backends:
         if name in ENGINE_MODES:  # a short burst first: Triton compiles, graphs of small buckets capture
-            graphs, overlap = ENGINE_MODES[name]
+            graphs, overlap, waiting = ENGINE_MODES[name]
             graphs = graphs and cuda
-            run_engine(model, warm, kv_bytes, args, cuda_graphs=graphs, profile=False, async_scheduling=overlap)
-            run = run_engine(
-                model, workload, kv_bytes, args, cuda_graphs=graphs, profile=True, async_scheduling=overlap
-            )
+            options = dict(cuda_graphs=graphs, async_scheduling=overlap, max_waiting_steps=waiting)
+            run_engine(model, warm, kv_bytes, args, profile=False, **options)
+            run = run_engine(model, workload, kv_bytes, args, profile=True, **options)
         else:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run

@@ -55,10 +55,12 @@ def measure(
     max_num_batched_tokens: int = 4096,
     seed: int = 0,
     decode_runner: bool = True,
+    max_waiting_steps: int = 0,
 ) -> dict:
     """Run the burst through an Engine with the stand-in forward; host seconds of each step by kind, and of
     admission over the whole run. `decode_runner`: decode-only steps through the decode runner, as on a GPU
-    (`stand_in_runner`); False keeps them packed."""
+    (`stand_in_runner`); False keeps them packed. `max_waiting_steps`: the Engine's (on a GPU with CUDA graphs it
+    defaults to `GRAPH_MAX_WAITING_STEPS`; the stand-in runs none)."""
     config = LlamaConfig(**{**LLAMA_1B_SHAPE, "vocab_size": STAND_IN_VOCAB})
     model = StandInModel(config, dtype=torch.bfloat16)
     workload = burst(
@@ -69,7 +71,13 @@ def measure(
         seed=seed,
     )
     pool = BlockPool.for_model(model, max_memory=parse_memory(kv_memory), block_size=16)
-    engine = Engine(model, pool, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens)
+    engine = Engine(
+        model,
+        pool,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_waiting_steps=max_waiting_steps,
+    )
     runner = stand_in_runner(engine, max_num_seqs) if decode_runner else None
     for spec in workload.requests:
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
@@ -169,31 +177,36 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--packed-decode", action="store_true", help="decode-only steps packed, not through the decode runner"
     )
+    parser.add_argument(
+        "--max-waiting-steps", type=int, nargs="+", default=[0], help="the Engine's, one run of the burst each"
+    )
     args = parser.parse_args(argv)
-    runs = [
-        measure(
-            num_requests=args.num_requests,
-            prompt_lens=tuple(args.prompt_lens),
-            output_lens=tuple(args.output_lens),
-            kv_memory=args.kv_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            decode_runner=not args.packed_decode,
+    for max_waiting_steps in args.max_waiting_steps:
+        runs = [
+            measure(
+                num_requests=args.num_requests,
+                prompt_lens=tuple(args.prompt_lens),
+                output_lens=tuple(args.output_lens),
+                kv_memory=args.kv_memory,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens,
+                decode_runner=not args.packed_decode,
+                max_waiting_steps=max_waiting_steps,
+            )
+            for _ in range(args.repeats)
+        ]
+        result = min(runs, key=lambda run: sum(sum(times) for times in run["steps"].values()))
+        total = sum(sum(times) for times in result["steps"].values())
+        print(
+            f"max_waiting_steps {max_waiting_steps}: {args.num_requests} requests, {result['output_tokens']} output "
+            f"tokens, {result['num_blocks']} blocks, {result['num_preemptions']} preemptions, "
+            f"{result['runner_steps']} steps through the decode runner; best of {args.repeats}"
         )
-        for _ in range(args.repeats)
-    ]
-    result = min(runs, key=lambda run: sum(sum(times) for times in run["steps"].values()))
-    total = sum(sum(times) for times in result["steps"].values())
-    print(
-        f"{args.num_requests} requests, {result['output_tokens']} output tokens, {result['num_blocks']} blocks, "
-        f"{result['num_preemptions']} preemptions, {result['runner_steps']} steps through the decode runner; best of "
-        f"{args.repeats}"
-    )
-    print(table(result))
-    print(
-        f"admission: {result['admission_s']:.3f} s ({result['admission_s'] / total:.0%} of the host time); "
-        f"the host alone allows {result['output_tokens'] / total:,.0f} output tok/s"
-    )
+        print(table(result))
+        print(
+            f"admission: {result['admission_s']:.3f} s ({result['admission_s'] / total:.0%} of the host time); "
+            f"the host alone allows {result['output_tokens'] / total:,.0f} output tok/s\n"
+        )
     if args.runner_rows:
         torch.set_num_threads(1)
         lines = []

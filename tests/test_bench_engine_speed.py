@@ -22,7 +22,15 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
         assert exit.code == 0
     report = json.loads(out.read_text())
     runs = report["runs"]
-    assert set(runs) == {"engine", "engine-async", "transformers-cb", "generate-static"}  # graphs need CUDA
+    # graphs need CUDA; without them the Engine admits every step
+    assert set(runs) == {
+        "engine",
+        "engine-async",
+        "engine-async-admit-every-step",
+        "transformers-cb",
+        "generate-static",
+    }
+    assert {runs[name]["max_waiting_steps"] for name in ("engine", "engine-async-admit-every-step")} == {0}
     tokens = {name: run["output_tokens"] for name, run in runs.items()}
     assert len(set(tokens.values())) == 1 and tokens["engine"] > 0  # every backend served the whole burst
     assert runs["engine-async"]["num_async_steps"] > 0 and runs["engine"]["num_async_steps"] == 0

@@ -220,3 +220,55 @@ def test_a_prefix_caching_pool_serves_one_model():
     with pytest.raises(PoolMismatch, match="a prefix-caching pool serves one model"):
         Engine(other, pool)
     Engine(engine.model, pool)  # the same model again: fine
+
+
+def test_max_waiting_steps_tries_admission_every_so_many_decode_only_steps():
+    """While every running request decodes, admission is tried once `max_waiting_steps` steps have passed since the
+    last try; a step that prefills anyway, and an idle engine, try at once."""
+    from types import SimpleNamespace
+
+    engine, _ = tiny_engine("llama", 64, max_waiting_steps=3)
+    scheduler = engine.scheduler
+    tries = []
+    scheduler.admission.admit = lambda waiting, running: tries.append(len(running))
+    decoding, prefilling = SimpleNamespace(num_pending=1), SimpleNamespace(num_pending=5)
+    scheduler.waiting.append(SimpleNamespace())
+    scheduler.running = [decoding]
+    counts = []
+    for _ in range(8):
+        scheduler.admit()
+        counts.append(len(tries))
+    assert counts == [0, 0, 0, 1, 1, 1, 1, 2]
+    scheduler.running = [decoding, prefilling]  # this step prefills: admitting costs no step of its own
+    scheduler.admit()
+    scheduler.running = []  # nothing runs: nothing to wait for
+    scheduler.admit()
+    assert tries == [1, 1, 2, 0]
+    with pytest.raises(ValueError, match=r"max_waiting_steps must be an int >= 0 \(0: every step\), got -1"):
+        tiny_engine("llama", 8, max_waiting_steps=-1)
+
+
+def test_max_waiting_steps_defaults_to_eight_where_decode_steps_replay_graphs(monkeypatch):
+    import hf_paged.engine.engine as engine_module
+
+    assert tiny_engine("llama", 8)[0].scheduler.max_waiting_steps == 0  # on CPU: no graphs
+    build = engine_module.build_decode_runner
+
+    def with_graphs(*args, **kwargs):
+        runner, reason = build(*args, **kwargs)
+        runner.cuda_graphs = True  # as on CUDA
+        return runner, reason
+
+    monkeypatch.setattr(engine_module, "build_decode_runner", with_graphs)
+    assert tiny_engine("llama", 8)[0].scheduler.max_waiting_steps == engine_module.GRAPH_MAX_WAITING_STEPS == 8
+    assert tiny_engine("llama", 8, max_waiting_steps=0)[0].scheduler.max_waiting_steps == 0
+
+
+def test_requests_that_wait_steps_give_the_same_tokens():
+    prompts = random_prompts((5, 11, 3, 17, 8, 9))
+    new_tokens = [9, 4, 14, 6, 11, 7]
+    engine, pool = tiny_engine("llama", 20, max_num_seqs=3, max_waiting_steps=4)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert pool.num_used_blocks == 0 and engine.stats.num_preemptions == 0

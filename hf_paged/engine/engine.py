@@ -53,6 +53,13 @@ from .step_runner import StepRunner
 logger = logging.getLogger(__name__)
 
 
+# `max_waiting_steps` where decode steps replay CUDA graphs. On an H200 (a 1B model, ~40 rows) a replayed decode step
+# took 3-5 ms and an eager step that prefills about 60; at 8 the GPU workload of bench/engine_speed.py runs 37 steps
+# that prefill instead of 67, with as many rows per decode step (`python -m bench.scheduler_host --max-waiting-steps
+# 0 8`).
+GRAPH_MAX_WAITING_STEPS = 8
+
+
 class Engine:
     """Serve many requests from one `BlockPool` with any model that works with `PagedCache` (docs/engine.md has each
     argument in full).
@@ -71,6 +78,11 @@ class Engine:
             end (an admitted request is never preempted), N the next N steps (more admitted, some preempted).
         backfill_depth (`int`, defaults to 8): waiting requests admission considers, in queue order; 1 is strict
             arrival order.
+        max_waiting_steps (`int`, *optional*): while every running request decodes, try admission only once this
+            many steps have passed since the last try, so waiting requests start together in one step that prefills
+            (text-generation-inference's `max_waiting_tokens`); 0: every step. Defaults to
+            `GRAPH_MAX_WAITING_STEPS` where decode steps replay CUDA graphs (an eager step that prefills costs the
+            host as much as ten or more of them), else 0.
         cuda_graphs (`bool`, *optional*): replay decode-only steps as CUDA graphs, one per batch bucket; defaults
             to True on CUDA, not available elsewhere.
         async_scheduling (`bool`, *optional*): launch a decode-only step before reading the tokens of the step
@@ -98,6 +110,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         decode_reserve_tokens: int | None = None,
         backfill_depth: int = 8,
+        max_waiting_steps: int | None = None,
         cuda_graphs: bool | None = None,
         async_scheduling: bool | None = None,
         lockstep_timeout: float = 300.0,
@@ -126,6 +139,7 @@ class Engine:
             max_num_batched_tokens=max_num_batched_tokens,
             decode_reserve_tokens=decode_reserve_tokens,
             backfill_depth=backfill_depth,
+            max_waiting_steps=0 if max_waiting_steps is None else max_waiting_steps,
             # The per-request step keeps every block: a prompt chunk sees the whole prompt before it.
             sliding_windows=block_windows(model.config.get_text_config(decoder=True)) if packed else None,
             enable_prefix_caching=enable_prefix_caching,
@@ -155,6 +169,8 @@ class Engine:
         if isinstance(self._eos_token_id, list):
             self._eos_token_id = self._eos_token_id[0] if self._eos_token_id else None
         self.step_runner, self.runner_reason = self._step_runner(packed, max_num_seqs, cuda_graphs)
+        if max_waiting_steps is None and self.runner is not None and self.runner.cuda_graphs:
+            self.scheduler.max_waiting_steps = GRAPH_MAX_WAITING_STEPS
         self.async_scheduling = self._check_async_scheduling(async_scheduling)
         self._inflight: _InFlight | None = None  # the step launched last whose tokens the host has not read
         self._sync_next = False  # an asynchronous launch raised: the next step runs synchronously

@@ -58,6 +58,10 @@ class Scheduler:
         backfill_depth (`int`, defaults to 8): waiting requests admission considers, in queue order.
         enable_prefix_caching (`bool`, *optional*): False: never look up or register prefixes, even on a pool that
             keeps a prefix cache (default: as the pool does).
+        max_waiting_steps (`int`, defaults to 0): while requests decode and none prefills, admission is tried only
+            once this many steps have passed since it was last tried (text-generation-inference's
+            `max_waiting_tokens`), so that waiting requests start together in one step that prefills instead of one
+            such step each; 0 tries every step (vLLM's way).
     """
 
     # How admission counts each request; a subclass may count otherwise.
@@ -73,6 +77,7 @@ class Scheduler:
         sliding_windows: list[int | None] | None = None,
         backfill_depth: int = 8,
         enable_prefix_caching: bool | None = None,
+        max_waiting_steps: int = 0,
     ):
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError(
@@ -89,6 +94,10 @@ class Scheduler:
             raise ValueError(f"backfill_depth must be an int >= 1 (1: strict arrival order), got {backfill_depth!r}")
         if decode_reserve_tokens is not None and decode_reserve_tokens < 0:
             raise ValueError(f"decode_reserve_tokens must be None or >= 0, got {decode_reserve_tokens}")
+        if isinstance(max_waiting_steps, bool) or not isinstance(max_waiting_steps, int) or max_waiting_steps < 0:
+            raise ValueError(f"max_waiting_steps must be an int >= 0 (0: every step), got {max_waiting_steps!r}")
+        self.max_waiting_steps = max_waiting_steps
+        self._steps_waited = 0  # decode-only steps since admission was last tried (`max_waiting_steps`)
         self.pool = pool
         # Per layer group: the window when every layer of the group slides (the largest), else None (keeps all).
         windows = sliding_windows if sliding_windows is not None else [None] * pool.layout.num_layers
@@ -164,7 +173,19 @@ class Scheduler:
         return self.admission.fits(newcomer, self.running)
 
     def admit(self) -> None:
-        """Move waiting requests to running while they fit (`Admission.admit`)."""
+        """Move waiting requests to running while they fit (`Admission.admit`); with `max_waiting_steps`, only every
+        so many steps while the running requests all decode (a step that prefills anyway admits at once, as does an
+        idle scheduler)."""
+        if (
+            self.max_waiting_steps
+            and self.waiting
+            and self.running
+            and self._steps_waited < self.max_waiting_steps
+            and all(request.num_pending <= 1 for request in self.running)
+        ):
+            self._steps_waited += 1
+            return
+        self._steps_waited = 0
         self.admission.admit(self.waiting, self.running)
 
     def checkpoint(self) -> StepCheckpoint:
