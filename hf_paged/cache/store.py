@@ -10,9 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..attention import store_backend, store_kv_rows
-from ..attention.kernels.dispatch import store_kv_triton
 from ..storage import BlockPool
-from .gather import pool_views
 
 
 class KVStore:
@@ -23,7 +21,6 @@ class KVStore:
         self._backend: str | None = None
         self._multi_device = False
         self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
-        self._kernel_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> its kernel views (`pool_views`)
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: the store backend for the step's layers (`multi_device`: `pool.is_multi_device`)."""
@@ -66,16 +63,16 @@ class KVStore:
                     key_slots[0].index_copy_(1, slots, heads_first(key_states))
                     value_slots[0].index_copy_(1, slots, heads_first(value_states))
                 return
-            if backend == "triton" and key_states.shape == value_states.shape:
-                # `store_kv_rows`' Triton path, with the pool's kernel views made once: one launch for K and V.
-                key_view, value_view = pool_views(self._kernel_memo, pool, layer_idx, pool.nhd_view)
-                num_heads, head_dim = key_states.shape[1], key_states.shape[3]
-                key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)  # [W * q_len, H, D]
-                value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
-                store_kv_triton(key_rows, value_rows, key_view, value_view, slots)
-                return
+        # The Triton path with the pool's kernel views made once (`BlockPool.nhd_views`): one launch for K and V.
+        nhd_views = pool.nhd_views(layer_idx) if backend == "triton" and not self._multi_device else None
         store_kv_rows(
-            pool.key_cache[layer_idx], pool.value_cache[layer_idx], key_states, value_states, slots, backend=backend
+            pool.key_cache[layer_idx],
+            pool.value_cache[layer_idx],
+            key_states,
+            value_states,
+            slots,
+            backend=backend,
+            nhd_views=nhd_views,
         )
 
     def _flat_views(self, pool: BlockPool, layer_idx: int) -> tuple[torch.Tensor, ...]:

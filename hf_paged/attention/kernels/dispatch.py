@@ -200,10 +200,10 @@ def store_kv_rows(
     if same_shape and (backend or store_backend(key_cache.device)) == "triton":
         # [W * q_len, H, D]: the kernel takes any strides, so one row of states (the packed step's, a batch-1
         # prefill) or one token per row (decode) is a view; only several rows of several tokens are copied.
-        if key_states.shape[0] == 1:
-            key_rows, value_rows = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        elif key_states.shape[2] == 1:
+        if key_states.shape[2] == 1:
             key_rows, value_rows = key_states[:, :, 0], value_states[:, :, 0]
+        elif key_states.shape[0] == 1:
+            key_rows, value_rows = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
         else:
             key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
             value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
