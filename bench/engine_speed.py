@@ -100,9 +100,11 @@ def run_engine(
         if profile and step_profile is None and decode_only and engine.num_running >= 2:
             step_profile = profile_steps(engine, args.profile_steps, cuda)
             continue
-        step_start = time.perf_counter()
+        step_start, prefill_tokens = time.perf_counter(), engine.stats.prefill_tokens
         engine.step()
-        step_seconds["decode" if decode_only else "prefill"].append(time.perf_counter() - step_start)
+        # By what it did: a step that admits nobody while requests wait (`max_waiting_steps`) only decodes.
+        kind = "decode" if engine.stats.prefill_tokens == prefill_tokens else "prefill"
+        step_seconds[kind].append(time.perf_counter() - step_start)
     if cuda:
         torch.cuda.synchronize()
     wall = time.perf_counter() - start

@@ -244,6 +244,12 @@ def test_max_waiting_steps_tries_admission_every_so_many_decode_only_steps():
     scheduler.running = []  # nothing runs: nothing to wait for
     scheduler.admit()
     assert tries == [1, 1, 2, 0]
+    scheduler.running, scheduler.waiting = [], type(scheduler.waiting)()
+    scheduler._steps_waited = 2
+    checkpoint = scheduler.checkpoint()  # a step that fails puts the count back with the queues
+    scheduler._steps_waited = 3
+    scheduler.restore(checkpoint)
+    assert scheduler._steps_waited == 2
     with pytest.raises(ValueError, match=r"max_waiting_steps must be an int >= 0 \(0: every step\), got -1"):
         tiny_engine("llama", 8, max_waiting_steps=-1)
 

@@ -118,7 +118,8 @@ def test_the_steps_tensors_come_from_one_copy_per_dtype_each_on_16_bytes(monkeyp
     assert cache.prefill_cu_seqlens().tolist() == [0, 6, 11] and group.prefill_seq_lens.tolist() == [6, 9]
     assert group.seq_lens.tolist() == [6, 3, 10, 6, 9] and group.tables.shape == (5, 4)  # 3 blocks, padded to even
     assert group.tables[3:, :3].tolist() == [[6, 7, 0], [8, 9, 10]]
-    assert group.decode_tables.dtype == torch.int32 and group.decode_tables[:, :3].tolist() == [
+    # the decode kernel's tables as wide as the longest row (its split choice reads the width), not padded
+    assert group.decode_tables.dtype == torch.int32 and group.decode_tables.tolist() == [
         [0, 1, 0],
         [2, 0, 0],
         [3, 4, 5],
@@ -160,3 +161,12 @@ def test_a_lazy_chunk_mask_is_sdpas_lower_right_causal_bias_with_the_same_result
     # A window, or keys that start after released blocks, keep the boolean mask
     assert chunk_mask(7, 5, 4, 0, "cpu", lazy=True).dtype == torch.bool
     assert chunk_mask(7, 5, None, 4, "cpu", lazy=True).dtype == torch.bool
+
+
+def test_to_device_refuses_a_cuda_graph_capture(monkeypatch):
+    """Inside a capture the host values would be frozen into the graph and replayed at every later step: refused."""
+    from hf_paged.storage.transfer import to_device
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="which a CUDA graph cannot capture"):
+        to_device([[1, 2]], torch.long, torch.device("cuda"))

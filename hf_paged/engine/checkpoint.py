@@ -44,12 +44,20 @@ class StepCheckpoint:
     `num_head`: the waiting requests a step can touch: admission takes and passes requests only within the first
     `backfill_depth` of the queue, one admission at a time, so at most `max_num_seqs` further along than that."""
 
-    def __init__(self, waiting: deque[Request], running: list[Request], num_head: int, num_hit_tokens: int):
+    def __init__(
+        self,
+        waiting: deque[Request],
+        running: list[Request],
+        num_head: int,
+        num_hit_tokens: int,
+        steps_waited: int = 0,
+    ):
         self.waiting = list(waiting)
         self.running = list(running)
         head = itertools.islice(waiting, num_head)
         self.saved = {request: _save(request) for request in itertools.chain(self.running, head)}
         self.num_hit_tokens = num_hit_tokens
+        self.steps_waited = steps_waited  # the scheduler's count for `max_waiting_steps`
 
     def tables(self, request: Request) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(first_blocks, table lengths) of running `request` before the step."""

@@ -191,7 +191,7 @@ class Scheduler:
     def checkpoint(self) -> StepCheckpoint:
         """What a step can change, taken before `schedule()`, for `restore`."""
         num_head = self.backfill_depth + self.max_num_seqs
-        return StepCheckpoint(self.waiting, self.running, num_head, self.prefix.num_hit_tokens)
+        return StepCheckpoint(self.waiting, self.running, num_head, self.prefix.num_hit_tokens, self._steps_waited)
 
     def restore(self, checkpoint: StepCheckpoint) -> None:
         """Undo the step begun after `checkpoint` (checkpoint.py says what goes back and what stands): the blocks it
@@ -200,6 +200,7 @@ class Scheduler:
             self.block_manager.roll_back(request, *checkpoint.tables(request))
         self.running, self.waiting = checkpoint.queues(self.running, self.waiting)
         self.prefix.num_hit_tokens = checkpoint.num_hit_tokens
+        self._steps_waited = checkpoint.steps_waited
 
     def cache_full_blocks(self, request: Request) -> None:
         """After a forward: remember `request`'s blocks that are now full (`PrefixReuse.cache_full_blocks`)."""

@@ -169,7 +169,8 @@ class StepCache(Cache):
                     raise ValueError(f"a block table of {len(table)} blocks cannot hold {end} tokens")
             # Rows padded to the longest table, to an even width: a row's slice of the int64 tables then starts on
             # a 16-byte boundary (the prefill kernel takes the prefill rows' slice). Padding entries are never read.
-            width = max(num_table_blocks) + max(num_table_blocks) % 2
+            decode_width = max(num_table_blocks)  # the decode kernel's split choice reads the tables' width
+            width = decode_width + decode_width % 2
             padded = [entry for table in tables for entry in table[:width] + [0] * (width - len(table[:width]))]
             slots = [
                 table[(p - first) // block_size] * block_size + (p - first) % block_size
@@ -177,18 +178,21 @@ class StepCache(Cache):
                 for p in range(n, n + q)
             ]
             host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
-            hosts.append((width, num_table_blocks, first_positions, host_seq_lens))
+            hosts.append((width, decode_width, num_table_blocks, first_positions, host_seq_lens))
             longs += [padded, slots]
             # The decode rows' tables in int32 (the decode kernel's), the prefill rows' lengths on their own
             # (an aligned tensor, where a slice of all the rows' lengths may not start on 16 bytes).
-            ints += [host_seq_lens, host_seq_lens[num_decode:], padded[: num_decode * width]]
+            decode_tables = [
+                entry for row in range(num_decode) for entry in padded[row * width : row * width + decode_width]
+            ]
+            ints += [host_seq_lens, host_seq_lens[num_decode:], decode_tables]
         longs, ints = to_device(longs, torch.long, device), to_device(ints, torch.int32, device)
         self.position_ids = longs[0].view(1, -1)  # [1, T]: the model's position_ids
         self.input_ids = longs[1].view(1, -1) if token_ids is not None else None  # [1, T]
         self.logits_indices = longs[2]  # [B]: where each row's next-token logits are
         self._prefill_cu_seqlens = ints[0]  # [chunks + 1]
         groups = []
-        for g, (width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
+        for g, (width, decode_width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
             tables, slots = longs[3 + 2 * g : 5 + 2 * g]
             seq_lens, prefill_seq_lens, decode_tables = ints[1 + 3 * g : 4 + 3 * g]
             groups.append(
@@ -200,7 +204,7 @@ class StepCache(Cache):
                     seq_lens=seq_lens,
                     host_seq_lens=host_seq_lens,
                     length_masks={},
-                    decode_tables=decode_tables.view(num_decode, width),
+                    decode_tables=decode_tables.view(num_decode, decode_width),
                     prefill_seq_lens=prefill_seq_lens,
                 )
             )

@@ -407,6 +407,7 @@ class BlockPool:
         if not self.growable:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
         self._check_fits(self.num_blocks + num_new_blocks)
+        self.__dict__.pop("_nhd_views", None)  # views of the tensors about to be replaced: not kept alive
         for slots, value in ((self._key_slots, False), (self._value_slots, True)):
             for slot, cache in enumerate(slots):
                 slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot, value)], dim=1)

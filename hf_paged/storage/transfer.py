@@ -20,6 +20,12 @@ def to_device(segments: Sequence[Sequence[int]], dtype: torch.dtype, device: tor
     `non_blocking` copy; PyTorch's pinned allocator keeps that host memory until the copy has run. Each tensor starts
     at a 16-byte boundary of the copy (`ALIGN_BYTES`). On CPU the tensors are views of the host tensor itself.
     """
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        # A graph would keep this step's host values and replay them at every step after.
+        raise RuntimeError(
+            "a step's tensors are made from host values here, which a CUDA graph cannot capture: capture a forward of "
+            "a compileable PagedCache (max_cache_len=...) or the Engine's decode runner instead"
+        )
     step = max(1, ALIGN_BYTES // dtype.itemsize)
     flat: list[int] = []
     offsets = []

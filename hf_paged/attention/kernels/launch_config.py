@@ -87,7 +87,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
     elements_per_thread = TILE_REGISTERS * 4 // dtype.itemsize
     block_n = min(MAX_BLOCK_N, 2 * pad, elements_per_thread * 32 * num_warps // pad)
     num_stages = 2
-    if dtype.itemsize == 2 and pad in TUNED_DECODE:
+    # Measured on sm_90; sm_80 and later hold their shared memory (72 KiB at 128 wide), sm_75 (64 KiB) does not.
+    if dtype.itemsize == 2 and pad in TUNED_DECODE and (capability is None or capability >= 80):
         block_n, num_warps, num_stages = TUNED_DECODE[pad]
     return DecodeConfig(
         head_dim_pad=pad,
