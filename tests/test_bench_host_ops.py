@@ -1,0 +1,26 @@
+"""bench/host_ops.py: one step's host operations on the CUDA branch, counted on CPU (its own process: it forces the
+Triton backend through the environment)."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_each_step_is_counted_with_its_launches_and_host_reads():
+    command = [sys.executable, "-m", "bench.host_ops", "--layers", "2", "--rows", "4"]
+    out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=True).stdout
+    rows = {
+        cells[0]: [float(cell) for cell in cells[1:]]
+        for line in out.splitlines()
+        if line.startswith("| ") and not line.startswith("| step")
+        for cells in [[cell.strip() for cell in line.strip("|").split("|")]]
+    }
+    ops, _, launches, _, reads = zip(*rows.values())
+    assert len(rows) == 5 and all(n > 0 for n in ops)
+    # 2 layers: the decode runner stores and attends (2 launches a layer), the mixed step prefills too (3)
+    assert [rows["engine decode, 4 rows"][2], rows["engine mixed, 4 rows + 2 prompts"][2]] == [4, 6]
+    assert rows["engine decode, 4 rows"][4] == rows["engine mixed, 4 rows + 2 prompts"][4] == 1  # the tokens' read
+    assert rows["generate step, DynamicCache"][2] == 0 and rows["generate step, PagedCache, sdpa"][2] == 2
+    assert rows["generate step, PagedCache, hf_paged"][2] == 4  # store and decode kernel a layer
