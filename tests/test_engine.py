@@ -542,3 +542,58 @@ def test_preemption_and_prefix_caching_on_a_pool_with_layer_groups():
     assert engine.stats.prefix_hit_tokens == 28
     assert pool.num_used_blocks == 0
     pool.allocator.check_invariants()
+
+
+def test_a_packed_step_reads_no_device_value_before_its_tokens(monkeypatch):
+    """The packed step on the CUDA branch (Triton store, decode and prefill kernels) makes no tensor from host values
+    on the device and reads no device value on the host inside its forward: on CUDA each would make the host wait
+    for the GPU. Its tensors come from `to_device`, before the forward; Triton's interpreter's own reads are its."""
+    import sys as _sys
+
+    from hf_paged.engine.packed import PackedStep
+
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    engine, _ = tiny_engine("llama", 64, max_num_seqs=3, max_num_batched_tokens=10)
+    forward, forwards = PackedStep.forward, []
+
+    def outside_triton() -> bool:
+        frame = _sys._getframe(2)
+        while frame is not None:
+            if "/triton/" in frame.f_code.co_filename:
+                return False
+            frame = frame.f_back
+        return True
+
+    def checked_forward(self, rows):
+        if self.runner is not None and all(n == 1 for _, n in rows):
+            return forward(self, rows)  # decode-only: the runner (tests/test_decode_runner.py)
+        originals = {name: getattr(torch.Tensor, name) for name in ("item", "tolist", "cpu", "__bool__")}
+        tensor = torch.tensor
+
+        def reading(name):
+            def read(self, *args, **kwargs):
+                assert not outside_triton(), f"Tensor.{name} inside a packed step's forward"
+                return originals[name](self, *args, **kwargs)
+
+            return read
+
+        def made(*args, **kwargs):
+            assert kwargs.get("device") is None or not outside_triton(), "a tensor made on the device from host values"
+            return tensor(*args, **kwargs)
+
+        with monkeypatch.context() as patched:
+            for name in originals:
+                patched.setattr(torch.Tensor, name, reading(name))
+            patched.setattr(torch, "tensor", made)
+            logits = forward(self, rows)
+        forwards.append(len(rows))
+        return logits
+
+    monkeypatch.setattr(PackedStep, "forward", checked_forward)
+    prompts = random_prompts((13, 22, 5))
+    new_tokens = [5, 12, 6]
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert forwards and max(forwards) >= 2  # steps of several rows, prefill chunks beside decode rows
