@@ -189,9 +189,12 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
     rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
     rows[0]["graph_ms"] = graph_ms(paged, device, args.graph_rep_ms)
     if backend == "triton":
+        from hf_paged.attention.kernels import launch_config
         from hf_paged.attention.kernels.triton_decode import choose_num_splits
 
-        rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, blocks_per_seq * args.block_size, device)
+        config = launch_config.decode_config(args.head_dim, DTYPES[args.dtype], launch_config.device_capability(device))
+        context_len = blocks_per_seq * args.block_size
+        rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, context_len, device, config.block_n)
     paged_out = out.float()
     rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
     rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.graph_rep_ms)

@@ -105,7 +105,7 @@ def launcher_rows(calls: int) -> list[list]:
     """Each launcher's host microseconds per call, and `JITFunction.run`'s share, on CPU tensors shaped as on a GPU."""
     from triton.runtime.jit import JITFunction
 
-    from hf_paged.attention.kernels import triton_decode, triton_store
+    from hf_paged.attention.kernels import launch_config, triton_decode, triton_store
 
     num_kv_heads, group, head_dim, num_blocks, block_size = 8, 4, 64, 256, 16
     dtype = torch.bfloat16
@@ -129,7 +129,8 @@ def launcher_rows(calls: int) -> list[list]:
         lengths = torch.full((batch,), 64 * block_size, dtype=torch.int32)
         states = torch.zeros(batch, 1, num_kv_heads, head_dim, dtype=dtype)[:, 0]
         slots = torch.arange(batch)
-        splits = triton_decode.choose_num_splits(batch, num_kv_heads, 64 * block_size, query.device)
+        block_n = launch_config.decode_config(head_dim, dtype, None).block_n
+        splits = triton_decode.choose_num_splits(batch, num_kv_heads, 64 * block_size, query.device, block_n)
         decode = functools.partial(
             triton_decode.paged_decode_attention_triton, query, key_cache, value_cache, tables, lengths, scale=0.125
         )

@@ -242,24 +242,28 @@ def test_decode_with_an_empty_block_table_gives_zeros():
 
 
 # ------------------------------------------------------------------ Triton split-K
-def test_split_count_fills_the_gpu_with_long_chunks(monkeypatch):
+@pytest.mark.parametrize("block_n, chunk", [(128, 512), (64, 256), (32, 128), (16, 128)])
+def test_split_count_fills_the_gpu_with_chunks_of_four_tiles(monkeypatch, block_n, chunk):
     """Whatever the batch and context, the split count is one of SPLIT_COUNTS, 1 once the grid fills the GPU, and
-    every chunk keeps >= 512 tokens."""
+    every chunk keeps 4 tiles of the launch's (and >= 128 tokens)."""
     if not HAS_TRITON:
         pytest.skip("triton not installed")
     from hf_paged.attention.kernels import triton_decode
 
     monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)  # an H100/H200
+    assert triton_decode.min_split_tokens(block_n) == chunk
     seen = set()
     for batch in (1, 2, 3, 5, 8, 33, 64):
-        for max_context in (16, 511, 512, 1000, 1500, 3000, 8192, 40_000, 200_000):
-            num_splits = triton_decode.choose_num_splits(batch, 4, max_context, torch.device("cuda"))
+        for max_context in (16, 127, 511, 512, 1000, 1500, 3000, 8192, 40_000, 200_000):
+            num_splits = triton_decode.choose_num_splits(batch, 4, max_context, torch.device("cuda"), block_n)
             assert num_splits in triton_decode.SPLIT_COUNTS
-            assert num_splits == 1 or max_context // num_splits >= 512
+            assert num_splits == 1 or max_context // num_splits >= chunk
             if batch * 4 >= 132:
                 assert num_splits == 1
             seen.add(num_splits)
     assert seen == set(triton_decode.SPLIT_COUNTS)
+    # one row of 512 tokens: one split of 4 tiles of 128, four of 4 tiles of 32
+    assert triton_decode.choose_num_splits(1, 8, 512, torch.device("cuda"), block_n) == 512 // chunk
 
 
 @pytest.mark.parametrize("num_splits", [2, 3, 7])

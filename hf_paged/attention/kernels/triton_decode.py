@@ -261,19 +261,28 @@ def _num_sms(device: torch.device) -> int:
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32, 64)  # what choose_num_splits returns
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: torch.device, block_n: int = 128) -> int:
     """How many chunks to cut each sequence into so that the grid fills the GPU: a power of two up to 64.
 
     Splitting costs one partial write and a merge, so split only when batch * num_kv_heads programs leave SMs idle,
-    and keep every chunk at >= 512 tokens so each program still streams a long run of K/V. The count is a runtime
-    argument of both kernels: a new count compiles nothing.
+    and keep every chunk at >= `min_split_tokens(block_n)` tokens (4 K/V tiles of the launch's `block_n`) so each
+    program still streams a run of K/V. The count is a runtime argument of both kernels: a new count compiles nothing.
     """
     num_programs = batch * num_kv_heads
     num_sms = _num_sms(device)
     if num_programs >= num_sms:
         return 1
-    wanted = max(1, min(launch_config.ceil_div(2 * num_sms, num_programs), max_context // 512, SPLIT_COUNTS[-1]))
+    chunk = min_split_tokens(block_n)
+    wanted = max(1, min(launch_config.ceil_div(2 * num_sms, num_programs), max_context // chunk, SPLIT_COUNTS[-1]))
     return 1 << (wanted.bit_length() - 1)
+
+
+def min_split_tokens(block_n: int) -> int:
+    """The shortest chunk a split leaves a program: 4 tiles, and at least 128 tokens. A program walks its tiles one
+    after the other, about 1.3-1.8 us each on an H200 at 1-8 rows (bench/logs/gpu-h200: one split of 512 tokens in
+    16 tiles of 32 at head_dim 256 took 29 us where SDPA took 17), so short contexts need more splits of narrow
+    tiles; with the 128-token tiles of head_dim 64 and 128, 512 tokens."""
+    return max(128, 4 * block_n)
 
 
 def paged_decode_attention_triton(
@@ -310,7 +319,7 @@ def paged_decode_attention_triton(
     group_tiles = launch_config.ceil_div(group, config.block_g)
     max_context = block_tables.shape[1] * block_size
     if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device)
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device, config.block_n)
     # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
     tokens_per_split = launch_config.ceil_div(launch_config.ceil_div(max_context, num_splits), config.block_n)
     tokens_per_split *= config.block_n
