@@ -55,14 +55,15 @@ def candidates(
 
 
 @contextlib.contextmanager
-def launched_with(config: launch_config.DecodeConfig):
-    """The decode launcher takes `config` whatever the shapes, while inside."""
-    decode_config = launch_config.decode_config
-    launch_config.decode_config = lambda *args: config
+def launched_with(config, chooser: str = "decode_config"):
+    """The launcher that asks `launch_config.<chooser>` for its launch takes `config` whatever the shapes, while
+    inside."""
+    original = getattr(launch_config, chooser)
+    setattr(launch_config, chooser, lambda *args: config)
     try:
         yield
     finally:
-        launch_config.decode_config = decode_config
+        setattr(launch_config, chooser, original)
 
 
 def _label(config: launch_config.DecodeConfig) -> str:
@@ -98,19 +99,25 @@ def tune_cell(args, head_dim: int, configs: list, batch: int, context: int, devi
     def paged():
         paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
 
+    return time_configs(args, configs, paged, out, expected, device, _label)
+
+
+def time_configs(args, configs: list, run, out, expected, device, label, chooser: str = "decode_config") -> dict:
+    """{label(configuration): ms per `run()` under it, replayed from a CUDA graph where one captures, or why it has
+    no time}: each configuration's `out` is first checked against `expected` to `args.tolerance`."""
     times = {}
     for config in configs:
-        with launched_with(config):
+        with launched_with(config, chooser):
             try:
-                paged()
+                run()
                 error = float((out.float() - expected).abs().max())
                 if error > args.tolerance:
-                    times[_label(config)] = f"wrong (max |err| {error:.1e})"
+                    times[label(config)] = f"wrong (max |err| {error:.1e})"
                     continue
-                measured = graph_ms(paged, device, args.rep_ms)
-                times[_label(config)] = measured if measured is not None else time_ms(paged, device, 1.0, args.rep_ms)
+                measured = graph_ms(run, device, args.rep_ms)
+                times[label(config)] = measured if measured is not None else time_ms(run, device, 1.0, args.rep_ms)
             except Exception as error:  # a configuration the compiler refuses, or one its graph capture does
-                times[_label(config)] = type(error).__name__
+                times[label(config)] = type(error).__name__
     return times
 
 
@@ -128,7 +135,7 @@ def best_overall(result: dict) -> tuple[str, float] | None:
     return label, score[label]
 
 
-def table(result: dict) -> str:
+def table(result: dict, context_label: str = "context") -> str:
     rows = []
     for cell in result["cells"]:
         times = {k: v for k, v in cell["times"].items() if isinstance(v, float)}
@@ -145,49 +152,60 @@ def table(result: dict) -> str:
                 sum(1 for v in cell["times"].values() if not isinstance(v, float)),
             ]
         )
-    headers = ["batch", "context", f"default {result['default']} (us)", "best (us)", "best", "speedup", "failed"]
+    headers = ["batch", context_label, f"default {result['default']} (us)", "best (us)", "best", "speedup", "failed"]
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+
+
+def add_grid_arguments(parser: argparse.ArgumentParser, block_ns, *, rep_ms: float, tolerance: float) -> None:
+    """The shapes, the grid and the output of a tuning run (this one's and bench/prefill_tuning.py's)."""
+    parser.add_argument("--num-q-heads", type=int, default=32)
+    parser.add_argument("--num-kv-heads", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--block-ns", type=int, nargs="+", default=list(block_ns))
+    parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
+    parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
+    parser.add_argument("--rep-ms", type=float, default=rep_ms)
+    parser.add_argument("--tolerance", type=float, default=tolerance, help="largest |error| against SDPA accepted")
+    parser.add_argument("--json", help="write the results here")
+
+
+def make_tiny(args, cells: list[str]) -> None:
+    """A dry run's sizes: head_dim 32 on `cells`, 4 q / 2 kv heads, fp32 (checked to 1e-4), one warp count and one
+    stage count, short timings."""
+    args.head_dims, args.cells, args.num_q_heads, args.num_kv_heads, args.dtype = [32], cells, 4, 2, "fp32"
+    args.tolerance, args.num_warps, args.num_stages, args.rep_ms = 1e-4, [4], [2], 1.0
 
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.decode_tuning", description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
     parser.add_argument("--cells", type=str, nargs="+", default=["8x512", "8x8192", "32x8192"])
-    parser.add_argument("--num-q-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--block-ns", type=int, nargs="+", default=list(BLOCK_NS))
-    parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
-    parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
-    parser.add_argument("--rep-ms", type=float, default=10.0)
-    parser.add_argument("--tolerance", type=float, default=2e-2, help="largest |error| against SDPA accepted")
+    add_grid_arguments(parser, BLOCK_NS, rep_ms=10.0, tolerance=2e-2)
     parser.add_argument("--tiny", action="store_true", help="head_dim 32, cells 1x32 2x64, 4/2 heads, fp32, 2 configs")
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.head_dims, args.cells, args.num_q_heads, args.num_kv_heads, args.dtype = (
-            [32],
-            ["1x32", "2x64"],
-            4,
-            2,
-            "fp32",
-        )
-        args.tolerance, args.block_ns, args.num_warps, args.num_stages, args.rep_ms = 1e-4, [16, 32], [4], [2], 1.0
+        make_tiny(args, ["1x32", "2x64"])
+        args.block_ns = [16, 32]
     args.cells = [tuple(int(n) for n in cell.split("x")) for cell in args.cells]
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    return run(parse_args(argv), tune_head_dim, "bench.decode_tuning")
+
+
+def run(args, tune, prog: str, context_label: str = "context") -> int:
+    """Tune every `args.head_dims` with `tune(args, head_dim, device, save)`, print each one's table (its cells'
+    second column named `context_label`) and write the JSON as it goes; what `main` of `prog` does."""
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("CUDA is not available: this tunes a GPU kernel (a dry run on CPU: --device cpu --tiny)")
         return 0
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         # It must be set before Triton decorates the kernels' helpers, at import: here is too late.
-        print("On CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1 python -m bench.decode_tuning ...")
+        print(f"On CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1 python -m {prog} ...")
         return 2
     results = []
 
@@ -198,11 +216,11 @@ def main(argv=None) -> int:
             Path(args.json).write_text(json.dumps(report, indent=1))
 
     for head_dim in args.head_dims:
-        result = tune_head_dim(args, head_dim, device, save)
+        result = tune(args, head_dim, device, save)
         results.append(result)
         overall = best_overall(result)
         print(f"head_dim {head_dim}, {args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads", flush=True)
-        print(table(result))
+        print(table(result, context_label))
         if overall is not None:
             print(f"best over every cell: {overall[0]} ({overall[1]:.2f}x the best of each cell, geometric mean)\n")
     return 0

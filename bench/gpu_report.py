@@ -433,7 +433,7 @@ def _tuning_section(out: Path) -> str:
     parts = []
     for kernel, name, timing in (
         ("decode", "decode_tuning.json", "replayed from a CUDA graph"),
-        ("prefill", "prefill_tuning.json", "the median of do_bench (M: BLOCK_M rows, tokens x q heads)"),
+        ("prefill", "prefill_tuning.json", "replayed from a CUDA graph (M: BLOCK_M rows, tokens x q heads)"),
     ):
         path = out / name
         if not path.exists():

@@ -3,7 +3,8 @@
 
 For each `--head-dims` (bf16, 32 q / 8 kv heads, block size 16, K/V stored head-major as a `BlockPool` stores them,
 scattered block tables), every (BLOCK_M, BLOCK_N, num_warps, num_stages) of the grid below is timed on each cell
-(batch x new tokens after cached ones), its output checked against SDPA's on contiguous K/V. The report has
+(batch x new tokens after cached ones), replayed from a CUDA graph, its output checked against SDPA's on
+contiguous K/V. The report has
 `bench.decode_tuning`'s form: per cell the default configuration's time, the best one's and what it is, and the
 configuration best over all cells. A configuration that spills registers is one CI refuses
 (tests/test_kernel_compile.py): check a new choice there before taking it.
@@ -15,11 +16,8 @@ configuration best over all cells. A configuration that spills registers is one 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import itertools
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -28,9 +26,9 @@ from torch.nn.attention.bias import causal_lower_right
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_attention import DTYPES, time_ms  # noqa: E402
-from bench.decode_tuning import MAX_TILE_ELEMENTS, best_overall, table  # noqa: E402
-from bench.host import device_name  # noqa: E402
+from bench import decode_tuning  # noqa: E402
+from bench.decode_attention import DTYPES  # noqa: E402
+from bench.decode_tuning import MAX_TILE_ELEMENTS, add_grid_arguments, make_tiny, run  # noqa: E402
 from hf_paged import BlockPool  # noqa: E402
 from hf_paged.attention.kernels import launch_config  # noqa: E402
 
@@ -67,15 +65,9 @@ def candidates(
     return [default, *(config for config in configs if config != default)]
 
 
-@contextlib.contextmanager
 def launched_with(config: launch_config.PrefillConfig):
     """The prefill launcher takes `config` whatever the shapes, while inside."""
-    prefill_config = launch_config.prefill_config
-    launch_config.prefill_config = lambda *args: config
-    try:
-        yield
-    finally:
-        launch_config.prefill_config = prefill_config
+    return decode_tuning.launched_with(config, "prefill_config")
 
 
 def _label(config: launch_config.PrefillConfig) -> str:
@@ -130,19 +122,7 @@ def tune_cell(args, head_dim: int, configs: list, cell: tuple[int, int, int], de
             query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=scale, out=out
         )
 
-    times = {}
-    for config in configs:
-        with launched_with(config):
-            try:
-                paged()
-                error = float((out.float() - expected).abs().max())
-                if error > args.tolerance:
-                    times[_label(config)] = f"wrong (max |err| {error:.1e})"
-                    continue
-                times[_label(config)] = time_ms(paged, device, 1.0, args.rep_ms)
-            except Exception as error:  # a configuration the compiler refuses (shared memory, say)
-                times[_label(config)] = type(error).__name__
-    return times
+    return decode_tuning.time_configs(args, configs, paged, out, expected, device, _label, "prefill_config")
 
 
 def tune_head_dim(args, head_dim: int, device: torch.device, save=lambda result: None) -> dict:
@@ -167,60 +147,19 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.prefill_tuning", description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--cells", nargs="+", default=["1:2048:0", "1:8192:0", "8:512:4096"], help="BATCH:NEW:CACHED")
-    parser.add_argument("--num-q-heads", type=int, default=32)
-    parser.add_argument("--num-kv-heads", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    parser.add_argument("--device", default="cuda")
     parser.add_argument("--block-ms", type=int, nargs="+", default=list(BLOCK_MS))
-    parser.add_argument("--block-ns", type=int, nargs="+", default=list(BLOCK_NS))
-    parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
-    parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
-    parser.add_argument("--rep-ms", type=float, default=20.0)
-    parser.add_argument("--tolerance", type=float, default=3e-2, help="largest |error| against SDPA accepted")
+    add_grid_arguments(parser, BLOCK_NS, rep_ms=20.0, tolerance=3e-2)
     parser.add_argument("--tiny", action="store_true", help="head_dim 32, 2 small cells, 4/2 heads, fp32, 2 configs")
-    parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
     if args.tiny:
-        args.head_dims, args.cells, args.num_q_heads, args.num_kv_heads, args.dtype = (
-            [32],
-            ["1:24:0", "2:8:20"],
-            4,
-            2,
-            "fp32",
-        )
-        args.tolerance, args.block_ms, args.block_ns, args.num_warps, args.num_stages = 1e-4, [16], [16], [4], [2]
-        args.rep_ms = 1.0
+        make_tiny(args, ["1:24:0", "2:8:20"])
+        args.block_ms, args.block_ns = [16], [16]
     args.cells = [tuple(int(n) for n in cell.split(":")) for cell in args.cells]
     return args
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("CUDA is not available: this tunes a GPU kernel (a dry run on CPU: --device cpu --tiny)")
-        return 0
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        print("On CPU the kernel runs in Triton's interpreter: TRITON_INTERPRET=1 python -m bench.prefill_tuning ...")
-        return 2
-    results = []
-
-    def save(result: dict) -> None:  # after every cell: a run stopped early keeps what it measured
-        if args.json:
-            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-            report = {"device": device_name(device.type), "args": vars(args), "results": [*results, result]}
-            Path(args.json).write_text(json.dumps(report, indent=1))
-
-    for head_dim in args.head_dims:
-        result = tune_head_dim(args, head_dim, device, save)
-        results.append(result)
-        overall = best_overall(result)
-        print(f"head_dim {head_dim}, {args.dtype}, {args.num_q_heads} q / {args.num_kv_heads} kv heads", flush=True)
-        print(table(result).replace("| context", "| new+cached", 1))
-        if overall is not None:
-            print(f"best over every cell: {overall[0]} ({overall[1]:.2f}x the best of each cell, geometric mean)\n")
-    return 0
+    return run(parse_args(argv), tune_head_dim, "bench.prefill_tuning", "new+cached")
 
 
 if __name__ == "__main__":
