@@ -5,7 +5,7 @@ tensor made from a host list on the device is a copy the host waits for, and a r
 GPU. This counts them for one step of each kind, with the Triton backend forced on CPU (`TRITON_INTERPRET=1`,
 `HF_PAGED_ATTENTION_BACKEND=triton`: the store, decode and prefill kernels' paths, as on CUDA) and the kernels' own
 work left out (a launch is counted and returns at once), on Llama-shaped models of 16 layers with 32 q / 8 kv heads
-of 64 and little else (hidden 64):
+of 64 and little else (hidden 64), in bf16:
 
     engine decode   an eager decode-only Engine step of `--rows` rows (what a replayed CUDA graph saves)
     engine mixed    an Engine step of those rows decoding and two prompts of 600 and 1500 tokens starting
@@ -139,7 +139,7 @@ def model(num_layers: int, attn_implementation: str = "sdpa"):
     config = LlamaConfig(**SHAPE, num_hidden_layers=num_layers, tie_word_embeddings=False)
     config._attn_implementation = attn_implementation
     torch.manual_seed(0)
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(config).to(torch.bfloat16).eval()  # bf16, as on the GPU: its launches' tiles and splits
 
 
 def engine_steps(num_layers: int, rows: int) -> dict[str, dict]:
