@@ -535,3 +535,20 @@ def test_a_layer_gathered_and_attended_a_few_rows_at_a_time_gives_generates_toke
         assert engine.generate(prompts, max_new_tokens=NEW_TOKENS, ignore_eos=True) == reference
         assert bool(chunks) == (chunk_min_bytes == 0)
         assert set(chunks) <= {1}  # a chunk of 1 byte's worth: one row at a time
+
+
+def test_replayed_steps_with_waiting_admission_give_generates_tokens(monkeypatch):
+    """Graphs replayed (the traced stand-in) and admission tried every 3 decode-only steps while more requests wait
+    than the pool holds: every request's tokens are generate()'s, nothing is preempted, every block comes back."""
+    engine, pool = _runner_with_traced_graphs(monkeypatch, "llama")
+    engine.scheduler.max_waiting_steps = 3
+    tries = []
+    admit = engine.scheduler.admission.admit
+    monkeypatch.setattr(engine.scheduler.admission, "admit", lambda *args: tries.append(1) or admit(*args))
+    prompts = random_prompts((5, 11, 3, 17, 8, 9, 13, 6))
+    new_tokens = [9, 4, 14, 6, 11, 7, 5, 12]
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert engine.runner.stats.replayed_steps > 0 and engine.stats.num_preemptions == 0
+    assert pool.num_used_blocks == 0 and len(tries) < engine.stats.num_steps  # some steps did not try
