@@ -8,7 +8,7 @@ import contextlib
 
 import pytest
 import torch
-from models import greedy_reference, random_prompts, tiny_engine, tiny_model
+from models import greedy_reference, random_prompts, require_triton_on_cpu, tiny_engine, tiny_model
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from hf_paged import BlockPool, Engine
@@ -552,3 +552,28 @@ def test_replayed_steps_with_waiting_admission_give_generates_tokens(monkeypatch
     )
     assert engine.runner.stats.replayed_steps > 0 and engine.stats.num_preemptions == 0
     assert pool.num_used_blocks == 0 and len(tries) < engine.stats.num_steps  # some steps did not try
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logits(monkeypatch, backend):
+    """torch.compile sees the model's whole forward on the runner's cache as one graph (its store and decode kernel
+    as the custom ops of kernels/ops.py on the Triton path), and compiled (aot_eager) it gives the eager logits."""
+    if backend == "triton":
+        require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4)
+    for prompt in random_prompts((5, 11, 3)):
+        engine.add_request(prompt, max_new_tokens=6)
+    engine.step()
+    runner = engine.runner
+    assert runner.store == backend
+    rows = [(request, 1) for request in engine.scheduler.running]
+    runner._fill(rows, 4, pool.allocator.allocate(1)[0], full_width=True)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        eager = runner._run_model().clone()
+        # the model's forward compiled whole (fullgraph: a graph break raises), the runner's bookkeeping around it
+        monkeypatch.setattr(runner, "model", torch.compile(runner.model, backend="aot_eager", fullgraph=True))
+        compiled = runner._run_model()
+    torch._dynamo.reset()
+    torch.testing.assert_close(compiled, eager)

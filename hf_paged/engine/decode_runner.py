@@ -150,7 +150,7 @@ class DecodeRunner:
         self.stats = RunnerStats()
         self.capture_error: str | None = None
         self.store = store_backend(pool.device)
-        self.backends = resolve_backends(pool.device)
+        self.backends = dict(resolve_backends(pool.device))
         # The shape of the step being run: its rows (the bucket when padded), the block table entries and keys each
         # row's attention spans (the longest row's eagerly, W and W * block_size under a graph).
         self.num_rows = self.table_width = self.kv_width = 0
@@ -235,7 +235,7 @@ class DecodeRunner:
             bucket = num_rows
         graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
         if not graphed:
-            self.backends = resolve_backends(self.pool.device)
+            self.backends = dict(resolve_backends(self.pool.device))
             if not self.pad_to_buckets:  # a capture that failed just now
                 bucket = num_rows
         fed = self._fill(rows, bucket, dummy, full_width=graphed, feed=feed)
@@ -434,7 +434,7 @@ class DecodeRunner:
         `capture_error` set, when the forward cannot be captured."""
         device = self.pool.device
         start, before = time.perf_counter(), torch.cuda.memory_allocated(device)
-        self.backends = resolve_backends(device)
+        self.backends = dict(resolve_backends(device))
         self._fill([], bucket, dummy, full_width=True)
         with torch.cuda.device(device):
             current = torch.cuda.current_stream(device)

@@ -15,7 +15,6 @@ layers would otherwise each make again is made once:
 from __future__ import annotations
 
 from collections.abc import Mapping
-from types import MappingProxyType
 from typing import Protocol
 
 import torch
@@ -198,7 +197,7 @@ class RunnerPlan(FixedDecodePlan):
         # layer or step of its own between forwards, so nothing here outlives what it reads.
         self.key_cache, self.value_cache = key_cache, value_cache
         self.block_tables = self.seq_lens = self.length_masks = self.split_gather = None
-        self.backends, self.ragged, self.full_rows, self.chunk_rows = MappingProxyType({}), True, False, 0
+        self.backends, self.ragged, self.full_rows, self.chunk_rows = {}, True, False, 0
         self.layer: RunnerLayer | None = None
         self.step: GroupStep | None = None
 
@@ -256,6 +255,7 @@ class RunnerCache(Cache):
     def __init__(self, runner: RunnerStep):
         self.runner = runner
         self.num_updates = 0
+        self.inference_mode = False  # the forward's (`start_forward`), part of the placeholders' key
         self.layer_views: list[RunnerLayer | None] = [None] * runner.pool.layout.num_layers
         self.shape_ids: dict[tuple, int] = {}  # (K shape, V shape, dtype) -> `RunnerLayer.shape_id`
         # Per forward: layer group -> its GroupStep (what every layer of the group would make again).
@@ -267,6 +267,8 @@ class RunnerCache(Cache):
     def start_forward(self) -> None:
         self.num_updates = 0
         self.groups.clear()
+        # Read here, not in `update`: a traced forward (torch.compile) cannot read it.
+        self.inference_mode = torch.is_inference_mode_enabled()
 
     def end_forward(self) -> None:
         """Unbind the layers' plans and drop the group steps: nothing keeps a gather buffer the workspace let go of."""
@@ -316,7 +318,7 @@ class RunnerCache(Cache):
             value_states.shape,
             key_states.dtype,
             key_states.device,
-            torch.is_inference_mode_enabled(),
+            self.inference_mode,
         )
         made = self.placeholders[layer_idx]
         if made is None or made[0] != key:

@@ -210,6 +210,11 @@ def store_kv_rows(
         # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
         if nhd_views is None:
             nhd_views = key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3)
+        if torch.compiler.is_compiling():  # traced: the custom op (ops.py), one opaque call that writes the pool
+            from . import ops  # noqa: F401  (registers torch.ops.hf_paged.store_kv)
+
+            torch.ops.hf_paged.store_kv(key_rows, value_rows, *nhd_views, slots, "triton")
+            return
         store_kv(key_rows, value_rows, *nhd_views, slots, backend="triton")
         return
     for cache, states in ((key_cache, key_states), (value_cache, value_states)):
