@@ -11,6 +11,7 @@
   sm_90 without a GPU (registers, spills, shared memory: tests/test_kernel_compile.py, docs/kernels.md).
 """
 
+from . import ops  # noqa: F401, E402  (registers the torch.ops.hf_paged custom ops that traced code calls)
 from .dispatch import (
     BACKEND_ENV_VAR,
     BACKENDS,

@@ -211,8 +211,6 @@ def store_kv_rows(
         if nhd_views is None:
             nhd_views = key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3)
         if torch.compiler.is_compiling():  # traced: the custom op (ops.py), one opaque call that writes the pool
-            from . import ops  # noqa: F401  (registers torch.ops.hf_paged.store_kv)
-
             torch.ops.hf_paged.store_kv(key_rows, value_rows, *nhd_views, slots, "triton")
             return
         store_kv(key_rows, value_rows, *nhd_views, slots, backend="triton")
