@@ -13,6 +13,9 @@ gets `--kv-memory` of K/V:
                      `GRAPH_MAX_WAITING_STEPS` decode-only steps (`max_waiting_steps`)
     engine-async-admit-every-step
                      the same with admission tried every step (`max_waiting_steps=0`, vLLM's way)
+    engine-async-compiled
+                     engine-async with its decode forward compiled (`compile_decode=True`: inductor fuses each
+                     layer's small operations before the graphs are captured); run last, its compiling is in its time
     transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
     generate-static  generate() with DynamicCache in static batches as large as the memory holds
 
@@ -54,14 +57,17 @@ BACKENDS = (
     "engine-async-admit-every-step",
     "transformers-cb",
     "generate-static",
+    "engine-async-compiled",
 )
-# Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default)
+# Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default, compile_decode)
 ENGINE_MODES = {
-    "engine": (False, False, None),
-    "engine-graphs": (True, False, None),
-    "engine-async": (True, True, None),
-    "engine-async-admit-every-step": (True, True, 0),
+    "engine": (False, False, None, False),
+    "engine-graphs": (True, False, None, False),
+    "engine-async": (True, True, None, False),
+    "engine-async-admit-every-step": (True, True, 0, False),
+    "engine-async-compiled": (True, True, None, True),
 }
+CUDA_ONLY = ("engine-graphs", "engine-async-compiled")
 
 
 def run_engine(
@@ -74,6 +80,7 @@ def run_engine(
     profile: bool,
     async_scheduling: bool = False,
     max_waiting_steps: int | None = None,
+    compile_decode: bool = False,
 ) -> dict:
     pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
     engine = Engine(
@@ -84,6 +91,7 @@ def run_engine(
         cuda_graphs=cuda_graphs,
         async_scheduling=async_scheduling,
         max_waiting_steps=max_waiting_steps,
+        compile_decode=compile_decode,
     )
     request_ids = [
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
@@ -211,8 +219,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda"
-    if not cuda:  # graphs need CUDA; the asynchronous run then runs eagerly
-        args.backends = [b for b in args.backends if b != "engine-graphs"]
+    if not cuda:  # graphs and the compiled decode forward need CUDA; the asynchronous run then runs eagerly
+        args.backends = [b for b in args.backends if b not in CUDA_ONLY]
     shape = TINY_SHAPE if args.tiny else LLAMA_1B_SHAPE
     model = llama_shaped(shape, getattr(torch, args.dtype), args.device)
     workload = burst(
@@ -234,9 +242,10 @@ def main(argv=None) -> int:
 
     for name in args.backends:
         if name in ENGINE_MODES:  # a short burst first: Triton compiles, graphs of small buckets capture
-            graphs, overlap, waiting = ENGINE_MODES[name]
+            graphs, overlap, waiting, compiled = ENGINE_MODES[name]
             graphs = graphs and cuda
             options = dict(cuda_graphs=graphs, async_scheduling=overlap, max_waiting_steps=waiting)
+            options["compile_decode"] = compiled
             run_engine(model, warm, kv_bytes, args, profile=False, **options)
             run = run_engine(model, workload, kv_bytes, args, profile=True, **options)
         else:

@@ -577,3 +577,27 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
         compiled = runner._run_model()
     torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager)
+
+
+def test_an_engine_with_its_decode_forward_compiled_gives_generates_tokens(monkeypatch):
+    """`compile_decode`: decode-only steps run the model compiled whole (aot_eager here; inductor by default) on the
+    Triton kernels, with generate()'s tokens; a bad value or an Engine without them is refused by name."""
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    prompts = random_prompts((5, 11, 3, 17))
+    new_tokens = [9, 4, 14, 6]
+    torch._dynamo.reset()
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, compile_decode={"backend": "aot_eager"})
+    assert engine.runner._forward is not engine.runner.model
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert engine.runner.stats.eager_steps > 0 and pool.num_used_blocks == 0
+    torch._dynamo.reset()
+    with pytest.raises(
+        ValueError, match="compile_decode must be True, False or a dict of torch.compile keywords, got 'yes'"
+    ):
+        tiny_engine("llama", 8, compile_decode="yes")
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "torch")
+    with pytest.raises(ValueError, match="compile_decode needs the Triton kernels .* with the 'torch' backend"):
+        tiny_engine("llama", 8, compile_decode=True)

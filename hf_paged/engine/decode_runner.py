@@ -174,6 +174,7 @@ class DecodeRunner:
         self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
         self._gathers = GatherWorkspace()  # K and V of one layer at a time (`gather_buffer`)
+        self._forward = model  # the model's forward over the runner's cache, compiled by `compile_forward`
         self._allocate(max(self.buckets))
         self._cache = RunnerCache(self)
 
@@ -211,8 +212,8 @@ class DecodeRunner:
 
         Why: a fresh gather output per layer is a large allocation that the CPU allocator maps anew each time, and
         touching its pages cost more than the copy (3.6 ms of a 4 x 26-block gather of 16 rows, 6.8 MB)."""
-        if like.is_cuda and torch.cuda.is_current_stream_capturing():
-            return None
+        if torch.compiler.is_compiling() or (like.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return None  # a traced forward's gathers are its own outputs (`out=` into a view does not trace)
         return self._gathers.buffer(name, (numel,), like)
 
     # ---------------------------------------------------------------------- step
@@ -411,11 +412,19 @@ class DecodeRunner:
                 return 0
         return shared if min(shared * self.pool.block_size, self.kv_width) >= self.cascade_min_tokens else 0
 
+    def compile_forward(self, options: dict) -> None:
+        """Run the model's forward over the runner's cache compiled: `torch.compile(model, fullgraph=True,
+        **options)`, before any graph is captured (a graph then replays the compiled kernels). The whole forward is
+        one graph, the paged store and decode kernel in it as custom ops (`kernels/ops.py`); inductor fuses the rest
+        of a layer's small operations (norms, rotary, activations) that an eager forward runs one kernel each."""
+        self._drop_graphs()
+        self._forward = torch.compile(self.model, **{"fullgraph": True, **options})
+
     def _run_model(self) -> torch.Tensor:
         cache = self._cache
         cache.start_forward()
         try:
-            out = self.model(
+            out = self._forward(
                 input_ids=self.input_ids[: self.num_rows],
                 position_ids=self.position_ids[: self.num_rows],
                 use_cache=True,

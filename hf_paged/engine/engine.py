@@ -89,6 +89,11 @@ class Engine:
             before it, which the device feeds to it, so the host schedules step n + 1 while the device runs step n
             (vLLM's async scheduling); greedy and seeded tokens are the same, unseeded samples are drawn on the
             device. Defaults to True on CUDA where the Engine has a decode runner (`runner`); True needs one.
+        compile_decode (`bool` or `dict`, defaults to `False`): compile the model's forward of decode-only steps with
+            `torch.compile(model, fullgraph=True, ...)` before their CUDA graphs are captured, so inductor fuses each
+            layer's small operations; a dict gives `torch.compile`'s keywords (`{"backend": "aot_eager"}`), True its
+            defaults. Needs the decode runner on the Triton kernels (CUDA). Compiling takes a while at the first
+            decode steps, and the fused operations round differently from the eager forward's.
         lockstep_timeout (`float`, defaults to 300): under tensor parallelism (one engine per rank), the seconds a
             rank waits for the others at a step's agreement points before raising `LockstepError`.
 
@@ -113,6 +118,7 @@ class Engine:
         max_waiting_steps: int | None = None,
         cuda_graphs: bool | None = None,
         async_scheduling: bool | None = None,
+        compile_decode: bool | dict = False,
         lockstep_timeout: float = 300.0,
     ):
         # Before anything: a model neither step serves raises.
@@ -172,6 +178,8 @@ class Engine:
         if max_waiting_steps is None and self.runner is not None and self.runner.cuda_graphs:
             self.scheduler.max_waiting_steps = GRAPH_MAX_WAITING_STEPS
         self.async_scheduling = self._check_async_scheduling(async_scheduling)
+        if compile_decode is not False:
+            self._compile_decode(compile_decode)
         self._inflight: _InFlight | None = None  # the step launched last whose tokens the host has not read
         self._sync_next = False  # an asynchronous launch raised: the next step runs synchronously
         self._unreported: list[tuple[int, int]] = []  # events of tokens read, not returned by a step yet
@@ -220,6 +228,22 @@ class Engine:
                 f"async_scheduling=True needs the decode runner, and this Engine has none: {self.runner_reason}"
             )
         return async_scheduling
+
+    def _compile_decode(self, compile_decode) -> None:
+        if not isinstance(compile_decode, (bool, dict)):
+            raise ValueError(
+                f"compile_decode must be True, False or a dict of torch.compile keywords, got {compile_decode!r}"
+            )
+        if compile_decode and self.runner is None:
+            raise ValueError(f"compile_decode needs the decode runner, and this Engine has none: {self.runner_reason}")
+        if compile_decode and self.runner.store != "triton":
+            # NOTE: the torch path writes and reads the pool through views of it, which aot_autograd cannot replay
+            raise ValueError(
+                "compile_decode needs the Triton kernels (a pool on CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under "
+                f"TRITON_INTERPRET=1), this Engine stores K/V with the {self.runner.store!r} backend"
+            )
+        if compile_decode:
+            self.runner.compile_forward({} if compile_decode is True else dict(compile_decode))
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
