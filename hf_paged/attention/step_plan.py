@@ -42,13 +42,13 @@ class GroupStep:
     seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
     host_seq_lens: list[int]  # the same on the host (no device sync to read one)
     length_masks: dict  # window -> the decode rows' length mask, shared by the group's layers this step
-    decode_tables: torch.Tensor | None = None  # [num_decode, width] int32: the decode rows' (Triton path)
-    prefill_seq_lens: torch.Tensor | None = None  # [B - num_decode] int32: the prefill rows' (16-byte aligned)
-    # Made once a step and shared by the group's layers: the decode rows' lengths and the prefill rows' tables (views
-    # of the above), and the memos of the decode plans (kv starts, backends by setting)
-    decode_seq_lens: torch.Tensor | None = None
-    prefill_tables: torch.Tensor | None = None
-    plan_memos: dict = field(default_factory=dict)
+    decode_tables: torch.Tensor  # [num_decode, longest row's blocks] int32: the decode rows' (the decode kernel's)
+    decode_seq_lens: torch.Tensor  # [num_decode] int32: the decode rows' `seq_lens`
+    prefill_tables: torch.Tensor  # [B - num_decode, width]: the prefill rows' `tables`
+    # [B - num_decode] int32: the prefill rows' `seq_lens`, a tensor of its own on 16 bytes (the prefill kernel
+    # compiles a variant per pointer alignment, and a slice after the decode rows may be off it)
+    prefill_seq_lens: torch.Tensor
+    plan_memos: dict = field(default_factory=dict)  # the decode plans' memos (kv starts, backends by setting)
 
 
 class PackedRows(Protocol):
@@ -176,10 +176,6 @@ class StepPlan:
                 mask = length_mask(group.seq_lens[: cache.num_decode], window, group.length_masks, max_len=longest)
             # SDPA (called directly where the mask is None), or the torch attention for a softcap or sinks.
             return sdpa_or_torch_attention(module, query, key, value, mask, **kwargs)[0]
-        if group.decode_tables is None:
-            group.decode_tables = group.tables[: cache.num_decode].to(torch.int32)
-        if group.decode_seq_lens is None:
-            group.decode_seq_lens = group.seq_lens[: cache.num_decode]
         key_cache, value_cache = cache.pool.nhd_views(layer_idx)
         plan = DecodePlan(
             key_cache=key_cache,
@@ -216,12 +212,6 @@ class StepPlan:
         first = cache.num_decode
         group = cache.group_step(layer_idx)
         scaling = kwargs.get("scaling")
-        # NOTE: the kernel compiles a variant per 16-byte alignment of each pointer: a slice of the rows' lengths
-        # after the decode rows may be off it, where `prefill_seq_lens` is not (StepCache aligns it).
-        if group.prefill_seq_lens is None:
-            group.prefill_seq_lens = group.seq_lens[first:]
-        if group.prefill_tables is None:
-            group.prefill_tables = group.tables[first:]
         key_cache, value_cache = cache.pool.nhd_views(layer_idx)
         paged_prefill_attention(
             query[0, :, cache.starts[first] :].transpose(0, 1),  # [chunk tokens, heads, head_dim]

@@ -195,9 +195,10 @@ class StepCache(Cache):
         for g, (width, decode_width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
             tables, slots = longs[3 + 2 * g : 5 + 2 * g]
             seq_lens, prefill_seq_lens, decode_tables = ints[1 + 3 * g : 4 + 3 * g]
+            tables = tables.view(-1, width)
             groups.append(
                 GroupStep(
-                    tables=tables.view(-1, width),
+                    tables=tables,
                     num_table_blocks=num_table_blocks,
                     first_positions=first_positions,
                     slots=slots,
@@ -205,6 +206,8 @@ class StepCache(Cache):
                     host_seq_lens=host_seq_lens,
                     length_masks={},
                     decode_tables=decode_tables.view(num_decode, decode_width),
+                    decode_seq_lens=seq_lens[:num_decode],
+                    prefill_tables=tables[num_decode:],
                     prefill_seq_lens=prefill_seq_lens,
                 )
             )
