@@ -21,7 +21,7 @@ from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders
 from ..attention.kernels.dispatch import triton_possible
 from ..attention.prefill_plan import PrefillPlan
 from ..storage import BlockPool
-from .gather import pool_views, shared_prefix_kv, visible_kv
+from .gather import shared_prefix_kv, visible_kv
 from .group_tables import GroupTables
 from .table_metadata import TableMetadata
 
@@ -52,7 +52,6 @@ class VisibleKV:
         # Resolved at every step's layer 0 (`start_step`) for the step's other layers.
         self._paged_attention, self._multi_device, self._kernel_possible = False, False, False
         self._plannable = False  # the step may hand attention a plan: paged attention, one device, no latents
-        self._nhd_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their nhd views)
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: what every layer of the step would otherwise look up again (`multi_device`:
@@ -155,7 +154,7 @@ class VisibleKV:
         rest."""
         metadata = self._tables.metadata_of(layer_idx)
         step = metadata.step(num_tokens)
-        key_cache, value_cache = pool_views(self._nhd_memo, metadata.pool, layer_idx, metadata.pool.nhd_view)
+        key_cache, value_cache = metadata.pool.nhd_views(layer_idx)
         return plan_class(
             key_cache=key_cache,
             value_cache=value_cache,
