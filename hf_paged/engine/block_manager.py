@@ -42,8 +42,7 @@ class BlockManager:
         request whose count passes the pool is admitted only when nothing else runs, and nothing joins it while
         its prompt is computed (once it decodes, its count is about what it holds, and others may).
         """
-        # The last sampled token is never fed back: the K/V end at prompt + max_new_tokens - 1 tokens.
-        end = len(request.prompt_ids) + request.params.max_new_tokens - 1
+        end = request.max_kv_tokens
         start = max(end - self.counts.block_size, 0)
         return max(self.counts.held_at(position) for position in range(start, end))
 

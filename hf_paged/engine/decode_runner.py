@@ -267,11 +267,8 @@ class DecodeRunner:
         few steps later (50-90 ms each on an H200)."""
         longest = max(len(table) for request, _ in rows for table in request.block_tables)
         if self.cuda_graphs and self.capture_error is None:
-            # A row's last token is computed at position prompt + max_new_tokens - 2 (the last one is never fed).
             block_size = self.pool.block_size
-            final = max(
-                -(-(len(request.prompt_ids) + request.params.max_new_tokens - 1) // block_size) for request, _ in rows
-            )
+            final = max(-(-request.max_kv_tokens // block_size) for request, _ in rows)
             longest = max(longest, min(final, 2 * longest, self.max_blocks_per_seq))
         if longest > self.graph_width:
             while self.graph_width < longest:

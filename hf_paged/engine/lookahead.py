@@ -66,8 +66,7 @@ class GrowthModel:
         position its computation goes on from (default: its computed tokens)."""
         # What it holds once its input is computed (a token in flight counted: `Request.num_inflight`).
         num_tokens = len(request.prompt_ids) + len(request.output_ids) + request.num_inflight
-        # NOTE: the last sampled token is never fed back, so K/V peak at prompt + max_new_tokens - 1 tokens.
-        final = len(request.prompt_ids) + request.params.max_new_tokens - 1
+        final = request.max_kv_tokens
         steps = max(final - num_tokens, 0)  # decode steps until its K/V stop growing
         if self.decode_reserve_tokens is not None:
             steps = min(steps, self.decode_reserve_tokens)

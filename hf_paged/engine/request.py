@@ -75,6 +75,12 @@ class Request:
         return "stop" if self.output_ids and self.params.is_stop(self.output_ids[-1]) else "length"
 
     @property
+    def max_kv_tokens(self) -> int:
+        """The K/V tokens it holds at its end: its prompt and `max_new_tokens` but the last sampled token, which is
+        never fed back."""
+        return len(self.prompt_ids) + self.params.max_new_tokens - 1
+
+    @property
     def num_pending(self) -> int:
         """Tokens to feed before the next token can be sampled (1 for a decoding request)."""
         return len(self.prompt_ids) + len(self.output_ids) + self.num_inflight - self.num_computed
