@@ -38,10 +38,11 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.models import llama_shaped  # noqa: E402
 from hf_paged import BlockPool, Engine, PagedCache  # noqa: E402
 
 SHAPE = dict(
@@ -51,7 +52,6 @@ SHAPE = dict(
     num_key_value_heads=8,
     head_dim=64,
     vocab_size=256,
-    max_position_embeddings=4096,
 )
 H200_SMS = 132  # the split-K choice of the decode kernel, as on the GPU the numbers are for
 
@@ -135,11 +135,9 @@ def count(run) -> dict:
     return dict(ops=counts.ops, launches=events["launch"], from_host=events["from host"], reads=events["read"])
 
 
-def model(num_layers: int, attn_implementation: str = "sdpa"):
-    config = LlamaConfig(**SHAPE, num_hidden_layers=num_layers, tie_word_embeddings=False)
-    config._attn_implementation = attn_implementation
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()  # bf16, as on the GPU: its launches' tiles and splits
+def model(num_layers: int):
+    # bf16, as on the GPU: the launches' tiles and split-K choices follow the dtype
+    return llama_shaped({**SHAPE, "num_hidden_layers": num_layers}, torch.bfloat16, "cpu")
 
 
 def engine_steps(num_layers: int, rows: int) -> dict[str, dict]:
