@@ -473,6 +473,14 @@ def test_engine_serves_kv_sharing_and_holds_blocks_only_for_the_layers_that_cach
     assert pool.num_used_blocks == 0
 
 
+def test_compile_prefill_refuses_latent_k_v():
+    """A latent model's packed step expands latents after `update`, which a compiled step's attention op cannot do."""
+    model = mla_model("deepseek_v3", paged_attention=True)
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    with pytest.raises(ValueError, match="compile_prefill needs the packed step .*: its K/V are latents"):
+        Engine(model, pool, compile_prefill=True)
+
+
 def test_engine_refuses_a_latent_model_its_packed_step_cannot_run():
     """A model the packed step cannot run goes per request, which never expands latents: refused up front."""
 

@@ -86,6 +86,8 @@ def paged_attention_forward(
         # SDPA, or the torch attention for a softcap or sinks. A plan handles both itself (the paged kernels apply a
         # softcap, not sinks: a decode step with sinks gathers its K/V).
         return sdpa_or_torch_attention(module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs)
+    if getattr(plan, "takes_states", False):  # a plan hung on the layer's new K/V (a compiled packed step's)
+        kwargs.update(key=key, value=value)
     return plan.attend(
         module,
         query,

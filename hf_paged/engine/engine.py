@@ -94,6 +94,11 @@ class Engine:
             layer's small operations; a dict gives `torch.compile`'s keywords (`{"backend": "aot_eager"}`), True its
             defaults. Needs the decode runner on the Triton kernels (CUDA). Compiling takes a while at the first
             decode steps, and the fused operations round differently from the eager forward's.
+        compile_prefill (`bool` or `dict`, defaults to `False`): compile the model's forward of the other steps (those
+            that prefill) the same way, one graph for every token count, each layer's attention one custom op over the
+            step's pool (`engine/compiled_step.py`): on a GPU an eager step that prefills costs the host a launch per
+            operation of every layer. Needs the packed step; a forward that cannot compile runs eagerly and
+            `step_runner.step.compile_error` says why.
         lockstep_timeout (`float`, defaults to 300): under tensor parallelism (one engine per rank), the seconds a
             rank waits for the others at a step's agreement points before raising `LockstepError`.
 
@@ -119,6 +124,7 @@ class Engine:
         cuda_graphs: bool | None = None,
         async_scheduling: bool | None = None,
         compile_decode: bool | dict = False,
+        compile_prefill: bool | dict = False,
         lockstep_timeout: float = 300.0,
     ):
         # Before anything: a model neither step serves raises.
@@ -180,6 +186,8 @@ class Engine:
         self.async_scheduling = self._check_async_scheduling(async_scheduling)
         if compile_decode is not False:
             self._compile_decode(compile_decode)
+        if compile_prefill is not False:
+            self._compile_prefill(compile_prefill, max_num_seqs)
         self._inflight: _InFlight | None = None  # the step launched last whose tokens the host has not read
         self._sync_next = False  # an asynchronous launch raised: the next step runs synchronously
         self._unreported: list[tuple[int, int]] = []  # events of tokens read, not returned by a step yet
@@ -244,6 +252,27 @@ class Engine:
             )
         if compile_decode:
             self.runner.compile_forward({} if compile_decode is True else dict(compile_decode))
+
+    def _compile_prefill(self, compile_prefill, max_num_seqs: int) -> None:
+        if not isinstance(compile_prefill, (bool, dict)):
+            raise ValueError(
+                f"compile_prefill must be True, False or a dict of torch.compile keywords, got {compile_prefill!r}"
+            )
+        if not compile_prefill:
+            return
+        if self.step_mode != PACKED:
+            reason = f"model type {getattr(self.model.config, 'model_type', None)!r} runs one forward per request"
+        elif self._lockstep is not None:
+            reason = "tensor-parallel ranks run the packed step in lockstep"
+        elif self.pool.layout.latent:
+            reason = "its K/V are latents the model expands after cache.update()"
+        elif not isinstance(self.model, torch.nn.Module):
+            reason = "the model is no torch module"
+        else:
+            reason = None
+        if reason is not None:
+            raise ValueError(f"compile_prefill needs the packed step over the pool, and this Engine cannot: {reason}")
+        self.step_runner.step.compile_forward({} if compile_prefill is True else dict(compile_prefill), max_num_seqs)
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:

@@ -6,17 +6,25 @@
 
 A step whose rows all add one token goes to the decode runner instead (decode_runner.py: persistent buffers, CUDA
 graphs), when the model has one. `PerRequestStep` (per_request.py) is the other step behind the same `forward(rows)`.
+
+`compile_forward` runs the forward compiled, one graph for every token count (compiled_step.py); a forward that
+cannot be compiled runs eagerly from then on, and `compile_error` says why.
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..storage import BlockPool
+from .compiled_step import CompiledStepCache, attention_modules, compile_errors, mark_tokens_dynamic, running
 from .decode_runner import DecodeRunner
 from .model_support import never_stored
 from .request import Request
 from .step_cache import StepCache
+
+logger = logging.getLogger(__name__)
 
 
 class PackedStep:
@@ -38,27 +46,30 @@ class PackedStep:
         self.chunk_sizes = chunk_sizes
         self.runner = runner
         self.model_type = getattr(model.config, "model_type", None)
+        # The compiled forward (`compile_forward`), its cache, the layers' attention modules and its logits rows.
+        self._compiled = self._compiled_cache = None
+        self._attention_modules: dict[int, torch.nn.Module] = {}
+        self.num_logits = 0
+        self.compiled_steps = 0  # forwards run compiled
+        self.compile_error: str | None = None  # why the forward runs eagerly after `compile_forward`
+
+    def compile_forward(self, options: dict, num_logits: int) -> None:
+        """Run the forward compiled (`torch.compile(model, fullgraph=True, **options)`), the step's token count a
+        dynamic size, every step's logits computed for `num_logits` rows (the most a step has) and cut to its own."""
+        self._compiled = torch.compile(self.model, **{"fullgraph": True, **options})
+        self._compiled_cache = CompiledStepCache(self.pool.layout.num_layers, self.model_type)
+        self._attention_modules = attention_modules(self.model)
+        self.num_logits = num_logits
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """rows (request, new tokens), decode rows first -> [len(rows), vocab] logits at each row's last new token."""
         if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
             return self.runner.forward(rows)
-        groups = range(self.pool.num_groups)
-        token_ids = [
-            token
-            for request, num_tokens in rows
-            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
-        ]
-        cache = StepCache(
-            self.pool,
-            [[request.block_tables[g] for request, _ in rows] for g in groups],
-            [request.num_computed for request, _ in rows],
-            [num_tokens for _, num_tokens in rows],
-            first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
-            chunk_sizes=self.chunk_sizes,
-            model_type=self.model_type,
-            token_ids=token_ids,
-        )
+        if self._compiled is not None and self.compile_error is None:
+            logits = self._compiled_forward(self._step_cache(rows, self.num_logits), len(rows))
+            if logits is not None:
+                return logits
+        cache = self._step_cache(rows)
         device = self.model.device
         input_ids, logits_to_keep = cache.input_ids, cache.logits_indices
         if input_ids.device != device:  # a model whose embeddings are elsewhere than the pool (device_map)
@@ -75,3 +86,46 @@ class PackedStep:
         if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
             raise never_stored(self.model_type, self.cache_keyword)
         return out.logits[0]
+
+    def _step_cache(self, rows: list[tuple[Request, int]], num_logits: int | None = None) -> StepCache:
+        """The step's `StepCache`: the rows' new tokens, positions, slots and tables on the device."""
+        groups = range(self.pool.num_groups)
+        token_ids = [
+            token
+            for request, num_tokens in rows
+            for token in request.token_ids[request.num_computed : request.num_computed + num_tokens]
+        ]
+        return StepCache(
+            self.pool,
+            [[request.block_tables[g] for request, _ in rows] for g in groups],
+            [request.num_computed for request, _ in rows],
+            [num_tokens for _, num_tokens in rows],
+            first_blocks=[[request.first_blocks[g] for request, _ in rows] for g in groups],
+            chunk_sizes=self.chunk_sizes,
+            model_type=self.model_type,
+            token_ids=token_ids,
+            num_logits=num_logits,
+        )
+
+    def _compiled_forward(self, cache: StepCache, num_rows: int) -> torch.Tensor | None:
+        """The compiled forward over `cache`'s step -> `[num_rows, vocab]` logits; None, with `compile_error` set, when
+        torch.compile cannot trace or compile it."""
+        input_ids, position_ids = cache.input_ids, cache.position_ids
+        mark_tokens_dynamic(input_ids, position_ids)
+        try:
+            with running(cache, self._attention_modules):
+                out = self._compiled(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=cache.logits_indices,
+                    **{self.cache_keyword: self._compiled_cache},
+                )
+        except compile_errors() as error:
+            self.compile_error = f"{type(error).__name__}: {error}"
+            logger.warning("Engine: steps that prefill run eagerly, their forward could not compile: %s", error)
+            return None
+        if cache.num_updates == 0:
+            raise never_stored(self.model_type, self.cache_keyword)
+        self.compiled_steps += 1
+        return out.logits[0, :num_rows]

@@ -92,6 +92,8 @@ class StepCache(Cache):
             pool does not hold raises.
         token_ids (`list[int]`, *optional*): the step's new tokens, packed (`sum(q_lens)` of them): `input_ids`
             ([1, num_tokens]) then holds them on the pool's device, copied with the step's other inputs.
+        num_logits (`int`, *optional*): `logits_indices` holds this many entries, the rows' then the last row's
+            again (a compiled forward's logits of a fixed number of rows); default one per row.
 
     Every tensor of the step (positions, slots, lengths, tables, the input ids and the rows' last-token indices)
     reaches the device in one host-to-device copy per dtype that the host does not wait on
@@ -110,6 +112,7 @@ class StepCache(Cache):
         workspace: GatherWorkspace | None = None,
         model_type: str | None = None,
         token_ids: list[int] | None = None,
+        num_logits: int | None = None,
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
@@ -129,6 +132,8 @@ class StepCache(Cache):
                 f"block tables, first blocks, seq_lens and q_lens need one entry per row, got "
                 f"{[len(t) for t in block_tables]}, {[len(f) for f in first_blocks]}, {num_rows}, {len(q_lens)}"
             )
+        if num_logits is not None and num_logits < num_rows:
+            raise ValueError(f"num_logits must be at least the number of rows ({num_rows}), got {num_logits}")
         if any(q < 1 for q in q_lens):
             raise ValueError(f"every row adds at least one token, got q_lens {q_lens}")
         self.num_decode = sum(1 for q in q_lens if q == 1)
@@ -141,14 +146,18 @@ class StepCache(Cache):
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
-        self._groups = self._group_steps(block_tables, first_blocks, token_ids)
+        self._groups = self._group_steps(block_tables, first_blocks, token_ids, num_logits)
         self._workspace = workspace_for(pool) if workspace is None else workspace
         # (group, first row, end row) -> (their block ids, row after row; rows; keys of the longest)
         self._row_blocks: dict[tuple[int, int, int], tuple[torch.Tensor, int, int]] = {}
         super().__init__(layers=[StepLayer(self) for _ in range(pool.layout.num_layers)])
 
     def _group_steps(
-        self, block_tables: list[list[list[int]]], first_blocks: list[list[int]], token_ids: list[int] | None
+        self,
+        block_tables: list[list[list[int]]],
+        first_blocks: list[list[int]],
+        token_ids: list[int] | None,
+        num_logits: int | None,
     ) -> list[GroupStep]:
         # Slots, lengths and padded tables are worked out on the host and sent in one copy per dtype: a decode step
         # adds one token per row, and a few Python ints cost less than a chain of tiny tensor ops.
@@ -158,7 +167,10 @@ class StepCache(Cache):
         positions = [p for n, q in zip(self.seq_lens, q_lens) for p in range(n, n + q)]
         if token_ids is not None and len(token_ids) != len(positions):
             raise ValueError(f"token_ids needs one id per new token ({len(positions)}), got {len(token_ids)}")
-        longs = [positions, token_ids or [], self.last_token_indices]
+        logits_indices = self.last_token_indices
+        if num_logits is not None:
+            logits_indices += logits_indices[-1:] * (num_logits - len(logits_indices))
+        longs = [positions, token_ids or [], logits_indices]
         ints = [list(itertools.accumulate(q_lens[num_decode:], initial=0))]  # the prefill chunks' cu_seqlens
         hosts = []
         for tables, firsts in zip(block_tables, first_blocks):
@@ -189,7 +201,7 @@ class StepCache(Cache):
         longs, ints = to_device(longs, torch.long, device), to_device(ints, torch.int32, device)
         self.position_ids = longs[0].view(1, -1)  # [1, T]: the model's position_ids
         self.input_ids = longs[1].view(1, -1) if token_ids is not None else None  # [1, T]
-        self.logits_indices = longs[2]  # [B]: where each row's next-token logits are
+        self.logits_indices = longs[2]  # [B] (or [num_logits]): where each row's next-token logits are
         self._prefill_cu_seqlens = ints[0]  # [chunks + 1]
         groups = []
         for g, (width, decode_width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
