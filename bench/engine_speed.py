@@ -14,12 +14,15 @@ gets `--kv-memory` of K/V:
     engine-async-admit-every-step
                      the same with admission tried every step (`max_waiting_steps=0`, vLLM's way)
     engine-async-compiled
-                     engine-async with its decode forward compiled (`compile_decode=True`: inductor fuses each
-                     layer's small operations before the graphs are captured); run last, its compiling is in its time
+                     engine-async with its forwards compiled (`compile_decode=True`: inductor fuses each layer's small
+                     operations before the graphs are captured; `compile_prefill=True`: the steps that prefill run
+                     one compiled graph for every token count instead of an eager forward)
     transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
     generate-static  generate() with DynamicCache in static batches as large as the memory holds
 
-For each: output tokens per second over the whole burst, and for the Engine a profile of `--profile-steps`
+Each Engine first serves a short burst of its own (`warm_up_s`: Triton's and torch.compile's compiling, the first
+graphs captured), then the timed one. For each: output tokens per second over the whole burst, and for the Engine a
+profile of `--profile-steps`
 decode-only steps (once every request is past its prompt): wall and CUDA kernel time per step (torch.profiler), so
 the GPU's busy share. Then the graph run's and the asynchronous run's tokens against the eager run's, in float32
 (`--check-dtype`), on the first `--check-requests` requests.
@@ -59,7 +62,8 @@ BACKENDS = (
     "generate-static",
     "engine-async-compiled",
 )
-# Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default, compile_decode)
+# Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default, compile: the
+# decode and prefill forwards compiled)
 ENGINE_MODES = {
     "engine": (False, False, None, False),
     "engine-graphs": (True, False, None, False),
@@ -80,8 +84,10 @@ def run_engine(
     profile: bool,
     async_scheduling: bool = False,
     max_waiting_steps: int | None = None,
-    compile_decode: bool = False,
+    compile: bool = False,
+    warm_up=None,
 ) -> dict:
+    """`workload` through a fresh Engine (after `warm_up`, a workload served first on the same Engine, untimed)."""
     pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
     engine = Engine(
         model,
@@ -91,8 +97,19 @@ def run_engine(
         cuda_graphs=cuda_graphs,
         async_scheduling=async_scheduling,
         max_waiting_steps=max_waiting_steps,
-        compile_decode=compile_decode,
+        compile_decode=compile,
+        compile_prefill=compile,
     )
+    warm_up_s, steps_before = 0.0, (0, 0)
+    if warm_up is not None:
+        start = time.perf_counter()
+        engine.generate(
+            [list(spec.prompt_ids) for spec in warm_up.requests],
+            max_new_tokens=[spec.max_new_tokens for spec in warm_up.requests],
+            ignore_eos=True,
+        )
+        warm_up_s = time.perf_counter() - start
+        steps_before = (engine.stats.num_steps, engine.stats.num_async_steps)
     request_ids = [
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
         for spec in workload.requests
@@ -125,8 +142,9 @@ def run_engine(
         wall_s=wall,
         output_tokens=sum(len(o) for o in outputs),
         tok_per_s=sum(len(o) for o in outputs) / wall,
-        num_steps=engine.stats.num_steps,
-        num_async_steps=engine.stats.num_async_steps,
+        warm_up_s=warm_up_s,
+        num_steps=engine.stats.num_steps - steps_before[0],
+        num_async_steps=engine.stats.num_async_steps - steps_before[1],
         max_waiting_steps=engine.scheduler.max_waiting_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
@@ -134,7 +152,9 @@ def run_engine(
             kind: dict(steps=len(seconds), seconds=sum(seconds), ms_per_step=1e3 * sum(seconds) / max(len(seconds), 1))
             for kind, seconds in step_seconds.items()
         },
-        runner=None if runner is None else dataclasses.asdict(runner),
+        runner=None if runner is None else dataclasses.asdict(runner),  # the warm-up's steps and captures included
+        compiled_prefill_steps=engine.step_runner.step.compiled_steps if compile else 0,
+        compile_error=engine.step_runner.step.compile_error if compile else None,
         outputs=outputs,
     )
 
@@ -250,13 +270,10 @@ def main(argv=None) -> int:
     for name in args.backends:
         if name == "engine-async-compiled":  # its compiling may run out the step's time: the check comes first
             check()
-        if name in ENGINE_MODES:  # a short burst first: Triton compiles, graphs of small buckets capture
+        if name in ENGINE_MODES:
             graphs, overlap, waiting, compiled = ENGINE_MODES[name]
-            graphs = graphs and cuda
-            options = dict(cuda_graphs=graphs, async_scheduling=overlap, max_waiting_steps=waiting)
-            options["compile_decode"] = compiled
-            run_engine(model, warm, kv_bytes, args, profile=False, **options)
-            run = run_engine(model, workload, kv_bytes, args, profile=True, **options)
+            options = dict(cuda_graphs=graphs and cuda, async_scheduling=overlap, max_waiting_steps=waiting)
+            run = run_engine(model, workload, kv_bytes, args, profile=True, compile=compiled, warm_up=warm, **options)
         else:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run

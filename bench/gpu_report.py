@@ -389,10 +389,11 @@ def _engine_section(out: Path) -> str:
                     f"{steps[kind]['steps']} x {steps[kind]['ms_per_step']:.2f} ms" if kind in steps else ""
                     for kind in ("decode", "prefill")
                 ),
+                f"{run['warm_up_s']:.1f}" if "warm_up_s" in run else "",
             ]
         )
     headers = ["backend", "output tok/s", "vs transformers-cb", "decode step wall / CUDA ms (profiled)", "GPU busy"]
-    headers += ["decode steps", "steps with prefill"]
+    headers += ["decode steps", "steps with prefill", "warm-up s (untimed)"]
     lines = [
         f"{report['device']}, {args['dtype']}, {args['num_requests']} requests (prompts {args['prompt_lens']}, "
         f"outputs {args['output_lens']}), {args['kv_memory']} of K/V; {report['versions']}\n",
@@ -406,6 +407,15 @@ def _engine_section(out: Path) -> str:
     for key, label in labels:
         if key in report:
             lines.append(f"\n{label}: {report[key]}")
+    for name, run in runs.items():
+        if run.get("compile_error"):
+            lines.append(
+                f"\n{name}: its steps that prefill ran eagerly, their forward did not compile: {run['compile_error']}"
+            )
+        elif run.get("compiled_prefill_steps"):
+            lines.append(
+                f"\n{name}: {run['compiled_prefill_steps']} steps that prefill ran compiled (warm-up included)"
+            )
     for name, run in runs.items():  # where the profiled decode steps' CUDA time goes
         kernels = (run.get("profile") or {}).get("top_kernels")
         if kernels:

@@ -6,6 +6,8 @@ negligible (16 layers, hidden 64, one thread), where a step is almost all host t
 2. an Engine decode step (`--rows` requests of `--prompt-len` tokens, every row adding one token: scheduling, the
    decode runner's forward, argmax, bookkeeping) against a bare forward of the same rows with DynamicCache, and
    against the runner's forward alone; the packed step (no runner) beside it.
+3. with `--prefill`: Engine steps that prefill (16 requests of 200 tokens in chunks of up to 64 tokens beside the
+   decode rows), eager against `compile_prefill` (`--backend`, inductor by default), each Engine warmed up first.
 
 Each variant takes one step in turn (interleaved, so a slower moment of the machine hits all of them alike); the
 medians over `--steps` steps, best of `--repeats`, are the numbers.
@@ -86,9 +88,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prefill", action="store_true", help="steps that prefill, eager against compiled, only")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend for --prefill")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = negligible_model()
+    if args.prefill:
+        return prefill_steps(model, args.backend, args.repeats)
     paged_model = hf_paged.enable(copy.deepcopy(model))
     for rows in args.rows:
         prompts = torch.randint(1, 128, (rows, args.prompt_len), generator=torch.Generator().manual_seed(rows))
@@ -123,6 +129,46 @@ def main(argv=None) -> int:
                 against += f", {value / best['engine runner forward']:.3f}x its runner's forward"
             print(f"  {name:24s} {value * 1e3:7.3f} ms  {against}")
     return 0
+
+
+def prefill_steps(model, backend: str, repeats: int, num_requests: int = 16, prompt_len: int = 200) -> int:
+    """Median host time of an Engine step that prefills, eager and with `compile_prefill`, best of `repeats`."""
+    generator = torch.Generator().manual_seed(0)
+
+    def prompts(count: int, length: int) -> list[list[int]]:
+        return torch.randint(1, 128, (count, length), generator=generator).tolist()
+
+    engines = {}
+    for name, options in (("eager", {}), ("compiled", {"compile_prefill": {"backend": backend}})):
+        engine_model = copy.deepcopy(model)
+        pool = BlockPool.for_model(engine_model, num_blocks=512, block_size=16)
+        engines[name] = Engine(engine_model, pool, max_num_seqs=16, max_num_batched_tokens=64, **options)
+        start = time.perf_counter()
+        engines[name].generate(prompts(3, 40), max_new_tokens=3, ignore_eos=True)  # compiles
+        print(f"{name}: warm-up {time.perf_counter() - start:.1f} s")
+    best = {name: float("inf") for name in engines}
+    for _ in range(repeats):
+        times: dict[str, list[float]] = {name: [] for name in engines}
+        burst = prompts(num_requests, prompt_len)
+        for engine in engines.values():
+            for prompt in burst:
+                engine.add_request(prompt, max_new_tokens=8, ignore_eos=True)
+        while any(engine.has_unfinished() for engine in engines.values()):
+            for name, engine in engines.items():  # one step each in turn
+                if not engine.has_unfinished():
+                    continue
+                prefilled = engine.stats.prefill_tokens
+                start = time.perf_counter()
+                engine.step()
+                if engine.stats.prefill_tokens != prefilled:
+                    times[name].append(time.perf_counter() - start)
+        best = {name: min(best[name], statistics.median(values)) for name, values in times.items()}
+    step = engines["compiled"].step_runner.step
+    print(f"steps that prefill ({num_requests} requests of {prompt_len} tokens, chunks of up to 64 tokens), median ms:")
+    for name, value in best.items():
+        print(f"  {name:9s} {value * 1e3:7.3f} ms  {value / best['eager']:.3f}x eager")
+    print(f"compiled steps: {step.compiled_steps}, compile error: {step.compile_error}")
+    return 0 if step.compile_error is None else 1
 
 
 if __name__ == "__main__":

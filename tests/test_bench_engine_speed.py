@@ -42,6 +42,7 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
     assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
     assert steps["prefill"]["steps"] + steps["decode"]["steps"] + 3 == runs["engine"]["num_steps"]
     assert profile["top_kernels"] == []  # on CPU no kernel has device time
+    assert all(runs[name]["warm_up_s"] > 0 for name in ("engine", "engine-async"))  # a burst of its own first
 
     from bench.gpu_report import _engine_section
 
