@@ -53,14 +53,16 @@ from bench.workloads import burst  # noqa: E402
 from hf_paged import BlockPool, Engine  # noqa: E402
 from hf_paged.storage.pool import parse_memory  # noqa: E402
 
+# In the order they run: what a deadline cuts short is the last ones (the float32 token check runs before the
+# compiled backend, whose warm-up compiles).
 BACKENDS = (
     "engine",
     "engine-graphs",
     "engine-async",
-    "engine-async-admit-every-step",
-    "transformers-cb",
-    "generate-static",
     "engine-async-compiled",
+    "transformers-cb",
+    "engine-async-admit-every-step",
+    "generate-static",
 )
 # Engine backends: (cuda_graphs, async_scheduling, max_waiting_steps: None for the Engine's default, compile: the
 # decode and prefill forwards compiled)

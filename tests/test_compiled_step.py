@@ -45,8 +45,8 @@ def _token_counts(monkeypatch, engine) -> list[int]:
 @pytest.mark.parametrize("name", MODEL_NAMES)
 def test_steps_that_prefill_run_compiled_with_generates_tokens(monkeypatch, name):
     """Prompts in chunks of up to 8 tokens beside decode rows: every step that prefills runs the compiled forward, whose
-    tokens are generate()'s; one graph serves every token count (two for a sliding model: the model's mask code asks
-    whether the tokens reach the window); every block comes back."""
+    tokens are generate()'s; one graph serves every token count (a sliding model may take two: the model's mask code
+    asks whether the tokens reach the window, which torch 2.13 guards on); every block comes back."""
     prompts = random_prompts(PROMPT_LENGTHS)
     engine, pool = tiny_engine(name, 64, max_num_seqs=4, max_num_batched_tokens=8, compile_prefill=AOT_EAGER)
     counts = _token_counts(monkeypatch, engine)
@@ -57,7 +57,7 @@ def test_steps_that_prefill_run_compiled_with_generates_tokens(monkeypatch, name
     assert step.compile_error is None and step.compiled_steps == len(counts) > 0
     assert len(set(counts)) >= 3  # steps of several token counts
     sliding = name in ("mistral", "gemma3")
-    assert counters["stats"]["unique_graphs"] == (2 if sliding else 1)
+    assert 1 <= counters["stats"]["unique_graphs"] <= (2 if sliding else 1)
     assert engine.runner.stats.eager_steps > 0  # decode-only steps stay the runner's
     assert pool.num_used_blocks == 0
 
