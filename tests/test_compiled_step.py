@@ -32,13 +32,13 @@ def fresh_dynamo():
 def _token_counts(monkeypatch, engine) -> list[int]:
     """Records the token count of every forward the packed step runs compiled."""
     step, counts = engine.step_runner.step, []
-    compiled_forward = step._compiled_forward
+    compiled = step._compiled
 
-    def recording(cache, num_rows):
-        counts.append(cache.input_ids.shape[1])
-        return compiled_forward(cache, num_rows)
+    def recording(**kwargs):
+        counts.append(kwargs["input_ids"].shape[1])
+        return compiled(**kwargs)
 
-    monkeypatch.setattr(step, "_compiled_forward", recording)
+    monkeypatch.setattr(step, "_compiled", recording)
     return counts
 
 
@@ -96,8 +96,69 @@ def test_a_forward_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch, ca
     assert got == greedy_reference("llama", prompts, NEW_TOKENS[:4])
     step = engine.step_runner.step
     assert step.compiled_steps == 0 and "graph_break" in step.compile_error
-    assert sum("their forward could not compile" in record.message for record in caplog.records) == 1
+    assert sum("their compiled forward failed" in record.message for record in caplog.records) == 1
     assert pool.num_used_blocks == 0
+
+
+def test_a_model_that_asks_the_cache_its_length_runs_eagerly_with_generates_tokens():
+    """Llama 4's no-rope layers with temperature tuning scale their queries by `cache.get_seq_length(layer) +
+    arange(T)`: one number a compiled step's rows of different lengths cannot share. The compiled cache refuses to say
+    (a fixed 0 gave other tokens, silently), so the step runs eagerly, with generate()'s tokens."""
+    import copy
+
+    from transformers import DynamicCache, Llama4ForCausalLM
+    from zoo import tiny_model
+
+    import hf_paged
+    from hf_paged import BlockPool, Engine
+
+    base = tiny_model("llama4_text", "Llama4ForCausalLM")
+    config = copy.deepcopy(base.config)
+    config.floor_scale, config.attn_scale, config.no_rope_layers = 2, 1.0, [1, 0]  # layer 1: no rope, tuned
+    model = Llama4ForCausalLM(config).eval()
+    model.load_state_dict(base.state_dict())
+    prompts, new_tokens = random_prompts((13, 7)), [4, 4]
+    expected = [
+        model.generate(torch.tensor([p]), past_key_values=DynamicCache(), max_new_tokens=n, do_sample=False)[
+            0, len(p) :
+        ].tolist()
+        for p, n in zip(prompts, new_tokens)
+    ]
+    model = hf_paged.enable(model)
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=4)
+    engine = Engine(model, pool, max_num_seqs=1, max_num_batched_tokens=4, compile_prefill=AOT_EAGER)
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == expected
+    step = engine.step_runner.step
+    assert step.compiled_steps == 0 and step.compile_error is not None
+    assert pool.num_used_blocks == 0
+
+
+def test_an_error_the_eager_forward_raises_too_is_the_rows_own(monkeypatch):
+    """A forward that raises compiled and eagerly alike fails its rows (the Engine isolates them) and leaves the
+    compiled forward on; a failure of the compiled forward alone, of any kind, turns it off."""
+    prompts = random_prompts(PROMPT_LENGTHS[:2])
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=2, max_num_batched_tokens=8, compile_prefill=AOT_EAGER)
+    step = engine.step_runner.step
+    eager_forward = step._eager_forward
+
+    def failing(rows):
+        raise RuntimeError("the rows fail eagerly too")
+
+    monkeypatch.setattr(step, "_eager_forward", failing)
+    monkeypatch.setattr(step, "_compiled", lambda **kwargs: failing(None))
+    with pytest.raises(RuntimeError, match="the rows fail eagerly too"):  # or RequestFailed, a RuntimeError
+        engine.generate(prompts, max_new_tokens=[3, 3], ignore_eos=True)
+    assert step.compile_error is None and pool.num_used_blocks == 0
+    monkeypatch.setattr(step, "_eager_forward", eager_forward)
+
+    def compile_failure(**kwargs):
+        raise AssertionError("an assertion inside the compiler")
+
+    monkeypatch.setattr(step, "_compiled", compile_failure)
+    assert engine.generate(prompts, max_new_tokens=[3, 3], ignore_eos=True) == greedy_reference(
+        "llama", prompts, [3, 3]
+    )
+    assert step.compile_error == "AssertionError: an assertion inside the compiler"
 
 
 def test_compile_prefill_refuses_bad_values_and_engines_without_the_packed_step(monkeypatch):
@@ -124,7 +185,9 @@ def _step(pool, engine) -> StepCache:
 
 def test_the_step_attention_op_passes_opcheck_and_is_refused_outside_a_step():
     """`torch.library.opcheck` (schema, fake tensor, aot dispatch with dynamic shapes) on one layer of a real step;
-    called outside a packed step's forward, it says where it runs."""
+    called outside a packed step's forward, it says where it runs. It is tagged unsafe for CUDA graphs: what it does
+    depends on the step the host made current."""
+    assert torch.Tag.cudagraph_unsafe in torch.ops.hf_paged.step_attention.default.tags
     engine, pool = tiny_engine("llama", 16)
     cache = _step(pool, engine)
     attention = attention_modules(engine.model)

@@ -88,7 +88,8 @@ def test_engine_on_cuda_matches_generate_per_request(name, async_scheduling, mon
     assert (engine.stats.num_async_steps > 0) == async_scheduling
 
 
-def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])
+def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(name, monkeypatch):
     """`compile_decode` and `compile_prefill` with inductor on CUDA: the steps that prefill run one compiled graph
     (the paged prefill kernel inside `hf_paged::step_attention`), decode steps replay graphs of the compiled forward,
     and the float32 tokens are generate()'s."""
@@ -98,11 +99,11 @@ def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(monkeypatch
     prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (5, 40, 17, 3)]
     new_tokens = [12, 6, 20, 9]
     torch._dynamo.reset()
-    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    model = tiny_model(name, PAGED_ATTENTION, device="cuda")
     pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
     engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=32, compile_decode=True, compile_prefill=True)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
-        "llama", prompts, new_tokens, "cuda"
+        name, prompts, new_tokens, "cuda"
     )
     step = engine.step_runner.step
     assert step.compile_error is None and step.compiled_steps > 0 and prefill_calls

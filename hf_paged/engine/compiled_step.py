@@ -15,9 +15,11 @@ each layer's attention stays one opaque call, as vLLM's piecewise compilation ke
 
 The graph reads nothing of the step but its input ids and positions (`[1, T]`, T marked dynamic) and the rows' logits
 indices (`[num_logits]`, a fixed size): what differs between steps (how many rows, their lengths and tables) lives in
-the `StepCache` that `running` makes current for the custom op, which runs it eagerly, so no step's shape is guarded
-on and one graph serves every step. The op does on the step's cache exactly what the eager forward's `update` and
-"hf_paged" attention do, so a compiled forward's attention is the eager one's, bit for bit.
+the `StepCache` that `running` makes current for the custom op, which runs it eagerly, so no row's length or table is
+guarded on and one graph serves every token count T >= 2 (a sliding model's mask code may ask for a second one, as
+whether T reaches the window; a step of one token, a decode row without a decode runner, gets its own). The op does
+on the step's cache exactly what the eager forward's `update` and "hf_paged" attention do, so a compiled forward's
+attention is the eager one's, bit for bit.
 """
 
 from __future__ import annotations
@@ -47,7 +49,10 @@ def running(cache: StepCache, modules: dict[int, torch.nn.Module]):
         _current.step = previous
 
 
-@torch.library.custom_op("hf_paged::step_attention", mutates_args=())
+# NOTE: cudagraph_unsafe: what the op does depends on the step the host made current (its rows, slots and tables), so a
+# CUDA graph recorded around it (torch.compile's "reduce-overhead" or "max-autotune" modes) would replay the first
+# step's work for every later one; with the tag, inductor leaves the op out of its graphs.
+@torch.library.custom_op("hf_paged::step_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def step_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -119,8 +124,16 @@ class CompiledStepCache(Cache):
         self.plans = [StatesPlan(layer_idx) for layer_idx in range(num_layers)]
         super().__init__(layers=[StepLayer(self) for _ in range(num_layers)])
 
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return 0  # for the mask, which describes the new tokens alone (StepLayer) and which no one reads
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0  # positions are given; the mask sizes describe the new tokens alone (StepLayer), which nobody reads
+        # Positions are given, and the mask sizes describe the new tokens alone (StepLayer): a model that asks uses the
+        # answer for something else (Llama 4 scales its no-rope layers' queries by position), which no one number can
+        # give for rows of different lengths. Raised while tracing: the step runs eagerly instead.
+        raise NotImplementedError(
+            "a compiled packed step's rows hold different numbers of tokens, so its cache has no one sequence length"
+        )
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [1, kv_heads, T, head_dim] -> the same tensors, carrying the layer's plan."""
@@ -153,9 +166,3 @@ def mark_tokens_dynamic(*tensors: torch.Tensor) -> None:
     for tensor in tensors:
         if tensor.shape[1] >= 2:
             torch._dynamo.mark_dynamic(tensor, 1)
-
-
-def compile_errors() -> tuple[type[Exception], ...]:
-    """The exceptions torch.compile raises when it cannot trace or compile a forward (as opposed to one a row's
-    forward raises when it runs)."""
-    return (torch._dynamo.exc.TorchDynamoException,)

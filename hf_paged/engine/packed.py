@@ -17,8 +17,9 @@ import logging
 
 import torch
 
+from ..errors import UnsupportedModel
 from ..storage import BlockPool
-from .compiled_step import CompiledStepCache, attention_modules, compile_errors, mark_tokens_dynamic, running
+from .compiled_step import CompiledStepCache, attention_modules, mark_tokens_dynamic, running
 from .decode_runner import DecodeRunner
 from .model_support import never_stored
 from .request import Request
@@ -55,10 +56,18 @@ class PackedStep:
 
     def compile_forward(self, options: dict, num_logits: int) -> None:
         """Run the forward compiled (`torch.compile(model, fullgraph=True, **options)`), the step's token count a
-        dynamic size, every step's logits computed for `num_logits` rows (the most a step has) and cut to its own."""
+        dynamic size, every step's logits computed for `num_logits` rows (the most a step has) and cut to its own.
+        Raises `ValueError` when a layer of the pool has no attention module to hand its plan."""
+        modules = attention_modules(self.model)
+        missing = [layer for layer in range(self.pool.layout.num_layers) if layer not in modules]
+        if missing:
+            raise ValueError(
+                f"compile_prefill needs the attention module of every layer (a module with that layer_idx whose class "
+                f"name says attention), and finds none for layers {missing}"
+            )
         self._compiled = torch.compile(self.model, **{"fullgraph": True, **options})
         self._compiled_cache = CompiledStepCache(self.pool.layout.num_layers, self.model_type)
-        self._attention_modules = attention_modules(self.model)
+        self._attention_modules = modules
         self.num_logits = num_logits
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
@@ -66,9 +75,10 @@ class PackedStep:
         if self.runner is not None and all(num_tokens == 1 for _, num_tokens in rows):
             return self.runner.forward(rows)
         if self._compiled is not None and self.compile_error is None:
-            logits = self._compiled_forward(self._step_cache(rows, self.num_logits), len(rows))
-            if logits is not None:
-                return logits
+            return self._compiled_forward(rows)
+        return self._eager_forward(rows)
+
+    def _eager_forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         cache = self._step_cache(rows)
         device = self.model.device
         input_ids, logits_to_keep = cache.input_ids, cache.logits_indices
@@ -86,6 +96,36 @@ class PackedStep:
         if cache.num_updates == 0 and isinstance(self.model, torch.nn.Module):
             raise never_stored(self.model_type, self.cache_keyword)
         return out.logits[0]
+
+    def _compiled_forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+        """The compiled forward over the rows -> `[len(rows), vocab]` logits. Where it raises and the eager forward of
+        the same rows does not (it cannot be traced or compiled, it recompiles past torch.compile's limit, the model
+        asks the cache what a compiled step cannot say), the eager forward's logits, and every later step runs eagerly
+        (`compile_error`); where the eager forward raises too, its error (a row's, not the compiler's). Running the
+        rows again stores the same K/V in the same slots."""
+        cache = self._step_cache(rows, self.num_logits)
+        input_ids, position_ids = cache.input_ids, cache.position_ids
+        mark_tokens_dynamic(input_ids, position_ids)
+        try:
+            with running(cache, self._attention_modules):
+                out = self._compiled(
+                    input_ids=input_ids,
+                    position_ids=position_ids,
+                    use_cache=True,
+                    logits_to_keep=cache.logits_indices,
+                    **{self.cache_keyword: self._compiled_cache},
+                )
+        except UnsupportedModel:
+            raise
+        except Exception as error:
+            logits = self._eager_forward(rows)  # raises the rows' own error where they fail eagerly too
+            self.compile_error = f"{type(error).__name__}: {error}"
+            logger.warning("Engine: steps that prefill run eagerly, their compiled forward failed: %s", error)
+            return logits
+        if cache.num_updates == 0:
+            raise never_stored(self.model_type, self.cache_keyword)
+        self.compiled_steps += 1
+        return out.logits[0, : len(rows)]
 
     def _step_cache(self, rows: list[tuple[Request, int]], num_logits: int | None = None) -> StepCache:
         """The step's `StepCache`: the rows' new tokens, positions, slots and tables on the device."""
@@ -106,26 +146,3 @@ class PackedStep:
             token_ids=token_ids,
             num_logits=num_logits,
         )
-
-    def _compiled_forward(self, cache: StepCache, num_rows: int) -> torch.Tensor | None:
-        """The compiled forward over `cache`'s step -> `[num_rows, vocab]` logits; None, with `compile_error` set, when
-        torch.compile cannot trace or compile it."""
-        input_ids, position_ids = cache.input_ids, cache.position_ids
-        mark_tokens_dynamic(input_ids, position_ids)
-        try:
-            with running(cache, self._attention_modules):
-                out = self._compiled(
-                    input_ids=input_ids,
-                    position_ids=position_ids,
-                    use_cache=True,
-                    logits_to_keep=cache.logits_indices,
-                    **{self.cache_keyword: self._compiled_cache},
-                )
-        except compile_errors() as error:
-            self.compile_error = f"{type(error).__name__}: {error}"
-            logger.warning("Engine: steps that prefill run eagerly, their forward could not compile: %s", error)
-            return None
-        if cache.num_updates == 0:
-            raise never_stored(self.model_type, self.cache_keyword)
-        self.compiled_steps += 1
-        return out.logits[0, :num_rows]
