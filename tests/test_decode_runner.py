@@ -17,6 +17,7 @@ from hf_paged.storage import block_hashes
 
 PROMPT_LENGTHS = (5, 11, 3, 17, 8)
 NEW_TOKENS = [9, 4, 14, 6, 11]  # past the window of 8 of the sliding models
+AOT_EAGER = {"backend": "aot_eager"}
 
 
 def test_batch_buckets_follow_capture_sizes_up_to_max_num_seqs():
@@ -577,6 +578,54 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
         compiled = runner._run_model()
     torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager)
+
+
+def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch):
+    """Rows padded to buckets as under CUDA graphs, 12 requests finishing one by one: every bucket (2 to 16; one row
+    runs as two) is one traced graph, the batch a dynamic size, the buffers read at full width, no shared-prefix
+    split; the tokens are generate()'s."""
+    from torch._dynamo.utils import counters
+
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    torch._dynamo.reset()
+    counters.clear()
+    engine, pool = tiny_engine("llama", 128, max_num_seqs=16, max_num_batched_tokens=64, compile_decode=AOT_EAGER)
+    runner = engine.runner
+    runner.pad_to_buckets = True
+    assert runner.buckets == [2, 4, 8, 16]
+    prompts = random_prompts(tuple(range(3, 15)))
+    new_tokens = list(range(2, 14))
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
+        "llama", prompts, new_tokens
+    )
+    assert counters["stats"]["unique_graphs"] == 1 and runner.compile_error is None
+    assert runner.stats.padded_rows > 0 and pool.num_used_blocks == 0
+    torch._dynamo.reset()
+
+
+def test_a_decode_forward_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
+    """Where the compiled forward raises and the eager one does not, the step takes the eager logits and the runner
+    runs eagerly from then on, saying why."""
+    import logging
+
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, compile_decode=AOT_EAGER)
+    runner = engine.runner
+
+    def failing(**kwargs):
+        raise AssertionError("an assertion inside the compiler")
+
+    runner._forward = failing
+    prompts = random_prompts(PROMPT_LENGTHS[:3])
+    with caplog.at_level(logging.WARNING, logger="hf_paged.engine.decode_runner"):
+        got = engine.generate(prompts, max_new_tokens=NEW_TOKENS[:3], ignore_eos=True)
+    assert got == greedy_reference("llama", prompts, NEW_TOKENS[:3])
+    assert runner.compile_error == "AssertionError: an assertion inside the compiler" and not runner.compiled
+    assert runner._forward is runner.model and runner.stats.eager_steps > 0
+    assert sum("their compiled forward failed" in record.message for record in caplog.records) == 1
+    assert pool.num_used_blocks == 0
 
 
 def test_an_engine_with_its_decode_forward_compiled_gives_generates_tokens(monkeypatch):

@@ -41,6 +41,7 @@ import torch
 from ..attention import store_backend
 from ..attention.kernels.dispatch import resolve_backends
 from ..cache.gather import GatherWorkspace
+from ..errors import UnsupportedModel
 from ..storage import BlockPool
 from .model_support import never_stored
 from .runner_cache import RunnerCache
@@ -175,6 +176,8 @@ class DecodeRunner:
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
         self._gathers = GatherWorkspace()  # K and V of one layer at a time (`gather_buffer`)
         self._forward = model  # the model's forward over the runner's cache, compiled by `compile_forward`
+        self.compiled = False  # `compile_forward` was called and its forward has not failed
+        self.compile_error: str | None = None  # why the forward runs eagerly after `compile_forward`
         self._allocate(max(self.buckets))
         self._cache = RunnerCache(self)
 
@@ -239,7 +242,9 @@ class DecodeRunner:
             self.backends = dict(resolve_backends(self.pool.device))
             if not self.pad_to_buckets:  # a capture that failed just now
                 bucket = num_rows
-        fed = self._fill(rows, bucket, dummy, full_width=graphed, feed=feed)
+        # A compiled forward reads the buffers at full width whether replayed or not: a width per step would be a size
+        # per step for it to compile again.
+        fed = self._fill(rows, bucket, dummy, full_width=graphed or self.compiled, feed=feed)
         if fed:
             self._feed(feed.tokens, bucket)
         self.stats.padded_rows += bucket - num_rows
@@ -416,23 +421,51 @@ class DecodeRunner:
         of a layer's small operations (norms, rotary, activations) that an eager forward runs one kernel each."""
         self._drop_graphs()
         self._forward = torch.compile(self.model, **{"fullgraph": True, **options})
+        self.compiled = True
+        # One graph for every bucket: the batch size is a dynamic size from the first step (`_run_model`), and one
+        # row runs as two (torch.compile specializes a size of 1).
+        if len(self.buckets) > 1:
+            self.buckets = [bucket for bucket in self.buckets if bucket > 1]
 
     def _run_model(self) -> torch.Tensor:
         cache = self._cache
+        input_ids, position_ids = self.input_ids[: self.num_rows], self.position_ids[: self.num_rows]
+        if self.compiled:
+            cache.make_layers()
+            if self.num_rows > 1:
+                torch._dynamo.mark_dynamic(input_ids, 0)
+                torch._dynamo.mark_dynamic(position_ids, 0)
+        try:
+            out = self._call_forward(input_ids, position_ids)
+        except UnsupportedModel:
+            raise
+        except Exception as error:
+            capturing = self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+            if not self.compiled or capturing:
+                raise
+            # Where the compiled forward raises and the eager one does not, the eager one from now on.
+            self._forward, self.compiled = self.model, False
+            out = self._call_forward(input_ids, position_ids)
+            self.compile_error = f"{type(error).__name__}: {error}"
+            self._drop_graphs()  # captured from the compiled forward
+            logger.warning("Engine: decode steps run eagerly, their compiled forward failed: %s", error)
+        if cache.num_updates == 0:
+            raise never_stored(self.model_type, self.cache_keyword)
+        return out.logits[:, -1]  # [rows, vocab]
+
+    def _call_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        cache = self._cache
         cache.start_forward()
         try:
-            out = self._forward(
-                input_ids=self.input_ids[: self.num_rows],
-                position_ids=self.position_ids[: self.num_rows],
+            return self._forward(
+                input_ids=input_ids,
+                position_ids=position_ids,
                 use_cache=True,
                 logits_to_keep=1,
                 **{self.cache_keyword: cache},
             )
         finally:
             cache.end_forward()
-        if cache.num_updates == 0:
-            raise never_stored(self.model_type, self.cache_keyword)
-        return out.logits[:, -1]  # [rows, vocab]
 
     # ------------------------------------------------------------------ graphs
     def _capture(self, bucket: int, dummy: int) -> bool:

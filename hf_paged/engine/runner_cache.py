@@ -89,8 +89,9 @@ class GroupStep:
     rows' tables, lengths and slots (views of the runner's buffers), the gather indices per pool shape, and the
     length masks."""
 
-    def __init__(self, runner: RunnerStep, group: int):
-        num_rows = runner.num_rows
+    def __init__(self, runner: RunnerStep, group: int, num_rows: int):
+        # `num_rows`: the states' rows, `runner.num_rows` (a size of the traced graph's inputs where the forward is
+        # compiled, not a number the graph is specialized on)
         self.runner = runner
         self.tables = runner.tables[group][:num_rows, : runner.table_width]  # [B, table_width]
         self.seq_lens = runner.seq_lens[group][:num_rows]
@@ -280,9 +281,23 @@ class RunnerCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0  # the mask sizes describe a plain causal block of the new tokens (StepLayer); positions are given
 
+    def _layer(self, layer_idx: int) -> RunnerLayer:
+        """The layer's `RunnerLayer`, made at its first use and again when the pool grew."""
+        layer = self.layer_views[layer_idx]
+        if layer is None or not layer.current(self.runner.pool, layer_idx):
+            layer = self.layer_views[layer_idx] = RunnerLayer(self.runner.pool, layer_idx, self.shape_ids)
+            self.placeholders[layer_idx] = None  # they carry the old layer's plan
+        return layer
+
+    def make_layers(self) -> None:
+        """Every layer's `RunnerLayer` now, before a compiled forward: made inside one, they would be state the traced
+        graph guards on, and the next forward would compile again."""
+        for layer_idx in range(len(self.layer_views)):
+            self._layer(layer_idx)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
         """key/value_states [B, kv_heads, 1, head_dim] -> empty placeholders carrying the layer's decode plan."""
-        runner, pool, views = self.runner, self.runner.pool, self.layer_views
+        runner, views = self.runner, self.layer_views
         if not 0 <= layer_idx < len(views):
             raise UnsupportedModel(
                 runner.model_type,
@@ -290,13 +305,10 @@ class RunnerCache(Cache):
                 "Engine",
             )
         self.num_updates += 1
-        layer = views[layer_idx]
-        if layer is None or not layer.current(pool, layer_idx):  # first used, or the pool grew
-            layer = views[layer_idx] = RunnerLayer(pool, layer_idx, self.shape_ids)
-            self.placeholders[layer_idx] = None  # they carry the old layer's plan
+        layer = self._layer(layer_idx)
         step = self.groups.get(layer.group)
         if step is None:
-            step = self.groups[layer.group] = GroupStep(runner, layer.group)
+            step = self.groups[layer.group] = GroupStep(runner, layer.group, key_states.shape[0])
         if runner.store == "torch":
             # `store_kv_rows`' torch path on the layer's slot views: one index_copy_ per K and V.
             for view, states in zip(layer.slot_views, (key_states, value_states)):
@@ -311,6 +323,8 @@ class RunnerCache(Cache):
                 nhd_views=(layer.key_nhd, layer.value_nhd),
             )
         layer.plan.bind(step, layer)
+        if torch.compiler.is_compiling():  # a traced forward's placeholders are its own (the memo would guard sizes)
+            return plan_placeholders(key_states, value_states, layer.plan)
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
         # inference mode); they carry the layer's plan, bound to each forward in turn.
         key = (
