@@ -78,6 +78,27 @@ def test_compiled_steps_on_the_triton_kernels_with_the_decode_forward_compiled_t
     assert pool.num_used_blocks == 0
 
 
+def test_both_forwards_compiled_by_inductor_give_generates_tokens(monkeypatch):
+    """inductor, the compiler a GPU run uses (C++ kernels here), around the custom ops on the Triton kernels (the
+    interpreter): the store op reinplaced on the pool, the decode kernel op, `hf_paged::step_attention`; rows padded
+    to buckets as under CUDA graphs. The tokens are generate()'s, and neither forward falls back to eager."""
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    prompts = random_prompts(PROMPT_LENGTHS[:4])
+    inductor = {"backend": "inductor"}
+    engine, pool = tiny_engine(
+        "llama", 64, max_num_seqs=4, max_num_batched_tokens=8, compile_prefill=inductor, compile_decode=inductor
+    )
+    engine.runner.pad_to_buckets = True
+    assert engine.generate(prompts, max_new_tokens=NEW_TOKENS[:4], ignore_eos=True) == greedy_reference(
+        "llama", prompts, NEW_TOKENS[:4]
+    )
+    step, runner = engine.step_runner.step, engine.runner
+    assert step.compile_error is None and runner.compile_error is None
+    assert step.compiled_steps > 0 and runner.compiled and runner.stats.eager_steps > 0
+    assert pool.num_used_blocks == 0
+
+
 def test_a_forward_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch, caplog):
     """A graph break in the model (fullgraph=True refuses it): the step runs eagerly, with generate()'s tokens, and
     every later step too; `compile_error` and a warning say why."""
