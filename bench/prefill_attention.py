@@ -5,6 +5,8 @@ and attends causally over all of them:
   (a) paged:        `hf_paged.attention.kernels.paged_prefill_attention`, the sequences packed (`cu_seqlens_q`),
                     K/V read from the block pool through scattered block tables (stored head-major, as a
                     `BlockPool` stores them);
+      with the Triton backend, again with `unmasked_tiles` (launch_config: the tiles every row of a program sees
+      whole read without a mask; off by default until measured);
   (b) sdpa-contig:  `torch.nn.functional.scaled_dot_product_attention` per batch on contiguous K/V with the
                     lower-right causal bias (flash or memory-efficient kernels on CUDA): what a non-paged cache does.
 GQA runs through SDPA with `enable_gqa`. FLOPs count the causal half of QK^T and PV, `4 * heads * head_dim * new *
@@ -18,6 +20,7 @@ GQA runs through SDPA with `enable_gqa`. FLOPs count the causal half of QK^T and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 
@@ -26,8 +29,9 @@ from tabulate import tabulate
 from torch.nn.attention.bias import causal_lower_right
 
 from bench.decode_attention import DTYPES, fits_in_memory, peak_of, time_ms, write_report
+from bench.decode_tuning import launched_with
 from hf_paged import BlockPool
-from hf_paged.attention.kernels import paged_prefill_attention, resolve_backend
+from hf_paged.attention.kernels import launch_config, paged_prefill_attention, resolve_backend
 
 # (batch, new tokens, cached tokens): whole prompts of 2k-8k tokens, and chunks over a cached prefix
 DEFAULT_CELLS = [(1, 2048, 0), (1, 4096, 0), (1, 8192, 0), (4, 2048, 0), (8, 512, 4096), (16, 256, 2048)]
@@ -96,7 +100,16 @@ def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, pe
     flops = batch * 4 * args.num_q_heads * args.head_dim * new * (cached + (new + 1) / 2)
     backend = resolve_backend(args.backend, device)
     rows = [{**cell, "method": f"paged ({backend})", "ms": time_ms(paged, device, args.warmup_ms, args.rep_ms)}]
-    paged_out = out.float()
+    outs = [out.float()]
+    if backend == "triton":
+        config = launch_config.prefill_config(
+            args.head_dim, args.num_q_heads // args.num_kv_heads, dtype, launch_config.device_capability(device)
+        )
+        if not config.unmasked_tiles and dtype != torch.float32:
+            with launched_with(dataclasses.replace(config, unmasked_tiles=True), "prefill_config"):
+                ms = time_ms(paged, device, args.warmup_ms, args.rep_ms)
+                outs.append(out.float())
+            rows.append({**cell, "method": "paged (triton, unmasked tiles)", "ms": ms})
 
     # contiguous K/V [B, Hkv, S, D] and the query [B, Hq, new, D]
     positions = torch.arange(seq_len, device=device)
@@ -116,8 +129,9 @@ def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, pe
     for row in rows:
         row["tflops"] = flops / (row["ms"] * 1e-3) / 1e12
         row["peak_fraction"] = flops / (row["ms"] * 1e-3) / peak if peak else None
-    rows[0]["speed_vs_sdpa"] = rows[1]["ms"] / rows[0]["ms"]
-    rows[0]["max_abs_err_vs_sdpa"] = (paged_out - expected).abs().max().item()
+    for row, paged_out in zip(rows, outs):  # the paged rows, before SDPA's
+        row["speed_vs_sdpa"] = rows[-1]["ms"] / row["ms"]
+        row["max_abs_err_vs_sdpa"] = (paged_out - expected).abs().max().item()
     return rows
 
 

@@ -9,6 +9,7 @@ Without a GPU the Triton kernel runs in Triton's CPU interpreter (conftest.py se
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -17,7 +18,7 @@ import torch
 from test_kernels import CAN_RUN_TRITON, DEVICE, TOLERANCES, make_batch
 
 import hf_paged.attention.kernels as kernels
-from hf_paged.attention.kernels import paged_prefill_attention
+from hf_paged.attention.kernels import launch_config, paged_prefill_attention
 
 
 def prefill_impl(name: str):
@@ -131,6 +132,37 @@ def test_prefill_heads_head_dim_dtype(impl, num_q_heads, num_kv_heads, head_dim,
         [40, 23], [9, 23], num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
     )
     check_prefill(impl, args)
+
+
+@IMPLS
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(),
+        dict(softcap=5.0, sinks=True),
+        dict(kv_start=[64, 0]),  # the first kept key on a tile boundary: whole tiles after it
+        dict(kv_start=[3, 70]),  # off a boundary: every tile masked
+        dict(sliding_window=400),  # a window wider than every row's keys
+    ],
+    ids=["plain", "softcap-sinks", "kv-start-on-tile", "kv-start-off-tile", "wide-window"],
+)
+def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
+    """The kernel with `unmasked_tiles` (launch_config: off by default): the tiles every row of a program sees whole
+    read without a mask, the diagonal ones with it, on chunks long enough for both, over cached keys and from
+    scratch, in bf16."""
+    prefill_config = launch_config.prefill_config
+    monkeypatch.setattr(
+        launch_config,
+        "prefill_config",
+        lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True),
+    )
+    args = make_prefill([150, 100], [70, 100], num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
+    kwargs = dict(options)
+    if "kv_start" in kwargs:
+        kwargs["kv_start"] = torch.tensor(kwargs["kv_start"], dtype=torch.int32, device=DEVICE)
+    if kwargs.get("sinks"):
+        kwargs["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    check_prefill(impl, args, **kwargs)
 
 
 @IMPLS

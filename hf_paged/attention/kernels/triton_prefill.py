@@ -16,8 +16,9 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
 - the grid is sized from the token count alone (`num_tokens // block_q + B` tiles, an upper bound), and each program
   finds its sequence by a binary search over `cu_seqlens_q`: no host sync, so a step's launch can be captured;
 - the key loop runs over the union of the tile's visible ranges (from the earliest query's window start to the
-  last query's own position) in tiles of `BLOCK_N` tokens; per (query, key) the mask is causal, window and
-  `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
+  last query's own position) in tiles of `BLOCK_N` tokens; the tiles every row sees whole (up to the first query's
+  own position, inside every row's window) are read and used without a mask; on the others, per (query, key), the
+  mask is causal, window and `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
 - online softmax in fp32 (exp2, the scale folded into log2(e)); a row whose keys so far are all masked keeps a
   running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at the end.
 
@@ -62,6 +63,43 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q):
         else:
             right = mid
     return left - 1
+
+
+@triton.jit
+def _attend_tile(
+    q,
+    k,
+    v,
+    acc,
+    l_i,
+    m_i,
+    scale,
+    softcap,
+    visible,
+    USE_SOFTCAP: tl.constexpr,
+    MASKED: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    DOT_UPCAST: tl.constexpr,
+):
+    """One K/V tile into the online softmax: (acc, l_i, m_i) updated. `visible` ([BLOCK_M, BLOCK_N]) masks the logits
+    where MASKED; a tile without it has every logit finite, so its running max needs no guard."""
+    logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
+    if USE_SOFTCAP:
+        logits = softcap_logits(logits, softcap)
+    if MASKED:
+        logits = tl.where(visible, logits * LOG2E, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        logits = logits * LOG2E
+        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_safe = m_new
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(logits - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
+    return acc, l_i, m_new
 
 
 @triton.jit(
@@ -119,6 +157,7 @@ def _paged_prefill_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    UNMASKED_TILES: tl.constexpr,  # read the tiles every row sees whole without a mask (launch_config)
 ):
     # grid: (num_tokens // BLOCK_Q + B, num_kv_heads * head_tiles)
     tile = tl.program_id(0)
@@ -165,7 +204,31 @@ def _paged_prefill_kernel(
 
     tile_lo = (tl.maximum(start, 0) // BLOCK_N) * BLOCK_N
     tile_hi = tl.where(start < end, end, tile_lo)
-    for tile_start in range(tile_lo, tile_hi, BLOCK_N):
+    # Tiles every row of the program sees whole (from a first kept key on a tile boundary up to the first token's own
+    # position, inside every row's window): no mask, no predicated loads. The tiles after them take the mask.
+    full_hi = tile_lo
+    if UNMASKED_TILES:
+        full_hi = tl.where(
+            (start == tile_lo) & (last_pos - tile_lo < sliding_window),
+            tl.minimum(tl.maximum(tile_lo, ((first_pos + 1) // BLOCK_N) * BLOCK_N), tile_hi),
+            tile_lo,
+        )
+        d_only = d_mask[None, :]
+        for tile_start in range(tile_lo, full_hi, BLOCK_N):
+            pos = tile_start + tl.arange(0, BLOCK_N)
+            block_idx = pos // block_size
+            block_ids = tl.load(bt_row + block_idx).to(tl.int64)
+            offsets = pos - block_idx * block_size
+            k = load_kv_tile(
+                k_cache_ptr, block_ids, offsets, kv_head, d, d_only, stride_kb, stride_ks, stride_kh, stride_kd
+            )
+            v = load_kv_tile(
+                v_cache_ptr, block_ids, offsets, kv_head, d, d_only, stride_vb, stride_vs, stride_vh, stride_vd
+            )
+            acc, l_i, m_i = _attend_tile(
+                q, k, v, acc, l_i, m_i, scale, softcap, 0, USE_SOFTCAP, False, DOT_PRECISION, DOT_UPCAST
+            )
+    for tile_start in range(full_hi, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
         block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
@@ -176,26 +239,15 @@ def _paged_prefill_kernel(
         v = load_kv_tile(
             v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
         )
-
-        logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
-        if USE_SOFTCAP:
-            logits = softcap_logits(logits, softcap)
         visible = (
             in_range[None, :]
             & (pos[None, :] <= q_pos[:, None])
             & (q_pos[:, None] - pos[None, :] < sliding_window)
             & row_mask[:, None]
         )
-        logits = tl.where(visible, logits * LOG2E, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(logits - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
-        m_i = m_new
+        acc, l_i, m_i = _attend_tile(
+            q, k, v, acc, l_i, m_i, scale, softcap, visible, USE_SOFTCAP, True, DOT_PRECISION, DOT_UPCAST
+        )
 
     if use_sinks:
         # One more logit per head that attends to nothing: it only grows the denominator.
@@ -280,6 +332,7 @@ def paged_prefill_attention_triton(
             USE_SOFTCAP=softcap is not None,
             DOT_PRECISION=config.dot_precision,
             DOT_UPCAST=config.dot_upcast,
+            UNMASKED_TILES=config.unmasked_tiles,
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
