@@ -164,7 +164,9 @@ PREFILL_TEXT = (
     "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
     "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
     "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
-    "stack frame there)."
+    "stack frame there). The variants below take one masked loop over the keys; `unmasked_tiles` (launch_config, off "
+    "until measured on a GPU) adds a loop before it over the tiles every row sees whole, without a mask: bf16 at "
+    "head_dim 64 on sm_90 then takes 183 registers instead of 158 (2 programs an SM instead of 3)."
 )
 
 
