@@ -408,6 +408,10 @@ def _engine_section(out: Path) -> str:
         if key in report:
             lines.append(f"\n{label}: {report[key]}")
     for name, run in runs.items():
+        if run.get("decode_compile_error"):
+            lines.append(
+                f"\n{name}: its decode steps ran eagerly, their forward did not compile: {run['decode_compile_error']}"
+            )
         if run.get("compile_error"):
             lines.append(
                 f"\n{name}: its steps that prefill ran eagerly, their forward did not compile: {run['compile_error']}"

@@ -570,12 +570,17 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
     assert runner.store == backend
     rows = [(request, 1) for request in engine.scheduler.running]
     runner._fill(rows, 4, pool.allocator.allocate(1)[0], full_width=True)
+    from torch._dynamo.utils import counters
+
     torch._dynamo.reset()
+    counters.clear()
     with torch.inference_mode():
         eager = runner._run_model().clone()
         # the model's forward compiled whole (fullgraph: a graph break raises), the runner's bookkeeping around it
-        monkeypatch.setattr(runner, "model", torch.compile(runner.model, backend="aot_eager", fullgraph=True))
+        runner.compile_forward({"backend": "aot_eager"})
         compiled = runner._run_model()
+    assert runner.compile_error is None and runner.compiled  # no eager fallback
+    assert counters["stats"]["unique_graphs"] == 1
     torch._dynamo.reset()
     torch.testing.assert_close(compiled, eager)
 
@@ -626,6 +631,29 @@ def test_a_decode_forward_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
     assert runner._forward is runner.model and runner.stats.eager_steps > 0
     assert sum("their compiled forward failed" in record.message for record in caplog.records) == 1
     assert pool.num_used_blocks == 0
+
+
+def test_a_decode_forward_that_fails_eagerly_too_keeps_the_compiled_forward(monkeypatch):
+    """A forward that raises compiled and eagerly alike is the rows' failure, not the compiler's: the error reaches
+    the step, and the runner stays compiled."""
+    require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    engine, pool = tiny_engine("llama", 64, max_num_seqs=4, compile_decode=AOT_EAGER)
+    runner = engine.runner
+    runner.pad_to_buckets = True
+    prompts = random_prompts(PROMPT_LENGTHS[:2])
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=4)
+    engine.step()  # the prompts
+
+    def failing(**kwargs):
+        raise RuntimeError("the rows fail eagerly too")
+
+    monkeypatch.setattr(runner, "_forward", failing)
+    monkeypatch.setattr(runner, "model", failing)
+    with pytest.raises(RuntimeError, match="the rows fail eagerly too"):
+        runner.forward([(request, 1) for request in engine.scheduler.running])
+    assert runner.compiled and runner.compile_error is None and runner._forward is failing
 
 
 def test_an_engine_with_its_decode_forward_compiled_gives_generates_tokens(monkeypatch):

@@ -436,16 +436,17 @@ class DecodeRunner:
                 torch._dynamo.mark_dynamic(input_ids, 0)
                 torch._dynamo.mark_dynamic(position_ids, 0)
         try:
-            out = self._call_forward(input_ids, position_ids)
+            out = self._call_forward(self._forward, input_ids, position_ids)
         except UnsupportedModel:
             raise
         except Exception as error:
             capturing = self.pool.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
             if not self.compiled or capturing:
                 raise
-            # Where the compiled forward raises and the eager one does not, the eager one from now on.
+            # Where the compiled forward raises and the eager one does not (which raises its own error here), the
+            # eager one from now on.
+            out = self._call_forward(self.model, input_ids, position_ids)
             self._forward, self.compiled = self.model, False
-            out = self._call_forward(input_ids, position_ids)
             self.compile_error = f"{type(error).__name__}: {error}"
             self._drop_graphs()  # captured from the compiled forward
             logger.warning("Engine: decode steps run eagerly, their compiled forward failed: %s", error)
@@ -453,11 +454,11 @@ class DecodeRunner:
             raise never_stored(self.model_type, self.cache_keyword)
         return out.logits[:, -1]  # [rows, vocab]
 
-    def _call_forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+    def _call_forward(self, forward, input_ids: torch.Tensor, position_ids: torch.Tensor):
         cache = self._cache
         cache.start_forward()
         try:
-            return self._forward(
+            return forward(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=True,

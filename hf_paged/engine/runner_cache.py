@@ -39,6 +39,7 @@ class RunnerStep(Protocol):
     store: str  # "triton" or "torch": where new K/V rows are written
     backends: Mapping  # a backend setting -> "triton" / "torch", or the error (`kernels.dispatch.resolve_backends`)
     num_rows: int  # the step's rows, padding included
+    compiled: bool  # the forward runs compiled (torch.compile traces what the cache does)
     table_width: int  # block table entries the step's attention spans
     kv_width: int  # keys the step's attention spans
     tables: list[torch.Tensor]  # per layer group: [max_rows, W] block ids
@@ -102,7 +103,9 @@ class GroupStep:
         self.length_masks: dict = {}
         self.gathers: dict[tuple, tuple] = {}  # (part, layer shape id) -> what `_gather` made for them
         self.chunks: dict[int, int] = {}  # layer shape id -> `chunk_rows`
-        self.chunking = runner.chunk_bytes > 0 and runner.pool.device.type == "cpu"
+        # Not in a traced forward: its gathers are its own outputs (no buffer to chunk into), and a chunk count would be
+        # a size it compiles for.
+        self.chunking = runner.chunk_bytes > 0 and runner.pool.device.type == "cpu" and not runner.compiled
 
     def _gather(self, part: str, tables: torch.Tensor, width: int, layer: RunnerLayer) -> tuple[torch.Tensor, ...]:
         """K and V of `tables`' blocks, `[rows, kv_heads, width, head_dim]` each (views of `[kv_heads, rows, ...]`
@@ -305,7 +308,9 @@ class RunnerCache(Cache):
                 "Engine",
             )
         self.num_updates += 1
-        layer = self._layer(layer_idx)
+        layer = views[layer_idx]
+        if layer is None or not layer.current(runner.pool, layer_idx):  # first used, or the pool grew
+            layer = self._layer(layer_idx)
         step = self.groups.get(layer.group)
         if step is None:
             step = self.groups[layer.group] = GroupStep(runner, layer.group, key_states.shape[0])
@@ -323,7 +328,7 @@ class RunnerCache(Cache):
                 nhd_views=(layer.key_nhd, layer.value_nhd),
             )
         layer.plan.bind(step, layer)
-        if torch.compiler.is_compiling():  # a traced forward's placeholders are its own (the memo would guard sizes)
+        if runner.compiled and torch.compiler.is_compiling():  # a traced forward's own (the memo would guard sizes)
             return plan_placeholders(key_states, value_states, layer.plan)
         # A layer's placeholders are made again only when its states change shape, dtype or device (or the
         # inference mode); they carry the layer's plan, bound to each forward in turn.
