@@ -103,6 +103,17 @@ def check_prefill(impl_name: str, args, **kwargs) -> torch.Tensor:
     return result
 
 
+def option_tensors(options: dict) -> dict:
+    """A test's options as the kernels take them: `kv_start` a list of ints -> an int32 tensor, `sinks=True` -> one
+    sink logit per head of the 4 q heads."""
+    kwargs = dict(options)
+    if "kv_start" in kwargs:
+        kwargs["kv_start"] = torch.tensor(kwargs["kv_start"], dtype=torch.int32, device=DEVICE)
+    if kwargs.get("sinks"):
+        kwargs["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
+    return kwargs
+
+
 # ------------------------------------------------------------------ lengths, chunks and block boundaries
 @IMPLS
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -157,12 +168,7 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
         lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True),
     )
     args = make_prefill([150, 100], [70, 100], num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
-    kwargs = dict(options)
-    if "kv_start" in kwargs:
-        kwargs["kv_start"] = torch.tensor(kwargs["kv_start"], dtype=torch.int32, device=DEVICE)
-    if kwargs.get("sinks"):
-        kwargs["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
-    check_prefill(impl, args, **kwargs)
+    check_prefill(impl, args, **option_tensors(options))
 
 
 @IMPLS
@@ -181,12 +187,7 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
 )
 def test_prefill_masking(impl, dtype, options):
     args = make_prefill([37, 30, 12], [12, 30, 4], num_q_heads=4, num_kv_heads=2, dtype=dtype)
-    kwargs = dict(options)
-    if "kv_start" in kwargs:
-        kwargs["kv_start"] = torch.tensor(kwargs["kv_start"], dtype=torch.int32, device=DEVICE)
-    if kwargs.get("sinks"):
-        kwargs["sinks"] = torch.tensor([0.5, -1.0, 2.0, 0.0], device=DEVICE)
-    check_prefill(impl, args, **kwargs)
+    check_prefill(impl, args, **option_tensors(options))
 
 
 @IMPLS
