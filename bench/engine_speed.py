@@ -155,7 +155,7 @@ def run_engine(
             for kind, seconds in step_seconds.items()
         },
         runner=None if runner is None else dataclasses.asdict(runner),  # the warm-up's steps and captures included
-        compiled_prefill_steps=engine.step_runner.step.compiled_steps if compile else 0,
+        num_compiled_prefill_steps=engine.step_runner.step.num_compiled_steps if compile else 0,
         compile_error=engine.step_runner.step.compile_error if compile else None,
         decode_compile_error=engine.runner.compile_error if compile and engine.runner is not None else None,
         outputs=outputs,

@@ -416,9 +416,9 @@ def _engine_section(out: Path) -> str:
             lines.append(
                 f"\n{name}: its steps that prefill ran eagerly, their forward did not compile: {run['compile_error']}"
             )
-        elif run.get("compiled_prefill_steps"):
+        elif run.get("num_compiled_prefill_steps"):
             lines.append(
-                f"\n{name}: {run['compiled_prefill_steps']} steps that prefill ran compiled (warm-up included)"
+                f"\n{name}: {run['num_compiled_prefill_steps']} steps that prefill ran compiled (warm-up included)"
             )
     for name, run in runs.items():  # where the profiled decode steps' CUDA time goes
         kernels = (run.get("profile") or {}).get("top_kernels")

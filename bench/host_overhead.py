@@ -167,7 +167,10 @@ def prefill_steps(model, backend: str, repeats: int, num_requests: int = 16, pro
     print(f"steps that prefill ({num_requests} requests of {prompt_len} tokens, chunks of up to 64 tokens), median ms:")
     for name, value in best.items():
         print(f"  {name:9s} {value * 1e3:7.3f} ms  {value / best['eager']:.3f}x eager")
-    print(f"compiled steps: {step.compiled_steps}, compile error: {step.compile_error}")
+    from torch._dynamo.utils import counters
+
+    graphs = counters["stats"]["unique_graphs"]
+    print(f"compiled steps: {step.num_compiled_steps} ({graphs} graphs compiled), compile error: {step.compile_error}")
     return 0 if step.compile_error is None else 1
 
 

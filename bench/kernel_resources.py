@@ -164,9 +164,9 @@ PREFILL_TEXT = (
     "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
     "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
     "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
-    "stack frame there). The variants below take one masked loop over the keys; `unmasked_tiles` (launch_config, off "
-    "until measured on a GPU) adds a loop before it over the tiles every row sees whole, without a mask: bf16 at "
-    "head_dim 64 on sm_90 then takes 183 registers instead of 158 (2 programs an SM instead of 3)."
+    "stack frame there). The launchers' variants take one masked loop over the keys; with `unmasked_tiles` "
+    "(launch_config, 16-bit caches, off until measured on a GPU) a loop before it reads the tiles every row sees "
+    "whole, without a mask: the rows with 'unmasked tiles' below."
 )
 
 
@@ -180,6 +180,7 @@ def prefill_rows(variants: list[dict]) -> list[list]:
                 _dtype(v),
                 c["HEAD_DIM_PAD"],
                 "yes" if c["USE_SOFTCAP"] else "no",
+                "yes" if c.get("UNMASKED_TILES") else "no",
                 c["BLOCK_M"],
                 c["BLOCK_N"],
                 v["num_warps"],
@@ -272,7 +273,8 @@ def render(report: dict) -> str:
         small_kernel_rows(by_kernel["_merge_splits_kernel"], False), headers, tablefmt="github", disable_numparse=True
     )
     text += "\n\n## Prefill (`_paged_prefill_kernel`)\n\n" + textwrap.fill(PREFILL_TEXT, 120) + "\n\n"
-    headers = ["arch", "dtype", "head_dim tile", "softcap", "BLOCK_M", "BLOCK_N", "warps", "stages", *COMMON_HEADERS]
+    headers = ["arch", "dtype", "head_dim tile", "softcap", "unmasked tiles", "BLOCK_M", "BLOCK_N", "warps", "stages"]
+    headers += COMMON_HEADERS
     rows = prefill_rows(by_kernel["_paged_prefill_kernel"])
     text += tabulate(rows, headers, tablefmt="github", disable_numparse=True)
     text += "\n\n## Store (`_store_kv_kernel`)\n\nOne program per (token, kv head) copies one K and one V row.\n\n"

@@ -54,7 +54,7 @@ def test_steps_that_prefill_run_compiled_with_generates_tokens(monkeypatch, name
         name, prompts, NEW_TOKENS
     )
     step = engine.step_runner.step
-    assert step.compile_error is None and step.compiled_steps == len(counts) > 0
+    assert step.compile_error is None and step.num_compiled_steps == len(counts) > 0
     assert len(set(counts)) >= 3  # steps of several token counts
     sliding = name in ("mistral", "gemma3")
     assert 1 <= counters["stats"]["unique_graphs"] <= (2 if sliding else 1)
@@ -74,7 +74,7 @@ def test_compiled_steps_on_the_triton_kernels_with_the_decode_forward_compiled_t
     assert engine.generate(prompts, max_new_tokens=NEW_TOKENS[:5], ignore_eos=True) == greedy_reference(
         "llama", prompts, NEW_TOKENS[:5]
     )
-    assert engine.step_runner.step.compiled_steps > 0 and engine.runner.stats.eager_steps > 0
+    assert engine.step_runner.step.num_compiled_steps > 0 and engine.runner.stats.eager_steps > 0
     assert pool.num_used_blocks == 0
 
 
@@ -95,7 +95,7 @@ def test_both_forwards_compiled_by_inductor_give_generates_tokens(monkeypatch):
     )
     step, runner = engine.step_runner.step, engine.runner
     assert step.compile_error is None and runner.compile_error is None
-    assert step.compiled_steps > 0 and runner.compiled and runner.stats.eager_steps > 0
+    assert step.num_compiled_steps > 0 and runner.compiled and runner.stats.eager_steps > 0
     assert pool.num_used_blocks == 0
 
 
@@ -116,7 +116,7 @@ def test_a_forward_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch, ca
         got = engine.generate(prompts, max_new_tokens=NEW_TOKENS[:4], ignore_eos=True)
     assert got == greedy_reference("llama", prompts, NEW_TOKENS[:4])
     step = engine.step_runner.step
-    assert step.compiled_steps == 0 and "graph_break" in step.compile_error
+    assert step.num_compiled_steps == 0 and "graph_break" in step.compile_error
     assert sum("their compiled forward failed" in record.message for record in caplog.records) == 1
     assert pool.num_used_blocks == 0
 
@@ -124,7 +124,7 @@ def test_a_forward_that_cannot_compile_runs_eagerly_and_says_why(monkeypatch, ca
 def test_a_model_that_asks_the_cache_its_length_runs_eagerly_with_generates_tokens():
     """Llama 4's no-rope layers with temperature tuning scale their queries by `cache.get_seq_length(layer) +
     arange(T)`: one number a compiled step's rows of different lengths cannot share. The compiled cache refuses to say
-    (a fixed 0 gave other tokens, silently), so the step runs eagerly, with generate()'s tokens."""
+    (any one number would give other tokens, silently), so the step runs eagerly, with generate()'s tokens."""
     import copy
 
     from transformers import DynamicCache, Llama4ForCausalLM
@@ -150,7 +150,7 @@ def test_a_model_that_asks_the_cache_its_length_runs_eagerly_with_generates_toke
     engine = Engine(model, pool, max_num_seqs=1, max_num_batched_tokens=4, compile_prefill=AOT_EAGER)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == expected
     step = engine.step_runner.step
-    assert step.compiled_steps == 0 and step.compile_error is not None
+    assert step.num_compiled_steps == 0 and step.compile_error is not None
     assert pool.num_used_blocks == 0
 
 

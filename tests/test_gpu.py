@@ -106,7 +106,7 @@ def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(name, monke
         name, prompts, new_tokens, "cuda"
     )
     step = engine.step_runner.step
-    assert step.compile_error is None and step.compiled_steps > 0 and prefill_calls
+    assert step.compile_error is None and step.num_compiled_steps > 0 and prefill_calls
     assert engine.runner.capture_error is None and engine.runner.stats.replayed_steps > 0
     assert pool.num_used_blocks == 0
     torch._dynamo.reset()

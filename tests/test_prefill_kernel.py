@@ -154,20 +154,22 @@ def test_prefill_heads_head_dim_dtype(impl, num_q_heads, num_kv_heads, head_dim,
         dict(kv_start=[64, 0]),  # the first kept key on a tile boundary: whole tiles after it
         dict(kv_start=[3, 70]),  # off a boundary: every tile masked
         dict(sliding_window=400),  # a window wider than every row's keys
+        dict(sliding_window=81),  # wider than a tile: the first tiles of late rows fall out of it
+        dict(sliding_window=64),
     ],
-    ids=["plain", "softcap-sinks", "kv-start-on-tile", "kv-start-off-tile", "wide-window"],
+    ids=["plain", "softcap-sinks", "kv-start-on-tile", "kv-start-off-tile", "wide-window", "window-81", "window-64"],
 )
 def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     """The kernel with `unmasked_tiles` (launch_config: off by default): the tiles every row of a program sees whole
-    read without a mask, the diagonal ones with it, on chunks long enough for both, over cached keys and from
-    scratch, in bf16."""
+    read without a mask, the diagonal ones with it, on chunks long enough for both over 62 and 63 cached keys (the first
+    query's position just before a tile boundary), in bf16."""
     prefill_config = launch_config.prefill_config
     monkeypatch.setattr(
         launch_config,
         "prefill_config",
         lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True),
     )
-    args = make_prefill([150, 100], [70, 100], num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
+    args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
     check_prefill(impl, args, **option_tensors(options))
 
 

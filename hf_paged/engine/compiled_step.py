@@ -1,9 +1,9 @@
 """The packed step's forward compiled, with the step's token count a dynamic size (`Engine(compile_prefill=...)`).
 
-An eager step that prefills costs the host one Python dispatch and one kernel launch per operation of every layer
-(some 1,200 on a 16-layer Llama), whatever its token count, while its GPU work is a few milliseconds. Compiled, the
-model's own operations (projections, norms, rotary, activations) run as one graph with inductor's fused kernels, and
-each layer's attention stays one opaque call, as vLLM's piecewise compilation keeps it:
+An eager step that prefills costs the host one Python dispatch and one kernel launch per operation of every layer,
+whatever its token count (`python -m bench.host_ops` counts them), while its GPU work is a few milliseconds.
+Compiled, the model's own operations (projections, norms, rotary, activations) run as one graph with inductor's fused
+kernels, and each layer's attention stays one opaque call, as vLLM's piecewise compilation keeps it:
 
     host, per step                            compiled forward (one graph for every token count T >= 2)
     --------------                            ---------------------------------------------------------

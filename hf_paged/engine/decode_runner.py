@@ -422,6 +422,7 @@ class DecodeRunner:
         self._drop_graphs()
         self._forward = torch.compile(self.model, **{"fullgraph": True, **options})
         self.compiled = True
+        self._eager_buckets = self.buckets
         # One graph for every bucket: the batch size is a dynamic size from the first step (`_run_model`), and one
         # row runs as two (torch.compile specializes a size of 1).
         if len(self.buckets) > 1:
@@ -447,6 +448,7 @@ class DecodeRunner:
             # eager one from now on.
             out = self._call_forward(self.model, input_ids, position_ids)
             self._forward, self.compiled = self.model, False
+            self.buckets = self._eager_buckets
             self.compile_error = f"{type(error).__name__}: {error}"
             self._drop_graphs()  # captured from the compiled forward
             logger.warning("Engine: decode steps run eagerly, their compiled forward failed: %s", error)

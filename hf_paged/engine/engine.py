@@ -242,23 +242,24 @@ class Engine:
             raise ValueError(
                 f"compile_decode must be True, False or a dict of torch.compile keywords, got {compile_decode!r}"
             )
-        if compile_decode and self.runner is None:
+        if compile_decode is False:
+            return
+        if self.runner is None:
             raise ValueError(f"compile_decode needs the decode runner, and this Engine has none: {self.runner_reason}")
-        if compile_decode and self.runner.store != "triton":
+        if self.runner.store != "triton":
             # NOTE: the torch path writes and reads the pool through views of it, which aot_autograd cannot replay
             raise ValueError(
                 "compile_decode needs the Triton kernels (a pool on CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under "
                 f"TRITON_INTERPRET=1), this Engine stores K/V with the {self.runner.store!r} backend"
             )
-        if compile_decode:
-            self.runner.compile_forward({} if compile_decode is True else dict(compile_decode))
+        self.runner.compile_forward({} if compile_decode is True else dict(compile_decode))
 
     def _compile_prefill(self, compile_prefill, max_num_seqs: int) -> None:
         if not isinstance(compile_prefill, (bool, dict)):
             raise ValueError(
                 f"compile_prefill must be True, False or a dict of torch.compile keywords, got {compile_prefill!r}"
             )
-        if not compile_prefill:
+        if compile_prefill is False:
             return
         if self.step_mode != PACKED:
             reason = f"model type {getattr(self.model.config, 'model_type', None)!r} runs one forward per request"

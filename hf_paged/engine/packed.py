@@ -51,7 +51,7 @@ class PackedStep:
         self._compiled = self._compiled_cache = None
         self._attention_modules: dict[int, torch.nn.Module] = {}
         self.num_logits = 0
-        self.compiled_steps = 0  # forwards run compiled
+        self.num_compiled_steps = 0  # forwards run compiled
         self.compile_error: str | None = None  # why the forward runs eagerly after `compile_forward`
 
     def compile_forward(self, options: dict, num_logits: int) -> None:
@@ -124,7 +124,7 @@ class PackedStep:
             return logits
         if cache.num_updates == 0:
             raise never_stored(self.model_type, self.cache_keyword)
-        self.compiled_steps += 1
+        self.num_compiled_steps += 1
         return out.logits[0, : len(rows)]
 
     def _step_cache(self, rows: list[tuple[Request, int]], num_logits: int | None = None) -> StepCache:

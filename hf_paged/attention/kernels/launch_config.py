@@ -116,9 +116,9 @@ class PrefillConfig:
     dot_upcast: bool
     # Read the tiles every row sees whole (keys up to the first query's own position, inside every row's window)
     # without a mask, in a loop of their own before the masked one. Off until measured on a GPU: it saves the mask's
-    # work on most tiles of a long prompt, and costs registers (bf16 at head_dim 64 on sm_90: 183 instead of 158 in a
-    # program, 2 programs an SM instead of 3); `bench/prefill_attention.py` times both. An fp32 cache never takes it:
-    # its 128-wide variant spills on sm_90 with the second loop.
+    # work on most tiles of a long prompt and costs registers, fewer programs an SM at some head dims
+    # (docs/kernels.md); `bench/prefill_attention.py` times both. 16-bit caches only: an fp32 cache's 128-wide
+    # variant spills on sm_90 with the second loop.
     unmasked_tiles: bool = False
 
 

@@ -75,18 +75,29 @@ def _attend_tile(
     m_i,
     scale,
     softcap,
-    visible,
+    pos,
+    in_range,
+    q_pos,
+    row_mask,
+    sliding_window,
     USE_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
 ):
-    """One K/V tile into the online softmax: (acc, l_i, m_i) updated. `visible` ([BLOCK_M, BLOCK_N]) masks the logits
-    where MASKED; a tile without it has every logit finite, so its running max needs no guard."""
+    """One K/V tile (keys at positions `pos`) into the online softmax: (acc, l_i, m_i) updated. Where MASKED, each
+    (query, key) is kept when the key is in range, causal for the query at `q_pos`, inside its window and the row is
+    one of the program's; a tile without the mask has every logit finite, so its running max needs no guard."""
     logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
     if USE_SOFTCAP:
         logits = softcap_logits(logits, softcap)
     if MASKED:
+        visible = (
+            in_range[None, :]
+            & (pos[None, :] <= q_pos[:, None])
+            & (q_pos[:, None] - pos[None, :] < sliding_window)
+            & row_mask[:, None]
+        )
         logits = tl.where(visible, logits * LOG2E, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
@@ -226,8 +237,9 @@ def _paged_prefill_kernel(
                 v_cache_ptr, block_ids, offsets, kv_head, d, d_only, stride_vb, stride_vs, stride_vh, stride_vd
             )
             acc, l_i, m_i = _attend_tile(
-                q, k, v, acc, l_i, m_i, scale, softcap, 0, USE_SOFTCAP, False, DOT_PRECISION, DOT_UPCAST
-            )
+                q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, row_mask, sliding_window,
+                USE_SOFTCAP, False, DOT_PRECISION, DOT_UPCAST,
+            )  # fmt: skip
     for tile_start in range(full_hi, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
@@ -239,15 +251,10 @@ def _paged_prefill_kernel(
         v = load_kv_tile(
             v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
         )
-        visible = (
-            in_range[None, :]
-            & (pos[None, :] <= q_pos[:, None])
-            & (q_pos[:, None] - pos[None, :] < sliding_window)
-            & row_mask[:, None]
-        )
         acc, l_i, m_i = _attend_tile(
-            q, k, v, acc, l_i, m_i, scale, softcap, visible, USE_SOFTCAP, True, DOT_PRECISION, DOT_UPCAST
-        )
+            q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, row_mask, sliding_window,
+            USE_SOFTCAP, True, DOT_PRECISION, DOT_UPCAST,
+        )  # fmt: skip
 
     if use_sinks:
         # One more logit per head that attends to nothing: it only grows the denominator.
@@ -295,6 +302,8 @@ def paged_prefill_attention_triton(
     config = launch_config.prefill_config(
         head_dim, group, key_cache.dtype, launch_config.device_capability(query.device)
     )
+    if config.unmasked_tiles and key_cache.dtype == torch.float32:
+        raise ValueError("unmasked_tiles is for 16-bit caches (an fp32 cache's variant spills), got a float32 cache")
     head_tiles = launch_config.ceil_div(group, config.heads)
     num_tiles = num_tokens // config.block_q + num_seqs
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
