@@ -66,6 +66,42 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q):
 
 
 @triton.jit
+def _kv_tiles(
+    k_cache_ptr,
+    v_cache_ptr,
+    bt_row,
+    pos,
+    in_range,
+    block_size,
+    kv_head,
+    d,
+    d_mask,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    MASKED: tl.constexpr,
+):
+    """The K and V tiles (`[BLOCK_N, HEAD_DIM_PAD]` each) of the keys at positions `pos` through the sequence's block
+    table row; where MASKED, only the positions `in_range` are read (zeros elsewhere), else every one is a key."""
+    if MASKED:
+        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
+        mask = in_range[:, None] & d_mask[None, :]
+    else:
+        block_idx = pos // block_size
+        block_ids = tl.load(bt_row + block_idx).to(tl.int64)
+        offsets = pos - block_idx * block_size
+        mask = d_mask[None, :]
+    k = load_kv_tile(k_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_kb, stride_ks, stride_kh, stride_kd)
+    v = load_kv_tile(v_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_vb, stride_vs, stride_vh, stride_vd)
+    return k, v
+
+
+@triton.jit
 def _attend_tile(
     q,
     k,
@@ -224,18 +260,12 @@ def _paged_prefill_kernel(
             tl.minimum(tl.maximum(tile_lo, ((first_pos + 1) // BLOCK_N) * BLOCK_N), tile_hi),
             tile_lo,
         )
-        d_only = d_mask[None, :]
         for tile_start in range(tile_lo, full_hi, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
-            block_idx = pos // block_size
-            block_ids = tl.load(bt_row + block_idx).to(tl.int64)
-            offsets = pos - block_idx * block_size
-            k = load_kv_tile(
-                k_cache_ptr, block_ids, offsets, kv_head, d, d_only, stride_kb, stride_ks, stride_kh, stride_kd
-            )
-            v = load_kv_tile(
-                v_cache_ptr, block_ids, offsets, kv_head, d, d_only, stride_vb, stride_vs, stride_vh, stride_vd
-            )
+            k, v = _kv_tiles(
+                k_cache_ptr, v_cache_ptr, bt_row, pos, pos, block_size, kv_head, d, d_mask,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, False,
+            )  # fmt: skip
             acc, l_i, m_i = _attend_tile(
                 q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, row_mask, sliding_window,
                 USE_SOFTCAP, False, DOT_PRECISION, DOT_UPCAST,
@@ -243,14 +273,10 @@ def _paged_prefill_kernel(
     for tile_start in range(full_hi, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
-        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
-        kv_mask = in_range[:, None] & d_mask[None, :]
-        k = load_kv_tile(
-            k_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_kb, stride_ks, stride_kh, stride_kd
-        )
-        v = load_kv_tile(
-            v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
-        )
+        k, v = _kv_tiles(
+            k_cache_ptr, v_cache_ptr, bt_row, pos, in_range, block_size, kv_head, d, d_mask,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, True,
+        )  # fmt: skip
         acc, l_i, m_i = _attend_tile(
             q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, row_mask, sliding_window,
             USE_SOFTCAP, True, DOT_PRECISION, DOT_UPCAST,
