@@ -629,6 +629,7 @@ def test_a_decode_forward_that_fails_compiled_runs_eagerly(monkeypatch, caplog):
     assert got == greedy_reference("llama", prompts, NEW_TOKENS[:3])
     assert runner.compile_error == "AssertionError: an assertion inside the compiler" and not runner.compiled
     assert runner._forward is runner.model and runner.stats.eager_steps > 0
+    assert runner.buckets == [1, 2, 4]  # one row runs unpadded again
     assert sum("their compiled forward failed" in record.message for record in caplog.records) == 1
     assert pool.num_used_blocks == 0
 

@@ -160,9 +160,9 @@ def attention_modules(model: torch.nn.Module) -> dict[int, torch.nn.Module]:
     return modules
 
 
-def mark_tokens_dynamic(*tensors: torch.Tensor) -> None:
-    """Mark dimension 1 (the step's tokens) of each `[1, T]` input dynamic, so that one graph serves every T >= 2
-    (torch.compile specializes sizes 0 and 1)."""
+def mark_dynamic_size(dim: int, *tensors: torch.Tensor) -> None:
+    """Mark dimension `dim` of each input of a compiled forward dynamic (a packed step's tokens, a decode step's rows),
+    so that one graph serves every size >= 2; a size of 0 or 1 stays static (torch.compile specializes them)."""
     for tensor in tensors:
-        if tensor.shape[1] >= 2:
-            torch._dynamo.mark_dynamic(tensor, 1)
+        if tensor.shape[dim] >= 2:
+            torch._dynamo.mark_dynamic(tensor, dim)

@@ -43,6 +43,7 @@ from ..attention.kernels.dispatch import resolve_backends
 from ..cache.gather import GatherWorkspace
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
+from .compiled_step import mark_dynamic_size
 from .model_support import never_stored
 from .runner_cache import RunnerCache
 
@@ -422,7 +423,6 @@ class DecodeRunner:
         self._drop_graphs()
         self._forward = torch.compile(self.model, **{"fullgraph": True, **options})
         self.compiled = True
-        self._eager_buckets = self.buckets
         # One graph for every bucket: the batch size is a dynamic size from the first step (`_run_model`), and one
         # row runs as two (torch.compile specializes a size of 1).
         if len(self.buckets) > 1:
@@ -433,9 +433,7 @@ class DecodeRunner:
         input_ids, position_ids = self.input_ids[: self.num_rows], self.position_ids[: self.num_rows]
         if self.compiled:
             cache.make_layers()
-            if self.num_rows > 1:
-                torch._dynamo.mark_dynamic(input_ids, 0)
-                torch._dynamo.mark_dynamic(position_ids, 0)
+            mark_dynamic_size(0, input_ids, position_ids)  # [rows, 1]
         try:
             out = self._call_forward(self._forward, input_ids, position_ids)
         except UnsupportedModel:
@@ -448,7 +446,7 @@ class DecodeRunner:
             # eager one from now on.
             out = self._call_forward(self.model, input_ids, position_ids)
             self._forward, self.compiled = self.model, False
-            self.buckets = self._eager_buckets
+            self.buckets = batch_buckets(self.buckets[-1])  # one row unpadded again
             self.compile_error = f"{type(error).__name__}: {error}"
             self._drop_graphs()  # captured from the compiled forward
             logger.warning("Engine: decode steps run eagerly, their compiled forward failed: %s", error)

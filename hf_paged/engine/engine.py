@@ -238,11 +238,8 @@ class Engine:
         return async_scheduling
 
     def _compile_decode(self, compile_decode) -> None:
-        if not isinstance(compile_decode, (bool, dict)):
-            raise ValueError(
-                f"compile_decode must be True, False or a dict of torch.compile keywords, got {compile_decode!r}"
-            )
-        if compile_decode is False:
+        options = _compile_options("compile_decode", compile_decode)
+        if options is None:
             return
         if self.runner is None:
             raise ValueError(f"compile_decode needs the decode runner, and this Engine has none: {self.runner_reason}")
@@ -252,14 +249,11 @@ class Engine:
                 "compile_decode needs the Triton kernels (a pool on CUDA, or HF_PAGED_ATTENTION_BACKEND=triton under "
                 f"TRITON_INTERPRET=1), this Engine stores K/V with the {self.runner.store!r} backend"
             )
-        self.runner.compile_forward({} if compile_decode is True else dict(compile_decode))
+        self.runner.compile_forward(options)
 
     def _compile_prefill(self, compile_prefill, max_num_seqs: int) -> None:
-        if not isinstance(compile_prefill, (bool, dict)):
-            raise ValueError(
-                f"compile_prefill must be True, False or a dict of torch.compile keywords, got {compile_prefill!r}"
-            )
-        if compile_prefill is False:
+        options = _compile_options("compile_prefill", compile_prefill)
+        if options is None:
             return
         if self.step_mode != PACKED:
             reason = f"model type {getattr(self.model.config, 'model_type', None)!r} runs one forward per request"
@@ -273,7 +267,7 @@ class Engine:
             reason = None
         if reason is not None:
             raise ValueError(f"compile_prefill needs the packed step over the pool, and this Engine cannot: {reason}")
-        self.step_runner.step.compile_forward({} if compile_prefill is True else dict(compile_prefill), max_num_seqs)
+        self.step_runner.step.compile_forward(options, max_num_seqs)
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
@@ -841,6 +835,16 @@ def _check_prefix_caching(pool: BlockPool, enable_prefix_caching: bool) -> None:
             "the pool with BlockPool.for_model(model, ..., enable_prefix_caching=True), or pass "
             "enable_prefix_caching=False"
         )
+
+
+def _compile_options(name: str, value) -> dict | None:
+    """torch.compile's keywords for the Engine argument `name` (`compile_decode`, `compile_prefill`): True its
+    defaults, a dict its keywords, False None (nothing compiled)."""
+    if not isinstance(value, (bool, dict)):
+        raise ValueError(f"{name} must be True, False or a dict of torch.compile keywords, got {value!r}")
+    if value is False:
+        return None
+    return {} if value is True else dict(value)
 
 
 def _errors(requests: list[Request]) -> dict[int, str]:

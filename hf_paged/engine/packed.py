@@ -19,7 +19,7 @@ import torch
 
 from ..errors import UnsupportedModel
 from ..storage import BlockPool
-from .compiled_step import CompiledStepCache, attention_modules, mark_tokens_dynamic, running
+from .compiled_step import CompiledStepCache, attention_modules, mark_dynamic_size, running
 from .decode_runner import DecodeRunner
 from .model_support import never_stored
 from .request import Request
@@ -105,7 +105,7 @@ class PackedStep:
         rows again stores the same K/V in the same slots."""
         cache = self._step_cache(rows, self.num_logits)
         input_ids, position_ids = cache.input_ids, cache.position_ids
-        mark_tokens_dynamic(input_ids, position_ids)
+        mark_dynamic_size(1, input_ids, position_ids)  # [1, T]
         try:
             with running(cache, self._attention_modules):
                 out = self._compiled(
