@@ -297,6 +297,9 @@ def main(argv=None) -> int:
         if "engine" in runs and other in runs:
             same = sum(a == b for a, b in zip(runs["engine"]["outputs"], runs[other]["outputs"]))
             results[f"{other}_vs_eager_identical"] = f"{same}/{len(workload.requests)} ({args.dtype})"
+    if "engine-async" in runs and "engine-async-compiled" in runs:  # the same graphs and scheduling, compiled or not
+        same = sum(a == b for a, b in zip(runs["engine-async"]["outputs"], runs["engine-async-compiled"]["outputs"]))
+        results["engine-async-compiled_vs_async_identical"] = f"{same}/{len(workload.requests)} ({args.dtype})"
     check()
     table = [
         [name, f"{run['tok_per_s']:.1f}", f"{run['tok_per_s'] / runs['transformers-cb']['tok_per_s']:.2f}x"]

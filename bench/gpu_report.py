@@ -402,6 +402,7 @@ def _engine_section(out: Path) -> str:
     labels = (
         ("engine-graphs_vs_eager_identical", "graph vs eager tokens"),
         ("engine-async_vs_eager_identical", "graphs + async scheduling vs eager tokens"),
+        ("engine-async-compiled_vs_async_identical", "compiled forwards vs engine-async tokens"),
         ("check", "in float32"),
     )
     for key, label in labels:
