@@ -22,10 +22,10 @@ gets `--kv-memory` of K/V:
 
 Each Engine first serves a short burst of its own (`warm_up_s`: Triton's and torch.compile's compiling, the first
 graphs captured), then the timed one. For each: output tokens per second over the whole burst, and for the Engine a
-profile of `--profile-steps`
-decode-only steps (once every request is past its prompt): wall and CUDA kernel time per step (torch.profiler), so
-the GPU's busy share. Then the graph run's and the asynchronous run's tokens against the eager run's, in float32
-(`--check-dtype`), on the first `--check-requests` requests.
+profile of `--profile-steps` decode-only steps (once every request is past its prompt): wall and CUDA kernel time per
+step (torch.profiler), so the GPU's busy share. Those steps, and the profiler's own start and stop, are left out of
+the Engine's tokens per second (its time and its tokens). Then the graph run's and the asynchronous run's tokens
+against the eager run's, in float32 (`--check-dtype`), on the first `--check-requests` requests.
 
 On CPU, `--tiny` runs the Engine parts on a 2-layer model (a dry run; graphs need CUDA).
 
@@ -121,11 +121,18 @@ def run_engine(
     # Wall time of each kind of step, outside the profiler: "decode" (every running request adds one token, nothing
     # waits: the steps CUDA graphs replay) and "prefill" (a step that also prefills, run eagerly).
     step_seconds: dict[str, list[float]] = {"decode": [], "prefill": []}
+    # The profiled steps, with the profiler's own start and stop (0.5-2 s on an H200), are left out of the timed run:
+    # its wall time and the tokens its speed counts.
+    window_s, window_tokens = 0.0, 0
     start = time.perf_counter()
     while engine.has_unfinished():
         decode_only = not engine.num_waiting and all(r.num_pending == 1 for r in engine.scheduler.running)
         if profile and step_profile is None and decode_only and engine.num_running >= 2:
+            if cuda:
+                torch.cuda.synchronize()  # the steps before it finish inside the timed run
+            window_start = time.perf_counter()
             step_profile = profile_steps(engine, args.profile_steps, cuda)
+            window_s, window_tokens = time.perf_counter() - window_start, step_profile["tokens"]
             continue
         step_start, prefill_tokens = time.perf_counter(), engine.stats.prefill_tokens
         engine.step()
@@ -134,16 +141,18 @@ def run_engine(
         step_seconds[kind].append(time.perf_counter() - step_start)
     if cuda:
         torch.cuda.synchronize()
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start - window_s
     outputs = [engine.request(r).output_ids for r in request_ids]
     failed = [engine.request(r).error for r in request_ids if engine.request(r).error]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[:3]}")
     runner = engine.runner.stats if engine.runner is not None else None
+    tokens = sum(len(o) for o in outputs)
     return dict(
-        wall_s=wall,
-        output_tokens=sum(len(o) for o in outputs),
-        tok_per_s=sum(len(o) for o in outputs) / wall,
+        wall_s=wall,  # the profiled window left out
+        output_tokens=tokens,
+        tok_per_s=(tokens - window_tokens) / wall,
+        profile_window=dict(seconds=window_s, tokens=window_tokens),
         warm_up_s=warm_up_s,
         num_steps=engine.stats.num_steps - steps_before[0],
         num_async_steps=engine.stats.num_async_steps - steps_before[1],
@@ -198,6 +207,7 @@ def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
             for e in kernels[:TOP_KERNELS]
         ],
         steps=len(rows),
+        tokens=sum(rows),  # a decode step adds one token per row
         mean_rows=sum(rows) / steps,
         wall_ms_per_step=wall / steps * 1e3,
         cuda_ms_per_step=kernel_us / 1e3 / steps,
@@ -283,8 +293,11 @@ def main(argv=None) -> int:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run
         save()
+        window = run.get("profile_window") or {}
+        left_out = f", {window['tokens']} profiled ones left out" if window.get("tokens") else ""
         print(
-            f"{name:16s} {run['tok_per_s']:9.1f} output tok/s  ({run['output_tokens']} tokens in {run['wall_s']:.1f} s)"
+            f"{name:16s} {run['tok_per_s']:9.1f} output tok/s  ({run['output_tokens']} tokens{left_out}, "
+            f"{run['wall_s']:.1f} s)"
         )
         if run.get("profile"):
             p = run["profile"]

@@ -38,6 +38,11 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
     profile = runs["engine"]["profile"]
     assert profile["steps"] == 3 and profile["mean_rows"] >= 2 and profile["wall_ms_per_step"] > 0
     assert runs["engine"]["runner"]["eager_steps"] > 0
+    # the profiled steps' time and tokens are left out of the Engine's speed
+    window = runs["engine"]["profile_window"]
+    assert window["tokens"] == profile["tokens"] >= 6 and window["seconds"] > 0
+    engine_speed = (tokens["engine"] - window["tokens"]) / runs["engine"]["wall_s"]
+    assert runs["engine"]["tok_per_s"] == engine_speed
     steps = runs["engine"]["steps"]  # every step but the profiled ones, by kind
     assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
     assert steps["prefill"]["steps"] + steps["decode"]["steps"] + 3 == runs["engine"]["num_steps"]

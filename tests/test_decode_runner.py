@@ -586,9 +586,9 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
 
 
 def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch):
-    """Rows padded to buckets as under CUDA graphs, 12 requests finishing one by one: every bucket (2 to 16; one row
-    runs as two) is one traced graph, the batch a dynamic size, the buffers read at full width, no shared-prefix
-    split; the tokens are generate()'s."""
+    """Rows padded to buckets as under CUDA graphs, 12 requests finishing one by one, then rows past the table's
+    width: every bucket (2 to 16; one row runs as two) and both widths are one traced graph, the batch and the width
+    dynamic sizes, the buffers read at full width, no shared-prefix split; the tokens are generate()'s."""
     from torch._dynamo.utils import counters
 
     require_triton_on_cpu()
@@ -606,6 +606,13 @@ def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch):
     )
     assert counters["stats"]["unique_graphs"] == 1 and runner.compile_error is None
     assert runner.stats.padded_rows > 0 and pool.num_used_blocks == 0
+    # Rows past 16 blocks double the table width: W is a dynamic size too, so the same graph serves them.
+    assert runner.graph_width == 16
+    prompts = random_prompts((70, 9))
+    assert engine.generate(prompts, max_new_tokens=[5, 3], ignore_eos=True) == greedy_reference(
+        "llama", prompts, [5, 3]
+    )
+    assert runner.graph_width == 32 and counters["stats"]["unique_graphs"] == 1 and runner.compile_error is None
     torch._dynamo.reset()
 
 

@@ -113,14 +113,15 @@ def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(name, monke
 
 
 def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(monkeypatch):
-    """A row past 16 blocks doubles the graphs' table width: the graphs are captured again (into a memory pool of
-    their own), the steps after it are replayed, and the tokens stay generate()'s."""
+    """A row that grows towards 17 blocks doubles the graphs' table width of 16 once it is halfway there (W holds up
+    to twice the longest row): the graphs are captured again (into a memory pool of their own), the steps after it
+    are replayed, and the tokens stay generate()'s."""
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (60, 7)]
-    new_tokens = [16, 12]
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (7, 5)]
+    new_tokens = [60, 12]  # the first row ends at 67 tokens: 17 blocks of 4
     model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
-    pool = BlockPool.for_model(model, num_blocks=48, block_size=4)  # the 60-token prompt alone fills 15 blocks
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=4)
     engine = Engine(model, pool, max_num_seqs=4)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         "llama", prompts, new_tokens, "cuda"

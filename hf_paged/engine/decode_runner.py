@@ -191,12 +191,14 @@ class DecodeRunner:
         num_groups, width = self.pool.num_groups, self.graph_width
         self._num_fields = 3 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
-        self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
-        # On CPU the buffers are their own staging tensor: nothing to copy.
-        on_cpu = self.pool.device.type == "cpu"
-        self._host = (
-            self._device if on_cpu else torch.zeros(size, dtype=torch.long, pin_memory=self.pool.device.type == "cuda")
-        )
+        # Normal tensors even when a step (under inference mode) widens them: a compiled forward guards on its inputs'
+        # dispatch keys, and inference tensors would make it compile again.
+        with torch.inference_mode(False):
+            self._device = torch.zeros(size, dtype=torch.long, device=self.pool.device)
+            # On CPU the buffers are their own staging tensor: nothing to copy.
+            on_cpu = self.pool.device.type == "cpu"
+            pin = self.pool.device.type == "cuda"
+            self._host = self._device if on_cpu else torch.zeros(size, dtype=torch.long, pin_memory=pin)
         self._max_rows = max_rows
         self._host_fields = self._host[: self._num_fields * max_rows].view(self._num_fields, max_rows)
         fields = self._device[: self._num_fields * max_rows].view(self._num_fields, max_rows)
@@ -434,6 +436,7 @@ class DecodeRunner:
         if self.compiled:
             cache.make_layers()
             mark_dynamic_size(0, input_ids, position_ids)  # [rows, 1]
+            mark_dynamic_size(1, *self.tables)  # [max_rows, W]: W doubles as rows grow
         try:
             out = self._call_forward(self._forward, input_ids, position_ids)
         except UnsupportedModel:

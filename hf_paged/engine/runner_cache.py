@@ -94,10 +94,16 @@ class GroupStep:
         # `num_rows`: the states' rows, `runner.num_rows` (a size of the traced graph's inputs where the forward is
         # compiled, not a number the graph is specialized on)
         self.runner = runner
-        self.tables = runner.tables[group][:num_rows, : runner.table_width]  # [B, table_width]
+        if runner.compiled:
+            # Full width, W a size of the traced graph's inputs (`mark_dynamic_size` in the runner) rather than a
+            # number it is specialized on: a row that doubles W compiles nothing again.
+            self.tables = runner.tables[group][:num_rows]  # [B, W]
+            self.width = self.tables.shape[1] * runner.pool.block_size
+        else:
+            self.tables = runner.tables[group][:num_rows, : runner.table_width]  # [B, table_width]
+            self.width = runner.kv_width
         self.seq_lens = runner.seq_lens[group][:num_rows]
         self.slots = runner.slots[group][:num_rows]
-        self.width = runner.kv_width
         self.full_rows = runner.full_rows[group]
         self.group = group
         self.length_masks: dict = {}
