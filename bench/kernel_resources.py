@@ -164,9 +164,9 @@ PREFILL_TEXT = (
     "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
     "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
     "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
-    "stack frame there). The launchers' variants take one masked loop over the keys; with `unmasked_tiles` "
-    "(launch_config, 16-bit caches, off until measured on a GPU) a loop before it reads the tiles every row sees "
-    "whole, without a mask: the rows with 'unmasked tiles' below."
+    "stack frame there). 16-bit caches' variants first read the tiles every row sees whole without a mask "
+    "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the "
+    "diagonal ones with it; fp32 caches' take the masked loop only (the 128-wide one would spill with the second)."
 )
 
 

@@ -5,8 +5,8 @@ and attends causally over all of them:
   (a) paged:        `hf_paged.attention.kernels.paged_prefill_attention`, the sequences packed (`cu_seqlens_q`),
                     K/V read from the block pool through scattered block tables (stored head-major, as a
                     `BlockPool` stores them);
-      with the Triton backend, again with `unmasked_tiles` (launch_config: the tiles every row of a program sees
-      whole read without a mask; off by default until measured);
+      with the Triton backend in 16 bits, again with `unmasked_tiles` turned the other way (launch_config: the tiles
+      every row of a program sees whole read without a mask, on by default for 16-bit caches): "masked tiles only";
   (b) sdpa-contig:  `torch.nn.functional.scaled_dot_product_attention` per batch on contiguous K/V with the
                     lower-right causal bias (flash or memory-efficient kernels on CUDA): what a non-paged cache does.
 GQA runs through SDPA with `enable_gqa`. FLOPs count the causal half of QK^T and PV, `4 * heads * head_dim * new *
@@ -105,11 +105,13 @@ def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, pe
         config = launch_config.prefill_config(
             args.head_dim, args.num_q_heads // args.num_kv_heads, dtype, launch_config.device_capability(device)
         )
-        if not config.unmasked_tiles and dtype != torch.float32:
-            with launched_with(dataclasses.replace(config, unmasked_tiles=True), "prefill_config"):
+        if dtype != torch.float32:  # the other way of reading the whole tiles (fp32 caches take one loop only)
+            other = dataclasses.replace(config, unmasked_tiles=not config.unmasked_tiles)
+            with launched_with(other, "prefill_config"):
                 ms = time_ms(paged, device, args.warmup_ms, args.rep_ms)
                 outs.append(out.float())
-            rows.append({**cell, "method": "paged (triton, unmasked tiles)", "ms": ms})
+            label = "unmasked tiles" if other.unmasked_tiles else "masked tiles only"
+            rows.append({**cell, "method": f"paged (triton, {label})", "ms": ms})
 
     # contiguous K/V [B, Hkv, S, D] and the query [B, Hq, new, D]
     positions = torch.arange(seq_len, device=device)

@@ -72,18 +72,18 @@ def test_prefill_benchmark_smoke_run_matches_sdpa(tmp_path, backend):
     assert section.count("sdpa-contig") == 2 and f"paged ({backend})" in section
 
 
-def test_prefill_benchmark_times_the_kernel_with_unmasked_tiles_too(tmp_path):
-    """In 16 bits the Triton kernel runs twice, the second time with `unmasked_tiles` (off by default until measured):
-    both against SDPA."""
+def test_prefill_benchmark_times_the_kernel_with_masked_tiles_only_too(tmp_path):
+    """In 16 bits the Triton kernel runs twice, the second time without `unmasked_tiles` (on by default there): both
+    against SDPA."""
     require_triton_on_cpu()
     path = tmp_path / "prefill_bf16_d64.json"
     argv = ["--device", "cpu", "--backend", "triton", "--dtype", "bf16", "--num-q-heads", "4", "--num-kv-heads", "2"]
     argv += ["--head-dim", "32", "--cells", "1:80:0", "--rep-ms", "1", "--json", str(path)]
     assert prefill_attention.main(argv) == 0
     results = json.loads(path.read_text())["results"]
-    assert [r["method"] for r in results] == ["paged (triton)", "paged (triton, unmasked tiles)", "sdpa-contig"]
+    assert [r["method"] for r in results] == ["paged (triton)", "paged (triton, masked tiles only)", "sdpa-contig"]
     assert all(r["max_abs_err_vs_sdpa"] < 2e-2 and r["speed_vs_sdpa"] > 0 for r in results[:2])
-    assert "paged (triton, unmasked tiles)" in _prefill_section(tmp_path)
+    assert "paged (triton, masked tiles only)" in _prefill_section(tmp_path)
 
 
 def test_decode_benchmark_smoke_run_matches_sdpa(tmp_path):

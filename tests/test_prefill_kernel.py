@@ -160,9 +160,10 @@ def test_prefill_heads_head_dim_dtype(impl, num_q_heads, num_kv_heads, head_dim,
     ids=["plain", "softcap-sinks", "kv-start-on-tile", "kv-start-off-tile", "wide-window", "window-81", "window-64"],
 )
 def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
-    """The kernel with `unmasked_tiles` (launch_config: off by default): the tiles every row of a program sees whole
-    read without a mask, the diagonal ones with it, on chunks long enough for both over 62 and 63 cached keys (the first
-    query's position just before a tile boundary), in bf16."""
+    """The kernel with `unmasked_tiles` (launch_config: on by default for 16-bit caches, set here whatever the
+    default): the tiles every row of a program sees whole read without a mask, the diagonal ones with it, on chunks
+    long enough for both over 62 and 63 cached keys (the first query's position just before a tile boundary), in
+    bf16."""
     prefill_config = launch_config.prefill_config
     monkeypatch.setattr(
         launch_config,
@@ -235,3 +236,19 @@ def test_prefill_rejects_inputs_that_do_not_fit():
         )
     with pytest.raises(ValueError, match="query head_dim 16 != cache head_dim 32"):
         paged_prefill_attention(query[..., :16], key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, scale=1)
+
+
+@pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
+def test_unmasked_tiles_are_the_default_for_16_bit_caches_and_refused_for_fp32_ones(monkeypatch):
+    """16-bit caches read the whole tiles without a mask by default; an fp32 cache, whose variant would spill with the
+    second loop, is refused it by name."""
+    for dtype in (torch.float16, torch.bfloat16):
+        assert launch_config.prefill_config(64, 4, dtype, 90).unmasked_tiles
+    assert not launch_config.prefill_config(64, 4, torch.float32, 90).unmasked_tiles
+    prefill_config = launch_config.prefill_config
+    monkeypatch.setattr(
+        launch_config, "prefill_config", lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True)
+    )
+    args = make_prefill([12, 5], [4, 5], dtype=torch.float32)
+    with pytest.raises(ValueError, match="unmasked_tiles is for 16-bit caches .* got a float32 cache"):
+        kernels.paged_prefill_attention_triton(*args, scale=1.0)

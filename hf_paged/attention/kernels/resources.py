@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import itertools
 import json
 import os
@@ -187,18 +186,9 @@ def _small_prefill_call(dtype, head_dim, group, block_size, option) -> None:
         kwargs["softcap"] = 30.0
     if option in ("sinks", "all"):
         kwargs["sinks"] = torch.zeros(num_kv_heads * group)
-    if option.startswith("unmasked"):  # launch_config's unmasked_tiles, off by default: its variants compile too
-        if option.endswith("softcap"):
-            kwargs["softcap"] = 30.0
-        chooser = launch_config.prefill_config
-        launch_config.prefill_config = lambda *args: dataclasses.replace(chooser(*args), unmasked_tiles=True)
-    try:
-        paged_prefill_attention_triton(
-            query, pool, pool, block_tables, cu_seqlens_q, seq_lens, scale=head_dim**-0.5, **kwargs
-        )
-    finally:
-        if option.startswith("unmasked"):
-            launch_config.prefill_config = chooser
+    paged_prefill_attention_triton(
+        query, pool, pool, block_tables, cu_seqlens_q, seq_lens, scale=head_dim**-0.5, **kwargs
+    )
 
 
 def _small_store_call(key_dtype, cache_dtype, head_dim, block_size, num_tokens) -> None:
@@ -232,22 +222,12 @@ def _driven_calls():
         )
         yield description, lambda a=(dtype, head_dim, group, block_size, num_splits, option): _small_decode_call(*a)
     # the prefill kernel: a variant per (dtype, head_dim tile, q heads per program, softcap, sinks)
-    prefill_calls = (
-        [
-            (dtype, head_dim, group, 16, "plain")
-            for dtype, head_dim, group in itertools.product(DTYPES, HEAD_DIMS, GROUPS)
-        ]
-        + [
-            (dtype, head_dim, 4, block_size, option)
-            for dtype, head_dim, block_size, option in itertools.product(DTYPES, HEAD_DIMS, (8, 128), PREFILL_OPTIONS)
-        ]
-        + [
-            (dtype, head_dim, 4, 16, option)
-            for dtype, head_dim, option in itertools.product(
-                (torch.float16, torch.bfloat16), HEAD_DIMS, ("unmasked", "unmasked softcap")
-            )
-        ]
-    )
+    prefill_calls = [
+        (dtype, head_dim, group, 16, "plain") for dtype, head_dim, group in itertools.product(DTYPES, HEAD_DIMS, GROUPS)
+    ] + [
+        (dtype, head_dim, 4, block_size, option)
+        for dtype, head_dim, block_size, option in itertools.product(DTYPES, HEAD_DIMS, (8, 128), PREFILL_OPTIONS)
+    ]
     for dtype, head_dim, group, block_size, option in prefill_calls:
         name = str(dtype).removeprefix("torch.")
         description = f"prefill {name} head_dim={head_dim} group={group} block_size={block_size} {option}"
