@@ -25,14 +25,22 @@ difference, argmax), with what SDPA received at layer 0 (the K strides: a view o
 the backend it picks for those inputs (`torch._fused_sdp_choice`). "paged, contiguous K/V" hands SDPA a contiguous
 copy of the same K/V, as DynamicCache does, so a difference that only the view causes shows as the two disagreeing.
 
+With `--host-profile N`, each eager variant's generate() of N new tokens at batch 1 runs once more under cProfile:
+the host time per new token by where it is spent (hf_paged, transformers, torch, triton, the rest; C functions such
+as an ATen call or a kernel launch counted where they are defined, `~`: builtins) and the functions with the most own
+time. cProfile slows Python down, so the numbers compare variants with each other, not with the timed runs.
+
     python bench/generate_speed.py --json bench/results/gpu/generate.json
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import copy
+import cProfile
 import json
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -111,6 +119,7 @@ def main(argv=None) -> int:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on CPU")
     parser.add_argument("--compile-all-devices", action="store_true", help="compile on CPU too (aot_eager)")
+    parser.add_argument("--host-profile", type=int, default=0, help="new tokens of each eager variant's cProfile")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -153,6 +162,10 @@ def main(argv=None) -> int:
             print(f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token", flush=True)
     print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
 
+    if args.host_profile:
+        results["host_profile"] = host_profiles(models, shape, args)
+        save()
+
     if args.trace_steps:
         results["trace"] = trace_logits(models, shape, args)
         save()
@@ -160,6 +173,55 @@ def main(argv=None) -> int:
         results["identity"] = check_tokens(args, shape, compile_config)
     save()
     return 0
+
+
+HOST_GROUPS = ("hf_paged", "transformers", "torch", "triton")
+TOP_FUNCTIONS = 15
+
+
+def _host_group(filename: str) -> str:
+    """Where a profiled function is defined: a package of HOST_GROUPS, "builtin" (`~`: C functions such as ATen
+    calls and kernel launches), or "other"."""
+    if filename == "~":
+        return "builtin"
+    parts = Path(filename).parts
+    return next((group for group in HOST_GROUPS if group in parts), "other")
+
+
+def host_profiles(models, shape: dict, args) -> dict:
+    """Each eager variant's generate() of `--host-profile` new tokens at batch 1 under cProfile (after a warm-up
+    run): host ms per new token by `_host_group`, and the functions with the most own time."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
+    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(1, args), block_size=16)
+    profiles = {}
+    for variant in [v for v in args.variants if not v.endswith("-compiled")]:
+        _, _, cache = run(variant, models, pool, input_ids, args.host_profile, None)  # warm-up
+        cache = None if variant == "dynamic" else cache
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _, seconds, _ = run(variant, models, pool, input_ids, args.host_profile, None, cache=cache)
+        profiler.disable()
+        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, own s, cumulative s, callers)
+        by_group = collections.Counter()
+        for (filename, _, _), (_, _, own, _, _) in stats.items():
+            by_group[_host_group(filename)] += own
+        top = sorted(stats.items(), key=lambda item: -item[1][2])[:TOP_FUNCTIONS]
+        per_token = 1e3 / args.host_profile
+        profiles[variant] = dict(
+            ms_per_token=seconds * per_token,
+            ms_per_token_by_group={group: own * per_token for group, own in by_group.most_common()},
+            top=[
+                dict(
+                    function=f"{Path(filename).name}:{line} {name}" if filename != "~" else name,
+                    calls_per_token=calls / args.host_profile,
+                    own_us_per_token=own * per_token * 1e3,
+                )
+                for (filename, line, name), (_, calls, own, _, _) in top
+            ],
+        )
+        print(f"host profile {variant}: {profiles[variant]['ms_per_token_by_group']}", flush=True)
+    return profiles
 
 
 def check_tokens(args, shape: dict, compile_config) -> list[dict]:

@@ -290,7 +290,7 @@ def _prefill_section(out: Path) -> str:
 # json file -> (step, its arguments). Compiled variants run apart and at batch 1 only (their floors' batch): each
 # compiles the 1B model's forward once per dtype, a minute or so, and a timeout there leaves the eager numbers.
 GENERATE_RUNS = {
-    "generate.json": ("generate speed", ["--variants", "dynamic", "paged", "paged+hf_paged"]),
+    "generate.json": ("generate speed", ["--variants", "dynamic", "paged", "paged+hf_paged", "--host-profile", "32"]),
     "generate_compiled.json": (
         "generate speed, compiled",
         ["--variants", "dynamic", "static-compiled", "paged-compiled", "--batch", "1", "--trace-steps", "0"],
@@ -311,7 +311,7 @@ def _generate_section(out: Path) -> str:
         f"{reports[0]['device']}, {args['dtype']}, prompt {args['prompt_len']}, {args['new_tokens']} new tokens, "
         f"greedy; {reports[0]['versions']}\n"
     ]
-    rows, identity, trace = [], [], None
+    rows, identity, trace, host = [], [], None, None
     for report in reports:  # each step's speeds against the DynamicCache runs of that step
         dynamic = {}
         for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
@@ -326,6 +326,7 @@ def _generate_section(out: Path) -> str:
             )
         identity += [r for r in report.get("identity") or [] if r["variant"] != "dynamic"]
         trace = trace or report.get("trace")
+        host = host or report.get("host_profile")
     parts.append(tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"))
     if trace:
         rows = [
@@ -364,7 +365,31 @@ def _generate_section(out: Path) -> str:
             f"\nTokens against DynamicCache in {args['check_dtype']} ({args['check_tokens']} new tokens):\n",
             tabulate(rows, ["batch", "variant", "identical rows", "first differing step"], tablefmt="github"),
         ]
+    if host:
+        parts.append(_host_profile_tables(host))
     return "\n".join(parts) + "\n"
+
+
+def _host_profile_tables(host: dict) -> str:
+    """generate_speed's `--host-profile`: host ms per new token by where it is spent, then each variant's functions
+    with the most own time."""
+    groups = sorted({group for profile in host.values() for group in profile["ms_per_token_by_group"]})
+    rows = [
+        [variant, f"{p['ms_per_token']:.2f}", *(f"{p['ms_per_token_by_group'].get(g, 0.0):.2f}" for g in groups)]
+        for variant, p in host.items()
+    ]
+    parts = [
+        "\nHost time under cProfile, batch 1, ms per new token (own time of the functions defined there; `builtin`: "
+        "C functions such as ATen calls and kernel launches):\n",
+        tabulate(rows, ["variant", "generate()", *groups], tablefmt="github", disable_numparse=True),
+    ]
+    for variant, profile in host.items():
+        table = [[f["function"], f"{f['calls_per_token']:.1f}", f"{f['own_us_per_token']:.0f}"] for f in profile["top"]]
+        parts += [
+            f"\nMost own host time, {variant}:\n",
+            tabulate(table, ["function", "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
+        ]
+    return "\n".join(parts)
 
 
 def _engine_section(out: Path) -> str:

@@ -23,6 +23,8 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
         "--repeats",
         "1",
         "--compile-all-devices",
+        "--host-profile",
+        "3",
     ]
     argv += ["--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -43,12 +45,20 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert all(entry.endswith("K contiguous") for entry in report["trace"]["dynamic_sdpa"])
     assert any("K strided" in entry for entry in trace["paged"]["sdpa"])
     assert all(entry.endswith("K contiguous") for entry in trace["paged, contiguous K/V"]["sdpa"])
+    # The eager variants' host time under cProfile: hf_paged's own code shows for PagedCache only.
+    host = report["host_profile"]
+    assert set(host) == {"dynamic", "paged", "paged+hf_paged"}
+    assert all(p["ms_per_token"] > 0 and len(p["top"]) == 15 for p in host.values())
+    assert host["paged"]["ms_per_token_by_group"]["hf_paged"] > 0
+    assert "hf_paged" not in host["dynamic"]["ms_per_token_by_group"]
+    assert host["paged"]["ms_per_token_by_group"]["transformers"] > 0
 
     from bench.gpu_report import _generate_section
 
     section = _generate_section(tmp_path)
     assert "paged+hf_paged-compiled" in section and "2/2" in section
     assert "| paged, contiguous K/V " in section and "first step with other logits" in section
+    assert "Most own host time, paged+hf_paged" in section and "Host time under cProfile" in section
 
     # The compiled variants' own step (bench/gpu_report.py runs them apart) joins the same table.
     compiled = dict(report, speed=[r for r in report["speed"] if r["variant"] in ("dynamic", "paged-compiled")])
