@@ -19,8 +19,9 @@
    beside their defaults (head_dim 64, 128 and 256; 64 and 128), the numbers their launch choices are made from;
 7. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
 
-They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, 3 eager), then 3 compiled
-(each compiles the model), 4 in fp32, 6 and 7, so a run cut short by its deadline loses the least. Each step runs in
+They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, then 6 for the prefill
+kernel, the furthest from its floor, then 3 eager), then 3 compiled (each compiles the model), 4 in fp32, 6 for the
+decode kernel and 7, so a run cut short by its deadline loses the least. Each step runs in
 its own process and the report records its command, exit status and time, so one failing step does not hide the
 others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
 step failed. Without CUDA it runs nothing, says so, and exits 2.
@@ -127,20 +128,23 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
             command += ["--serving-json", str(out / f"serving_{dtype}.json")]
             outputs = [out / f"SERVING_{dtype}.md", out / f"cache_report_{dtype}.json", out / f"serving_{dtype}.json"]
             runs["serving"].append(Step("serving", f"serving {dtype}", command, outputs=outputs))
-    # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, eager generate()),
-    # then what takes longest (compiling the model) and what no floor reads (fp32 decode, tuning, serving), so a run
-    # cut short by its deadline loses the least.
+    # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, the prefill kernel's
+    # tuning, as that kernel is the furthest from its floor, eager generate()), then what takes longest (compiling the
+    # model) and what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run cut short by its
+    # deadline loses the least.
     decode_bf16 = [step for step in runs["decode"] if " bf16 " in step.name]
     generate_eager = [step for step in runs["generate"] if "compiled" not in step.name]
+    prefill_tuning = [step for step in runs["tuning"] if step.name.startswith("prefill")]
     return [
         *runs["tests"],
         *runs["engine"],
         *decode_bf16,
         *runs["prefill"],
+        *prefill_tuning,
         *generate_eager,
         *[step for step in runs["generate"] if step not in generate_eager],
         *[step for step in runs["decode"] if step not in decode_bf16],
-        *runs["tuning"],
+        *[step for step in runs["tuning"] if step not in prefill_tuning],
         *runs["serving"],
     ]
 

@@ -61,8 +61,8 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     steps = gpu_report.plan(tmp_path, set())
     kinds = [step.kind for step in steps]
     assert set(kinds) == set(gpu_report.STEP_KINDS)
-    # tests, the Engine, the bf16 decode and prefill kernels, eager generate(); then the model compiled; then fp32
-    # decode, tuning and serving, which no floor reads.
+    # tests, the Engine, the bf16 decode and prefill kernels, the prefill kernel's tuning, eager generate(); then the
+    # model compiled; then fp32 decode, the decode kernel's tuning and serving, which no floor reads.
     order = [
         "tests",
         "engine",
@@ -71,11 +71,12 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
         "decode bf16 head_dim 256",
         "prefill bf16 head_dim 64",
         "prefill bf16 head_dim 128",
+        "prefill kernel tuning",
         "generate speed",
         "generate speed, compiled",
         "generate speed, compiled paged kernel",
         "decode fp32 head_dim 128",
-        "tuning",
+        "decode kernel tuning",
         "serving",
     ]
     ranks = [next(i for i, name in enumerate(order) if name in (step.name, step.kind)) for step in steps]
