@@ -156,7 +156,9 @@ def table(result: dict, context_label: str = "context") -> str:
     return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
 
 
-def add_grid_arguments(parser: argparse.ArgumentParser, block_ns, *, rep_ms: float, tolerance: float) -> None:
+def add_grid_arguments(
+    parser: argparse.ArgumentParser, block_ns, *, rep_ms: float, tolerance: float, num_stages=NUM_STAGES
+) -> None:
     """The shapes, the grid and the output of a tuning run (this one's and bench/prefill_tuning.py's)."""
     parser.add_argument("--num-q-heads", type=int, default=32)
     parser.add_argument("--num-kv-heads", type=int, default=8)
@@ -165,7 +167,7 @@ def add_grid_arguments(parser: argparse.ArgumentParser, block_ns, *, rep_ms: flo
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--block-ns", type=int, nargs="+", default=list(block_ns))
     parser.add_argument("--num-warps", type=int, nargs="+", default=list(NUM_WARPS))
-    parser.add_argument("--num-stages", type=int, nargs="+", default=list(NUM_STAGES))
+    parser.add_argument("--num-stages", type=int, nargs="+", default=list(num_stages))
     parser.add_argument("--rep-ms", type=float, default=rep_ms)
     parser.add_argument("--tolerance", type=float, default=tolerance, help="largest |error| against SDPA accepted")
     parser.add_argument("--json", help="write the results here")
