@@ -28,7 +28,9 @@ copy of the same K/V, as DynamicCache does, so a difference that only the view c
 With `--host-profile N`, each eager variant's generate() of N new tokens at batch 1 runs once more under cProfile:
 the host time per new token by where it is spent (hf_paged, transformers, torch, triton, the rest; C functions such
 as an ATen call or a kernel launch counted where they are defined, `~`: builtins) and the functions with the most own
-time. cProfile slows Python down, so the numbers compare variants with each other, not with the timed runs.
+time. The builtins' time includes the host's waits for the GPU (generate() reads each step's tokens; the run ends
+with a synchronize), and the prompt's forward is one of the N + 1 forwards counted. cProfile slows Python down, so
+the numbers compare variants with each other, not with the timed runs.
 
     python bench/generate_speed.py --json bench/results/gpu/generate.json
 """
@@ -357,7 +359,8 @@ def trace_logits(models, shape: dict, args) -> dict:
 
 
 def _num_blocks(batch: int, args) -> int:
-    return batch * -(-(args.prompt_len + max(args.new_tokens, args.check_tokens)) // 16) + 16
+    longest = max(args.new_tokens, args.check_tokens, args.host_profile)
+    return batch * -(-(args.prompt_len + longest) // 16) + 16
 
 
 if __name__ == "__main__":

@@ -383,8 +383,9 @@ def _host_profile_tables(host: dict) -> str:
         for variant, p in host.items()
     ]
     parts = [
-        "\nHost time under cProfile, batch 1, ms per new token (own time of the functions defined there; `builtin`: "
-        "C functions such as ATen calls and kernel launches):\n",
+        "\nHost time under cProfile, batch 1, ms per new token, the prompt's forward included (own time of the "
+        "functions defined there; `builtin`: C functions such as ATen calls and kernel launches, and the host's "
+        "waits for the GPU):\n",
         tabulate(rows, ["variant", "generate()", *groups], tablefmt="github", disable_numparse=True),
     ]
     for variant, profile in host.items():

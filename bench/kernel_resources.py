@@ -164,9 +164,10 @@ PREFILL_TEXT = (
     "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
     "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
     "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
-    "stack frame there). 16-bit caches' variants first read the tiles every row sees whole without a mask "
-    "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the "
-    "diagonal ones with it; fp32 caches' take the masked loop only (the 128-wide one would spill with the second)."
+    "stack frame there). 16-bit caches' variants at head_dim 64 and 128 first read the tiles every row sees whole "
+    "without a mask (`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), "
+    "then the diagonal ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only "
+    "(fp32's 128-wide variant would spill with the second)."
 )
 
 

@@ -41,8 +41,10 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
     # the profiled steps' time and tokens are left out of the Engine's speed
     window = runs["engine"]["profile_window"]
     assert window["tokens"] == profile["tokens"] >= 6 and window["seconds"] > 0
-    engine_speed = (tokens["engine"] - window["tokens"]) / runs["engine"]["wall_s"]
-    assert runs["engine"]["tok_per_s"] == engine_speed
+    assert runs["engine"]["timed_tokens"] == tokens["engine"] - window["tokens"]
+    assert runs["engine"]["tok_per_s"] == runs["engine"]["timed_tokens"] / runs["engine"]["wall_s"]
+    steps_s = sum(kind["seconds"] for kind in runs["engine"]["steps"].values())  # the steps timed outside the window
+    assert steps_s <= runs["engine"]["wall_s"] < steps_s + window["seconds"]  # the window's time is not in wall_s
     steps = runs["engine"]["steps"]  # every step but the profiled ones, by kind
     assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
     assert steps["prefill"]["steps"] + steps["decode"]["steps"] + 3 == runs["engine"]["num_steps"]

@@ -585,7 +585,8 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
     torch.testing.assert_close(compiled, eager)
 
 
-def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch):
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: two layer groups, the second table after the first
+def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch, name):
     """Rows padded to buckets as under CUDA graphs, 12 requests finishing one by one, then rows past the table's
     width: every bucket (2 to 16; one row runs as two) and both widths are one traced graph, the batch and the width
     dynamic sizes, the buffers read at full width, no shared-prefix split; the tokens are generate()'s."""
@@ -595,23 +596,21 @@ def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch):
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
     torch._dynamo.reset()
     counters.clear()
-    engine, pool = tiny_engine("llama", 128, max_num_seqs=16, max_num_batched_tokens=64, compile_decode=AOT_EAGER)
+    engine, pool = tiny_engine(name, 128, max_num_seqs=16, max_num_batched_tokens=64, compile_decode=AOT_EAGER)
     runner = engine.runner
     runner.pad_to_buckets = True
     assert runner.buckets == [2, 4, 8, 16]
     prompts = random_prompts(tuple(range(3, 15)))
     new_tokens = list(range(2, 14))
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
-        "llama", prompts, new_tokens
+        name, prompts, new_tokens
     )
     assert counters["stats"]["unique_graphs"] == 1 and runner.compile_error is None
     assert runner.stats.padded_rows > 0 and pool.num_used_blocks == 0
     # Rows past 16 blocks double the table width: W is a dynamic size too, so the same graph serves them.
     assert runner.graph_width == 16
     prompts = random_prompts((70, 9))
-    assert engine.generate(prompts, max_new_tokens=[5, 3], ignore_eos=True) == greedy_reference(
-        "llama", prompts, [5, 3]
-    )
+    assert engine.generate(prompts, max_new_tokens=[5, 3], ignore_eos=True) == greedy_reference(name, prompts, [5, 3])
     assert runner.graph_width == 32 and counters["stats"]["unique_graphs"] == 1 and runner.compile_error is None
     torch._dynamo.reset()
 

@@ -112,17 +112,22 @@ def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(name, monke
     torch._dynamo.reset()
 
 
-def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(monkeypatch):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(compiled, monkeypatch):
     """A row that grows towards 17 blocks doubles the graphs' table width of 16 once it is halfway there (W holds up
     to twice the longest row): the graphs are captured again (into a memory pool of their own), the steps after it
-    are replayed, and the tokens stay generate()'s."""
+    are replayed, and the tokens stay generate()'s; a compiled decode forward serves both widths with one graph."""
+    from torch._dynamo.utils import counters
+
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (7, 5)]
     new_tokens = [60, 12]  # the first row ends at 67 tokens: 17 blocks of 4
+    torch._dynamo.reset()
+    counters.clear()
     model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
     pool = BlockPool.for_model(model, num_blocks=48, block_size=4)
-    engine = Engine(model, pool, max_num_seqs=4)
+    engine = Engine(model, pool, max_num_seqs=4, compile_decode=compiled)
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
         "llama", prompts, new_tokens, "cuda"
     )
@@ -130,6 +135,10 @@ def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(mo
     assert runner.capture_error is None, runner.capture_error
     assert {width for _, width, _ in runner.stats.captures} == {16, 32}
     assert runner.stats.replayed_steps > 0 and pool.num_used_blocks == 0
+    if compiled:
+        assert runner.compiled and runner.compile_error is None
+        assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

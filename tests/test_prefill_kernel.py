@@ -240,10 +240,11 @@ def test_prefill_rejects_inputs_that_do_not_fit():
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
 def test_unmasked_tiles_are_the_default_for_16_bit_caches_and_refused_for_fp32_ones(monkeypatch):
-    """16-bit caches read the whole tiles without a mask by default; an fp32 cache, whose variant would spill with the
-    second loop, is refused it by name."""
-    for dtype in (torch.float16, torch.bfloat16):
-        assert launch_config.prefill_config(64, 4, dtype, 90).unmasked_tiles
+    """16-bit caches of head_dim 64 and 128 (the sizes measured) read the whole tiles without a mask by default; an fp32
+    cache, whose variant would spill with the second loop, is refused it by name."""
+    for dtype, head_dim, capability in itertools.product((torch.float16, torch.bfloat16), (64, 128), (80, 90, None)):
+        assert launch_config.prefill_config(head_dim, 4, dtype, capability).unmasked_tiles
+    assert not any(launch_config.prefill_config(d, 4, torch.bfloat16, 90).unmasked_tiles for d in (16, 32, 256))
     assert not launch_config.prefill_config(64, 4, torch.float32, 90).unmasked_tiles
     prefill_config = launch_config.prefill_config
     monkeypatch.setattr(

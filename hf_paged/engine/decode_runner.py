@@ -15,7 +15,8 @@ served from persistent buffers and replayed:
 Rows are the batch dimension (`input_ids [B, 1]`), not a packed sequence: the attention of each layer is the paged
 decode of `FixedDecodePlan` (the Triton kernel on CUDA, one gather and SDPA with a length mask elsewhere), with block
 tables `[B, W]` and lengths counted from each row's first held block (W: the longest row's blocks eagerly; under a
-graph, a power of two that holds the longest row so far, the graphs captured again when it doubles). The cache the
+graph or a compiled forward, a power of two that holds the longest row so far, the graphs captured again when it
+doubles). The cache the
 forward writes is `RunnerCache` (engine/runner_cache.py).
 
 CUDA graphs (on CUDA, `Engine(cuda_graphs=True)`, the default there): one graph per batch bucket (1, 2, 4, 8, then
@@ -154,7 +155,8 @@ class DecodeRunner:
         self.store = store_backend(pool.device)
         self.backends = dict(resolve_backends(pool.device))
         # The shape of the step being run: its rows (the bucket when padded), the block table entries and keys each
-        # row's attention spans (the longest row's eagerly, W and W * block_size under a graph).
+        # row's attention spans (the longest row's eagerly, W and W * block_size under a graph or compiled; a compiled
+        # forward reads W from the tables' shape instead).
         self.num_rows = self.table_width = self.kv_width = 0
         self.full_rows: list[bool] = []  # per layer group: every row spans all `kv_width` keys (eager steps only)
         # An eager step's rows when enough of them run to read a shared prefix once (`shared_blocks`), else None.
@@ -436,7 +438,10 @@ class DecodeRunner:
         if self.compiled:
             cache.make_layers()
             mark_dynamic_size(0, input_ids, position_ids)  # [rows, 1]
-            mark_dynamic_size(1, *self.tables)  # [max_rows, W]: W doubles as rows grow
+            # [max_rows, W]: W doubles as rows grow. Not a strict mark: a model whose code branched on W would
+            # compile once per width (a few powers of two) rather than fail and run eagerly from then on.
+            for table in self.tables:
+                torch._dynamo.maybe_mark_dynamic(table, 1)
         try:
             out = self._call_forward(self._forward, input_ids, position_ids)
         except UnsupportedModel:

@@ -40,8 +40,8 @@ class RunnerStep(Protocol):
     backends: Mapping  # a backend setting -> "triton" / "torch", or the error (`kernels.dispatch.resolve_backends`)
     num_rows: int  # the step's rows, padding included
     compiled: bool  # the forward runs compiled (torch.compile traces what the cache does)
-    table_width: int  # block table entries the step's attention spans
-    kv_width: int  # keys the step's attention spans
+    table_width: int  # block table entries the step's attention spans (eager steps; compiled: the tables' width)
+    kv_width: int  # keys the step's attention spans (eager steps; compiled: the tables' width x block size)
     tables: list[torch.Tensor]  # per layer group: [max_rows, W] block ids
     seq_lens: list[torch.Tensor]  # per layer group: [max_rows] keys from the row's first held block
     slots: list[torch.Tensor]  # per layer group: [max_rows] the new token's slot
@@ -95,8 +95,8 @@ class GroupStep:
         # compiled, not a number the graph is specialized on)
         self.runner = runner
         if runner.compiled:
-            # Full width, W a size of the traced graph's inputs (`mark_dynamic_size` in the runner) rather than a
-            # number it is specialized on: a row that doubles W compiles nothing again.
+            # Full width, W a size of the traced graph's inputs (marked dynamic in the runner's `_run_model`) rather
+            # than a number it is specialized on: a row that doubles W compiles nothing again.
             self.tables = runner.tables[group][:num_rows]  # [B, W]
             self.width = self.tables.shape[1] * runner.pool.block_size
         else:

@@ -118,8 +118,10 @@ class PrefillConfig:
     # without a mask, in a loop of their own before the masked one. It saves the mask's work on most tiles of a long
     # prompt and costs registers, fewer programs an SM at some head dims (docs/kernels.md): 1.3-1.8x faster on an
     # H200 in bf16 at every shape `bench/prefill_attention.py` times (head_dim 64 and 128, 2k-8k-token prompts and
-    # chunks after 2k-4k cached tokens; bench/logs/gpu-h200-5554460), so on for 16-bit caches. Not for fp32 ones:
-    # their 128-wide variant spills on sm_90 with the second loop.
+    # chunks after 2k-4k cached tokens; bench/logs/gpu-h200-5554460), so on for 16-bit caches of those head sizes,
+    # whose programs an SM it leaves as they were on sm_80 and sm_90 (fp16 has bf16's registers). The other head
+    # sizes keep one masked loop until measured (at 16 and 32 it costs a program an SM on sm_80). Never for fp32
+    # caches: their 128-wide variant spills on sm_90 with the second loop.
     unmasked_tiles: bool = False
 
 
@@ -139,8 +141,8 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
     stage at 64 wide on sm_90), 2 stages:
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
-    spills (tests/test_kernel_compile.py); 16-bit caches read the tiles every row sees whole without a mask
-    (`unmasked_tiles`).
+    spills (tests/test_kernel_compile.py); 16-bit caches of head_dim 64 and 128 read the tiles every row sees whole
+    without a mask (`unmasked_tiles`).
     """
     pad = head_dim_pad(head_dim)
     heads = min(16, 1 << (max(group, 1) - 1).bit_length())
@@ -159,7 +161,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
         num_stages=num_stages,
         dot_precision="ieee" if dtype == torch.float32 else "tf32",
         dot_upcast=dtype == torch.bfloat16 and capability is None,
-        unmasked_tiles=dtype != torch.float32,
+        unmasked_tiles=dtype != torch.float32 and pad in (64, 128),
     )
 
 
