@@ -120,6 +120,45 @@ def test_decode_step_is_one_graph_without_breaks(name, attn):
     assert explanation.graph_count == 1
 
 
+def test_a_decode_step_checks_its_mask_once_not_once_a_layer(monkeypatch):
+    """The layers of one mask share its check and first visible keys (`FixedDecodePlan.kv_starts`): made by the first
+    layer of a step, eagerly and in a traced forward (where each would be a few more kernels a layer)."""
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    from hf_paged.attention.fixed_plan import FixedDecodePlan
+
+    require_triton_on_cpu()
+    calls = []
+    kv_start = FixedDecodePlan._kv_start
+    monkeypatch.setattr(FixedDecodePlan, "_kv_start", lambda plan, mask: calls.append(mask) or kv_start(plan, mask))
+    model = copy.deepcopy(tiny_model("llama"))
+    assert model.config.num_hidden_layers > 1
+    hf_paged.enable(model, backend="triton")
+    input_ids, attention_mask = left_padded_batch(3, 12)
+    torch.manual_seed(0)  # decode_step draws the next tokens
+    expected = decode_step(model, PagedCache(config=model.config, max_cache_len=40), input_ids, attention_mask)()
+    assert len(calls) == 1
+    monkeypatch.undo()
+    traced = []
+
+    def backend(graph, example_inputs):  # the aten ops of the traced forward
+        def forward(graph, inputs):
+            traced.extend(str(node.target) for node in graph.graph.nodes if node.op == "call_function")
+            return graph.forward
+
+        return aot_module_simplified(graph, example_inputs, fw_compiler=forward)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    step = decode_step(model, PagedCache(config=model.config, max_cache_len=40), input_ids, attention_mask)
+    with torch.inference_mode():  # the kernel's op has no autograd formula
+        got = torch.compile(step, backend=backend, fullgraph=True)()
+    assert traced.count("hf_paged.paged_decode_attention.default") == model.config.num_hidden_layers
+    assert traced.count("aten.argmax.default") == traced.count("aten._assert_async.msg") == 1
+    torch.testing.assert_close(got, expected)
+    torch._dynamo.reset()
+
+
 def test_decode_step_reads_no_device_value_on_the_host(monkeypatch):
     """The reserved step (what a compiled forward runs) never calls .item(), .tolist(), .cpu() or bool() on a tensor:
     each would be a host sync in a CUDA graph."""

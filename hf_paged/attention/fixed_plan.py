@@ -51,6 +51,9 @@ class FixedDecodePlan:
     # rows [first, end)'s K and V `[end - first, kv_heads, width, head_dim]`, each chunk's reusing the same memory.
     gather_rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
     chunk_rows: int = 0
+    # The forward's (mask, its `_kv_start`) pairs, shared by its layers' plans: the layers of one mask check it and
+    # find each row's first key once a step, not once a layer (None: each plan its own).
+    kv_starts: list | None = None
 
     def attend(
         self,
@@ -73,7 +76,7 @@ class FixedDecodePlan:
             attention_mask = None  # the mask describes no row's keys: each row's length does
         kv_start = None
         if kernel and attention_mask is not None:  # the kernel takes a mask of one first visible key per row only
-            kv_start = self._kv_start(attention_mask) if self._bool_mask(attention_mask) else None
+            kv_start = self._memo_kv_start(attention_mask) if self._bool_mask(attention_mask) else None
             kernel = kv_start is not None
         if not kernel:
             parts = None
@@ -126,6 +129,17 @@ class FixedDecodePlan:
                 out = chunk.new_empty(batch, *chunk.shape[1:])
             out[first:end] = chunk
         return out, None
+
+    def _memo_kv_start(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """`_kv_start` of `attention_mask`, made by the first layer of the forward that reads this mask."""
+        if self.kv_starts is None:
+            return self._kv_start(attention_mask)
+        for mask, kv_start in self.kv_starts:
+            if mask is attention_mask:
+                return kv_start
+        kv_start = self._kv_start(attention_mask)
+        self.kv_starts.append((attention_mask, kv_start))
+        return kv_start
 
     def _kv_start(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
         """[B] int32: each row's first visible key, when the mask is "hidden prefix, then every key up to the new

@@ -184,6 +184,8 @@ class ReservedSteps:
         self._config = config
         self._group_of = group_of_layer(tables.layer_groups)
         self._plans, self._backends = False, None  # set by reserve
+        # The reserved forward's masks and their first visible keys, read once a step (`FixedDecodePlan.kv_starts`).
+        self._kv_starts: list = []
         for layer in paged_layers:
             layer.is_compileable = True
 
@@ -217,6 +219,7 @@ class ReservedSteps:
             # NOTE: a dict, not the shared read-only mapping: dynamo breaks the graph at a read of a mapping proxy
             # once the traced frame mutated any dict (transformers pops `return_dict` from the forward's kwargs).
             self._backends = dict(resolve_backends(device))
+        self._kv_starts.clear()  # the same list (a compiled forward guards on it), emptied for the next forward
         self.pending = self.unsettled = num_new_tokens
 
     def settle(self) -> None:
@@ -279,6 +282,7 @@ class ReservedSteps:
             seq_lens=steps.seq_lens,
             gather=gather,
             backends=self._backends,
+            kv_starts=self._kv_starts,
         )
         return plan_placeholders(key_states, value_states, plan)
 
