@@ -20,12 +20,12 @@ gets `--kv-memory` of K/V:
     transformers-cb  transformers' continuous batching (its manager, defaults, num_blocks matched)
     generate-static  generate() with DynamicCache in static batches as large as the memory holds
 
-Each Engine first serves a short burst of its own (`warm_up_s`: Triton's and torch.compile's compiling, the first
-graphs captured), then the timed one. For each: output tokens per second over the whole burst, and for the Engine a
-profile of `--profile-steps` decode-only steps (once every request is past its prompt): wall and CUDA kernel time per
-step (torch.profiler), so the GPU's busy share. Those steps, and the profiler's own start and stop, are left out of
-the Engine's tokens per second (its time and its tokens). Then the graph run's and the asynchronous run's tokens
-against the eager run's, in float32 (`--check-dtype`), on the first `--check-requests` requests.
+Each Engine first serves `hf_paged.engine.warm_up`'s burst (`warm_up_s`: Triton's and torch.compile's compiling, the
+first graphs captured), then the timed one. For each: output tokens per second over the whole burst, and for the
+Engine a profile of `--profile-steps` decode-only steps (once every request is past its prompt): wall and CUDA kernel
+time per step (torch.profiler), so the GPU's busy share. Those steps, and the profiler's own start and stop, are left
+out of the Engine's tokens per second (its time and its tokens). Then the graph run's and the asynchronous run's
+tokens against the eager run's, in float32 (`--check-dtype`), on the first `--check-requests` requests.
 
 On CPU, `--tiny` runs the Engine parts on a 2-layer model (a dry run; graphs need CUDA).
 
@@ -51,6 +51,7 @@ from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from bench.runs import Budget  # noqa: E402
 from bench.workloads import burst  # noqa: E402
 from hf_paged import BlockPool, Engine  # noqa: E402
+from hf_paged.engine.warm_up import warm_up as engine_warm_up  # noqa: E402
 from hf_paged.storage.pool import parse_memory  # noqa: E402
 
 # In the order they run: what a deadline cuts short is the last ones (the float32 token check runs before the
@@ -87,9 +88,9 @@ def run_engine(
     async_scheduling: bool = False,
     max_waiting_steps: int | None = None,
     compile: bool = False,
-    warm_up=None,
+    warm_up: bool = False,
 ) -> dict:
-    """`workload` through a fresh Engine (after `warm_up`, a workload served first on the same Engine, untimed)."""
+    """`workload` through a fresh Engine (after `warm_up`: `hf_paged.engine.warm_up`'s burst, untimed)."""
     pool = BlockPool.for_model(model, max_memory=kv_bytes, block_size=16)
     engine = Engine(
         model,
@@ -102,16 +103,7 @@ def run_engine(
         compile_decode=compile,
         compile_prefill=compile,
     )
-    warm_up_s, steps_before = 0.0, (0, 0)
-    if warm_up is not None:
-        start = time.perf_counter()
-        engine.generate(
-            [list(spec.prompt_ids) for spec in warm_up.requests],
-            max_new_tokens=[spec.max_new_tokens for spec in warm_up.requests],
-            ignore_eos=True,
-        )
-        warm_up_s = time.perf_counter() - start
-        steps_before = (engine.stats.num_steps, engine.stats.num_async_steps)
+    warm_up_s = engine_warm_up(engine) if warm_up else 0.0  # it puts back the Engine's statistics
     request_ids = [
         engine.add_request(list(spec.prompt_ids), max_new_tokens=spec.max_new_tokens, ignore_eos=True)
         for spec in workload.requests
@@ -155,8 +147,8 @@ def run_engine(
         tok_per_s=(tokens - window_tokens) / wall,
         profile_window=dict(seconds=window_s, tokens=window_tokens),
         warm_up_s=warm_up_s,
-        num_steps=engine.stats.num_steps - steps_before[0],
-        num_async_steps=engine.stats.num_async_steps - steps_before[1],
+        num_steps=engine.stats.num_steps,
+        num_async_steps=engine.stats.num_async_steps,
         max_waiting_steps=engine.scheduler.max_waiting_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
@@ -265,9 +257,6 @@ def main(argv=None) -> int:
     )
     kv_bytes = parse_memory(args.kv_memory)
     results = {"args": vars(args), "device": device_name(args.device), "versions": versions(), "runs": {}}
-    # Prompts past 256 tokens: the decode graphs' block tables widen from 16 blocks during the warm-up, so a compiled
-    # decode forward's one recompile for the width (after which the width is a dynamic size) is not in the timed run.
-    warm = burst(vocab_size=shape["vocab_size"], num_requests=4, prompt_lens=(16, 400), output_lens=(4, 8), seed=1)
 
     def save() -> None:
         """Write what is measured so far (a run stopped by a timeout leaves its finished backends)."""
@@ -289,7 +278,7 @@ def main(argv=None) -> int:
         if name in ENGINE_MODES:
             graphs, overlap, waiting, compiled = ENGINE_MODES[name]
             options = dict(cuda_graphs=graphs and cuda, async_scheduling=overlap, max_waiting_steps=waiting)
-            run = run_engine(model, workload, kv_bytes, args, profile=True, compile=compiled, warm_up=warm, **options)
+            run = run_engine(model, workload, kv_bytes, args, profile=True, compile=compiled, warm_up=True, **options)
         else:
             run = run_peer_backend(name, model, workload, kv_bytes)
         results["runs"][name] = run

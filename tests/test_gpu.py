@@ -112,6 +112,33 @@ def test_engine_with_both_forwards_compiled_on_cuda_matches_generate(name, monke
     torch._dynamo.reset()
 
 
+def test_a_warmed_up_compiled_engine_compiles_nothing_in_its_first_requests(monkeypatch):
+    """`warm_up` (what `hf-paged serve` runs at startup on CUDA): both forwards compiled and the graphs captured
+    before the first requests, which then compile no graph and get generate()'s tokens."""
+    from torch._dynamo.utils import counters
+
+    from hf_paged.engine.warm_up import warm_up
+
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    torch._dynamo.reset()
+    counters.clear()
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=256, block_size=16)
+    engine = Engine(model, pool, max_num_seqs=4, max_num_batched_tokens=128, compile_decode=True, compile_prefill=True)
+    assert warm_up(engine) > 0 and engine.stats.num_steps == 0
+    graphs = counters["stats"]["unique_graphs"]
+    assert graphs >= 2 and engine.step_runner.step.num_compiled_steps > 0  # both forwards
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (9, 130, 40)]
+    new_tokens = [7, 5, 9]
+    assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == _sdpa_reference(
+        "llama", prompts, new_tokens, "cuda"
+    )
+    assert counters["stats"]["unique_graphs"] == graphs and engine.runner.compile_error is None
+    assert engine.step_runner.step.compile_error is None and pool.num_used_blocks == 0
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_engine_graphs_are_captured_again_when_a_row_outgrows_the_table_width(compiled, monkeypatch):
     """A row that grows towards 17 blocks doubles the graphs' table width of 16 once it is halfway there (W holds up

@@ -936,6 +936,7 @@ def test_an_api_key_a_served_name_and_a_length_limit(saved):
         (["/no/such/directory"], "no model directory at '/no/such/directory'"),
         (["{model}", "--device", "cuda:7"], "--device cuda:7: this machine has"),
         (["{model}", "--max-num-seqs", "0"], "--max-num-seqs must be at least 1"),
+        (["{model}", "--device", "cpu", "--compile"], "--compile needs a CUDA device (its compiled forwards run"),
     ],
 )
 def test_the_command_line_says_what_is_wrong_in_one_line(saved, arguments, words):
