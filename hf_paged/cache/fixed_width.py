@@ -195,6 +195,7 @@ class ReservedSteps:
         first)."""
         check_positive_int("num_new_tokens", num_new_tokens)
         self.settle()
+        self._kv_starts.clear()  # the same list (a compiled forward guards on it), emptied for the next forward
         if self.pending is not None:
             if self.pending != num_new_tokens:
                 raise ValueError(
@@ -219,7 +220,6 @@ class ReservedSteps:
             # NOTE: a dict, not the shared read-only mapping: dynamo breaks the graph at a read of a mapping proxy
             # once the traced frame mutated any dict (transformers pops `return_dict` from the forward's kwargs).
             self._backends = dict(resolve_backends(device))
-        self._kv_starts.clear()  # the same list (a compiled forward guards on it), emptied for the next forward
         self.pending = self.unsettled = num_new_tokens
 
     def settle(self) -> None:

@@ -171,6 +171,11 @@ class BlockAllocator:
     def num_cached_blocks(self) -> int:
         return len(self._hash_of_block)
 
+    def cached_blocks(self) -> dict[int, bytes]:
+        """A copy of what the prefix cache holds now: block id -> the hash of its tokens."""
+        with self.lock:
+            return dict(self._hash_of_block)
+
     def cache_block(self, block_id: int, block_hash: bytes, group: int = 0) -> None:
         """Remember that held block `block_id` holds exactly the tokens that `block_hash` names, in layer group
         `group`'s layers.
