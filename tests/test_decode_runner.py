@@ -600,8 +600,9 @@ def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch, na
     runner = engine.runner
     runner.pad_to_buckets = True
     assert runner.buckets == [2, 4, 8, 16]
-    prompts = random_prompts(tuple(range(3, 15)))
-    new_tokens = list(range(2, 14))
+    num_requests = 12 if name == "llama" else 5  # every bucket once; gemma3 is here for its second table
+    prompts = random_prompts(tuple(range(3, 3 + num_requests)))
+    new_tokens = list(range(2, 2 + num_requests))
     assert engine.generate(prompts, max_new_tokens=new_tokens, ignore_eos=True) == greedy_reference(
         name, prompts, new_tokens
     )
