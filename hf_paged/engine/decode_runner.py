@@ -16,8 +16,7 @@ Rows are the batch dimension (`input_ids [B, 1]`), not a packed sequence: the at
 decode of `FixedDecodePlan` (the Triton kernel on CUDA, one gather and SDPA with a length mask elsewhere), with block
 tables `[B, W]` and lengths counted from each row's first held block (W: the longest row's blocks eagerly; under a
 graph or a compiled forward, a power of two that holds the longest row so far, the graphs captured again when it
-doubles). The cache the
-forward writes is `RunnerCache` (engine/runner_cache.py).
+doubles). The cache the forward writes is `RunnerCache` (engine/runner_cache.py).
 
 CUDA graphs (on CUDA, `Engine(cuda_graphs=True)`, the default there): one graph per batch bucket (1, 2, 4, 8, then
 multiples of 8 up to `max_num_seqs`), captured the first time a bucket runs; a step with n rows replays the smallest

@@ -80,16 +80,17 @@ def check_args(args: argparse.Namespace) -> str | None:
             return f"--{name.replace('_', '-')} must be at least 1, got {value}"
     if args.decode_reserve_tokens < 0:
         return f"--decode-reserve-tokens must be at least 0, got {args.decode_reserve_tokens}"
+    device_type = default_device()
     if args.device is not None:
         try:
             device = torch.device(args.device)
         except RuntimeError as error:
             return f"--device {args.device!r} is not a device: {error}"
+        device_type = device.type
         if device.type == "cuda":
             count = torch.cuda.device_count()
             if device.index is not None and device.index >= count or count == 0:
                 return f"--device {args.device}: this machine has {count} CUDA device{'s' * (count != 1)}"
-    device_type = torch.device(args.device).type if args.device is not None else default_device()
     if args.compile and device_type != "cuda":
         return f"--compile needs a CUDA device (its compiled forwards run the Triton kernels), got {device_type}"
     return None
