@@ -174,6 +174,35 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     check_prefill(impl, args, **option_tensors(options))
 
 
+@pytest.mark.parametrize(
+    "options",
+    [dict(), dict(sliding_window=81, softcap=30.0, sinks=True), dict(kv_start=[3, 70])],
+    ids=["plain", "window-softcap-sinks", "kv-start-off-tile"],
+)
+def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
+    """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows over 8 warps: 32 tokens x 4 q heads a
+    program), run here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
+    wide = launch_config.prefill_config(64, 2, torch.bfloat16, 90)
+    assert (wide.block_m, wide.block_q, wide.num_warps) == (128, 64, 8)
+    assert launch_config.prefill_config(128, 4, torch.float16, 90).block_m == 128
+    assert launch_config.prefill_config(128, 4, torch.bfloat16, 80).block_m == 64  # sm_80: spills with 128 rows
+    assert launch_config.prefill_config(256, 4, torch.bfloat16, 90).block_m == 64
+    prefill_config = launch_config.prefill_config
+    monkeypatch.setattr(
+        launch_config,
+        "prefill_config",
+        lambda head_dim, group, dtype, capability: dataclasses.replace(
+            prefill_config(head_dim, group, dtype, capability),
+            **{
+                name: getattr(prefill_config(head_dim, group, dtype, 90), name)
+                for name in ("block_m", "block_q", "block_n", "num_warps", "num_stages", "unmasked_tiles")
+            },
+        ),
+    )
+    args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    check_prefill("triton", args, **option_tensors(options))
+
+
 @IMPLS
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize(

@@ -1071,7 +1071,8 @@ def test_the_startup_heap_is_frozen_out_of_full_collections():
     before = len(gc.get_objects())
     try:
         frozen = freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= before // 2
+        # what other threads free meanwhile leaves the frozen generation, and nothing joins it but by freeze()
+        assert frozen >= before // 2 and 0 < gc.get_freeze_count() <= frozen
         assert len(gc.get_objects()) < before // 10  # what a full collection still walks
     finally:
         gc.unfreeze()
