@@ -223,6 +223,19 @@ def test_prefill_masking(impl, dtype, options):
 
 
 @IMPLS
+@pytest.mark.parametrize("options", [dict(), dict(softcap=5.0)], ids=["plain", "softcap"])
+def test_prefill_with_a_negative_scale(impl, options):
+    """The Triton kernel scales each row's running max of the raw logits, which only a positive scale keeps in order:
+    a negative one still gives the reference's attention. Logits hundreds apart (in log2 units) would overflow the
+    exponent against a wrong max: bf16 at head_dim 64, chunks over cached keys (tiles read without a mask, where
+    the running max is taken that way)."""
+    args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    result = prefill_impl(impl)(*args, scale=-8.0, **options)
+    expected = reference_prefill(args, scale=-8.0, **options)
+    torch.testing.assert_close(result.cpu().double(), expected, **TOLERANCES[torch.bfloat16])
+
+
+@IMPLS
 def test_prefill_query_with_no_visible_key_gives_zeros(impl):
     args = make_prefill([6], [3])
     kv_start = torch.tensor([6], dtype=torch.int32, device=DEVICE)  # every key is padding

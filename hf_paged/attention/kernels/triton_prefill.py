@@ -19,8 +19,10 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
   last query's own position) in tiles of `BLOCK_N` tokens; the tiles every row sees whole (up to the first query's
   own position, inside every row's window) are read and used without a mask; on the others, per (query, key), the
   mask is causal, window and `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
-- online softmax in fp32 (exp2, the scale folded into log2(e)); a row whose keys so far are all masked keeps a
-  running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at the end.
+- online softmax in fp32 (exp2, the scale folded into log2(e): each row's running max is taken over the unscaled
+  logits and scaled once, each logit's exponent one fused multiply-subtract); a row whose keys so far are all masked
+  keeps a running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at
+  the end.
 
 Tiles, warps and stages come from `launch_config.prefill_config` (head_dim, dtype, GPU); the GQA group, block size,
 window and sequence lengths are runtime arguments.
@@ -123,10 +125,17 @@ def _attend_tile(
 ):
     """One K/V tile (keys at positions `pos`) into the online softmax: (acc, l_i, m_i) updated. Where MASKED, each
     (query, key) is kept when the key is in range, causal for the query at `q_pos`, inside its window and the row is
-    one of the program's; a tile without the mask has every logit finite, so its running max needs no guard."""
-    logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_M, BLOCK_N] fp32
+    one of the program's; a tile without the mask has every logit finite, so its running max needs no guard.
+
+    Without a softcap the scale and log2(e) are one factor (`scale > 0`): the running max is taken over the raw
+    logits and scaled once per row, and each logit costs one fused multiply-subtract before its exp2, as
+    FlashAttention's kernels do (the logits' arithmetic, not the dots, bounds a tile at head_dim 64)."""
+    qk = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] fp32
     if USE_SOFTCAP:
-        logits = softcap_logits(logits, softcap)
+        qk = softcap_logits(qk * scale, softcap)
+        qk_scale = LOG2E
+    else:
+        qk_scale = scale * LOG2E
     if MASKED:
         visible = (
             in_range[None, :]
@@ -134,16 +143,16 @@ def _attend_tile(
             & (q_pos[:, None] - pos[None, :] < sliding_window)
             & row_mask[:, None]
         )
-        logits = tl.where(visible, logits * LOG2E, float("-inf"))
+        logits = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(logits - m_safe[:, None])
     else:
-        logits = logits * LOG2E
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1) * qk_scale)
         m_safe = m_new
+        p = tl.exp2(tl.fma(qk, qk_scale, -m_safe[:, None]))
     alpha = tl.exp2(m_i - m_safe)
-    p = tl.exp2(logits - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     acc = acc * alpha[:, None] + fp32_dot(p.to(v.dtype), v, DOT_PRECISION, DOT_UPCAST)
     return acc, l_i, m_new
@@ -330,6 +339,10 @@ def paged_prefill_attention_triton(
     )
     if config.unmasked_tiles and key_cache.dtype == torch.float32:
         raise ValueError("unmasked_tiles is for 16-bit caches (an fp32 cache's variant spills), got a float32 cache")
+    if scale < 0 and softcap is None:
+        # Without a softcap the kernel takes each row's running max over the unscaled logits, which a positive scale
+        # keeps in order: a negative one runs as its magnitude over the negated query (the same logits exactly).
+        query, scale = -query, -scale
     head_tiles = launch_config.ceil_div(group, config.heads)
     num_tiles = num_tokens // config.block_q + num_seqs
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
