@@ -180,12 +180,13 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     ids=["plain", "window-softcap-sinks", "kv-start-off-tile"],
 )
 def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
-    """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows over 8 warps: 32 tokens x 4 q heads a
-    program), run here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
+    """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows over 8 warps: 64 tokens x 2 q heads a
+    program here), run here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
     wide = launch_config.prefill_config(64, 2, torch.bfloat16, 90)
     assert (wide.block_m, wide.block_q, wide.num_warps) == (128, 64, 8)
     assert launch_config.prefill_config(128, 4, torch.float16, 90).block_m == 128
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 80).block_m == 64  # sm_80: spills with 128 rows
+    assert launch_config.prefill_config(128, 4, torch.bfloat16, 120).block_m == 64  # not measured past sm_90
     assert launch_config.prefill_config(256, 4, torch.bfloat16, 90).block_m == 64
     prefill_config = launch_config.prefill_config
     monkeypatch.setattr(

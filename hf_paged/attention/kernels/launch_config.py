@@ -128,15 +128,16 @@ class PrefillConfig:
 # Query rows per prefill program (tokens x q heads): a tile of 64 rows against a K/V tile keeps the fp32
 # accumulator, the query tile and one K and one V tile in registers at every head width (8 warps from 128 wide).
 PREFILL_BLOCK_M = 64
-# 16-bit caches of these tile widths on sm_90 and later: 128 query rows over 8 warps (two warpgroups of 64 rows).
+# 16-bit caches of these tile widths on sm_90 (Hopper) only: 128 query rows over 8 warps (two warpgroups of 64 rows).
 # Hopper's `wgmma` gives each warpgroup (4 warps) 64 rows. With 64 rows and 8 warps, Triton lays the QK^T product
 # out as [8, 1] warps over 64 rows: both warpgroups compute the same logits, and the PV product, laid out [4, 2],
 # takes a layout conversion through shared memory every tile. The sm_90 SASS at head_dim 128 shows it: 40 `HGMMA`
 # a program against 24 with 128 rows, for half the rows. At head_dim 64, 128 rows over 8 warps run each warpgroup's
 # 64 rows as 64 rows over 4 warps did (16 `HGMMA` either way) while each K/V tile read serves twice the rows.
-# Registers on sm_90 (bf16, unmasked tiles): 168 at 64 wide (183 with 64 rows over 4 warps), 219 at 128 wide
-# (182): one program of 8 warps an SM, as before, and no spills. On sm_80 the 128-wide variant spills, so sm_80
-# keeps 64 rows. `python -m bench.prefill_tuning` times both against each other on a GPU.
+# Registers on sm_90 (bf16, unmasked tiles): 166 at 64 wide (183 with 64 rows over 4 warps), 219 at 128 wide
+# (182): 8 warps an SM as before (at 64 wide one program of 8 where there were two of 4), and no spills. On sm_80
+# the 128-wide variant spills, so sm_80 keeps 64 rows; so do later GPUs until measured (sm_120 computes its dots as
+# sm_80 does). `python -m bench.prefill_tuning` times both against each other on a GPU.
 PREFILL_WIDE_ROWS = (64, 128)
 
 
@@ -148,7 +149,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     Why: a program's rows are `block_q` tokens x `heads` q heads, so a K/V tile read from the pool serves the whole
     GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
     arguments, so one variant serves every group); 64 rows (128 over 8 warps for 16-bit caches at head_dim 64 and 128
-    on sm_90 and later: `PREFILL_WIDE_ROWS`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
+    on sm_90: `PREFILL_WIDE_ROWS`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
     stage at 64 wide on sm_90), 2 stages:
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
@@ -158,7 +159,7 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     pad = head_dim_pad(head_dim)
     heads = min(16, 1 << (max(group, 1) - 1).bit_length())
     block_m, block_n, num_warps, num_stages = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8, 2
-    if dtype.itemsize == 2 and pad in PREFILL_WIDE_ROWS and capability is not None and capability >= 90:
+    if dtype.itemsize == 2 and pad in PREFILL_WIDE_ROWS and capability == 90:
         block_m, num_warps = 2 * PREFILL_BLOCK_M, 8
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8

@@ -127,7 +127,7 @@ def _attend_tile(
     (query, key) is kept when the key is in range, causal for the query at `q_pos`, inside its window and the row is
     one of the program's; a tile without the mask has every logit finite, so its running max needs no guard.
 
-    Without a softcap the scale and log2(e) are one factor (`scale > 0`): the running max is taken over the raw
+    Without a softcap the scale and log2(e) are one factor (`scale >= 0`): the running max is taken over the raw
     logits and scaled once per row, and each logit costs one fused multiply-subtract before its exp2, as
     FlashAttention's kernels do (the logits' arithmetic, not the dots, bounds a tile at head_dim 64)."""
     qk = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST)  # [BLOCK_M, BLOCK_N] fp32
