@@ -30,7 +30,9 @@ the host time per new token by where it is spent (hf_paged, transformers, torch,
 as an ATen call or a kernel launch counted where they are defined, `~`: builtins) and the functions with the most own
 time. The builtins' time includes the host's waits for the GPU (generate() reads each step's tokens; the run ends
 with a synchronize), and the prompt's forward is one of the N + 1 forwards counted. cProfile slows Python down, so
-the numbers compare variants with each other, not with the timed runs.
+the numbers compare variants with each other, not with the timed runs. Then the same runs under torch.profiler:
+per new token the ATen operators each variant makes and their own host time, and on CUDA every call of the CUDA
+runtime (launches, copies, waits such as `cudaStreamSynchronize`, allocations), counted and timed.
 
     python bench/generate_speed.py --json bench/results/gpu/generate.json
 """
@@ -43,6 +45,7 @@ import copy
 import cProfile
 import json
 import pstats
+import re
 import sys
 import time
 from pathlib import Path
@@ -166,6 +169,7 @@ def main(argv=None) -> int:
 
     if args.host_profile:
         results["host_profile"] = host_profiles(models, shape, args)
+        results["op_profile"] = op_profiles(models, shape, args)
         save()
 
     if args.trace_steps:
@@ -223,6 +227,68 @@ def host_profiles(models, shape: dict, args) -> dict:
             ],
         )
         print(f"host profile {variant}: {profiles[variant]['ms_per_token_by_group']}", flush=True)
+    return profiles
+
+
+TOP_OPERATORS = 10
+_RUNTIME_CALL = re.compile(r"cuda[A-Z]|cu[A-Z]|cudnn")  # cudaLaunchKernel, cuLaunchKernelEx, cudnnFind...
+
+
+def _event_kind(name: str) -> str | None:
+    """ "aten" for an ATen operator, "runtime" for a call of the CUDA runtime, driver or cuDNN (a launch, a copy, a
+    wait, an allocation), None for anything else the profiler records (annotations, kernels on the device)."""
+    if name.startswith("aten::"):
+        return "aten"
+    if _RUNTIME_CALL.match(name):
+        return "runtime"
+    return None
+
+
+def op_profiles(models, shape: dict, args) -> dict:
+    """Each eager variant's generate() of `--host-profile` new tokens at batch 1 under torch.profiler (the host's
+    operators and, on CUDA, the runtime's calls), after a warm-up run: per new token, the ATen operators made and
+    their own host time, every CUDA runtime call (launches, copies, waits such as `cudaStreamSynchronize`, host or
+    device allocations) with its count and own time, and the operators with the most own time. cProfile
+    (`host_profiles`) shows the Python; this shows what its ATen calls and launches cost and any wait a step makes."""
+    generator = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
+    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(1, args), block_size=16)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if input_ids.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    per_token = 1 / args.host_profile
+    profiles = {}
+    for variant in [v for v in args.variants if not v.endswith("-compiled")]:
+        _, _, cache = run(variant, models, pool, input_ids, args.host_profile, None)  # warm-up
+        cache = None if variant == "dynamic" else cache
+        with torch.profiler.profile(activities=activities) as profiler:
+            run(variant, models, pool, input_ids, args.host_profile, None, cache=cache)
+        kinds = {"aten": [], "runtime": []}
+        for event in profiler.key_averages():
+            kind = _event_kind(event.key)
+            if kind is not None and event.self_cpu_time_total > 0:
+                kinds[kind].append(event)
+        profiles[variant] = dict(
+            aten_calls_per_token=sum(e.count for e in kinds["aten"]) * per_token,
+            aten_us_per_token=sum(e.self_cpu_time_total for e in kinds["aten"]) * per_token,
+            runtime={
+                e.key: dict(calls_per_token=e.count * per_token, us_per_token=e.self_cpu_time_total * per_token)
+                for e in sorted(kinds["runtime"], key=lambda e: -e.self_cpu_time_total)
+            },
+            top=[
+                dict(
+                    operator=e.key,
+                    calls_per_token=e.count * per_token,
+                    us_per_token=e.self_cpu_time_total * per_token,
+                )
+                for e in sorted(kinds["aten"], key=lambda e: -e.self_cpu_time_total)[:TOP_OPERATORS]
+            ],
+        )
+        print(
+            f"operators {variant}: {profiles[variant]['aten_calls_per_token']:.0f} ATen calls, "
+            f"{profiles[variant]['aten_us_per_token']:.0f} us a token",
+            flush=True,
+        )
     return profiles
 
 

@@ -315,7 +315,7 @@ def _generate_section(out: Path) -> str:
         f"{reports[0]['device']}, {args['dtype']}, prompt {args['prompt_len']}, {args['new_tokens']} new tokens, "
         f"greedy; {reports[0]['versions']}\n"
     ]
-    rows, identity, trace, host = [], [], None, None
+    rows, identity, trace, host, ops = [], [], None, None, None
     for report in reports:  # each step's speeds against the DynamicCache runs of that step
         dynamic = {}
         for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
@@ -331,6 +331,7 @@ def _generate_section(out: Path) -> str:
         identity += [r for r in report.get("identity") or [] if r["variant"] != "dynamic"]
         trace = trace or report.get("trace")
         host = host or report.get("host_profile")
+        ops = ops or report.get("op_profile")
     parts.append(tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"))
     if trace:
         rows = [
@@ -371,6 +372,8 @@ def _generate_section(out: Path) -> str:
         ]
     if host:
         parts.append(_host_profile_tables(host))
+    if ops:
+        parts.append(_op_profile_tables(ops))
     return "\n".join(parts) + "\n"
 
 
@@ -393,6 +396,37 @@ def _host_profile_tables(host: dict) -> str:
         parts += [
             f"\nMost own host time, {variant}:\n",
             tabulate(table, ["function", "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
+        ]
+    return "\n".join(parts)
+
+
+def _op_profile_tables(ops: dict) -> str:
+    """generate_speed's operators under torch.profiler: per new token, each variant's ATen calls and every CUDA
+    runtime call (count and own host time), then each variant's operators with the most own time."""
+    calls = sorted({name for profile in ops.values() for name in profile["runtime"]})
+    rows = [
+        [
+            variant,
+            f"{p['aten_calls_per_token']:.0f} / {p['aten_us_per_token']:.0f}",
+            *(
+                f"{p['runtime'][name]['calls_per_token']:.1f} / {p['runtime'][name]['us_per_token']:.0f}"
+                if name in p["runtime"]
+                else ""
+                for name in calls
+            ),
+        ]
+        for variant, p in ops.items()
+    ]
+    parts = [
+        "\nOperators under torch.profiler, batch 1, per new token (calls / us of own host time; CUDA runtime calls "
+        "on a GPU only):\n",
+        tabulate(rows, ["variant", "ATen", *calls], tablefmt="github", disable_numparse=True),
+    ]
+    for variant, profile in ops.items():
+        table = [[o["operator"], f"{o['calls_per_token']:.1f}", f"{o['us_per_token']:.0f}"] for o in profile["top"]]
+        parts += [
+            f"\nMost own host time among ATen operators, {variant}:\n",
+            tabulate(table, ["operator", "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
         ]
     return "\n".join(parts)
 

@@ -52,6 +52,12 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert host["paged"]["ms_per_token_by_group"]["hf_paged"] > 0
     assert "hf_paged" not in host["dynamic"]["ms_per_token_by_group"]
     assert host["paged"]["ms_per_token_by_group"]["transformers"] > 0
+    # The same runs' ATen operators under torch.profiler (CUDA runtime calls on a GPU only): PagedCache's store and
+    # views of the pool are more operators than DynamicCache's concatenations.
+    ops = report["op_profile"]
+    assert set(ops) == {"dynamic", "paged", "paged+hf_paged"} and all(p["runtime"] == {} for p in ops.values())
+    assert all(p["aten_us_per_token"] > 0 and len(p["top"]) == 10 for p in ops.values())
+    assert ops["paged"]["aten_calls_per_token"] > ops["dynamic"]["aten_calls_per_token"] > 0
 
     from bench.gpu_report import _generate_section
 
@@ -59,6 +65,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert "paged+hf_paged-compiled" in section and "2/2" in section
     assert "| paged, contiguous K/V " in section and "first step with other logits" in section
     assert "Most own host time, paged+hf_paged" in section and "Host time under cProfile" in section
+    assert "Operators under torch.profiler" in section and "Most own host time among ATen operators, paged" in section
 
     # The compiled variants' own step (bench/gpu_report.py runs them apart) joins the same table.
     compiled = dict(report, speed=[r for r in report["speed"] if r["variant"] in ("dynamic", "paged-compiled")])
