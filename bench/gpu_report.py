@@ -391,12 +391,7 @@ def _host_profile_tables(host: dict) -> str:
         "waits for the GPU):\n",
         tabulate(rows, ["variant", "generate()", *groups], tablefmt="github", disable_numparse=True),
     ]
-    for variant, profile in host.items():
-        table = [[f["function"], f"{f['calls_per_token']:.1f}", f"{f['own_us_per_token']:.0f}"] for f in profile["top"]]
-        parts += [
-            f"\nMost own host time, {variant}:\n",
-            tabulate(table, ["function", "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
-        ]
+    parts += _top_tables(host, "Most own host time", "function", "own_us_per_token")
     return "\n".join(parts)
 
 
@@ -422,13 +417,21 @@ def _op_profile_tables(ops: dict) -> str:
         "on a GPU only):\n",
         tabulate(rows, ["variant", "ATen", *calls], tablefmt="github", disable_numparse=True),
     ]
-    for variant, profile in ops.items():
-        table = [[o["operator"], f"{o['calls_per_token']:.1f}", f"{o['us_per_token']:.0f}"] for o in profile["top"]]
-        parts += [
-            f"\nMost own host time among ATen operators, {variant}:\n",
-            tabulate(table, ["operator", "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
-        ]
+    parts += _top_tables(ops, "Most own host time among ATen operators", "operator", "us_per_token")
     return "\n".join(parts)
+
+
+def _top_tables(profiles: dict, heading: str, name: str, us_key: str) -> list[str]:
+    """Each variant's costliest entries of `profiles` (its "top" list): `name` (the column and the entry's key), calls
+    and host us a new token (`us_key`)."""
+    parts = []
+    for variant, profile in profiles.items():
+        table = [[e[name], f"{e['calls_per_token']:.1f}", f"{e[us_key]:.0f}"] for e in profile["top"]]
+        parts += [
+            f"\n{heading}, {variant}:\n",
+            tabulate(table, [name, "calls a token", "us a token"], tablefmt="github", disable_numparse=True),
+        ]
+    return parts
 
 
 def _engine_section(out: Path) -> str:
