@@ -7,6 +7,8 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     dynamic                DynamicCache, sdpa (transformers' default)
     paged                  PagedCache, sdpa
     paged+hf_paged         PagedCache after hf_paged.enable(model) (the Triton decode kernel on CUDA)
+    paged+torch-store      PagedCache, sdpa, storing with `index_copy_` where CUDA launches the Triton store
+                           (HF_PAGED_ATTENTION_BACKEND=torch while it runs): what the store's launch costs eagerly
     static-compiled        StaticCache(max_cache_len): generate() compiles the decode forward (CUDA graphs on CUDA)
     paged-compiled         PagedCache(max_cache_len), sdpa, compiled the same way
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
@@ -41,9 +43,11 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import cProfile
 import json
+import os
 import pstats
 import re
 import sys
@@ -61,8 +65,17 @@ import hf_paged  # noqa: E402
 from bench.host import device_name, versions  # noqa: E402
 from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from hf_paged import BlockPool, PagedCache  # noqa: E402
+from hf_paged.attention.kernels import BACKEND_ENV_VAR  # noqa: E402
 
-VARIANTS = ("dynamic", "paged", "paged+hf_paged", "static-compiled", "paged-compiled", "paged+hf_paged-compiled")
+VARIANTS = (
+    "dynamic",
+    "paged",
+    "paged+hf_paged",
+    "paged+torch-store",
+    "static-compiled",
+    "paged-compiled",
+    "paged+hf_paged-compiled",
+)
 
 
 def build_model(shape: dict, dtype: torch.dtype, device: str):
@@ -95,7 +108,7 @@ def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: boo
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), _backend(variant):
         out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), cache=cache, **options)
     if input_ids.device.type == "cuda":
         torch.cuda.synchronize()
@@ -106,6 +119,24 @@ def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: boo
         with torch.inference_mode():  # its tensors were made there
             cache.reset()
     return out, seconds, cache
+
+
+@contextlib.contextmanager
+def _backend(variant: str):
+    """Within: the kernel backend `variant` asks for (HF_PAGED_ATTENTION_BACKEND=torch for "paged+torch-store",
+    the environment as it is otherwise)."""
+    if variant != "paged+torch-store":
+        yield
+        return
+    saved = os.environ.get(BACKEND_ENV_VAR)
+    os.environ[BACKEND_ENV_VAR] = "torch"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[BACKEND_ENV_VAR]
+        else:
+            os.environ[BACKEND_ENV_VAR] = saved
 
 
 def main(argv=None) -> int:

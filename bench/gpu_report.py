@@ -294,7 +294,10 @@ def _prefill_section(out: Path) -> str:
 # json file -> (step, its arguments). Compiled variants run apart and at batch 1 only (their floors' batch): each
 # compiles the 1B model's forward once per dtype, a minute or so, and a timeout there leaves the eager numbers.
 GENERATE_RUNS = {
-    "generate.json": ("generate speed", ["--variants", "dynamic", "paged", "paged+hf_paged", "--host-profile", "32"]),
+    "generate.json": (
+        "generate speed",
+        ["--variants", "dynamic", "paged", "paged+hf_paged", "paged+torch-store", "--host-profile", "32"],
+    ),
     "generate_compiled.json": (
         "generate speed, compiled",
         ["--variants", "dynamic", "static-compiled", "paged-compiled", "--batch", "1", "--trace-steps", "0"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import runpy
 import sys
 from pathlib import Path
@@ -33,10 +34,11 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     except SystemExit as exit:
         assert exit.code == 0
     report = json.loads(out.read_text())
-    variants = {"dynamic", "paged", "paged+hf_paged", "static-compiled", "paged-compiled", "paged+hf_paged-compiled"}
+    variants = {"dynamic", "paged", "paged+hf_paged", "paged+torch-store"}
+    variants |= {"static-compiled", "paged-compiled", "paged+hf_paged-compiled"}
     assert {r["variant"] for r in report["speed"]} == variants
     assert all(r["ms_per_token"] > 0 for r in report["speed"])
-    assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 6
+    assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 7
     # The teacher-forced trace in the speed dtype: on CPU every variant's logits are DynamicCache's, bit for bit; SDPA
     # got the pool's strided view from PagedCache, and a contiguous copy where the variant asks for one.
     trace = {v["variant"]: v for v in report["trace"]["variants"]}
@@ -47,7 +49,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert all(entry.endswith("K contiguous") for entry in trace["paged, contiguous K/V"]["sdpa"])
     # The eager variants' host time under cProfile: hf_paged's own code shows for PagedCache only.
     host = report["host_profile"]
-    assert set(host) == {"dynamic", "paged", "paged+hf_paged"}
+    assert set(host) == {"dynamic", "paged", "paged+hf_paged", "paged+torch-store"}
     assert all(p["ms_per_token"] > 0 and len(p["top"]) == 15 for p in host.values())
     assert host["paged"]["ms_per_token_by_group"]["hf_paged"] > 0
     assert "hf_paged" not in host["dynamic"]["ms_per_token_by_group"]
@@ -55,7 +57,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     # The same runs' ATen operators under torch.profiler (CUDA runtime calls on a GPU only): PagedCache's store and
     # views of the pool are more operators than DynamicCache's concatenations.
     ops = report["op_profile"]
-    assert set(ops) == {"dynamic", "paged", "paged+hf_paged"} and all(p["runtime"] == {} for p in ops.values())
+    assert set(ops) == set(host) and all(p["runtime"] == {} for p in ops.values())
     assert all(p["aten_us_per_token"] > 0 and len(p["top"]) == 10 for p in ops.values())
     assert ops["paged"]["aten_calls_per_token"] > ops["dynamic"]["aten_calls_per_token"] > 0
 
@@ -73,3 +75,25 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     merged = _generate_section(tmp_path)
     assert merged.count("| paged-compiled ") == 2 * section.count("| paged-compiled ")
     assert merged.count("| dynamic ") == section.count("| dynamic ")
+
+
+def test_the_torch_store_variant_stores_with_index_copy_where_cuda_would_launch_triton(monkeypatch):
+    """ "paged+torch-store" runs with HF_PAGED_ATTENTION_BACKEND=torch, so a CUDA pool's store takes `index_copy_`
+    instead of the Triton launch; the environment is put back after it, and other variants leave it alone."""
+    import torch
+
+    from bench.generate_speed import _backend
+    from hf_paged.attention import store_backend
+    from hf_paged.attention.kernels import BACKEND_ENV_VAR
+
+    cuda = torch.device("cuda")
+    monkeypatch.setenv(BACKEND_ENV_VAR, "auto")
+    with _backend("paged+torch-store"):
+        assert store_backend(cuda) == "torch"
+    assert os.environ[BACKEND_ENV_VAR] == "auto"
+    monkeypatch.delenv(BACKEND_ENV_VAR)
+    with _backend("paged+torch-store"):
+        assert os.environ[BACKEND_ENV_VAR] == "torch"
+    with _backend("paged"):
+        assert BACKEND_ENV_VAR not in os.environ
+    assert BACKEND_ENV_VAR not in os.environ
