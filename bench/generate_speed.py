@@ -9,6 +9,8 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     paged+hf_paged         PagedCache after hf_paged.enable(model) (the Triton decode kernel on CUDA)
     paged+torch-store      PagedCache, sdpa, storing with `index_copy_` where CUDA launches the Triton store
                            (HF_PAGED_ATTENTION_BACKEND=torch while it runs): what the store's launch costs eagerly
+    paged+contiguous-kv    PagedCache, sdpa, handing SDPA contiguous copies of the K/V as DynamicCache does (two
+                           copies a layer more): what SDPA on the pool's strided view costs
     static-compiled        StaticCache(max_cache_len): generate() compiles the decode forward (CUDA graphs on CUDA)
     paged-compiled         PagedCache(max_cache_len), sdpa, compiled the same way
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
@@ -72,6 +74,7 @@ VARIANTS = (
     "paged",
     "paged+hf_paged",
     "paged+torch-store",
+    "paged+contiguous-kv",
     "static-compiled",
     "paged-compiled",
     "paged+hf_paged-compiled",
@@ -90,6 +93,8 @@ def make_cache(variant: str, model, pool: BlockPool, max_cache_len: int):
     if variant == "static-compiled":
         return StaticCache(config=model.config, max_cache_len=max_cache_len)
     compiled = variant.endswith("-compiled")
+    if variant == "paged+contiguous-kv":
+        return _contiguous_kv(PagedCache(config=model.config, pool=pool))
     return PagedCache(config=model.config, pool=pool, max_cache_len=max_cache_len if compiled else None)
 
 

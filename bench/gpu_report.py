@@ -296,7 +296,16 @@ def _prefill_section(out: Path) -> str:
 GENERATE_RUNS = {
     "generate.json": (
         "generate speed",
-        ["--variants", "dynamic", "paged", "paged+hf_paged", "paged+torch-store", "--host-profile", "32"],
+        [
+            "--variants",
+            "dynamic",
+            "paged",
+            "paged+hf_paged",
+            "paged+torch-store",
+            "paged+contiguous-kv",
+            "--host-profile",
+            "32",
+        ],
     ),
     "generate_compiled.json": (
         "generate speed, compiled",

@@ -34,11 +34,11 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     except SystemExit as exit:
         assert exit.code == 0
     report = json.loads(out.read_text())
-    variants = {"dynamic", "paged", "paged+hf_paged", "paged+torch-store"}
+    variants = {"dynamic", "paged", "paged+hf_paged", "paged+torch-store", "paged+contiguous-kv"}
     variants |= {"static-compiled", "paged-compiled", "paged+hf_paged-compiled"}
     assert {r["variant"] for r in report["speed"]} == variants
     assert all(r["ms_per_token"] > 0 for r in report["speed"])
-    assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 7
+    assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 8
     # The teacher-forced trace in the speed dtype: on CPU every variant's logits are DynamicCache's, bit for bit; SDPA
     # got the pool's strided view from PagedCache, and a contiguous copy where the variant asks for one.
     trace = {v["variant"]: v for v in report["trace"]["variants"]}
@@ -49,7 +49,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert all(entry.endswith("K contiguous") for entry in trace["paged, contiguous K/V"]["sdpa"])
     # The eager variants' host time under cProfile: hf_paged's own code shows for PagedCache only.
     host = report["host_profile"]
-    assert set(host) == {"dynamic", "paged", "paged+hf_paged", "paged+torch-store"}
+    assert set(host) == {"dynamic", "paged", "paged+hf_paged", "paged+torch-store", "paged+contiguous-kv"}
     assert all(p["ms_per_token"] > 0 and len(p["top"]) == 15 for p in host.values())
     assert host["paged"]["ms_per_token_by_group"]["hf_paged"] > 0
     assert "hf_paged" not in host["dynamic"]["ms_per_token_by_group"]
@@ -60,6 +60,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert set(ops) == set(host) and all(p["runtime"] == {} for p in ops.values())
     assert all(p["aten_us_per_token"] > 0 and len(p["top"]) == 10 for p in ops.values())
     assert ops["paged"]["aten_calls_per_token"] > ops["dynamic"]["aten_calls_per_token"] > 0
+    assert ops["paged+contiguous-kv"]["aten_calls_per_token"] > ops["paged"]["aten_calls_per_token"]  # the copies
 
     from bench.gpu_report import _generate_section
 
