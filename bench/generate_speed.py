@@ -204,8 +204,7 @@ def main(argv=None) -> int:
     print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
 
     if args.host_profile:
-        results["host_profile"] = host_profiles(models, shape, args)
-        results["op_profile"] = op_profiles(models, shape, args)
+        results["host_profile"], results["op_profile"] = eager_profiles(models, shape, args)
         save()
 
     if args.trace_steps:
@@ -230,13 +229,17 @@ def _host_group(filename: str) -> str:
     return next((group for group in HOST_GROUPS if group in parts), "other")
 
 
-def host_profiles(models, shape: dict, args) -> dict:
-    """Each eager variant's generate() of `--host-profile` new tokens at batch 1 under cProfile (after a warm-up
-    run): host ms per new token by `_host_group`, and the functions with the most own time."""
+def eager_profiles(models, shape: dict, args) -> tuple[dict, dict]:
+    """Each eager variant's generate() of `--host-profile` new tokens at batch 1, after a warm-up run, once under
+    cProfile (`host_profile`: the Python) and once under torch.profiler (`op_profile`: what its ATen calls and
+    launches cost and any wait a step makes). Returns both, by variant."""
     generator = torch.Generator().manual_seed(1)
     input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
     pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(1, args), block_size=16)
-    profiles = {}
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if input_ids.device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    host, ops = {}, {}
     for variant in [v for v in args.variants if not v.endswith("-compiled")]:
         _, _, cache = run(variant, models, pool, input_ids, args.host_profile, None)  # warm-up
         cache = None if variant == "dynamic" else cache
@@ -244,26 +247,40 @@ def host_profiles(models, shape: dict, args) -> dict:
         profiler.enable()
         _, seconds, _ = run(variant, models, pool, input_ids, args.host_profile, None, cache=cache)
         profiler.disable()
-        stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, own s, cumulative s, callers)
-        by_group = collections.Counter()
-        for (filename, _, _), (_, _, own, _, _) in stats.items():
-            by_group[_host_group(filename)] += own
-        top = sorted(stats.items(), key=lambda item: -item[1][2])[:TOP_FUNCTIONS]
-        per_token = 1e3 / args.host_profile
-        profiles[variant] = dict(
-            ms_per_token=seconds * per_token,
-            ms_per_token_by_group={group: own * per_token for group, own in by_group.most_common()},
-            top=[
-                dict(
-                    function=f"{Path(filename).name}:{line} {name}" if filename != "~" else name,
-                    calls_per_token=calls / args.host_profile,
-                    own_us_per_token=own * per_token * 1e3,
-                )
-                for (filename, line, name), (_, calls, own, _, _) in top
-            ],
+        host[variant] = _host_profile(profiler, seconds, args.host_profile)
+        print(f"host profile {variant}: {host[variant]['ms_per_token_by_group']}", flush=True)
+        with torch.profiler.profile(activities=activities) as torch_profiler:
+            run(variant, models, pool, input_ids, args.host_profile, None, cache=cache)
+        ops[variant] = _op_profile(torch_profiler, args.host_profile)
+        print(
+            f"operators {variant}: {ops[variant]['aten_calls_per_token']:.0f} ATen calls, "
+            f"{ops[variant]['aten_us_per_token']:.0f} us a token",
+            flush=True,
         )
-        print(f"host profile {variant}: {profiles[variant]['ms_per_token_by_group']}", flush=True)
-    return profiles
+    return host, ops
+
+
+def _host_profile(profiler: cProfile.Profile, seconds: float, new_tokens: int) -> dict:
+    """A cProfile run of `new_tokens` new tokens in `seconds`: host ms per new token by `_host_group`, and the
+    functions with the most own time."""
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, ncalls, own s, cumulative s, callers)
+    by_group = collections.Counter()
+    for (filename, _, _), (_, _, own, _, _) in stats.items():
+        by_group[_host_group(filename)] += own
+    top = sorted(stats.items(), key=lambda item: -item[1][2])[:TOP_FUNCTIONS]
+    per_token = 1e3 / new_tokens
+    return dict(
+        ms_per_token=seconds * per_token,
+        ms_per_token_by_group={group: own * per_token for group, own in by_group.most_common()},
+        top=[
+            dict(
+                function=f"{Path(filename).name}:{line} {name}" if filename != "~" else name,
+                calls_per_token=calls / new_tokens,
+                own_us_per_token=own * per_token * 1e3,
+            )
+            for (filename, line, name), (_, calls, own, _, _) in top
+        ],
+    )
 
 
 TOP_OPERATORS = 10
@@ -280,52 +297,33 @@ def _event_kind(name: str) -> str | None:
     return None
 
 
-def op_profiles(models, shape: dict, args) -> dict:
-    """Each eager variant's generate() of `--host-profile` new tokens at batch 1 under torch.profiler (the host's
-    operators and, on CUDA, the runtime's calls), after a warm-up run: per new token, the ATen operators made and
-    their own host time, every CUDA runtime call (launches, copies, waits such as `cudaStreamSynchronize`, host or
-    device allocations) with its count and own time, and the operators with the most own time. cProfile
-    (`host_profiles`) shows the Python; this shows what its ATen calls and launches cost and any wait a step makes."""
-    generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
-    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(1, args), block_size=16)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if input_ids.device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    per_token = 1 / args.host_profile
-    profiles = {}
-    for variant in [v for v in args.variants if not v.endswith("-compiled")]:
-        _, _, cache = run(variant, models, pool, input_ids, args.host_profile, None)  # warm-up
-        cache = None if variant == "dynamic" else cache
-        with torch.profiler.profile(activities=activities) as profiler:
-            run(variant, models, pool, input_ids, args.host_profile, None, cache=cache)
-        kinds = {"aten": [], "runtime": []}
-        for event in profiler.key_averages():
-            kind = _event_kind(event.key)
-            if kind is not None and event.self_cpu_time_total > 0:
-                kinds[kind].append(event)
-        profiles[variant] = dict(
-            aten_calls_per_token=sum(e.count for e in kinds["aten"]) * per_token,
-            aten_us_per_token=sum(e.self_cpu_time_total for e in kinds["aten"]) * per_token,
-            runtime={
-                e.key: dict(calls_per_token=e.count * per_token, us_per_token=e.self_cpu_time_total * per_token)
-                for e in sorted(kinds["runtime"], key=lambda e: -e.self_cpu_time_total)
-            },
-            top=[
-                dict(
-                    operator=e.key,
-                    calls_per_token=e.count * per_token,
-                    us_per_token=e.self_cpu_time_total * per_token,
-                )
-                for e in sorted(kinds["aten"], key=lambda e: -e.self_cpu_time_total)[:TOP_OPERATORS]
-            ],
-        )
-        print(
-            f"operators {variant}: {profiles[variant]['aten_calls_per_token']:.0f} ATen calls, "
-            f"{profiles[variant]['aten_us_per_token']:.0f} us a token",
-            flush=True,
-        )
-    return profiles
+def _op_profile(profiler: torch.profiler.profile, new_tokens: int) -> dict:
+    """A torch.profiler run of `new_tokens` new tokens (the host's operators and, on CUDA, the runtime's calls): per
+    new token, the ATen operators made and their own host time, every CUDA runtime call (launches, copies, waits such
+    as `cudaStreamSynchronize`, host or device allocations) with its count and own time, and the operators with the
+    most own time."""
+    per_token = 1 / new_tokens
+    kinds = {"aten": [], "runtime": []}
+    for event in profiler.key_averages():
+        kind = _event_kind(event.key)
+        if kind is not None and event.self_cpu_time_total > 0:
+            kinds[kind].append(event)
+    return dict(
+        aten_calls_per_token=sum(e.count for e in kinds["aten"]) * per_token,
+        aten_us_per_token=sum(e.self_cpu_time_total for e in kinds["aten"]) * per_token,
+        runtime={
+            e.key: dict(calls_per_token=e.count * per_token, us_per_token=e.self_cpu_time_total * per_token)
+            for e in sorted(kinds["runtime"], key=lambda e: -e.self_cpu_time_total)
+        },
+        top=[
+            dict(
+                operator=e.key,
+                calls_per_token=e.count * per_token,
+                us_per_token=e.self_cpu_time_total * per_token,
+            )
+            for e in sorted(kinds["aten"], key=lambda e: -e.self_cpu_time_total)[:TOP_OPERATORS]
+        ],
+    )
 
 
 def check_tokens(args, shape: dict, compile_config) -> list[dict]:
