@@ -10,6 +10,7 @@ Without a GPU the Triton kernel runs in Triton's CPU interpreter (conftest.py se
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 
@@ -114,6 +115,12 @@ def option_tensors(options: dict) -> dict:
     return kwargs
 
 
+def launched_with(monkeypatch, change) -> None:
+    """The Triton launcher takes `change(config, args)` of the `launch_config.prefill_config(*args)` it would take."""
+    chooser = launch_config.prefill_config
+    monkeypatch.setattr(launch_config, "prefill_config", lambda *args: change(chooser(*args), args))
+
+
 # ------------------------------------------------------------------ lengths, chunks and block boundaries
 @IMPLS
 @pytest.mark.parametrize("block_size", [8, 16])
@@ -164,12 +171,7 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     default): the tiles every row of a program sees whole read without a mask, the diagonal ones with it, on chunks
     long enough for both over 62 and 63 cached keys (the first query's position just before a tile boundary), in
     bf16."""
-    prefill_config = launch_config.prefill_config
-    monkeypatch.setattr(
-        launch_config,
-        "prefill_config",
-        lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True),
-    )
+    launched_with(monkeypatch, lambda config, args: dataclasses.replace(config, unmasked_tiles=True))
     args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16)
     check_prefill(impl, args, **option_tensors(options))
 
@@ -188,17 +190,11 @@ def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 80).block_m == 64  # sm_80: spills with 128 rows
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 120).block_m == 64  # not measured past sm_90
     assert launch_config.prefill_config(256, 4, torch.bfloat16, 90).block_m == 64
-    prefill_config = launch_config.prefill_config
-    monkeypatch.setattr(
-        launch_config,
-        "prefill_config",
-        lambda head_dim, group, dtype, capability: dataclasses.replace(
-            prefill_config(head_dim, group, dtype, capability),
-            **{
-                name: getattr(prefill_config(head_dim, group, dtype, 90), name)
-                for name in ("block_m", "block_q", "block_n", "num_warps", "num_stages", "unmasked_tiles")
-            },
-        ),
+    sm_90 = functools.partial(launch_config.prefill_config, capability=90)  # the chooser itself, before the patch
+    tiles = ("block_m", "block_q", "block_n", "num_warps", "num_stages", "unmasked_tiles")
+    launched_with(
+        monkeypatch,
+        lambda config, args: dataclasses.replace(config, **{name: getattr(sm_90(*args[:3]), name) for name in tiles}),
     )
     args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     check_prefill("triton", args, **option_tensors(options))
@@ -289,10 +285,7 @@ def test_unmasked_tiles_are_the_default_for_16_bit_caches_and_refused_for_fp32_o
         assert launch_config.prefill_config(head_dim, 4, dtype, capability).unmasked_tiles
     assert not any(launch_config.prefill_config(d, 4, torch.bfloat16, 90).unmasked_tiles for d in (16, 32, 256))
     assert not launch_config.prefill_config(64, 4, torch.float32, 90).unmasked_tiles
-    prefill_config = launch_config.prefill_config
-    monkeypatch.setattr(
-        launch_config, "prefill_config", lambda *args: dataclasses.replace(prefill_config(*args), unmasked_tiles=True)
-    )
+    launched_with(monkeypatch, lambda config, args: dataclasses.replace(config, unmasked_tiles=True))
     args = make_prefill([12, 5], [4, 5], dtype=torch.float32)
     with pytest.raises(ValueError, match="unmasked_tiles is for 16-bit caches .* got a float32 cache"):
         kernels.paged_prefill_attention_triton(*args, scale=1.0)
