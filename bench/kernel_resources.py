@@ -167,10 +167,11 @@ PREFILL_TEXT = (
     "stack frame there). 16-bit caches' variants at head_dim 64 and 128 first read the tiles every row sees whole "
     "without a mask (`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), "
     "then the diagonal ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only "
-    "(fp32's 128-wide variant would spill with the second). On sm_90 those 16-bit variants take 128 rows over 8 "
-    "warps, 64 rows a warpgroup as Hopper's `wgmma` computes them (`PREFILL_WIDE_ROWS` in launch_config: with 64 "
-    "rows over 8 warps both warpgroups computed the same logits); sm_80 keeps 64 rows, its 128-wide variant "
-    "spilling with 128."
+    "(fp32's 128-wide variant would spill with the second). On sm_90 those 16-bit variants take 128 rows, with "
+    "the warps and stages timed fastest on an H200 (`PREFILL_SM90` in launch_config: one warpgroup and 3 stages at "
+    "64 wide, 1.15-1.62x the 8 warps; 8 warps, 64 rows a warpgroup as Hopper's `wgmma` computes them, and 3 stages "
+    "at 128 wide, where 64 rows over 8 warps had both warpgroups compute the same logits; bench/logs/"
+    "gpu-h200-9849b1a); sm_80 keeps 64 rows, its 128-wide variant spilling with 128."
 )
 
 

@@ -10,7 +10,6 @@ Without a GPU the Triton kernel runs in Triton's CPU interpreter (conftest.py se
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
 
@@ -182,19 +181,26 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     ids=["plain", "window-softcap-sinks", "kv-start-off-tile"],
 )
 def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
-    """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows over 8 warps: 64 tokens x 2 q heads a
-    program here), run here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
+    """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows: 64 tokens x 2 q heads a program here,
+    over one warpgroup, or two with a softcap), run here in the interpreter: chunks past a program's tokens over 62
+    and 63 cached keys, in bf16."""
     wide = launch_config.prefill_config(64, 2, torch.bfloat16, 90)
-    assert (wide.block_m, wide.block_q, wide.num_warps) == (128, 64, 8)
+    assert (wide.block_m, wide.block_q, wide.num_warps, wide.num_stages) == (128, 64, 4, 2)
+    capped = launch_config.prefill_config(64, 2, torch.bfloat16, 90, True)  # one warpgroup spills with the softcap
+    assert (capped.block_m, capped.num_warps) == (128, 8)
     assert launch_config.prefill_config(128, 4, torch.float16, 90).block_m == 128
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 80).block_m == 64  # sm_80: spills with 128 rows
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 120).block_m == 64  # not measured past sm_90
     assert launch_config.prefill_config(256, 4, torch.bfloat16, 90).block_m == 64
-    sm_90 = functools.partial(launch_config.prefill_config, capability=90)  # the chooser itself, before the patch
+    chooser = launch_config.prefill_config  # the chooser itself, before the patch
+
+    def sm_90(args):  # its choice on sm_90 for the arguments of this launch
+        return chooser(*args[:3], 90, *args[4:])
+
     tiles = ("block_m", "block_q", "block_n", "num_warps", "num_stages", "unmasked_tiles")
     launched_with(
         monkeypatch,
-        lambda config, args: dataclasses.replace(config, **{name: getattr(sm_90(*args[:3]), name) for name in tiles}),
+        lambda config, args: dataclasses.replace(config, **{name: getattr(sm_90(args), name) for name in tiles}),
     )
     args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
     check_prefill("triton", args, **option_tensors(options))

@@ -128,28 +128,38 @@ class PrefillConfig:
 # Query rows per prefill program (tokens x q heads): a tile of 64 rows against a K/V tile keeps the fp32
 # accumulator, the query tile and one K and one V tile in registers at every head width (8 warps from 128 wide).
 PREFILL_BLOCK_M = 64
-# 16-bit caches of these tile widths on sm_90 (Hopper) only: 128 query rows over 8 warps (two warpgroups of 64 rows).
-# Hopper's `wgmma` gives each warpgroup (4 warps) 64 rows. With 64 rows and 8 warps, Triton lays the QK^T product
-# out as [8, 1] warps over 64 rows: both warpgroups compute the same logits, and the PV product, laid out [4, 2],
-# takes a layout conversion through shared memory every tile. The sm_90 SASS at head_dim 128 shows it: 40 `HGMMA`
-# a program against 24 with 128 rows, for half the rows. At head_dim 64, 128 rows over 8 warps run each warpgroup's
-# 64 rows as 64 rows over 4 warps did (16 `HGMMA` either way) while each K/V tile read serves twice the rows.
-# Registers on sm_90 (bf16, unmasked tiles): 166 at 64 wide (183 with 64 rows over 4 warps), 219 at 128 wide
-# (182): 8 warps an SM as before (at 64 wide one program of 8 where there were two of 4), and no spills. On sm_80
-# the 128-wide variant spills, so sm_80 keeps 64 rows; so do later GPUs until measured (sm_120 computes its dots as
-# sm_80 does). `python -m bench.prefill_tuning` times both against each other on a GPU.
-PREFILL_WIDE_ROWS = (64, 128)
+# 16-bit caches on sm_90 (Hopper) only: (tile width, softcap) -> (query rows, warps, stages). Hopper's `wgmma` gives
+# each warpgroup (4 warps) 64 rows. With 64 rows and 8 warps, Triton lays the QK^T product out as [8, 1] warps over
+# 64 rows: both warpgroups compute the same logits, and the PV product, laid out [4, 2], takes a layout conversion
+# through shared memory every tile (the sm_90 SASS at head_dim 128: 40 `HGMMA` a program against 24 with 128 rows,
+# for half the rows). So 128 rows a program, with the warps and stages `python -m bench.prefill_tuning` timed on an
+# H200 (bf16, 32 q / 8 kv heads; a 2k and an 8k prompt and 8 chunks of 512 after 4k cached; bench/logs/
+# gpu-h200-9849b1a), the fastest that compiles without spills:
+# - 64 wide: 128 rows over one warpgroup (4 warps), 2 stages: 1.12x, 1.23x and 1.47x the 128 rows over 8 warps at
+#   2k, 8k and 512+4k; each K/V tile in shared memory serves 128 rows. 3 stages were 1.03-1.10x faster still but
+#   spill (255 registers and a stack frame), as the softcap's variant does with 2: that one keeps 8 warps.
+# - 128 wide: 128 rows over 8 warps (64 a warpgroup), 3 stages: 1.01-1.05x two stages, 1.08-1.13x 64 rows over 4.
+# tests/test_kernel_compile.py checks every one for spills; registers are in docs/kernels.md. sm_80 keeps 64 rows
+# (the 128-wide variant spills there with 128); so do later GPUs until measured (sm_120's dots are sm_80's).
+PREFILL_SM90 = {
+    (64, False): (128, 4, 2),
+    (64, True): (128, 8, 2),
+    (128, False): (128, 8, 3),
+    (128, True): (128, 8, 3),
+}
 
 
 @functools.cache  # asked at every launch, of a few (head_dim, group, dtype, GPU) per process
-def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: int | None) -> PrefillConfig:
+def prefill_config(
+    head_dim: int, group: int, dtype: torch.dtype, capability: int | None, softcap: bool = False
+) -> PrefillConfig:
     """The prefill kernel's launch for K/V of `head_dim` in `dtype`, `group` q heads per kv head, on a GPU of
-    `capability` (None: interpreter).
+    `capability` (None: interpreter), for the kernel with a logit softcap when `softcap`.
 
     Why: a program's rows are `block_q` tokens x `heads` q heads, so a K/V tile read from the pool serves the whole
     GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
-    arguments, so one variant serves every group); 64 rows (128 over 8 warps for 16-bit caches at head_dim 64 and 128
-    on sm_90: `PREFILL_WIDE_ROWS`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
+    arguments, so one variant serves every group); 64 rows (128 for 16-bit caches at head_dim 64 and 128 on sm_90,
+    with the warps and stages measured there: `PREFILL_SM90`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
     stage at 64 wide on sm_90), 2 stages:
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
@@ -159,8 +169,8 @@ def prefill_config(head_dim: int, group: int, dtype: torch.dtype, capability: in
     pad = head_dim_pad(head_dim)
     heads = min(16, 1 << (max(group, 1) - 1).bit_length())
     block_m, block_n, num_warps, num_stages = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8, 2
-    if dtype.itemsize == 2 and pad in PREFILL_WIDE_ROWS and capability == 90:
-        block_m, num_warps = 2 * PREFILL_BLOCK_M, 8
+    if dtype.itemsize == 2 and (pad, softcap) in PREFILL_SM90 and capability == 90:
+        block_m, num_warps, num_stages = PREFILL_SM90[pad, softcap]
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
         # One stage at 64 wide on sm_90: with two, Triton 3.6 leaves an 8-byte stack frame there.

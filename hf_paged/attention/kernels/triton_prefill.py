@@ -334,9 +334,8 @@ def paged_prefill_attention_triton(
     if block_tables.shape[1] == 0:  # no sequence holds a key
         return out.zero_()
 
-    config = launch_config.prefill_config(
-        head_dim, group, key_cache.dtype, launch_config.device_capability(query.device)
-    )
+    capability = launch_config.device_capability(query.device)
+    config = launch_config.prefill_config(head_dim, group, key_cache.dtype, capability, softcap is not None)
     if config.unmasked_tiles and key_cache.dtype == torch.float32:
         raise ValueError("unmasked_tiles is for 16-bit caches (an fp32 cache's variant spills), got a float32 cache")
     if scale < 0 and softcap is None:
