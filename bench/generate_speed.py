@@ -29,14 +29,17 @@ difference, argmax), with what SDPA received at layer 0 (the K strides: a view o
 the backend it picks for those inputs (`torch._fused_sdp_choice`). "paged, contiguous K/V" hands SDPA a contiguous
 copy of the same K/V, as DynamicCache does, so a difference that only the view causes shows as the two disagreeing.
 
-With `--host-profile N`, each eager variant's generate() of N new tokens at batch 1 runs once more under cProfile:
+With `--host-profile N`, each eager variant's generate() of N new tokens at batch `--profile-batch` (1 by default)
+runs once more under cProfile:
 the host time per new token by where it is spent (hf_paged, transformers, torch, triton, the rest; C functions such
 as an ATen call or a kernel launch counted where they are defined, `~`: builtins) and the functions with the most own
 time. The builtins' time includes the host's waits for the GPU (generate() reads each step's tokens; the run ends
 with a synchronize), and the prompt's forward is one of the N + 1 forwards counted. cProfile slows Python down, so
 the numbers compare variants with each other, not with the timed runs. Then the same runs under torch.profiler:
 per new token the ATen operators each variant makes and their own host time, and on CUDA every call of the CUDA
-runtime (launches, copies, waits such as `cudaStreamSynchronize`, allocations), counted and timed.
+runtime (launches, copies, waits such as `cudaStreamSynchronize`, allocations), counted and timed, and the GPU's
+kernel time per new token with the kernels that take most of it (what a batch spends on the device, against the
+host's time).
 
     python bench/generate_speed.py --json bench/results/gpu/generate.json
 """
@@ -161,6 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model: a dry run on CPU")
     parser.add_argument("--compile-all-devices", action="store_true", help="compile on CPU too (aot_eager)")
     parser.add_argument("--host-profile", type=int, default=0, help="new tokens of each eager variant's cProfile")
+    parser.add_argument("--profile-batch", type=int, default=1, help="the batch of the --host-profile runs")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
 
@@ -225,17 +229,18 @@ def _host_group(filename: str) -> str:
     calls and kernel launches), or "other"."""
     if filename == "~":
         return "builtin"
-    parts = Path(filename).parts
-    return next((group for group in HOST_GROUPS if group in parts), "other")
+    # The innermost package of the path: triton's files under /opt/torch/.venv/... are triton's, not torch's.
+    return next((part for part in reversed(Path(filename).parts) if part in HOST_GROUPS), "other")
 
 
 def eager_profiles(models, shape: dict, args) -> tuple[dict, dict]:
-    """Each eager variant's generate() of `--host-profile` new tokens at batch 1, after a warm-up run, once under
-    cProfile (`host_profile`: the Python) and once under torch.profiler (`op_profile`: what its ATen calls and
-    launches cost and any wait a step makes). Returns both, by variant."""
+    """Each eager variant's generate() of `--host-profile` new tokens at batch `--profile-batch`, after a warm-up run,
+    once under cProfile (`host_profile`: the Python) and once under torch.profiler (`op_profile`: what its ATen calls,
+    launches and kernels cost and any wait a step makes). Returns both, by variant."""
     generator = torch.Generator().manual_seed(1)
-    input_ids = torch.randint(1, shape["vocab_size"], (1, args.prompt_len), generator=generator).to(args.device)
-    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(1, args), block_size=16)
+    batch = args.profile_batch
+    input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator).to(args.device)
+    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if input_ids.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -284,6 +289,8 @@ def _host_profile(profiler: cProfile.Profile, seconds: float, new_tokens: int) -
 
 
 TOP_OPERATORS = 10
+TOP_KERNELS = 12
+KERNEL_NAME_CHARS = 100  # a template kernel's name runs to hundreds of characters
 _RUNTIME_CALL = re.compile(r"cuda[A-Z]|cu[A-Z]|cudnn")  # cudaLaunchKernel, cuLaunchKernelEx, cudnnFind...
 
 
@@ -298,17 +305,32 @@ def _event_kind(name: str) -> str | None:
 
 
 def _op_profile(profiler: torch.profiler.profile, new_tokens: int) -> dict:
-    """A torch.profiler run of `new_tokens` new tokens (the host's operators and, on CUDA, the runtime's calls): per
-    new token, the ATen operators made and their own host time, every CUDA runtime call (launches, copies, waits such
-    as `cudaStreamSynchronize`, host or device allocations) with its count and own time, and the operators with the
-    most own time."""
+    """A torch.profiler run of `new_tokens` new tokens (the host's operators and, on CUDA, the runtime's calls and
+    the kernels): per new token, the ATen operators made and their own host time, every CUDA runtime call (launches,
+    copies, waits such as `cudaStreamSynchronize`, host or device allocations) with its count and own time, the
+    operators with the most own time, the GPU's kernel time and the kernels that take most of it."""
     per_token = 1 / new_tokens
     kinds = {"aten": [], "runtime": []}
+    kernels = []
     for event in profiler.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA:  # a kernel (or copy) on the device
+            if event.self_device_time_total > 0:
+                kernels.append(event)
+            continue
         kind = _event_kind(event.key)
         if kind is not None and event.self_cpu_time_total > 0:
             kinds[kind].append(event)
+    kernels.sort(key=lambda e: -e.self_device_time_total)
     return dict(
+        kernel_us_per_token=sum(e.self_device_time_total for e in kernels) * per_token,
+        kernels=[
+            dict(
+                kernel=e.key[:KERNEL_NAME_CHARS],
+                calls_per_token=e.count * per_token,
+                us_per_token=e.self_device_time_total * per_token,
+            )
+            for e in kernels[:TOP_KERNELS]
+        ],
         aten_calls_per_token=sum(e.count for e in kinds["aten"]) * per_token,
         aten_us_per_token=sum(e.self_cpu_time_total for e in kinds["aten"]) * per_token,
         runtime={

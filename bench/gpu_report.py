@@ -382,14 +382,15 @@ def _generate_section(out: Path) -> str:
             f"\nTokens against DynamicCache in {args['check_dtype']} ({args['check_tokens']} new tokens):\n",
             tabulate(rows, ["batch", "variant", "identical rows", "first differing step"], tablefmt="github"),
         ]
+    profile_batch = args.get("profile_batch", 1)
     if host:
-        parts.append(_host_profile_tables(host))
+        parts.append(_host_profile_tables(host, profile_batch))
     if ops:
-        parts.append(_op_profile_tables(ops))
+        parts.append(_op_profile_tables(ops, profile_batch))
     return "\n".join(parts) + "\n"
 
 
-def _host_profile_tables(host: dict) -> str:
+def _host_profile_tables(host: dict, batch: int) -> str:
     """generate_speed's `--host-profile`: host ms per new token by where it is spent, then each variant's functions
     with the most own time."""
     groups = sorted({group for profile in host.values() for group in profile["ms_per_token_by_group"]})
@@ -398,7 +399,7 @@ def _host_profile_tables(host: dict) -> str:
         for variant, p in host.items()
     ]
     parts = [
-        "\nHost time under cProfile, batch 1, ms per new token, the prompt's forward included (own time of the "
+        f"\nHost time under cProfile, batch {batch}, ms per new token, the prompt's forward included (own time of the "
         "functions defined there; `builtin`: C functions such as ATen calls and kernel launches, and the host's "
         "waits for the GPU):\n",
         tabulate(rows, ["variant", "generate()", *groups], tablefmt="github", disable_numparse=True),
@@ -407,9 +408,10 @@ def _host_profile_tables(host: dict) -> str:
     return "\n".join(parts)
 
 
-def _op_profile_tables(ops: dict) -> str:
+def _op_profile_tables(ops: dict, batch: int) -> str:
     """generate_speed's operators under torch.profiler: per new token, each variant's ATen calls and every CUDA
-    runtime call (count and own host time), then each variant's operators with the most own time."""
+    runtime call (count and own host time), then each variant's operators with the most own time, and on a GPU its
+    kernel time and the kernels that take most of it."""
     calls = sorted({name for profile in ops.values() for name in profile["runtime"]})
     rows = [
         [
@@ -425,11 +427,20 @@ def _op_profile_tables(ops: dict) -> str:
         for variant, p in ops.items()
     ]
     parts = [
-        "\nOperators under torch.profiler, batch 1, per new token (calls / us of own host time; CUDA runtime calls "
-        "on a GPU only):\n",
+        f"\nOperators under torch.profiler, batch {batch}, per new token (calls / us of own host time; CUDA runtime "
+        "calls on a GPU only):\n",
         tabulate(rows, ["variant", "ATen", *calls], tablefmt="github", disable_numparse=True),
     ]
     parts += _top_tables(ops, "Most own host time among ATen operators", "operator", "us_per_token")
+    kernels = {variant: p for variant, p in ops.items() if p.get("kernels")}
+    if kernels:
+        rows = [[variant, f"{p['kernel_us_per_token']:.0f}"] for variant, p in kernels.items()]
+        parts += [
+            f"\nGPU kernel time per new token, batch {batch} (us, the prompt's forward included):\n",
+            tabulate(rows, ["variant", "kernel us a token"], tablefmt="github", disable_numparse=True),
+        ]
+        profiles = {variant: dict(top=p["kernels"]) for variant, p in kernels.items()}
+        parts += _top_tables(profiles, "Most GPU time among kernels", "kernel", "us_per_token")
     return "\n".join(parts)
 
 

@@ -26,6 +26,8 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
         "--compile-all-devices",
         "--host-profile",
         "3",
+        "--profile-batch",
+        "2",
     ]
     argv += ["--json", str(out)]
     monkeypatch.setattr(sys, "argv", argv)
@@ -61,6 +63,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert all(p["aten_us_per_token"] > 0 and len(p["top"]) == 10 for p in ops.values())
     assert ops["paged"]["aten_calls_per_token"] > ops["dynamic"]["aten_calls_per_token"] > 0
     assert ops["paged+contiguous-kv"]["aten_calls_per_token"] > ops["paged"]["aten_calls_per_token"]  # the copies
+    assert all(p["kernels"] == [] and p["kernel_us_per_token"] == 0 for p in ops.values())  # no GPU kernels on CPU
 
     from bench.gpu_report import _generate_section
 
@@ -68,7 +71,8 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     assert "paged+hf_paged-compiled" in section and "2/2" in section
     assert "| paged, contiguous K/V " in section and "first step with other logits" in section
     assert "Most own host time, paged+hf_paged" in section and "Host time under cProfile" in section
-    assert "Operators under torch.profiler" in section and "Most own host time among ATen operators, paged" in section
+    assert "Operators under torch.profiler, batch 2" in section and "Host time under cProfile, batch 2" in section
+    assert "Most own host time among ATen operators, paged" in section and "GPU kernel time" not in section
 
     # The compiled variants' own step (bench/gpu_report.py runs them apart) joins the same table.
     compiled = dict(report, speed=[r for r in report["speed"] if r["variant"] in ("dynamic", "paged-compiled")])
@@ -98,3 +102,16 @@ def test_the_torch_store_variant_stores_with_index_copy_where_cuda_would_launch_
     with _backend("paged"):
         assert BACKEND_ENV_VAR not in os.environ
     assert BACKEND_ENV_VAR not in os.environ
+
+
+def test_host_time_is_counted_where_the_innermost_package_defines_it():
+    """A package installed under a directory named after another (triton in /opt/torch/.venv) is its own group."""
+    from bench.generate_speed import _host_group
+
+    site = "/opt/torch/.venv/lib/python3.12/site-packages"
+    assert _host_group(f"{site}/triton/runtime/jit.py") == "triton"
+    assert _host_group(f"{site}/torch/nn/modules/module.py") == "torch"
+    assert _host_group(f"{site}/transformers/models/llama/modeling_llama.py") == "transformers"
+    assert _host_group("/work/main/hf_paged/cache/update_path.py") == "hf_paged"
+    assert _host_group("/usr/lib/python3.12/contextlib.py") == "other"
+    assert _host_group("~") == "builtin"

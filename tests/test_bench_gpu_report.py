@@ -162,3 +162,28 @@ def test_the_engine_section_shows_step_kinds_and_the_kernels_of_a_profiled_decod
     assert "| 10.00x" in section and "400 x 5.00 ms" in section and "60 x 50.00 ms" in section and "75%" in section
     assert "CUDA kernels of a profiled decode step, engine-async" in section
     assert "| _paged_decode_kernel | 16.0" in section and "| 410 " in section
+
+
+def test_the_generate_section_shows_each_variants_kernel_time_at_the_profiled_batch():
+    def profile(kernel_us: float, kernels: list[dict]) -> dict:
+        top = [dict(operator="aten::mm", calls_per_token=113.0, us_per_token=2700.0)]
+        runtime = {"cudaLaunchKernel": dict(calls_per_token=545.0, us_per_token=3700.0)}
+        return dict(
+            aten_calls_per_token=2437.0,
+            aten_us_per_token=12000.0,
+            runtime=runtime,
+            top=top,
+            kernel_us_per_token=kernel_us,
+            kernels=kernels,
+        )
+
+    decode = [dict(kernel="_paged_decode_kernel", calls_per_token=16.0, us_per_token=3120.0)]
+    ops = {"dynamic": profile(900.0, [dict(kernel="gemv", calls_per_token=113.0, us_per_token=700.0)])}
+    ops["paged+hf_paged"] = profile(4100.0, decode)
+    section = gpu_report._op_profile_tables(ops, 16)
+    assert "Operators under torch.profiler, batch 16" in section
+    assert "GPU kernel time per new token, batch 16" in section
+    words = " ".join(section.split())  # the tables' cells without their padding
+    assert "| paged+hf_paged | 4100 |" in words and "| dynamic | 900 |" in words
+    assert "Most GPU time among kernels, paged+hf_paged" in words
+    assert "| _paged_decode_kernel | 16.0 | 3120 |" in words
