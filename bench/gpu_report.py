@@ -85,7 +85,9 @@ class Step:
         return "ok" if self.returncode == 0 else f"FAILED ({self.returncode})"
 
 
-def plan(out: Path, skip: set[str]) -> list[Step]:
+def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) -> list[Step]:
+    """The steps to run, in order, but those of the kinds in `skip`; `engine_backends`: the Engine step's backends
+    (`engine_speed.py --backends`; all of them when None)."""
     python = sys.executable
     runs: dict[str, list[Step]] = {kind: [] for kind in STEP_KINDS}
     if "tests" not in skip:
@@ -98,6 +100,8 @@ def plan(out: Path, skip: set[str]) -> list[Step]:
         runs["tests"].append(Step("tests", "GPU tests", command, env=env))
     if "engine" not in skip:
         command = [python, "bench/engine_speed.py", "--json", str(out / "engine.json")]
+        if engine_backends:
+            command += ["--backends", *engine_backends]
         runs["engine"].append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
     if "generate" not in skip:
         for name, (label, arguments) in GENERATE_RUNS.items():
@@ -290,6 +294,17 @@ def _prefill_section(out: Path) -> str:
         parts.append(tabulate(rows, headers, tablefmt="github", disable_numparse=True) + "\n")
     return "\n".join(parts) if parts else "(no prefill results)\n"
 
+
+# `bench/engine_speed.py`'s backends, in the order it runs them (tests/test_bench_gpu_report.py checks they agree).
+ENGINE_BACKENDS = (
+    "engine",
+    "engine-graphs",
+    "engine-async",
+    "engine-async-compiled",
+    "transformers-cb",
+    "engine-async-admit-every-step",
+    "generate-static",
+)
 
 # json file -> (step, its arguments). Compiled variants run apart and at batch 1 only (their floors' batch): each
 # compiles the 1B model's forward once per dtype, a minute or so, and a timeout there leaves the eager numbers.
@@ -610,6 +625,13 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, help="seconds after which no step starts (and a running one stops)")
     parser.add_argument("--step-timeout", type=float, help="seconds after which a step is stopped")
     parser.add_argument("--bundle", help="also pack the raw results (all but REPORT.md) into this .tar.gz")
+    parser.add_argument(
+        "--engine-backends",
+        nargs="+",
+        choices=ENGINE_BACKENDS,
+        help="the Engine step's backends (default: all; the baselines take most of its time, the compiled one's "
+        "warm-up compiles)",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print(
@@ -618,7 +640,7 @@ def main(argv=None) -> int:
         return NO_CUDA_EXIT
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    steps = plan(out, set(args.skip))
+    steps = plan(out, set(args.skip), args.engine_backends)
     run_all(steps, out, args.deadline, args.step_timeout)
     (out / "REPORT.md").write_text(report(steps, out))
     if args.bundle:

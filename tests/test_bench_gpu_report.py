@@ -92,7 +92,7 @@ def test_a_run_writes_the_report_and_brings_back_the_raw_results_in_one_archive(
     every step's status, the archive with the rest, and exit 1 as one step failed."""
     out, archive = tmp_path / "gpu", tmp_path / "back" / "raw.tar.gz"
 
-    def plan(out, skip):
+    def plan(out, skip, engine_backends):
         writes = f"open({str(out / 'engine.json')!r}, 'w').write('{{}}')"
         return [
             Step("engine", "engine speed", [sys.executable, "-c", writes], outputs=[out / "engine.json"]),
@@ -187,3 +187,14 @@ def test_the_generate_section_shows_each_variants_kernel_time_at_the_profiled_ba
     assert "| paged+hf_paged | 4100 |" in words and "| dynamic | 900 |" in words
     assert "Most GPU time among kernels, paged+hf_paged" in words
     assert "| _paged_decode_kernel | 16.0 | 3120 |" in words
+
+
+def test_the_engine_step_runs_the_backends_it_is_given(tmp_path):
+    from bench import engine_speed
+
+    assert gpu_report.ENGINE_BACKENDS == engine_speed.BACKENDS
+    (engine,) = [step for step in gpu_report.plan(tmp_path, set()) if step.kind == "engine"]
+    assert "--backends" not in engine.command  # all of them
+    chosen = ["engine", "engine-async", "transformers-cb"]
+    (engine,) = [step for step in gpu_report.plan(tmp_path, set(), chosen) if step.kind == "engine"]
+    assert engine.command[engine.command.index("--backends") + 1 :] == chosen
