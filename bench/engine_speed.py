@@ -23,9 +23,11 @@ gets `--kv-memory` of K/V:
 Each Engine first serves `hf_paged.engine.warm_up`'s burst (`warm_up_s`: Triton's and torch.compile's compiling, the
 first graphs captured), then the timed one. For each: output tokens per second over the whole burst, and for the
 Engine a profile of `--profile-steps` decode-only steps (once every request is past its prompt): wall and CUDA kernel
-time per step (torch.profiler), so the GPU's busy share. Those steps, and the profiler's own start and stop, are left
-out of the Engine's tokens per second (its time and its tokens). Then the graph run's and the asynchronous run's
-tokens against the eager run's, in float32 (`--check-dtype`), on the first `--check-requests` requests.
+time per step (torch.profiler), so the GPU's busy share, and the same of the steps from the first that prefills
+beside at least two decoding rows, up to `PREFILL_PROFILE_STEPS` that prefill one after the other. Those steps, and
+the profiler's own starts and stops, are left out of the Engine's tokens per second (its time and its tokens). Then
+the graph run's and the asynchronous run's tokens against the eager run's, in float32 (`--check-dtype`), on the
+first `--check-requests` requests.
 
 On CPU, `--tiny` runs the Engine parts on a 2-layer model (a dry run; graphs need CUDA).
 
@@ -109,7 +111,12 @@ def run_engine(
         for spec in workload.requests
     ]
     cuda = pool.device.type == "cuda"
-    step_profile = None
+    step_profile = prefill_profile = None
+    tries = 0  # windows profiled for prefill_profile
+
+    def output_tokens() -> int:
+        return sum(len(engine.request(r).output_ids) for r in request_ids)
+
     # Wall time of each kind of step, outside the profiler: "decode" (every running request adds one token, nothing
     # waits: the steps CUDA graphs replay) and "prefill" (a step that also prefills, run eagerly).
     step_seconds: dict[str, list[float]] = {"decode": [], "prefill": []}
@@ -124,7 +131,22 @@ def run_engine(
                 torch.cuda.synchronize()  # the steps before it finish inside the timed run
             window_start = time.perf_counter()
             step_profile = profile_steps(engine, args.profile_steps, cuda)
-            window_s, window_tokens = time.perf_counter() - window_start, step_profile["tokens"]
+            window_s += time.perf_counter() - window_start
+            window_tokens += step_profile["tokens"]
+            continue
+        decoding = sum(r.num_pending == 1 for r in engine.scheduler.running)
+        if profile and prefill_profile is None and tries < PREFILL_PROFILE_TRIES and not decode_only and decoding >= 2:
+            # The first steps from one that prefills beside decoding rows (as requests are admitted while others
+            # decode), left out the same way.
+            if cuda:
+                torch.cuda.synchronize()
+            window_start, tokens_before = time.perf_counter(), output_tokens()
+            window = profile_steps(engine, PREFILL_PROFILE_STEPS, cuda, until_prefilled=PREFILL_PROFILE_STEPS)
+            window["tokens"] = output_tokens() - tokens_before  # not one a row: prompts end mid-window
+            window_s += time.perf_counter() - window_start
+            window_tokens += window["tokens"]
+            tries += 1
+            prefill_profile = window if window["prefill_steps"] else None
             continue
         step_start, prefill_tokens = time.perf_counter(), engine.stats.prefill_tokens
         engine.step()
@@ -152,6 +174,7 @@ def run_engine(
         max_waiting_steps=engine.scheduler.max_waiting_steps,
         num_blocks=pool.num_blocks,
         profile=step_profile,
+        prefill_profile=prefill_profile,
         steps={
             kind: dict(steps=len(seconds), seconds=sum(seconds), ms_per_step=1e3 * sum(seconds) / max(len(seconds), 1))
             for kind, seconds in step_seconds.items()
@@ -165,11 +188,17 @@ def run_engine(
 
 
 TOP_KERNELS = 12  # the CUDA kernels a profile lists, by time
+# The other profile: steps that prefill beside decoding rows, one after the other, up to this many; a window whose
+# first step did not prefill (admission waited) is left out of the timing all the same, and tried again up to
+# PREFILL_PROFILE_TRIES times.
+PREFILL_PROFILE_STEPS = 3
+PREFILL_PROFILE_TRIES = 4
 
 
-def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
+def profile_steps(engine: Engine, num_steps: int, cuda: bool, until_prefilled: int | None = None) -> dict:
     """Wall and CUDA kernel time of the next `num_steps` steps (decode-only ones, from where the caller calls it),
-    and the kernels that take most of it.
+    and the kernels that take most of it; with `until_prefilled`, the steps that prefill one after the other, until
+    that many have or one does not (which is then the last step profiled).
 
     On CUDA only kernels are traced: tracing every operator on the host too would slow the host down, and the host
     is what the step's wall time is made of when the GPU idles."""
@@ -177,6 +206,7 @@ def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
 
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     rows = []
+    prefill_tokens, prefill_steps = engine.stats.prefill_tokens, 0
     with profile(activities=activities) as profiler:
         if cuda:
             torch.cuda.synchronize()
@@ -185,7 +215,12 @@ def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
             if not engine.has_unfinished():
                 break
             rows.append(engine.num_running)
+            before = engine.stats.prefill_tokens
             engine.step()
+            prefilled = engine.stats.prefill_tokens != before
+            prefill_steps += prefilled
+            if until_prefilled is not None and (not prefilled or prefill_steps >= until_prefilled):
+                break
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
@@ -200,6 +235,8 @@ def profile_steps(engine: Engine, num_steps: int, cuda: bool) -> dict:
             for e in kernels[:TOP_KERNELS]
         ],
         steps=len(rows),
+        prefill_steps=prefill_steps,  # of them, the steps that prefilled
+        prefill_tokens=engine.stats.prefill_tokens - prefill_tokens,
         tokens=sum(rows),  # a decode step adds one token per row
         mean_rows=sum(rows) / steps,
         wall_ms_per_step=wall / steps * 1e3,
@@ -294,6 +331,13 @@ def main(argv=None) -> int:
             print(
                 f"{'':16s} decode steps: {p['wall_ms_per_step']:.2f} ms wall, {p['cuda_ms_per_step']:.2f} ms CUDA "
                 f"per step ({p['mean_rows']:.0f} rows): GPU busy {p['gpu_busy']:.0%}"
+            )
+        if run.get("prefill_profile"):
+            p = run["prefill_profile"]
+            print(
+                f"{'':16s} {p['steps']} steps from one that prefills ({p['prefill_steps']} prefilled "
+                f"{p['prefill_tokens']} tokens): {p['wall_ms_per_step']:.2f} ms wall, {p['cuda_ms_per_step']:.2f} ms "
+                f"CUDA per step: GPU busy {p['gpu_busy']:.0%}"
             )
     runs = results["runs"]
     for other in ("engine-graphs", "engine-async"):

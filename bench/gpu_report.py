@@ -482,6 +482,7 @@ def _engine_section(out: Path) -> str:
     rows = []
     for name, run in runs.items():
         profile = run.get("profile") or {}
+        prefill = run.get("prefill_profile") or {}
         steps = run.get("steps") or {}
         rows.append(
             [
@@ -490,6 +491,10 @@ def _engine_section(out: Path) -> str:
                 f"{run['tok_per_s'] / peer:.2f}x" if peer else "",
                 f"{profile['wall_ms_per_step']:.2f} / {profile['cuda_ms_per_step']:.2f}" if profile else "",
                 f"{profile['gpu_busy']:.0%}" if profile else "",
+                f"{prefill['wall_ms_per_step']:.2f} / {prefill['cuda_ms_per_step']:.2f} "
+                f"({prefill['prefill_steps']}/{prefill['steps']} prefill)"
+                if prefill
+                else "",
                 *(
                     f"{steps[kind]['steps']} x {steps[kind]['ms_per_step']:.2f} ms" if kind in steps else ""
                     for kind in ("decode", "prefill")
@@ -498,6 +503,7 @@ def _engine_section(out: Path) -> str:
             ]
         )
     headers = ["backend", "output tok/s", "vs transformers-cb", "decode step wall / CUDA ms (profiled)", "GPU busy"]
+    headers += ["steps from one that prefills, wall / CUDA ms (profiled)"]
     headers += ["decode steps", "steps with prefill", "warm-up s (untimed)"]
     lines = [
         f"{report['device']}, {args['dtype']}, {args['num_requests']} requests (prompts {args['prompt_lens']}, "
@@ -526,14 +532,18 @@ def _engine_section(out: Path) -> str:
             lines.append(
                 f"\n{name}: {run['num_compiled_prefill_steps']} steps that prefill ran compiled (warm-up included)"
             )
-    for name, run in runs.items():  # where the profiled decode steps' CUDA time goes
-        kernels = (run.get("profile") or {}).get("top_kernels")
-        if kernels:
-            table = [[k["name"], f"{k['calls_per_step']:.1f}", f"{k['us_per_step']:.0f}"] for k in kernels]
-            lines.append(f"\nCUDA kernels of a profiled decode step, {name}:\n")
-            lines.append(
-                tabulate(table, ["kernel", "calls a step", "us a step"], tablefmt="github", disable_numparse=True)
-            )
+    for key, what in (
+        ("profile", "a profiled decode step"),
+        ("prefill_profile", "the profiled steps from one that prefills"),
+    ):
+        for name, run in runs.items():  # where the profiled steps' CUDA time goes
+            kernels = (run.get(key) or {}).get("top_kernels")
+            if kernels:
+                table = [[k["name"], f"{k['calls_per_step']:.1f}", f"{k['us_per_step']:.0f}"] for k in kernels]
+                lines.append(f"\nCUDA kernels of {what}, {name}:\n")
+                lines.append(
+                    tabulate(table, ["kernel", "calls a step", "us a step"], tablefmt="github", disable_numparse=True)
+                )
     graphs = (runs.get("engine-async") or runs.get("engine-graphs") or {}).get("runner")
     if graphs:
         seconds = sum(capture[2] for capture in graphs["captures"])

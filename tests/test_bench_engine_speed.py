@@ -39,15 +39,20 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
     assert profile["steps"] == 3 and profile["mean_rows"] >= 2 and profile["wall_ms_per_step"] > 0
     assert runs["engine"]["runner"]["eager_steps"] > 0
     # the profiled steps' time and tokens are left out of the Engine's speed
+    prefill = runs["engine"]["prefill_profile"]  # the steps from one that prefills beside decoding rows
+    assert 1 <= prefill["prefill_steps"] <= prefill["steps"] <= prefill["prefill_steps"] + 1
+    assert prefill["prefill_tokens"] > 0 and prefill["tokens"] > 0 and prefill["wall_ms_per_step"] > 0
     window = runs["engine"]["profile_window"]
-    assert window["tokens"] == profile["tokens"] >= 6 and window["seconds"] > 0
+    assert window["tokens"] == profile["tokens"] + prefill["tokens"] and profile["tokens"] >= 6
+    assert window["seconds"] > 0
     assert runs["engine"]["timed_tokens"] == tokens["engine"] - window["tokens"]
     assert runs["engine"]["tok_per_s"] == runs["engine"]["timed_tokens"] / runs["engine"]["wall_s"]
     steps_s = sum(kind["seconds"] for kind in runs["engine"]["steps"].values())  # the steps timed outside the window
     assert steps_s <= runs["engine"]["wall_s"] < steps_s + window["seconds"]  # the window's time is not in wall_s
     steps = runs["engine"]["steps"]  # every step but the profiled ones, by kind
     assert steps["prefill"]["steps"] > 0 and steps["decode"]["steps"] > 0
-    assert steps["prefill"]["steps"] + steps["decode"]["steps"] + 3 == runs["engine"]["num_steps"]
+    profiled = 3 + prefill["steps"]
+    assert steps["prefill"]["steps"] + steps["decode"]["steps"] + profiled == runs["engine"]["num_steps"]
     assert profile["top_kernels"] == []  # on CPU no kernel has device time
     assert all(runs[name]["warm_up_s"] > 0 for name in ("engine", "engine-async"))  # a burst of its own first
 
@@ -55,3 +60,4 @@ def test_dry_run_serves_the_burst_with_every_backend_and_profiles_decode_steps(t
 
     section = _engine_section(tmp_path)
     assert "transformers-cb" in section and f"{steps['prefill']['steps']} x " in section
+    assert f"({prefill['prefill_steps']}/{prefill['steps']} prefill)" in section
