@@ -16,7 +16,10 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
 
 Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that
-also compiles). The timed runs reuse the warm-up's cache, emptied in between (`PagedCache.release()`,
+also compiles). Each PagedCache variant has a pool of its own with room for all its runs, so that, as in a private
+pool, a row's blocks are consecutive and batch 1's attention reads a view of the pool (a pool whose freed blocks are
+handed out again wrapping from its last id to its first has its rows gather: `python -m bench.layer_costs` times
+both). The timed runs reuse the warm-up's cache, emptied in between (`PagedCache.release()`,
 `StaticCache.reset()`), as a server keeps its caches: the compiled step's CUDA graphs read the cache's static buffers
 in place, so a new cache would record them again; DynamicCache is made anew, as generate() makes it. Then
 `--check-dtype` (float32 by default) runs every variant once more for tokens, each against
@@ -189,9 +192,9 @@ def main(argv=None) -> int:
         generator = torch.Generator().manual_seed(batch)
         input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator)
         input_ids = input_ids.to(args.device)
-        pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
         order = [*args.variants, "dynamic"] if "dynamic" in args.variants else list(args.variants)
         for variant in order:
+            pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args, args.repeats + 1), block_size=16)
             # A warm-up that compiles, then timed runs on its cache (but DynamicCache's, made anew each time, as
             # generate() does): a compiled step's CUDA graphs read the cache's buffers in place and replay.
             _, _, cache = run(variant, models, pool, input_ids, args.new_tokens, compile_config, fresh=True)
@@ -240,12 +243,12 @@ def eager_profiles(models, shape: dict, args) -> tuple[dict, dict]:
     generator = torch.Generator().manual_seed(1)
     batch = args.profile_batch
     input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator).to(args.device)
-    pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args), block_size=16)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if input_ids.device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
     host, ops = {}, {}
     for variant in [v for v in args.variants if not v.endswith("-compiled")]:
+        pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args, 3), block_size=16)
         _, _, cache = run(variant, models, pool, input_ids, args.host_profile, None)  # warm-up
         cache = None if variant == "dynamic" else cache
         profiler = cProfile.Profile()
@@ -480,9 +483,12 @@ def trace_logits(models, shape: dict, args) -> dict:
     return dict(dtype=args.dtype, steps=args.trace_steps, dynamic_sdpa=reference, variants=variants)
 
 
-def _num_blocks(batch: int, args) -> int:
+def _num_blocks(batch: int, args, runs: int = 1) -> int:
+    """Blocks for `runs` generate() runs of `batch` rows, each taking fresh blocks: the allocator hands freed blocks
+    out again last (FIFO), so no run takes blocks that wrap around from the pool's last id to its first, and a row's
+    blocks are consecutive, as a private pool's are (attention then reads a view of the pool, not a gather)."""
     longest = max(args.new_tokens, args.check_tokens, args.host_profile)
-    return batch * -(-(args.prompt_len + longest) // 16) + 16
+    return runs * batch * -(-(args.prompt_len + longest) // 16) + 16
 
 
 if __name__ == "__main__":

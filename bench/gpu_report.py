@@ -17,14 +17,16 @@
    2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
 6. bench/decode_tuning.py and bench/prefill_tuning.py: the decode and prefill kernels' tiles, warps and stages tried
    beside their defaults (head_dim 64, 128 and 256; 64 and 128), the numbers their launch choices are made from;
-7. the serving harness, `python -m bench --quick`, in float32 and bfloat16.
+7. the serving harness, `python -m bench --quick`, in float32 and bfloat16;
+8. bench/layer_costs.py: one decoder layer's cache update and attention on a decode step (DynamicCache, PagedCache
+   with sdpa and with "hf_paged") and the operations they are made of, host and GPU microseconds, batch 1 and 16.
 
-They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, then 6 for the prefill
-kernel, the furthest from its floor, then 3 eager), then 3 compiled (each compiles the model), 4 in fp32, 6 for the
-decode kernel and 7, so a run cut short by its deadline loses the least. Each step runs in
-its own process and the report records its command, exit status and time, so one failing step does not hide the
-others. Writes bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a
-step failed. Without CUDA it runs nothing, says so, and exits 2.
+They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, then 6 for the prefill kernel,
+the furthest from its floor, then 3 eager and 8), then 3 compiled (each compiles the model), 4 in fp32, 6 for the
+decode kernel and 7, so a run cut short by its deadline loses the least. Each step runs in its own process and the
+report records its command, exit status and time, so one failing step does not hide the others. Writes
+bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a step failed. Without CUDA it runs
+nothing, says so, and exits 2.
 
 On a lent GPU the time is counted: `--deadline` stops starting steps once that many seconds have passed (each step's
 timeout is cut to what is left, and `--step-timeout` caps every step), and the report says which steps timed out or
@@ -58,7 +60,7 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "engine", "generate", "decode", "prefill", "tuning", "serving")  # what --skip names
+STEP_KINDS = ("tests", "engine", "generate", "layers", "decode", "prefill", "tuning", "serving")  # what --skip names
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -107,6 +109,9 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         for name, (label, arguments) in GENERATE_RUNS.items():
             command = [python, "bench/generate_speed.py", *arguments, "--json", str(out / name)]
             runs["generate"].append(Step("generate", label, command, outputs=[out / name]))
+    if "layers" not in skip:
+        command = [python, "-m", "bench.layer_costs", "--json", str(out / "layer_costs.json")]
+        runs["layers"].append(Step("layers", "layer costs", command, outputs=[out / "layer_costs.json"]))
     if "decode" not in skip:
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
@@ -146,6 +151,7 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         *runs["prefill"],
         *prefill_tuning,
         *generate_eager,
+        *runs["layers"],
         *[step for step in runs["generate"] if step not in generate_eager],
         *[step for step in runs["decode"] if step not in decode_bf16],
         *[step for step in runs["tuning"] if step not in prefill_tuning],
@@ -472,6 +478,24 @@ def _top_tables(profiles: dict, heading: str, name: str, us_key: str) -> list[st
     return parts
 
 
+def _layers_section(out: Path) -> str:
+    """bench/layer_costs.py: host and GPU microseconds of each layer path (per layer) and operation (per call)."""
+    path = out / "layer_costs.json"
+    if not path.exists():
+        return "(no layer cost results)\n"
+    report = json.loads(path.read_text())
+    args = report["args"]
+    rows = [
+        [r["batch"], r["what"], f"{r['host_us']:.1f}", "" if r["gpu_us"] is None else f"{r['gpu_us']:.1f}"]
+        for r in report["rows"]
+    ]
+    return (
+        f"{report['device']}, context {args['context']}, {args['iters']} calls each; {report['versions']}\n\n"
+        + tabulate(rows, ["batch", "per layer / per call", "host us", "GPU us"], tablefmt="github")
+        + "\n"
+    )
+
+
 def _engine_section(out: Path) -> str:
     path = out / "engine.json"
     if not path.exists():
@@ -623,7 +647,9 @@ def report(steps: list[Step], out: Path) -> str:
     lines += ["## Decode attention", "", _decode_section(out)]
     lines += ["## Prefill attention", "", _prefill_section(out)]
     lines += ["## Kernel launch choices", "", _tuning_section(out)]
-    lines += ["## generate() per cache", "", _generate_section(out), "## Engine", "", _engine_section(out)]
+    lines += ["## generate() per cache", "", _generate_section(out)]
+    lines += ["## A decoder layer's cache and attention", "", _layers_section(out)]
+    lines += ["## Engine", "", _engine_section(out)]
     lines += ["## Serving", "", _serving_section(out)]
     return "\n".join(lines)
 

@@ -73,6 +73,7 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
         "prefill bf16 head_dim 128",
         "prefill kernel tuning",
         "generate speed",
+        "layer costs",
         "generate speed, compiled",
         "generate speed, compiled paged kernel",
         "decode fp32 head_dim 128",
