@@ -168,7 +168,11 @@ def pieces(model, batch: int, context: int, iters: int) -> list[dict]:
                 q3, key_cache, value_cache, block_tables, seq_lens, scale=scale, num_splits=num_splits
             )
 
-        splits = triton_decode.choose_num_splits(batch, kv_heads, block_tables.shape[1] * block_size, device, 128)
+        from hf_paged.attention.kernels import launch_config
+
+        config = launch_config.decode_config(head_dim, dtype, launch_config.device_capability(device))
+        max_context = block_tables.shape[1] * block_size
+        splits = triton_decode.choose_num_splits(batch, kv_heads, max_context, device, config.block_n)
         calls["Triton store"] = lambda: triton_store.store_kv_triton(
             new_k[:, :, 0], new_v[:, :, 0], key_cache, value_cache, slots
         )
