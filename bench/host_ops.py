@@ -14,8 +14,9 @@ of 64 and little else (hidden 64), in bf16:
                     PagedCache (sdpa) and PagedCache with the "hf_paged" attention
 
 Columns: aten operations (views included), Triton launches, tensors made from host values (`torch.tensor` /
-`as_tensor`; `to_device` makes one per dtype and copies it once), and host reads of device values (`tolist`,
-`item`, `cpu`).
+`as_tensor`; `to_device` makes one per dtype and copies it once), host reads of device values (`tolist`, `item`,
+`cpu`), and for generate() the Python function calls of a decode step per layer (the model's own included, so
+DynamicCache's are the baseline: what a cache adds is the difference).
 
     python -m bench.host_ops
 """
@@ -174,21 +175,45 @@ def generate_steps(num_layers: int) -> dict[str, dict]:
 
 
 def third_forward(lm, prompt: torch.Tensor, cache) -> dict:
-    """Host counts of generate()'s third forward (after the prompt's and a first decode step's)."""
+    """Host counts of generate()'s third forward (after the prompt's and a first decode step's), and the Python
+    function calls of its fourth (`python_calls`: apart, as the operator count runs Python at every operator)."""
     forwards: list[dict | None] = []
     forward = lm.forward
 
     def counted(*args, **kwargs):
-        if len(forwards) != 2:
+        result = {}
+        if len(forwards) == 2:
+            forwards.append(count(lambda: result.setdefault("out", forward(*args, **kwargs))))
+        elif len(forwards) == 3:
+            forwards[2]["python_calls"] = python_calls(lambda: result.setdefault("out", forward(*args, **kwargs)))
+            forwards.append(None)
+        else:
             forwards.append(None)
             return forward(*args, **kwargs)
-        result = {}
-        forwards.append(count(lambda: result.setdefault("out", forward(*args, **kwargs))))
         return result["out"]
 
     lm.forward = counted
-    lm.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    lm.generate(prompt, past_key_values=cache, max_new_tokens=5, do_sample=False)
     return forwards[2]
+
+
+def python_calls(run) -> int:
+    """Python function calls made while `run()` runs (this module's stand-ins for launches and host reads left out:
+    on a GPU those are Triton's and torch's own)."""
+    calls = 0
+
+    def profile(frame, event, arg):
+        nonlocal calls
+        if event == "call" and frame.f_code.co_filename != __file__:
+            calls += 1
+
+    with torch.inference_mode():
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+    return calls
 
 
 def main(argv=None) -> int:
@@ -200,8 +225,10 @@ def main(argv=None) -> int:
     with counted_host():
         results = {**engine_steps(args.layers, args.rows), **generate_steps(args.layers)}
     headers = ["step", "aten ops", "per layer", "Triton launches", "tensors from host values", "host reads"]
+    headers.append("Python calls per layer")
     rows = [
         [name, r["ops"], f"{r['ops'] / args.layers:.1f}", r["launches"], r["from_host"], r["reads"]]
+        + [f"{r['python_calls'] / args.layers:.1f}" if "python_calls" in r else ""]
         for name, r in results.items()
     ]
     print(f"{args.layers} layers, 32 q / 8 kv heads of 64, CUDA branch on CPU (Triton launches counted, not run)")

@@ -11,6 +11,7 @@ unless `initializer_range` is raised and embeddings are untied; `eos_token_id=No
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 
 import pytest
@@ -115,6 +116,40 @@ def require_triton_on_cpu() -> None:
     turns it on when CUDA is absent). With CUDA, the Triton path is tested on CUDA models (tests/test_gpu.py)."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the Triton backend on CPU models needs TRITON_INTERPRET=1; on CUDA see tests/test_gpu.py")
+
+
+def count_decode_launches(monkeypatch) -> list:
+    """Record every call of the Triton decode kernel's launch (`triton_decode.DecodeLaunch`: one per layer whose
+    decode attention runs the kernel, whichever path made it) while the test runs; empty without Triton."""
+    calls = []
+    if importlib.util.find_spec("triton") is None:
+        return calls
+    from hf_paged.attention.kernels import triton_decode
+
+    launch = triton_decode.DecodeLaunch.__call__
+    monkeypatch.setattr(
+        triton_decode.DecodeLaunch, "__call__", lambda self, *a, **k: calls.append(1) or launch(self, *a, **k)
+    )
+    return calls
+
+
+def count_store_launches(monkeypatch) -> list:
+    """Record every launch of the Triton store kernel (`triton_store._store_kv_kernel`, whichever launcher makes it)
+    while the test runs; empty without Triton."""
+    calls = []
+    if importlib.util.find_spec("triton") is None:
+        return calls
+    from hf_paged.attention.kernels import triton_store
+
+    kernel = triton_store._store_kv_kernel
+
+    class Counted:
+        def __getitem__(self, grid):
+            calls.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_store, "_store_kv_kernel", Counted())
+    return calls
 
 
 def tiny_assistant(name: str, attn_implementation: str = "sdpa"):

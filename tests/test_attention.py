@@ -4,8 +4,6 @@ The Triton path runs in Triton's interpreter on CPU (tests/conftest.py sets TRIT
 keep generations short.
 """
 
-import importlib.util
-
 import pytest
 import torch
 from transformers import AttentionInterface, DynamicCache
@@ -14,7 +12,14 @@ from transformers.masking_utils import AttentionMaskInterface
 import hf_paged
 from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
 from hf_paged.attention import plan_of
-from tests.models import left_padded_batch, random_prompt, require_triton_on_cpu, tiny_model
+from tests.models import (
+    count_decode_launches,
+    count_store_launches,
+    left_padded_batch,
+    random_prompt,
+    require_triton_on_cpu,
+    tiny_model,
+)
 
 MAX_NEW_TOKENS = 6  # mistral's window is 8: prompts of 12 already slide, and its blocks get released
 
@@ -44,19 +49,8 @@ def test_generate_through_paged_attention_matches_sdpa(name, mode, backend, monk
     if backend == "triton":
         require_triton_on_cpu()
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
-    kernel_calls = []
-    kernel = hf_paged.attention.decode_plan.paged_decode_attention
-    monkeypatch.setattr(
-        hf_paged.attention.decode_plan,
-        "paged_decode_attention",
-        lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k),
-    )
-    store_calls = []  # the Triton store kernel's launches
-    if importlib.util.find_spec("triton") is not None:
-        from hf_paged.attention.kernels import triton_store
-
-        store = triton_store.store_kv_triton
-        monkeypatch.setattr(triton_store, "store_kv_triton", lambda *a, **k: store_calls.append(1) or store(*a, **k))
+    kernel_calls = count_decode_launches(monkeypatch)
+    store_calls = count_store_launches(monkeypatch)  # the Triton store kernel's launches
     reference = _generate(tiny_model(name, "sdpa"), DynamicCache(config=tiny_model(name, "sdpa").config), mode)
     model = tiny_model(name, PAGED_ATTENTION)
     pool = BlockPool.for_model(model, num_blocks=64, block_size=4)

@@ -12,12 +12,10 @@ import pytest
 import torch
 from transformers import DynamicCache, StaticCache
 
-import hf_paged.attention.decode_plan
-import hf_paged.attention.kernels.dispatch
 import hf_paged.attention.kernels.triton_decode as triton_decode
 import hf_paged.attention.kernels.triton_prefill as triton_prefill
 from hf_paged import PAGED_ATTENTION, BlockPool, Engine, PagedCache
-from tests.models import random_prompt, tiny_model
+from tests.models import count_decode_launches, random_prompt, tiny_model
 
 pytestmark = [
     pytest.mark.gpu,
@@ -51,7 +49,7 @@ def _sdpa_reference(name: str, prompts: list[list[int]], new_tokens: list[int], 
 @pytest.mark.parametrize("name", ["llama", "gemma3", "mistral"])
 def test_generate_with_a_paged_cache_on_cuda_runs_the_kernels_and_matches_sdpa(name, monkeypatch):
     monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)  # "auto": Triton on CUDA
-    decode_calls = _count_calls(monkeypatch, hf_paged.attention.decode_plan, "paged_decode_attention")
+    decode_calls = count_decode_launches(monkeypatch)
     prompt = random_prompt(12)[0].tolist()
     (reference,) = _sdpa_reference(name, [prompt], [NEW_TOKENS], "cuda")
     model = tiny_model(name, PAGED_ATTENTION, device="cuda")

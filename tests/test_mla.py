@@ -43,7 +43,7 @@ from hf_paged.attention.kernels import paged_decode_attention
 from hf_paged.cache.visible import VisibleKV
 from hf_paged.engine import StepCache
 from hf_paged.storage import block_windows
-from tests.models import _COMMON, left_padded_batch, random_prompts, require_triton_on_cpu
+from tests.models import _COMMON, count_decode_launches, left_padded_batch, random_prompts, require_triton_on_cpu
 from tests.zoo import tiny_model as zoo_model
 
 KV_LORA_RANK, ROPE_DIM, NOPE_DIM, V_HEAD_DIM = 32, 16, 16, 8  # K latent 32 wide, V latent 16, expanded V 8
@@ -221,14 +221,8 @@ def test_enable_equals_dynamic_cache(monkeypatch, name):
 
 def test_decode_plans_of_other_v_widths_leave_the_triton_kernel_for_torch(monkeypatch):
     require_triton_on_cpu()
-    import hf_paged.attention.decode_plan as decode_plan
-
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
-    kernel_calls = []
-    kernel = decode_plan.paged_decode_attention
-    monkeypatch.setattr(
-        decode_plan, "paged_decode_attention", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k)
-    )
+    kernel_calls = count_decode_launches(monkeypatch)
     expected = _generate(mla_model("mimo"), None, do_sample=False)
     model = mla_model("mimo", paged_attention=True)
     _assert_same(_generate(model, PagedCache(config=model.config), do_sample=False), expected)

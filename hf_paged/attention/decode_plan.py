@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .kernels import paged_decode_attention
+from .kernels.dispatch import decode_launch
 from .plan import memoized_backend
 from .shared_prefix import per_row_mask, shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
@@ -48,6 +48,8 @@ class DecodePlan:
     length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
     _backends: dict = field(default_factory=dict)  # a module's backend setting -> resolved; shared likewise
+    # (id(kv_start), query shape, dtype) -> the Triton kernel's `DecodeLaunch` for these rows; shared likewise
+    _launches: dict = field(default_factory=dict)
 
     def attend(
         self,
@@ -82,18 +84,16 @@ class DecodePlan:
             return sdpa_or_torch_attention(
                 module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs
             )
-        out = paged_decode_attention(
-            query[:, :, 0],  # [B, heads, head_dim]
-            self.key_cache,
-            self.value_cache,
-            self.block_tables,
-            self.seq_lens,
-            scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
-            kv_start=kv_start,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            out=out,
-            backend="triton",
+        rows = query[:, :, 0]  # [B, heads, head_dim]
+        key = (id(kv_start), rows.shape, rows.dtype)
+        launch = self._launches.get(key)
+        if launch is None or launch.kv_start is not kv_start:  # made by the step's first layer, called by each
+            launch = self._launches[key] = decode_launch(
+                rows, self.key_cache, self.value_cache, self.block_tables, self.seq_lens, kv_start=kv_start
+            )
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = launch(
+            rows, self.key_cache, self.value_cache, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out
         )
         return out.unsqueeze(1), None  # [B, 1, heads, head_dim]
 

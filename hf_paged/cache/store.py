@@ -10,17 +10,21 @@ from __future__ import annotations
 import torch
 
 from ..attention import store_backend, store_kv_rows
+from ..attention.kernels.dispatch import store_launch
 from ..storage import BlockPool
 
 
 class KVStore:
-    """The store of one `PagedCache`: the backend is resolved once per step (`start_step`), and the torch path keeps
-    the pool's flat views between steps instead of making them every layer."""
+    """The store of one `PagedCache`: the backend is resolved once per step (`start_step`); the torch path keeps the
+    pool's flat views between steps instead of making them every layer, the Triton path its launch into each layer
+    (`StoreLaunch`)."""
 
     def __init__(self):
         self._backend: str | None = None
         self._multi_device = False
         self._flat_memo: dict[int, tuple[torch.Tensor, ...]] = {}  # layer -> (key, value, their flat views)
+        # layer -> (key, value, the Triton store's `StoreLaunch` into them, or None: K and V of different shapes)
+        self._launches: dict[int, tuple] = {}
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: the store backend for the step's layers (`multi_device`: `pool.is_multi_device`)."""
@@ -62,6 +66,16 @@ class KVStore:
                 else:
                     key_slots[0].index_copy_(1, slots, heads_first(key_states))
                     value_slots[0].index_copy_(1, slots, heads_first(value_states))
+                return
+        if backend == "triton" and not self._multi_device and not torch.compiler.is_compiling():
+            # The kernel's launch into this layer's K and V, made once (and again when a private pool grew).
+            key_cache, value_cache = pool.key_cache[layer_idx], pool.value_cache[layer_idx]
+            memo = self._launches.get(layer_idx)
+            if memo is None or memo[0] is not key_cache or memo[1] is not value_cache:
+                launch = store_launch(*pool.nhd_views(layer_idx)) if key_cache.shape == value_cache.shape else None
+                memo = self._launches[layer_idx] = (key_cache, value_cache, launch)
+            if memo[2] is not None:
+                memo[2](key_states, value_states, slots)
                 return
         # The Triton path with the pool's kernel views made once (`BlockPool.nhd_views`): one launch for K and V.
         nhd_views = pool.nhd_views(layer_idx) if backend == "triton" and not self._multi_device else None

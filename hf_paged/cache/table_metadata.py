@@ -76,8 +76,9 @@ class TableMetadata(GatherTables):
         return self if device == self.pool.device else DeviceTables(self, device)
 
     def step(self, num_tokens: int) -> dict:
-        """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus a memo that
-        the attention of every layer shares. Built by the first layer, reused by the rest.
+        """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus memos that
+        the attention of every layer shares (first keys, backends, kernel launches). Built by the first layer, reused
+        by the rest.
 
         Kernel positions count from the first block still held: `seq_lens = num_tokens - base * block_size`, and
         `position_offset` says how much to subtract from an absolute position."""
@@ -95,6 +96,7 @@ class TableMetadata(GatherTables):
                 "position_offset": position_offset,
                 "kv_starts": {},
                 "backends": {},
+                "launches": {},
             }
             memo[key] = step
         return step

@@ -165,5 +165,6 @@ class VisibleKV:
             gather=lambda: self.gather(layer_idx, first, num_tokens),
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
+            **({"_launches": step["launches"]} if plan_class is DecodePlan else {}),
             **extra,
         )

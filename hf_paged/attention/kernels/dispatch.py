@@ -106,6 +106,23 @@ def paged_decode_attention(
     )
 
 
+def decode_launch(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    kv_start: torch.Tensor | None = None,
+):
+    """The Triton decode kernel's launch for these rows (`triton_decode.DecodeLaunch`), to call once per layer that
+    reads them: `launch(query, key_cache, value_cache, scale=..., sliding_window=..., softcap=..., out=...)` computes
+    what `paged_decode_attention(..., backend="triton")` would. Shapes as there."""
+    return _triton_modules().decode.DecodeLaunch(
+        query, key_cache, value_cache, block_tables, seq_lens, kv_start=kv_start
+    )
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -153,6 +170,13 @@ def store_kv(
         store_kv_torch(key, value, key_cache, value_cache, slot_mapping)
         return
     store_kv_triton(key, value, key_cache, value_cache, slot_mapping)
+
+
+def store_launch(key_cache: torch.Tensor, value_cache: torch.Tensor):
+    """The Triton store kernel's launch into these `[num_blocks, block_size, kv_heads, head_dim]` caches of one shape
+    (`triton_store.StoreLaunch`), to make once and call at every step: `launch(key_states, value_states, slots)`
+    writes what `store_kv_rows(..., backend="triton")` would."""
+    return _triton_modules().store.StoreLaunch(key_cache, value_cache)
 
 
 def store_kv_triton(

@@ -304,55 +304,123 @@ def paged_decode_attention_triton(
     `num_splits` (Triton only, a tuning knob): chunks per sequence for split-K; `None` picks from the GPU's SM
     count and the block table width (never from `seq_lens`, which would need a device sync).
     """
-    check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
-    batch, num_q_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
-    group = num_q_heads // num_kv_heads
-    if out is None:
-        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    if batch == 0:
+    launch = DecodeLaunch(
+        query, key_cache, value_cache, block_tables, seq_lens, kv_start=kv_start, num_splits=num_splits
+    )
+    return launch(query, key_cache, value_cache, scale=scale, sliding_window=sliding_window, softcap=softcap, out=out)
+
+
+class DecodeLaunch:
+    """The decode kernel's launch for one step's rows, made once and called for each layer that reads them.
+
+    What a launch is chosen from is the same at every layer of a step's layer group: the rows' block tables, lengths
+    and first keys, the query's shape and the pool's layout; so the checks, the tile configuration, the split count,
+    the grid and the split-K workspace are made here, and a layer pays its launches and its output only
+    (`paged_decode_attention_triton` makes one per call). The workspace is reused by every layer: the layers' launches
+    follow each other on one stream, each merge reading it before the next layer's kernel writes it.
+
+    Args:
+        query, key_cache, value_cache, block_tables, seq_lens, kv_start: as `paged_decode_attention_triton` takes
+            them (the query and caches of any of the layers: each call passes its own, of the same shapes).
+        num_splits (`int`, *optional*): as there.
+    """
+
+    def __init__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        *,
+        kv_start: torch.Tensor | None = None,
+        num_splits: int | None = None,
+    ):
+        check_decode_args(query, key_cache, value_cache, block_tables, seq_lens)
+        batch, num_q_heads, head_dim = query.shape
+        _, block_size, num_kv_heads, _ = key_cache.shape
+        device = query.device
+        self.query_shape, self.cache_shape, self.dtype = query.shape, key_cache.shape, query.dtype
+        self.kv_start = kv_start
+        # A launch on the tensors' device, where that is not the current one (`cuda:1` from a process on `cuda:0`).
+        self.device_index = device.index if device.type == "cuda" else None
+        self.num_rows, self.num_keys = batch, block_tables.shape[1]
+        if not batch or not self.num_keys:
+            return
+        config = launch_config.decode_config(head_dim, key_cache.dtype, launch_config.device_capability(device))
+        group = num_q_heads // num_kv_heads
+        group_tiles = launch_config.ceil_div(group, config.block_g)
+        max_context = block_tables.shape[1] * block_size
+        if num_splits is None:
+            num_splits = choose_num_splits(batch, num_kv_heads, max_context, device, config.block_n)
+        # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
+        tokens_per_split = launch_config.ceil_div(launch_config.ceil_div(max_context, num_splits), config.block_n)
+        tokens_per_split *= config.block_n
+        self.num_splits = num_splits
+        self.grid = (batch, num_kv_heads * group_tiles, num_splits)
+        self.merge_grid = (batch, num_q_heads)
+        if num_splits > 1:
+            self.partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
+            self.partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
+        else:  # unused by the kernel with one split; fp32 like the real ones, so that both share one compiled variant
+            self.partial_out = self.partial_lse = unused_fp32(device)
+        self.tables = (block_tables, seq_lens, kv_start if kv_start is not None else seq_lens)  # unused if no kv_start
+        self.stride_bt = block_tables.stride(0)
+        self.sizes = (tokens_per_split, group, head_dim, block_size, int(kv_start is not None))
+        self.config = config
+        self.merge_warps = launch_config.merge_num_warps(head_dim)
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        *,
+        scale: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """query `[B, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]` (of the
+        shapes the launch was made for) -> `[B, num_q_heads, head_dim]` (`out`, when given)."""
+        if query.shape != self.query_shape or key_cache.shape != self.cache_shape or query.dtype != self.dtype:
+            raise ValueError(
+                f"this decode launch was made for query {tuple(self.query_shape)} {self.dtype} and caches "
+                f"{tuple(self.cache_shape)}, got {tuple(query.shape)} {query.dtype} and {tuple(key_cache.shape)}"
+            )
+        if out is None:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+        if not self.num_rows:
+            return out
+        if not self.num_keys:  # no sequence holds a key: zeros, as the reference gives
+            return out.zero_()
+        window = min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW
+        if self.device_index is not None and self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                self._launch(query, key_cache, value_cache, out, float(scale), softcap, window)
+        else:
+            self._launch(query, key_cache, value_cache, out, float(scale), softcap, window)
         return out
-    if block_tables.shape[1] == 0:  # no sequence holds a key: zeros, as the reference gives
-        return out.zero_()
 
-    config = launch_config.decode_config(head_dim, key_cache.dtype, launch_config.device_capability(query.device))
-    group_tiles = launch_config.ceil_div(group, config.block_g)
-    max_context = block_tables.shape[1] * block_size
-    if num_splits is None:
-        num_splits = choose_num_splits(batch, num_kv_heads, max_context, query.device, config.block_n)
-    # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
-    tokens_per_split = launch_config.ceil_div(launch_config.ceil_div(max_context, num_splits), config.block_n)
-    tokens_per_split *= config.block_n
-
-    if num_splits > 1:
-        partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=query.device)
-        partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=query.device)
-    else:  # unused by the kernel with one split; fp32 like the real ones, so that both share one compiled variant
-        partial_out = partial_lse = unused_fp32(query.device)
-    with on_device(query):
-        _paged_decode_kernel[(batch, num_kv_heads * group_tiles, num_splits)](
+    def _launch(self, query, key_cache, value_cache, out, scale: float, softcap: float | None, window: int) -> None:
+        config = self.config
+        _paged_decode_kernel[self.grid](
             query,
             key_cache,
             value_cache,
-            block_tables,
-            seq_lens,
-            kv_start if kv_start is not None else seq_lens,  # unused when has_kv_start is False
+            *self.tables,
             out,
-            partial_out,
-            partial_lse,
+            self.partial_out,
+            self.partial_lse,
             *query.stride(),
             *key_cache.stride(),
             *value_cache.stride(),
-            block_tables.stride(0),
+            self.stride_bt,
             *out.stride(),
-            float(scale),
+            scale,
             float(softcap) if softcap is not None else 1.0,
-            min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW,
-            tokens_per_split,
-            group,
-            head_dim,
-            block_size,
-            int(kv_start is not None),
+            window,
+            *self.sizes,
             BLOCK_G=config.block_g,
             HEAD_DIM_PAD=config.head_dim_pad,
             BLOCK_N=config.block_n,
@@ -362,18 +430,17 @@ def paged_decode_attention_triton(
             num_warps=config.num_warps,
             num_stages=config.num_stages,
         )
-        if num_splits > 1:
-            _merge_splits_kernel[(batch, num_q_heads)](
-                partial_out,
-                partial_lse,
+        if self.num_splits > 1:
+            _merge_splits_kernel[self.merge_grid](
+                self.partial_out,
+                self.partial_lse,
                 out,
                 *out.stride(),
-                num_splits,
-                head_dim,
+                self.num_splits,
+                self.sizes[2],  # head_dim
                 HEAD_DIM_PAD=config.head_dim_pad,
-                num_warps=launch_config.merge_num_warps(head_dim),
+                num_warps=self.merge_warps,
             )
-    return out
 
 
 def on_device(tensor: torch.Tensor):

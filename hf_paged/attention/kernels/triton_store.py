@@ -96,3 +96,69 @@ def store_kv_triton(
             HEAD_DIM_PAD=launch_config.head_dim_pad(head_dim),
             num_warps=launch_config.store_num_warps(head_dim),
         )
+
+
+class StoreLaunch:
+    """The store kernel's launch into one layer's K and V pool tensors, made once for them and called at every step.
+
+    The caches' strides, block size, tile width and warps are those of the pool's tensors, so they are read here
+    once; a call takes the states of the rows that write (`[W, kv_heads, q_len, head_dim]`, as `store_kv_rows` takes
+    them) and their slots, and launches the kernel. `key_cache` / `value_cache`: the layer's
+    `[num_blocks, block_size, kv_heads, head_dim]` views (`BlockPool.nhd_views`), of one shape.
+    """
+
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor):
+        if value_cache.shape != key_cache.shape or key_cache.dim() != 4:
+            raise ValueError(
+                "the store kernel writes K and V of one shape [num_blocks, block_size, kv_heads, head_dim], got "
+                f"{tuple(key_cache.shape)} and {tuple(value_cache.shape)}"
+            )
+        self.key_cache, self.value_cache = key_cache, value_cache
+        _, block_size, self.num_heads, head_dim = key_cache.shape
+        self.tail = (*key_cache.stride(), *value_cache.stride(), block_size, head_dim)
+        self.head_dim_pad = launch_config.head_dim_pad(head_dim)
+        self.num_warps = launch_config.store_num_warps(head_dim)
+        device = key_cache.device
+        self.device_index = device.index if device.type == "cuda" else None
+
+    def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write `key_states` / `value_states` ([W, kv_heads, q_len, head_dim]) at `slots` ([W * q_len] int64, row
+        by row)."""
+        if key_states.shape[1] != self.num_heads or key_states.shape != value_states.shape:
+            raise ValueError(
+                f"states {tuple(key_states.shape)} and {tuple(value_states.shape)} must be [W, {self.num_heads}, "
+                f"q_len, head_dim] for caches {tuple(self.key_cache.shape)}"
+            )
+        # [W * q_len, H, D]: the kernel takes any strides, so one token a row (decode) or one row (a batch-1 prefill)
+        # is a view; only several rows of several tokens are copied.
+        if key_states.shape[2] == 1:
+            key, value = key_states[:, :, 0], value_states[:, :, 0]
+        elif key_states.shape[0] == 1:
+            key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+        else:
+            key = key_states.transpose(1, 2).reshape(-1, self.num_heads, key_states.shape[-1])
+            value = value_states.transpose(1, 2).reshape(-1, self.num_heads, value_states.shape[-1])
+        num_tokens = key.shape[0]
+        if slots.shape != (num_tokens,):
+            raise ValueError(f"slots must be [{num_tokens}], got {tuple(slots.shape)}")
+        if not num_tokens:
+            return
+        if self.device_index is not None and self.device_index != torch.cuda.current_device():
+            with torch.cuda.device(self.device_index):
+                self._launch(key, value, slots, num_tokens)
+        else:
+            self._launch(key, value, slots, num_tokens)
+
+    def _launch(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, num_tokens: int) -> None:
+        _store_kv_kernel[(num_tokens, self.num_heads)](
+            key,
+            value,
+            self.key_cache,
+            self.value_cache,
+            slots,
+            *key.stride(),
+            *value.stride(),
+            *self.tail,
+            HEAD_DIM_PAD=self.head_dim_pad,
+            num_warps=self.num_warps,
+        )
