@@ -33,12 +33,15 @@ from hf_paged import BlockPool  # noqa: E402
 from hf_paged.attention.kernels import launch_config  # noqa: E402
 
 # The grid a lent GPU's step has time for (each configuration compiles at its first launch, seconds on the GPU
-# machine's CPU): K/V tiles of 128 keys take 230-255 registers a thread at head_dim 64 and 128 on sm_90 (statically,
-# `triton.compile` for the target), and a fourth stage only adds shared memory to a loop bound by its gathers.
+# machine's CPU), and a fourth stage only adds shared memory to a loop bound by its gathers. K/V tiles of 128 keys
+# are tried up to 64 wide (`WIDEST_KV_TILE`): on sm_90 (statically, `triton.compile` for the target) 128 rows over
+# 8 warps take 233-248 registers a thread at head_dim 64 without spills, where at 128 wide every warps and stages
+# spill.
 BLOCK_MS = (64, 128)
-BLOCK_NS = (32, 64)
+BLOCK_NS = (32, 64, 128)
 NUM_WARPS = (4, 8)
 NUM_STAGES = (2, 3)
+WIDEST_KV_TILE = 128 * 64  # keys x tile width
 
 
 def candidates(
@@ -49,11 +52,13 @@ def candidates(
     num_stages=NUM_STAGES,
 ) -> list[launch_config.PrefillConfig]:
     """`default`, then every tile, warps and stages of the grid whose per-thread share of the query tile (and of the
-    fp32 accumulator of the same shape) and of one K or V tile stays bounded."""
+    fp32 accumulator of the same shape) and of one K or V tile stays bounded, K/V tiles up to `WIDEST_KV_TILE`."""
     configs = []
     for block_m, block_n, warps, stages in itertools.product(block_ms, block_ns, num_warps, num_stages):
         threads = 32 * warps
         if max(block_m, block_n) * default.head_dim_pad // threads > MAX_TILE_ELEMENTS or block_m < default.heads:
+            continue
+        if block_n * default.head_dim_pad > WIDEST_KV_TILE:
             continue
         configs.append(
             dataclasses.replace(

@@ -19,6 +19,10 @@ def test_the_grid_starts_with_the_default_and_bounds_each_threads_tiles():
     for config in configs:
         assert max(config.block_m, config.block_n) * config.head_dim_pad // (32 * config.num_warps) <= 64
         assert config.block_q * config.heads == config.block_m and config.heads == default.heads
+    # K/V tiles of 128 keys up to 64 wide only (at 128 wide they spill on sm_90)
+    assert 128 not in {c.block_n for c in configs}
+    narrow = candidates(launch_config.prefill_config(64, 4, torch.bfloat16, 90))
+    assert {(c.block_m, c.block_n, c.num_warps) for c in narrow} >= {(128, 128, 8), (64, 128, 4), (128, 64, 4)}
     with launched_with(configs[-1]):
         assert launch_config.prefill_config(64, 1, torch.float16, 80) == configs[-1]
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 90) == default  # put back
