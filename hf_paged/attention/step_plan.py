@@ -189,6 +189,7 @@ class StepPlan:
             length_masks=group.length_masks,
             _kv_starts=group.plan_memos.setdefault("kv_starts", {}),
             _backends=group.plan_memos.setdefault("backends", {}),
+            _launches=group.plan_memos.setdefault("launches", {}),  # the kernel's launch, made by the first layer
         )
         return plan.attend(module, query, None, out=out, **kwargs)[0]
 
