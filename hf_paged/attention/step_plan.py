@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from ..storage import BlockPool
 from .decode_plan import DecodePlan, length_mask
 from .kernels import paged_prefill_attention
-from .plan import module_backend
+from .plan import memoized_backend
 from .torch_attention import sdpa_or_torch_attention, torch_attention_forward
 
 
@@ -162,7 +162,8 @@ class StepPlan:
         cache, layer_idx = self.cache, self.layer_idx
         group = cache.group_step(layer_idx)
         # The paged kernels apply no attention sinks: rows with sinks take the torch path too, as do expanded K/V.
-        if module_backend(module, query.device) == "torch" or kwargs.get("s_aux") is not None or expanded is not None:
+        backend = memoized_backend(group.plan_memos.setdefault("backends", {}), module, query.device)
+        if backend == "torch" or kwargs.get("s_aux") is not None or expanded is not None:
             lengths = group.host_seq_lens[: cache.num_decode]
             longest, window = max(lengths), kwargs.get("sliding_window")
             if expanded is None:
@@ -199,7 +200,8 @@ class StepPlan:
         pool, layer_idx = self.cache.pool, self.layer_idx
         if pool.key_cache[layer_idx].shape != pool.value_cache[layer_idx].shape:
             return False
-        return module_backend(module, device) == "triton"
+        backends = self.cache.group_step(layer_idx).plan_memos.setdefault("backends", {})
+        return memoized_backend(backends, module, device) == "triton"
 
     def _attend_prefill(
         self, query: torch.Tensor, out: torch.Tensor, sliding_window: int | None = None, **kwargs
