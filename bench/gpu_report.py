@@ -301,17 +301,6 @@ def _prefill_section(out: Path) -> str:
     return "\n".join(parts) if parts else "(no prefill results)\n"
 
 
-# `bench/engine_speed.py`'s backends, in the order it runs them (tests/test_bench_gpu_report.py checks they agree).
-ENGINE_BACKENDS = (
-    "engine",
-    "engine-graphs",
-    "engine-async",
-    "engine-async-compiled",
-    "transformers-cb",
-    "engine-async-admit-every-step",
-    "generate-static",
-)
-
 # json file -> (step, its arguments). The eager step profiles at batch 16, where "hf_paged" lost most on the H200
 # (bench/logs/gpu-h200-9849b1a; its batch-1 profiles are there), and leaves out "paged+contiguous-kv" (contiguous
 # copies for SDPA were slower than the view there, and the bf16 trace was identical without them: its run of the
@@ -659,6 +648,8 @@ def report(steps: list[Step], out: Path) -> str:
 
 
 def main(argv=None) -> int:
+    from bench.engine_speed import BACKENDS as engine_backends
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(OUT), help="folder for REPORT.md and the raw results")
     parser.add_argument("--skip", nargs="*", default=[], choices=STEP_KINDS, help="steps to leave out")
@@ -668,7 +659,7 @@ def main(argv=None) -> int:
     parser.add_argument(
         "--engine-backends",
         nargs="+",
-        choices=ENGINE_BACKENDS,
+        choices=engine_backends,
         help="the Engine step's backends (default: all; the baselines take most of its time, the compiled one's "
         "warm-up compiles)",
     )

@@ -40,6 +40,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.host import device_name, versions  # noqa: E402
 from bench.models import LLAMA_1B_SHAPE, TINY_SHAPE, llama_shaped  # noqa: E402
 from hf_paged import BlockPool, PagedCache  # noqa: E402
 from hf_paged.attention import PAGED_ATTENTION  # noqa: E402
@@ -219,26 +220,9 @@ def main(argv=None) -> int:
     print(tabulate(table, ["batch", "per layer / per call", "host us", "GPU us"], tablefmt="github"))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        report = dict(args=vars(args), device=_device_name(args.device), versions=_versions(), rows=rows)
+        report = dict(args=vars(args), device=device_name(args.device), versions=versions(), rows=rows)
         Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
-
-
-def _device_name(device: str) -> str:
-    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
-
-
-def _versions() -> dict:
-    import transformers
-
-    versions = {"torch": torch.__version__, "transformers": transformers.__version__}
-    try:
-        import triton
-
-        versions["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return versions
 
 
 if __name__ == "__main__":
