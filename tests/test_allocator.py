@@ -182,3 +182,18 @@ def test_grow_queues_new_ids_last(allocated, freed, queue):
     assert allocator.free_queue() == queue
     allocator.check_invariants()
     assert allocator.allocate(len(queue)) == queue
+
+
+def test_a_blocks_hash_packs_its_tokens_as_8_byte_little_endian_integers():
+    import hashlib
+
+    from hf_paged.storage.allocator import hash_block_tokens
+
+    tokens = [0, 1, -3, 2**40, 128255]
+    digest = hashlib.sha256(b"parent")
+    digest.update((2).to_bytes(8, "little"))
+    digest.update(b"".join(token.to_bytes(8, "little", signed=True) for token in tokens))
+    assert hash_block_tokens(b"parent", 2, tokens) == digest.digest()
+    assert hash_block_tokens(b"parent", 2, tuple(tokens)) == digest.digest()
+    with pytest.raises(ValueError, match="64 bits"):
+        hash_block_tokens(None, 0, [2**63])

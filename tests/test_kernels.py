@@ -405,3 +405,82 @@ def test_store_kv_then_decode_round_trip():
     store_kv(keys, values, key_cache, value_cache, slots.to(DEVICE), backend="torch")
     torch.testing.assert_close(gather_kv(key_cache, block_table, n)[0].transpose(0, 1), keys)
     torch.testing.assert_close(gather_kv(value_cache, block_table, n)[0].transpose(0, 1), values)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_one_decode_launch_serves_every_layer_of_a_step(num_splits):
+    """`DecodeLaunch` is made once for a step's rows and called by each layer: layers with caches of their own (and
+    a window, a softcap) over the same rows give what a launch of their own gives, the split-K workspace shared; a
+    query or caches of other shapes than it was made for are refused."""
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    from hf_paged.attention.kernels import triton_decode
+
+    first = make_batch([1, 200, 130], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float16)
+    # A second layer of the same step: the same tables and lengths, K/V and a query of its own (the pool's unowned
+    # slots stay NaN).
+    query = torch.randn(first.query.shape, generator=torch.Generator().manual_seed(1)).to(first.query)
+    second = PagedBatch(query, first.key_cache * 0.5, -first.value_cache, first.block_tables, first.seq_lens)
+    layers = [first, second]
+    kv_start = torch.tensor([0, 7, 0], dtype=torch.int32, device=DEVICE)
+    launch = triton_decode.DecodeLaunch(*first.args, kv_start=kv_start, num_splits=num_splits)
+    for layer, options in zip(layers, [{}, dict(sliding_window=90, softcap=20.0)]):
+        scale = layer.query.shape[-1] ** -0.5
+        got = launch(layer.query, layer.key_cache, layer.value_cache, scale=scale, **options)
+        expected = reference_decode(layer, scale=scale, kv_start=kv_start, **options)
+        torch.testing.assert_close(got.cpu().double(), expected, **TOLERANCES[torch.float16])
+    other = make_batch([5, 9, 3], block_size=16, num_q_heads=4, num_kv_heads=1, head_dim=32, dtype=torch.float16)
+    with pytest.raises(ValueError, match="made for query"):
+        launch(other.query, other.key_cache, other.value_cache, scale=1.0)
+
+
+def test_a_store_launch_writes_what_store_kv_writes_and_refuses_other_states():
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    from hf_paged.attention.kernels import triton_store
+
+    gen = torch.Generator().manual_seed(0)
+    key_cache, value_cache = (torch.zeros(6, 4, 2, 32, dtype=torch.float16, device=DEVICE) for _ in range(2))
+    expected_k, expected_v = key_cache.clone(), value_cache.clone()
+    launch = triton_store.StoreLaunch(key_cache, value_cache)
+    for rows, q_len in ((3, 1), (1, 5), (2, 3)):  # decode, one row's chunk, several rows' chunks
+        states = [torch.randn(rows, 2, q_len, 32, generator=gen).half().to(DEVICE) for _ in range(2)]
+        slots = torch.randperm(24, generator=gen)[: rows * q_len].to(DEVICE)
+        launch(*states, slots)
+        rows_first = [s.transpose(1, 2).reshape(-1, 2, 32) for s in states]
+        store_kv(*rows_first, expected_k, expected_v, slots, backend="torch")
+        assert torch.equal(key_cache, expected_k) and torch.equal(value_cache, expected_v)
+    with pytest.raises(ValueError, match=r"must be \[W, 2, q_len, 32\]"):
+        launch(torch.zeros(1, 2, 1, 16, device=DEVICE), torch.zeros(1, 2, 1, 16, device=DEVICE), slots[:1])
+
+
+def test_decode_plans_of_one_step_share_a_launch_per_cache_shape(monkeypatch):
+    """The decode plans of a step's layers share their launches (the step's memo): a layer whose caches have other kv
+    heads for the same query shape gets a launch of its own, and each layer's output is its reference's."""
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    from hf_paged.attention.decode_plan import DecodePlan
+
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
+    shared = dict(_kv_starts={}, _backends={}, _launches={})
+    lengths = [3, 40]
+    wide = make_batch(lengths, block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+    narrow = make_batch(lengths, block_size=8, num_q_heads=4, num_kv_heads=1, head_dim=16, dtype=torch.float32, seed=1)
+    narrow.block_tables, narrow.seq_lens = wide.block_tables, wide.seq_lens
+    narrow.key_cache, narrow.value_cache = wide.key_cache[:, :, :1] * 2, wide.value_cache[:, :, 1:] - 1
+    module = torch.nn.Module()
+    for layer in (wide, narrow, wide):
+        plan = DecodePlan(
+            key_cache=layer.key_cache,
+            value_cache=layer.value_cache,
+            block_tables=layer.block_tables,
+            seq_lens=layer.seq_lens,
+            kv_offset=0,
+            position_offset=0,
+            gather=lambda: None,
+            **shared,
+        )
+        out, _ = plan.attend(module, layer.query[:, :, None], None, scaling=0.25)
+        expected = reference_decode(layer, scale=0.25)
+        torch.testing.assert_close(out[:, 0].cpu().double(), expected, **TOLERANCES[torch.float32])
+    assert len(shared["_launches"]) == 2  # one a cache shape, the third layer's the first's

@@ -48,7 +48,8 @@ class DecodePlan:
     length_masks: dict = field(default_factory=dict)  # sliding window -> length_mask(window)
     _kv_starts: dict = field(default_factory=dict)  # id(mask) -> (mask, kv_start); shared by the step's layers
     _backends: dict = field(default_factory=dict)  # a module's backend setting -> resolved; shared likewise
-    # (id(kv_start), query shape, dtype) -> the Triton kernel's `DecodeLaunch` for these rows; shared likewise
+    # (id(kv_start), query shape, dtype, cache shape) -> the Triton kernel's `DecodeLaunch` for these rows; shared
+    # likewise
     _launches: dict = field(default_factory=dict)
 
     def attend(
@@ -85,7 +86,7 @@ class DecodePlan:
                 module, query, key, value, attention_mask, dropout, scaling, softcap, **kwargs
             )
         rows = query[:, :, 0]  # [B, heads, head_dim]
-        key = (id(kv_start), rows.shape, rows.dtype)
+        key = (id(kv_start), rows.shape, rows.dtype, self.key_cache.shape)  # a group's layers may differ in kv heads
         launch = self._launches.get(key)
         if launch is None or launch.kv_start is not kv_start:  # made by the step's first layer, called by each
             launch = self._launches[key] = decode_launch(

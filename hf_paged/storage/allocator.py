@@ -343,7 +343,10 @@ def hash_block_tokens(parent_hash: bytes | None, block_index: int, token_ids: Se
     digest.update(block_index.to_bytes(8, "little"))
     # Each token as 8 little-endian signed bytes, packed in one call (a prompt's blocks are hashed in the step that
     # prefills it: per-token Python there costs every token of the step).
-    digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    try:
+        digest.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    except struct.error as error:
+        raise ValueError(f"token ids must be integers of 64 bits, got {list(token_ids)[:8]}...: {error}") from None
     return digest.digest()
 
 

@@ -124,10 +124,14 @@ class StoreLaunch:
     def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write `key_states` / `value_states` ([W, kv_heads, q_len, head_dim]) at `slots` ([W * q_len] int64, row
         by row)."""
-        if key_states.shape[1] != self.num_heads or key_states.shape != value_states.shape:
+        if (
+            key_states.shape[1] != self.num_heads
+            or key_states.shape[-1] != self.tail[-1]
+            or key_states.shape != value_states.shape
+        ):
             raise ValueError(
                 f"states {tuple(key_states.shape)} and {tuple(value_states.shape)} must be [W, {self.num_heads}, "
-                f"q_len, head_dim] for caches {tuple(self.key_cache.shape)}"
+                f"q_len, {self.tail[-1]}] for caches {tuple(self.key_cache.shape)}"
             )
         # [W * q_len, H, D]: the kernel takes any strides, so one token a row (decode) or one row (a batch-1 prefill)
         # is a view; only several rows of several tokens are copied.
