@@ -99,3 +99,31 @@ def test_grow_keeps_data_and_only_growable_pools_grow():
     fixed = BlockPool(KVLayout((2,), (4,)), num_blocks=2)
     with pytest.raises(RuntimeError, match="not growable"):
         fixed.grow(1)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_what_the_store_keeps_of_a_layer_goes_with_the_tensors_a_grow_replaces(backend, monkeypatch):
+    """The store's views of a layer (torch) or its kernel launch into it (Triton) live in the pool's layer memo,
+    which a grow drops: the replaced K/V tensors are freed, and the next store writes the new ones."""
+    import gc
+    import weakref
+
+    from hf_paged.cache.store import KVStore
+
+    if backend == "triton":
+        from models import require_triton_on_cpu
+
+        require_triton_on_cpu()
+    monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", backend)
+    pool = BlockPool(KVLayout((2,), (4,)), num_blocks=2, block_size=2, growable=True)
+    store = KVStore()
+    store.start_step(pool, multi_device=False)
+    states = torch.ones(1, 2, 1, 4)
+    store.store(pool, 0, states, states, torch.tensor([1]), None, None)
+    assert pool.layer_memo(0)  # the views or the launch, kept for the next step
+    old = weakref.ref(pool.key_cache[0])
+    pool.grow(3)
+    gc.collect()
+    assert old() is None and not pool.layer_memo(0)
+    store.store(pool, 0, 2 * states, 2 * states, torch.tensor([9]), None, None)  # slot 9: a block the grow added
+    assert torch.all(pool.key_cache[0][:, 4, 1] == 2.0) and torch.all(pool.key_cache[0][:, 0, 1] == 1.0)

@@ -402,12 +402,19 @@ class BlockPool:
             views = memo[layer_idx] = (key_cache, value_cache, self.nhd_view(key_cache), self.nhd_view(value_cache))
         return views[2], views[3]
 
+    def layer_memo(self, layer_idx: int) -> dict:
+        """A dict for what callers derive from layer `layer_idx`'s K and V tensors and keep between steps (their
+        views, a kernel's launch into them), dropped with `nhd_views`' when a growable pool replaces the tensors:
+        nothing kept there holds the old tensors alive through a `grow`."""
+        return self.__dict__.setdefault("_layer_memos", {}).setdefault(layer_idx, {})
+
     def grow(self, num_new_blocks: int) -> None:
         """Enlarge a growable pool by `num_new_blocks` (new ids follow the old ones; old data stays where it is)."""
         if not self.growable:
             raise RuntimeError("this BlockPool is not growable; give it more num_blocks or max_memory")
         self._check_fits(self.num_blocks + num_new_blocks)
         self.__dict__.pop("_nhd_views", None)  # views of the tensors about to be replaced: not kept alive
+        self.__dict__.pop("_layer_memos", None)
         for slots, value in ((self._key_slots, False), (self._value_slots, True)):
             for slot, cache in enumerate(slots):
                 slots[slot] = torch.cat([cache, self._new_storage(num_new_blocks, slot, value)], dim=1)
