@@ -204,6 +204,19 @@ def store_backend(device: torch.device) -> str:
     return "torch"
 
 
+def token_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, kv_heads, q_len, head_dim] K and V states -> [W * q_len, kv_heads, head_dim] rows, row by row, as the store
+    kernel takes them. It takes any strides, so one token a row (decode) or one row (the packed step's, a batch-1
+    prefill) is a view; only several rows of several tokens are copied."""
+    if key_states.shape[2] == 1:
+        return key_states[:, :, 0], value_states[:, :, 0]
+    if key_states.shape[0] == 1:
+        return key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+    return tuple(
+        states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3]) for states in (key_states, value_states)
+    )
+
+
 def store_kv_rows(
     key_cache, value_cache, key_states, value_states, slots, *, backend: str | None = None, nhd_views=None
 ) -> None:
@@ -217,20 +230,11 @@ def store_kv_rows(
     """
     if backend not in (None, "triton", "torch"):
         raise ValueError(f"backend must be None, 'triton' or 'torch' (as store_backend returns), got {backend!r}")
-    num_heads, _, _, head_dim = key_cache.shape
     # K and V of different shapes (multi-head latent attention): the Triton store writes rows of one shape, so each
     # is copied on its own by index_copy_.
     same_shape = key_cache.shape == value_cache.shape
     if same_shape and (backend or store_backend(key_cache.device)) == "triton":
-        # [W * q_len, H, D]: the kernel takes any strides, so one row of states (the packed step's, a batch-1
-        # prefill) or one token per row (decode) is a view; only several rows of several tokens are copied.
-        if key_states.shape[2] == 1:
-            key_rows, value_rows = key_states[:, :, 0], value_states[:, :, 0]
-        elif key_states.shape[0] == 1:
-            key_rows, value_rows = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        else:
-            key_rows = key_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
-            value_rows = value_states.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        key_rows, value_rows = token_rows(key_states, value_states)
         # [num_blocks, block_size, kv_heads, head_dim] views of the head-major pool
         if nhd_views is None:
             nhd_views = key_cache.permute(1, 2, 0, 3), value_cache.permute(1, 2, 0, 3)

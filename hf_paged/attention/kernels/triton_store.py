@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
+from .dispatch import token_rows
 from .triton_decode import on_device
 
 
@@ -133,15 +134,7 @@ class StoreLaunch:
                 f"states {tuple(key_states.shape)} and {tuple(value_states.shape)} must be [W, {self.num_heads}, "
                 f"q_len, {self.tail[-1]}] for caches {tuple(self.key_cache.shape)}"
             )
-        # [W * q_len, H, D]: the kernel takes any strides, so one token a row (decode) or one row (a batch-1 prefill)
-        # is a view; only several rows of several tokens are copied.
-        if key_states.shape[2] == 1:
-            key, value = key_states[:, :, 0], value_states[:, :, 0]
-        elif key_states.shape[0] == 1:
-            key, value = key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-        else:
-            key = key_states.transpose(1, 2).reshape(-1, self.num_heads, key_states.shape[-1])
-            value = value_states.transpose(1, 2).reshape(-1, self.num_heads, value_states.shape[-1])
+        key, value = token_rows(key_states, value_states)
         num_tokens = key.shape[0]
         if slots.shape != (num_tokens,):
             raise ValueError(f"slots must be [{num_tokens}], got {tuple(slots.shape)}")
