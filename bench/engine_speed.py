@@ -134,8 +134,14 @@ def run_engine(
             window_s += time.perf_counter() - window_start
             window_tokens += step_profile["tokens"]
             continue
-        decoding = sum(r.num_pending == 1 for r in engine.scheduler.running)
-        if profile and prefill_profile is None and tries < PREFILL_PROFILE_TRIES and not decode_only and decoding >= 2:
+        # Rows decoding are counted last, once the rest holds: the loop's own host time is in the timed run.
+        if (
+            profile
+            and prefill_profile is None
+            and tries < PREFILL_PROFILE_TRIES
+            and not decode_only
+            and sum(r.num_pending == 1 for r in engine.scheduler.running) >= 2
+        ):
             # The first steps from one that prefills beside decoding rows (as requests are admitted while others
             # decode), left out the same way.
             if cuda:
