@@ -17,7 +17,7 @@ from types import MappingProxyType, SimpleNamespace
 
 import torch
 
-from .reference import paged_decode_attention_torch, paged_prefill_attention_torch, store_kv_torch
+from .reference import paged_decode_attention_torch, paged_prefill_attention_torch, store_kv_torch, token_rows
 
 BACKENDS = ("auto", "triton", "torch")
 BACKEND_ENV_VAR = "HF_PAGED_ATTENTION_BACKEND"
@@ -202,19 +202,6 @@ def store_backend(device: torch.device) -> str:
     if device.type == "cuda" or os.environ.get(BACKEND_ENV_VAR, "auto").strip().lower() == "triton":
         return resolve_backend(None, device)
     return "torch"
-
-
-def token_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[W, kv_heads, q_len, head_dim] K and V states -> [W * q_len, kv_heads, head_dim] rows, row by row, as the store
-    kernel takes them. It takes any strides, so one token a row (decode) or one row (the packed step's, a batch-1
-    prefill) is a view; only several rows of several tokens are copied."""
-    if key_states.shape[2] == 1:
-        return key_states[:, :, 0], value_states[:, :, 0]
-    if key_states.shape[0] == 1:
-        return key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
-    return tuple(
-        states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3]) for states in (key_states, value_states)
-    )
 
 
 def store_kv_rows(

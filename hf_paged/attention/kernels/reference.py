@@ -265,3 +265,16 @@ def paged_prefill_attention_torch(
         return result.to(query.dtype)
     out.copy_(result)
     return out
+
+
+def token_rows(key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[W, kv_heads, q_len, head_dim] K and V states -> [W * q_len, kv_heads, head_dim] rows, row by row, as the store
+    kernel takes them. It takes any strides, so one token a row (decode) or one row (the packed step's, a batch-1
+    prefill) is a view; only several rows of several tokens are copied."""
+    if key_states.shape[2] == 1:
+        return key_states[:, :, 0], value_states[:, :, 0]
+    if key_states.shape[0] == 1:
+        return key_states[0].transpose(0, 1), value_states[0].transpose(0, 1)
+    return tuple(
+        states.transpose(1, 2).reshape(-1, states.shape[1], states.shape[3]) for states in (key_states, value_states)
+    )

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
-from .dispatch import token_rows
+from .reference import token_rows
 from .triton_decode import on_device
 
 
