@@ -8,10 +8,12 @@ replaced by a stand-in reporting an sm_90 GPU and compiled kernels by no-ops, so
 run as they would on that GPU up to the driver call.
 
 1. Each launcher alone (Llama-3.2-1B's attention: 32 q / 8 kv heads of 64, bf16, block size 16, a 1024-token
-   context): host microseconds per call, and of that `JITFunction.run`'s.
+   context): host microseconds per call, launching its compiled variants directly (hf_paged/attention/kernels/
+   direct.py, as the launchers do) and through `kernel[grid]` (`JITFunction.run`), one after the other.
 2. A decode step of `generate()` on `bench/host_overhead.py`'s negligible model (16 layers, hidden 64, one thread):
    DynamicCache, PagedCache on sdpa, and PagedCache on "hf_paged" with its launches stood in (its attention output is
-   never computed: only time is measured). Each variant one step in turn, medians of `--steps`, best of `--repeats`.
+   never computed: only time is measured), directly and through `JITFunction.run`. Each variant one step in turn,
+   medians of `--steps`, best of `--repeats`.
 
 Left out: the CUDA driver's launch (a few microseconds a kernel) and ATen's own CUDA dispatch, which need a GPU. Runs
 in a process without TRITON_INTERPRET (the kernels must be Triton's JIT functions).
@@ -22,6 +24,7 @@ in a process without TRITON_INTERPRET (the kernels must be Triton's JIT function
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import functools
 import os
@@ -54,16 +57,17 @@ class _StandInDriver:
 
 
 class _NoOpKernel:
-    """A compiled kernel whose launch does nothing."""
+    """A compiled kernel whose launch does nothing but count itself."""
 
     function = 0
     packed_metadata = None
+    launches = 0  # over every instance
 
     def launch_metadata(self, grid, stream, *args):
         return None
 
     def run(self, *args):
-        return None
+        _NoOpKernel.launches += 1
 
 
 def stand_in_launches() -> None:
@@ -101,10 +105,31 @@ def best_us(fn, calls: int = 2000, repeats: int = 5) -> float:
     return best * 1e6
 
 
-def launcher_rows(calls: int) -> list[list]:
-    """Each launcher's host microseconds per call, and `JITFunction.run`'s share, on CPU tensors shaped as on a GPU."""
-    from triton.runtime.jit import JITFunction
+def direct_kernels() -> list:
+    """The launchers' `DirectKernel`s (hf_paged/attention/kernels/direct.py)."""
+    from hf_paged.attention.kernels import triton_decode, triton_store
 
+    return [triton_decode._DECODE, triton_decode._MERGE, triton_store._STORE]
+
+
+@contextlib.contextmanager
+def through_jit_run(enabled: bool = True):
+    """Within: every launch of the launchers goes through `kernel[grid]`, Triton's `JITFunction.run` (what the
+    launchers did before they launched compiled variants themselves), when `enabled`."""
+    kernels = direct_kernels()
+    saved = [kernel.direct for kernel in kernels]
+    try:
+        for kernel in kernels:
+            kernel.direct = kernel.direct and not enabled
+        yield
+    finally:
+        for kernel, direct in zip(kernels, saved):
+            kernel.direct = direct
+
+
+def launcher_rows(calls: int) -> list[list]:
+    """Each launcher's host microseconds per call on CPU tensors shaped as on a GPU, launching compiled variants
+    directly and through `JITFunction.run`, one after the other."""
     from hf_paged.attention.kernels import launch_config, triton_decode, triton_store
 
     num_kv_heads, group, head_dim, num_blocks, block_size = 8, 4, 64, 256, 16
@@ -112,45 +137,34 @@ def launcher_rows(calls: int) -> list[list]:
     key_cache, value_cache = (
         torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3) for _ in range(2)
     )
-    run_times: list[float] = []
-    run = JITFunction.run
-
-    def timed_run(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return run(self, *args, **kwargs)
-        finally:
-            run_times.append(time.perf_counter() - start)
-
     rows = []
     for batch in (1, 16, 32):
         query = torch.zeros(batch, 1, num_kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)[:, :, 0]
         tables = (torch.arange(64 * batch, dtype=torch.int32) % num_blocks).view(batch, 64)
         lengths = torch.full((batch,), 64 * block_size, dtype=torch.int32)
-        states = torch.zeros(batch, 1, num_kv_heads, head_dim, dtype=dtype)[:, 0]
+        states = torch.zeros(batch, num_kv_heads, 1, head_dim, dtype=dtype)
         slots = torch.arange(batch)
         block_n = launch_config.decode_config(head_dim, dtype, None).block_n
         splits = triton_decode.choose_num_splits(batch, num_kv_heads, 64 * block_size, query.device, block_n)
-        decode = functools.partial(
-            triton_decode.paged_decode_attention_triton, query, key_cache, value_cache, tables, lengths, scale=0.125
-        )
-        store = functools.partial(triton_store.store_kv_triton, states, states, key_cache, value_cache, slots)
+        step_launch = triton_decode.DecodeLaunch(query, key_cache, value_cache, tables, lengths)
+        store_launch = triton_store.StoreLaunch(key_cache, value_cache)
         cases = {
-            f"decode, batch {batch} ({splits} split{'s' if splits > 1 else ''})": decode,
-            f"store, batch {batch}": store,
+            f"decode, batch {batch} ({splits} split{'s' if splits > 1 else ''}): a layer of a step": functools.partial(
+                step_launch, query, key_cache, value_cache, scale=0.125
+            ),
+            f"decode, batch {batch}: paged_decode_attention_triton": functools.partial(
+                triton_decode.paged_decode_attention_triton, query, key_cache, value_cache, tables, lengths, scale=0.125
+            ),
+            f"store, batch {batch}: a layer's StoreLaunch": functools.partial(store_launch, states, states, slots),
         }
         for name, fn in cases.items():
-            total = best_us(fn, calls)
-            JITFunction.run = timed_run
-            try:
-                run_times.clear()
-                for _ in range(calls):
-                    fn()
-                launches = len(run_times) / calls
-                run_us = sum(run_times) / calls * 1e6  # a call's launches together (their mean)
-            finally:
-                JITFunction.run = run
-            rows.append([name, f"{launches:.0f}", f"{total:.1f}", f"{run_us:.1f}", f"{total - run_us:.1f}"])
+            before = _NoOpKernel.launches
+            fn()
+            launches = _NoOpKernel.launches - before
+            direct = best_us(fn, calls)
+            with through_jit_run():
+                jit = best_us(fn, calls)
+            rows.append([name, launches, f"{direct:.1f}", f"{jit:.1f}", f"{direct / jit:.2f}x"])
     return rows
 
 
@@ -170,13 +184,15 @@ def decode_step_rows(rows: int, steps: int, repeats: int) -> list[list]:
     prompts = torch.randint(1, 128, (rows, 128), generator=torch.Generator().manual_seed(rows))
     saved = os.environ.get(BACKEND_ENV_VAR)
 
-    def on_backend(backend: str, step):
+    def on_backend(backend: str, step, jit_run: bool = False):
         """`step` with HF_PAGED_ATTENTION_BACKEND=`backend`: "triton" for the "hf_paged" cache (its attention and
-        its store launch as on a GPU), "torch" for the others (the sdpa cache stores with index_copy_)."""
+        its store launch as on a GPU), "torch" for the others (the sdpa cache stores with index_copy_); its launches
+        through `JITFunction.run` if `jit_run`."""
 
         def run():
             os.environ[BACKEND_ENV_VAR] = backend
-            step()
+            with through_jit_run(jit_run):
+                step()
 
         return run
 
@@ -190,11 +206,12 @@ def decode_step_rows(rows: int, steps: int, repeats: int) -> list[list]:
             }
             os.environ[BACKEND_ENV_VAR] = "triton"
             stood_in = Decoder(paged_model, lambda m: PagedCache(config=m.config), prompts)
-            decoders['PagedCache, "hf_paged" (launches stood in)'] = stood_in
-            steppers = {
-                name: on_backend("triton" if decoder is stood_in else "torch", decoder.step)
-                for name, decoder in decoders.items()
-            }
+            through_jit = Decoder(paged_model, lambda m: PagedCache(config=m.config), prompts)
+            steppers = {name: on_backend("torch", decoder.step) for name, decoder in decoders.items()}
+            steppers['PagedCache, "hf_paged" (launches stood in)'] = on_backend("triton", stood_in.step)
+            steppers['PagedCache, "hf_paged", launches through JITFunction.run'] = on_backend(
+                "triton", through_jit.step, jit_run=True
+            )
             medians = interleaved(steppers, steps)
             best = {name: min(best.get(name, float("inf")), value) for name, value in medians.items()}
     finally:
@@ -217,7 +234,7 @@ def main(argv=None) -> int:
 
     stand_in_launches()
     print(f"torch {torch.__version__}, triton {triton.__version__}; launches stood in (no GPU)\n")
-    headers = ["launcher", "launches", "host us/call", "JITFunction.run us", "the launcher's own us"]
+    headers = ["launcher", "launches", "host us/call", "through JITFunction.run, us", "direct / JITFunction.run"]
     print(tabulate(launcher_rows(args.calls), headers=headers, tablefmt="github"))
     lines = [line for rows in args.rows for line in decode_step_rows(rows, args.steps, args.repeats)]
     print("\nA generate() decode step on the negligible model (host ms; vs DynamicCache):")

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
+from .direct import DirectKernel, int_key, pointer_key
 from .reference import check_decode_args
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
@@ -358,7 +359,7 @@ class DecodeLaunch:
         tokens_per_split *= config.block_n
         self.num_splits = num_splits
         self.grid = (batch, num_kv_heads * group_tiles, num_splits)
-        self.merge_grid = (batch, num_q_heads)
+        self.merge_grid = (batch, num_q_heads, 1)
         if num_splits > 1:
             self.partial_out = torch.empty(batch, num_q_heads, num_splits, head_dim, dtype=torch.float32, device=device)
             self.partial_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=device)
@@ -368,7 +369,26 @@ class DecodeLaunch:
         self.stride_bt = block_tables.stride(0)
         self.sizes = (tokens_per_split, group, head_dim, block_size, int(kv_start is not None))
         self.config = config
-        self.merge_warps = launch_config.merge_num_warps(head_dim)
+        self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
+        self.merge_options = {"num_warps": launch_config.merge_num_warps(head_dim)}
+        # The device, and what Triton specializes among the arguments that are the same at every layer (direct.py):
+        # with the per-call ones, the key of the compiled variant a layer's launch takes.
+        fixed_ints = (self.stride_bt, *self.sizes)
+        self.decode_key = (
+            self.device_index,
+            config,
+            *map(pointer_key, (*self.tables, self.partial_out, self.partial_lse)),
+            *map(int_key, fixed_ints),
+        )
+        self.merge_key = (
+            self.device_index,
+            config.head_dim_pad,
+            self.merge_options["num_warps"],
+            pointer_key(self.partial_out),
+            pointer_key(self.partial_lse),
+            int_key(num_splits),
+            int_key(head_dim),
+        )
 
     def __call__(
         self,
@@ -404,7 +424,26 @@ class DecodeLaunch:
 
     def _launch(self, query, key_cache, value_cache, out, scale: float, softcap: float | None, window: int) -> None:
         config = self.config
-        _paged_decode_kernel[self.grid](
+        use_softcap = softcap is not None
+        q_strides, k_strides, v_strides, out_strides = (
+            query.stride(),
+            key_cache.stride(),
+            value_cache.stride(),
+            out.stride(),
+        )
+        key = (
+            self.decode_key,
+            use_softcap,
+            pointer_key(query),
+            pointer_key(key_cache),
+            pointer_key(value_cache),
+            pointer_key(out),
+            q_strides,
+            k_strides,
+            v_strides,
+            out_strides,
+        )
+        args = (
             query,
             key_cache,
             value_cache,
@@ -412,35 +451,40 @@ class DecodeLaunch:
             out,
             self.partial_out,
             self.partial_lse,
-            *query.stride(),
-            *key_cache.stride(),
-            *value_cache.stride(),
+            *q_strides,
+            *k_strides,
+            *v_strides,
             self.stride_bt,
-            *out.stride(),
+            *out_strides,
             scale,
-            float(softcap) if softcap is not None else 1.0,
+            float(softcap) if use_softcap else 1.0,
             window,
             *self.sizes,
-            BLOCK_G=config.block_g,
-            HEAD_DIM_PAD=config.head_dim_pad,
-            BLOCK_N=config.block_n,
-            USE_SOFTCAP=softcap is not None,
-            DOT_PRECISION=config.dot_precision,
-            DOT_UPCAST=config.dot_upcast,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
+            config.block_g,
+            config.head_dim_pad,
+            config.block_n,
+            use_softcap,
+            config.dot_precision,
+            config.dot_upcast,
         )
+        _DECODE.launch(self.grid, key, args, self.options)
         if self.num_splits > 1:
-            _merge_splits_kernel[self.merge_grid](
+            merge_args = (
                 self.partial_out,
                 self.partial_lse,
                 out,
-                *out.stride(),
+                *out_strides,
                 self.num_splits,
                 self.sizes[2],  # head_dim
-                HEAD_DIM_PAD=config.head_dim_pad,
-                num_warps=self.merge_warps,
+                config.head_dim_pad,
             )
+            merge_key = (self.merge_key, pointer_key(out), out_strides)
+            _MERGE.launch(self.merge_grid, merge_key, merge_args, self.merge_options)
+
+
+# The kernels' launches by the variant a launch's key names (direct.py: without JITFunction.run's binding per call).
+_DECODE = DirectKernel(_paged_decode_kernel)
+_MERGE = DirectKernel(_merge_splits_kernel)
 
 
 def on_device(tensor: torch.Tensor):

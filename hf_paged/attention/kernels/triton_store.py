@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
+from .direct import DirectKernel, pointer_key
 from .reference import token_rows
 from .triton_decode import on_device
 
@@ -82,21 +83,7 @@ def store_kv_triton(
     if num_tokens == 0:
         return
     with on_device(key_cache):
-        _store_kv_kernel[(num_tokens, num_kv_heads)](
-            key,
-            value,
-            key_cache,
-            value_cache,
-            slot_mapping,
-            *key.stride(),
-            *value.stride(),
-            *key_cache.stride(),
-            *value_cache.stride(),
-            key_cache.shape[1],
-            head_dim,
-            HEAD_DIM_PAD=launch_config.head_dim_pad(head_dim),
-            num_warps=launch_config.store_num_warps(head_dim),
-        )
+        StoreLaunch(key_cache, value_cache).launch_rows(key, value, slot_mapping)
 
 
 class StoreLaunch:
@@ -118,9 +105,19 @@ class StoreLaunch:
         _, block_size, self.num_heads, head_dim = key_cache.shape
         self.tail = (*key_cache.stride(), *value_cache.stride(), block_size, head_dim)
         self.head_dim_pad = launch_config.head_dim_pad(head_dim)
-        self.num_warps = launch_config.store_num_warps(head_dim)
+        self.options = {"num_warps": launch_config.store_num_warps(head_dim)}
         device = key_cache.device
         self.device_index = device.index if device.type == "cuda" else None
+        # The device, and what Triton specializes among the arguments fixed for these caches (direct.py): the caches'
+        # pointers, strides, block size and head_dim, the tile width and the warps.
+        self.fixed_key = (
+            self.device_index,
+            pointer_key(key_cache),
+            pointer_key(value_cache),
+            self.tail,
+            self.head_dim_pad,
+            self.options["num_warps"],
+        )
 
     def __call__(self, key_states: torch.Tensor, value_states: torch.Tensor, slots: torch.Tensor) -> None:
         """Write `key_states` / `value_states` ([W, kv_heads, q_len, head_dim]) at `slots` ([W * q_len] int64, row
@@ -142,20 +139,35 @@ class StoreLaunch:
             return
         if self.device_index is not None and self.device_index != torch.cuda.current_device():
             with torch.cuda.device(self.device_index):
-                self._launch(key, value, slots, num_tokens)
+                self.launch_rows(key, value, slots)
         else:
-            self._launch(key, value, slots, num_tokens)
+            self.launch_rows(key, value, slots)
 
-    def _launch(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor, num_tokens: int) -> None:
-        _store_kv_kernel[(num_tokens, self.num_heads)](
+    def launch_rows(self, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor) -> None:
+        """The launch on token rows: `key` / `value` `[num_tokens, kv_heads, head_dim]` (any strides), `slots`
+        `[num_tokens]`, checked by the caller, on the current device."""
+        key_strides, value_strides = key.stride(), value.stride()
+        variant = (
+            self.fixed_key,
+            pointer_key(key),
+            pointer_key(value),
+            pointer_key(slots),
+            key_strides,
+            value_strides,
+        )
+        args = (
             key,
             value,
             self.key_cache,
             self.value_cache,
             slots,
-            *key.stride(),
-            *value.stride(),
+            *key_strides,
+            *value_strides,
             *self.tail,
-            HEAD_DIM_PAD=self.head_dim_pad,
-            num_warps=self.num_warps,
+            self.head_dim_pad,
         )
+        _STORE.launch((key.shape[0], self.num_heads, 1), variant, args, self.options)
+
+
+# The store's launches by the variant a launch's key names (direct.py: without JITFunction.run's binding per call).
+_STORE = DirectKernel(_store_kv_kernel)
