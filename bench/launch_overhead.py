@@ -8,8 +8,9 @@ replaced by a stand-in reporting an sm_90 GPU and compiled kernels by no-ops, so
 run as they would on that GPU up to the driver call.
 
 1. Each launcher alone (Llama-3.2-1B's attention: 32 q / 8 kv heads of 64, bf16, block size 16, a 1024-token
-   context): host microseconds per call, launching its compiled variants directly (hf_paged/attention/kernels/
-   direct.py, as the launchers do) and through `kernel[grid]` (`JITFunction.run`), one after the other.
+   context; the prefill kernel with 16 new tokens a sequence): host microseconds per call, launching its compiled
+   variants directly (hf_paged/attention/kernels/direct.py, as the launchers do) and through `kernel[grid]`
+   (`JITFunction.run`), one after the other.
 2. A decode step of `generate()` on `bench/host_overhead.py`'s negligible model (16 layers, hidden 64, one thread):
    DynamicCache, PagedCache on sdpa, and PagedCache on "hf_paged" with its launches stood in (its attention output is
    never computed: only time is measured), directly and through `JITFunction.run`. Each variant one step in turn,
@@ -47,8 +48,10 @@ class _StandInDriver:
     def get_current_device(self) -> int:
         return 0
 
+    stream = 0  # what get_current_stream answers (tests set it)
+
     def get_current_stream(self, device) -> int:
-        return 0
+        return self.stream
 
     def get_current_target(self):
         from triton.backends.compiler import GPUTarget
@@ -105,32 +108,10 @@ def best_us(fn, calls: int = 2000, repeats: int = 5) -> float:
     return best * 1e6
 
 
-def direct_kernels() -> list:
-    """The launchers' `DirectKernel`s (hf_paged/attention/kernels/direct.py)."""
-    from hf_paged.attention.kernels import triton_decode, triton_store
-
-    return [triton_decode._DECODE, triton_decode._MERGE, triton_store._STORE]
-
-
-@contextlib.contextmanager
-def through_jit_run(enabled: bool = True):
-    """Within: every launch of the launchers goes through `kernel[grid]`, Triton's `JITFunction.run` (what the
-    launchers did before they launched compiled variants themselves), when `enabled`."""
-    kernels = direct_kernels()
-    saved = [kernel.direct for kernel in kernels]
-    try:
-        for kernel in kernels:
-            kernel.direct = kernel.direct and not enabled
-        yield
-    finally:
-        for kernel, direct in zip(kernels, saved):
-            kernel.direct = direct
-
-
 def launcher_rows(calls: int) -> list[list]:
     """Each launcher's host microseconds per call on CPU tensors shaped as on a GPU, launching compiled variants
     directly and through `JITFunction.run`, one after the other."""
-    from hf_paged.attention.kernels import launch_config, triton_decode, triton_store
+    from hf_paged.attention.kernels import direct, launch_config, triton_decode, triton_prefill, triton_store
 
     num_kv_heads, group, head_dim, num_blocks, block_size = 8, 4, 64, 256, 16
     dtype = torch.bfloat16
@@ -156,15 +137,25 @@ def launcher_rows(calls: int) -> list[list]:
                 triton_decode.paged_decode_attention_triton, query, key_cache, value_cache, tables, lengths, scale=0.125
             ),
             f"store, batch {batch}: a layer's StoreLaunch": functools.partial(store_launch, states, states, slots),
+            f"prefill, batch {batch} (16 new tokens each)": functools.partial(
+                triton_prefill.paged_prefill_attention_triton,
+                torch.zeros(1, num_kv_heads * group, 16 * batch, head_dim, dtype=dtype).transpose(1, 2)[0],
+                key_cache,
+                value_cache,
+                tables,
+                torch.arange(0, 16 * batch + 1, 16, dtype=torch.int32),
+                lengths,
+                scale=0.125,
+            ),
         }
         for name, fn in cases.items():
             before = _NoOpKernel.launches
             fn()
             launches = _NoOpKernel.launches - before
-            direct = best_us(fn, calls)
-            with through_jit_run():
-                jit = best_us(fn, calls)
-            rows.append([name, launches, f"{direct:.1f}", f"{jit:.1f}", f"{direct / jit:.2f}x"])
+            direct_us = best_us(fn, calls)
+            with direct.through_jit_run():
+                jit_us = best_us(fn, calls)
+            rows.append([name, launches, f"{direct_us:.1f}", f"{jit_us:.1f}", f"{direct_us / jit_us:.2f}x"])
     return rows
 
 
@@ -176,7 +167,7 @@ def decode_step_rows(rows: int, steps: int, repeats: int) -> list[list]:
     import hf_paged
     from bench.host_overhead import Decoder, interleaved, negligible_model
     from hf_paged import PagedCache
-    from hf_paged.attention.kernels import BACKEND_ENV_VAR
+    from hf_paged.attention.kernels import BACKEND_ENV_VAR, direct
 
     torch.set_num_threads(1)
     model = negligible_model()
@@ -191,7 +182,7 @@ def decode_step_rows(rows: int, steps: int, repeats: int) -> list[list]:
 
         def run():
             os.environ[BACKEND_ENV_VAR] = backend
-            with through_jit_run(jit_run):
+            with direct.through_jit_run() if jit_run else contextlib.nullcontext():
                 step()
 
         return run

@@ -141,14 +141,14 @@ def count_store_launches(monkeypatch) -> list:
         return calls
     from hf_paged.attention.kernels import triton_store
 
-    kernel = triton_store._store_kv_kernel
+    kernel = triton_store._STORE.fn  # what every store launcher launches through (`direct.DirectKernel`)
 
     class Counted:
         def __getitem__(self, grid):
             calls.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(triton_store, "_store_kv_kernel", Counted())
+    monkeypatch.setattr(triton_store._STORE, "fn", Counted())
     return calls
 
 

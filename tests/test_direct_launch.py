@@ -7,6 +7,7 @@ run in a child process, this file run as a script, with Triton's driver and comp
 (`bench.launch_overhead.stand_in_launches`: one no-op kernel object per specialization Triton compiles).
 """
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -80,6 +81,59 @@ def _decode_cases():
     }
 
 
+def _prefill_cases():
+    import torch
+
+    from hf_paged.attention.kernels import triton_prefill
+
+    def case(head_dim=64, dtype=torch.bfloat16, query_layout="projection", **options):
+        kv_heads, group, num_blocks, block_size = 8, 4, 64, 16
+        caches = [
+            torch.zeros(kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3) for _ in "kv"
+        ]
+        heads, new_tokens = kv_heads * group, (5, 20)
+        num_tokens = sum(new_tokens)
+        if query_layout == "projection":  # [1, T, H, D] of a packed step, as the projection hands it
+            query = torch.zeros(1, heads, num_tokens, head_dim, dtype=dtype).transpose(1, 2)[0]
+        elif query_layout == "misaligned":
+            query = _misaligned(num_tokens, heads, head_dim, dtype=dtype)
+        else:  # heads 8 elements apart: a head stride that is no multiple of 16
+            query = torch.zeros(num_tokens, heads, head_dim + 8, dtype=dtype)[..., :head_dim]
+        tables = torch.arange(2 * 8, dtype=torch.int32).view(2, 8)
+        cu_seqlens = torch.tensor([0, 5, 25], dtype=torch.int32)
+        lengths = torch.tensor([40, 100], dtype=torch.int32)
+        if "kv_start" in options:
+            options["kv_start"] = torch.tensor([options["kv_start"], 0], dtype=torch.int32)
+        if options.pop("sinks", False):
+            options["sinks"] = torch.zeros(heads)
+        misaligned_out = options.pop("out", None) == "misaligned"
+        out = _misaligned(*query.shape, dtype=dtype) if misaligned_out else torch.empty(query.shape, dtype=dtype)
+        return functools.partial(
+            triton_prefill.paged_prefill_attention_triton,
+            query,
+            *caches,
+            tables,
+            cu_seqlens,
+            lengths,
+            scale=0.125,
+            out=out,
+            **options,
+        )
+
+    return {
+        "prefill": case(),
+        "prefill, misaligned query": case(query_layout="misaligned"),
+        "prefill, query of padded heads": case(query_layout="padded"),
+        "prefill, misaligned out": case(out="misaligned"),
+        "prefill, softcap": case(softcap=30.0),
+        "prefill, window": case(sliding_window=16),
+        "prefill, kv_start": case(kv_start=3),
+        "prefill, sinks": case(sinks=True),
+        "prefill, head_dim 128": case(head_dim=128),
+        "prefill, fp32": case(dtype=torch.float32),
+    }
+
+
 def _store_cases():
     import torch
 
@@ -145,23 +199,47 @@ def check_direct_launches() -> None:
 
     JITFunction.run = counted_run
 
-    def launches(fn, through_jit: bool) -> list:
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    from hf_paged.attention.kernels import direct
+
+    def launches(fn, through_jit: bool, stream: int) -> list:
         ran.clear()
         jit_runs.clear()
-        with launch_overhead.through_jit_run(through_jit):
+        driver.active.stream = stream  # a launch must take the current stream, not the one of its first call
+        with direct.through_jit_run() if through_jit else contextlib.nullcontext():
             fn()
         return list(ran)
 
-    cases = {**_decode_cases(), **_store_cases()}
+    def with_knob(knob, name, value, fn):
+        """`fn` run with Triton's `knob.name` set to `value` (a setting Triton's own key holds)."""
+
+        def run():
+            saved = getattr(knob, name)
+            setattr(knob, name, value)
+            try:
+                fn()
+            finally:
+                setattr(knob, name, saved)
+
+        return run
+
+    cases = {**_decode_cases(), **_prefill_cases(), **_store_cases()}
+    cases["decode, Triton's debug setting"] = with_knob(knobs.runtime, "debug", True, cases["decode"])
+    cases["store, Triton's instrumentation"] = with_knob(
+        knobs.compilation, "instrumentation_mode", "consan", cases["store"]
+    )
     variants = {}  # case -> its first launch's variant
-    for name, fn in cases.items():
-        launches(fn, through_jit=False)  # the first call finds (or compiles) the variant through kernel[grid]
-        direct = launches(fn, through_jit=False)
+    for index, (name, fn) in enumerate(cases.items()):
+        launches(fn, through_jit=False, stream=1)  # the first call finds (or compiles) the variant through kernel[grid]
+        direct_launches = launches(fn, through_jit=False, stream=100 + index)
         assert not jit_runs, f"{name}: the second call went through JITFunction.run"
-        jitted = launches(fn, through_jit=True)
+        jitted = launches(fn, through_jit=True, stream=100 + index)
         assert len(jit_runs) == len(jitted) > 0, name
-        assert len(direct) == len(jitted), f"{name}: {len(direct)} launches direct, {len(jitted)} through Triton"
-        for (direct_kernel, direct_args), (jit_kernel, jit_args) in zip(direct, jitted):
+        assert len(direct_launches) == len(jitted), f"{name}: {len(direct_launches)} launches direct, {len(jitted)}"
+        for (direct_kernel, direct_args), (jit_kernel, jit_args) in zip(direct_launches, jitted):
+            assert direct_args[3] == 100 + index, f"{name}: launched on stream {direct_args[3]}"
             assert direct_kernel is jit_kernel, f"{name}: a direct launch took another compiled variant"
             assert len(direct_args) == len(jit_args), name
             different = [i for i, (a, b) in enumerate(zip(direct_args, jit_args)) if not _same(a, b)]
@@ -169,7 +247,7 @@ def check_direct_launches() -> None:
         variants[name] = jitted[0][0]
     # Each case differs from the first of its kernel in something Triton specializes on, so a key that missed it
     # would have launched the first case's variant above.
-    for kernel, first in (("decode", "decode"), ("store", "store")):
+    for kernel, first in (("decode", "decode"), ("prefill", "prefill"), ("store", "store")):
         others = [name for name in variants if name.startswith(kernel) and name != first]
         same = [name for name in others if variants[name] is variants[first] and not _UNSPECIALIZED.get(name)]
         assert not same, f"{same}: the same variant as {first!r}: the case changes nothing Triton specializes on"
@@ -184,6 +262,9 @@ _UNSPECIALIZED = {
     "decode, kv_start": True,
     "decode, 4 splits (a merge)": True,
     "decode, 1 row": True,
+    "prefill, window": True,
+    "prefill, kv_start": True,
+    "prefill, sinks": True,  # a flag and an fp32 pointer, as the unused one is
     "decode, block-major pool": True,  # strides all multiples of 16 but the last, as the head-major pool's
     "store, block-major pool": True,
     "store, 5 tokens a row": True,  # token rows of the same strides as one token a row's

@@ -99,6 +99,8 @@ def _recorded_launches(capability: int):
     `capability`."""
     from triton.runtime.jit import JITFunction
 
+    from .direct import through_jit_run
+
     launches: list[_Launch] = []
 
     def record(self, *args, grid, warmup, **kwargs):
@@ -108,7 +110,8 @@ def _recorded_launches(capability: int):
     JITFunction.run = record
     launch_config.device_capability = lambda device: capability
     try:
-        yield launches
+        with through_jit_run():  # every launch through JITFunction.run, which records it
+            yield launches
     finally:
         JITFunction.run, launch_config.device_capability = saved_run, saved_capability
 

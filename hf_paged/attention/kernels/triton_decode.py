@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
-from .direct import DirectKernel, int_key, pointer_key
+from .direct import DirectKernel, int_keys, pointer_keys
 from .reference import check_decode_args
 
 LOG2E = tl.constexpr(1.4426950408889634)  # exp(x) == exp2(x * LOG2E)
@@ -372,23 +372,15 @@ class DecodeLaunch:
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         self.merge_options = {"num_warps": launch_config.merge_num_warps(head_dim)}
         # The device, and what Triton specializes among the arguments that are the same at every layer (direct.py):
-        # with the per-call ones, the key of the compiled variant a layer's launch takes.
-        fixed_ints = (self.stride_bt, *self.sizes)
-        self.decode_key = (
+        # with the per-call ones, the key of the compiled variant a layer's launch takes (the merge's holds more
+        # than it reads, which only makes it finer).
+        fixed = (
             self.device_index,
-            config,
-            *map(pointer_key, (*self.tables, self.partial_out, self.partial_lse)),
-            *map(int_key, fixed_ints),
+            pointer_keys(*self.tables, self.partial_out, self.partial_lse),
+            int_keys(self.stride_bt, *self.sizes, num_splits),
         )
-        self.merge_key = (
-            self.device_index,
-            config.head_dim_pad,
-            self.merge_options["num_warps"],
-            pointer_key(self.partial_out),
-            pointer_key(self.partial_lse),
-            int_key(num_splits),
-            int_key(head_dim),
-        )
+        self.decode_key = (fixed, config)
+        self.merge_key = (fixed, config, self.merge_options["num_warps"])
 
     def __call__(
         self,
@@ -414,7 +406,7 @@ class DecodeLaunch:
             return out
         if not self.num_keys:  # no sequence holds a key: zeros, as the reference gives
             return out.zero_()
-        window = min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW
+        window = clamp_window(sliding_window)
         if self.device_index is not None and self.device_index != torch.cuda.current_device():
             with torch.cuda.device(self.device_index):
                 self._launch(query, key_cache, value_cache, out, float(scale), softcap, window)
@@ -431,13 +423,19 @@ class DecodeLaunch:
             value_cache.stride(),
             out.stride(),
         )
+        # The per-call part of the variant's key (direct.py's `pointer_keys` of each tensor, written inline: this
+        # runs at every layer).
         key = (
             self.decode_key,
             use_softcap,
-            pointer_key(query),
-            pointer_key(key_cache),
-            pointer_key(value_cache),
-            pointer_key(out),
+            query.dtype,
+            key_cache.dtype,
+            value_cache.dtype,
+            out.dtype,
+            query.data_ptr() % 16 == 0,
+            key_cache.data_ptr() % 16 == 0,
+            value_cache.data_ptr() % 16 == 0,
+            out.data_ptr() % 16 == 0,
             q_strides,
             k_strides,
             v_strides,
@@ -478,13 +476,22 @@ class DecodeLaunch:
                 self.sizes[2],  # head_dim
                 config.head_dim_pad,
             )
-            merge_key = (self.merge_key, pointer_key(out), out_strides)
+            merge_key = (self.merge_key, out.dtype, out.data_ptr() % 16 == 0, out_strides)
             _MERGE.launch(self.merge_grid, merge_key, merge_args, self.merge_options)
 
 
 # The kernels' launches by the variant a launch's key names (direct.py: without JITFunction.run's binding per call).
 _DECODE = DirectKernel(_paged_decode_kernel)
 _MERGE = DirectKernel(_merge_splits_kernel)
+
+
+def clamp_window(sliding_window: int | None) -> int:
+    """The kernels' `sliding_window` argument: NO_WINDOW without a window; a window is kept within +-NO_WINDOW, which
+    changes no visible key (wider than any sequence; at or below 0 none is visible) and keeps the argument an i32
+    for Triton, whatever the caller passes."""
+    if sliding_window is None:
+        return NO_WINDOW
+    return max(-NO_WINDOW, min(int(sliding_window), NO_WINDOW))
 
 
 def on_device(tensor: torch.Tensor):

@@ -38,10 +38,11 @@ import triton
 import triton.language as tl
 
 from . import launch_config
+from .direct import DirectKernel, int_keys, pointer_keys
 from .reference import check_prefill_args
 from .triton_decode import (
     LOG2E,
-    NO_WINDOW,
+    clamp_window,
     fp32_dot,
     load_kv_tile,
     on_device,
@@ -346,41 +347,60 @@ def paged_prefill_attention_triton(
     num_tiles = num_tokens // config.block_q + num_seqs
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
     sinks = sinks.to(torch.float32) if sinks is not None else unused_fp32(query.device)
+    use_softcap = softcap is not None
+    q_strides, k_strides, v_strides, out_strides = (
+        query.stride(),
+        key_cache.stride(),
+        value_cache.stride(),
+        out.stride(),
+    )
+    has_kv_start = int(kv_start is not None)
+    kv_start = kv_start if has_kv_start else seq_lens  # unused when has_kv_start is False
+    tensors = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, kv_start, sinks, out)
+    args = (
+        *tensors,
+        *q_strides,
+        *k_strides,
+        *v_strides,
+        block_tables.stride(0),
+        *out_strides,
+        float(scale),
+        float(softcap) if use_softcap else 1.0,
+        clamp_window(sliding_window),
+        group,
+        head_dim,
+        block_size,
+        num_seqs,
+        has_kv_start,
+        int(sinks.numel() > 0),
+        config.heads,
+        config.block_q,
+        config.block_m,
+        config.head_dim_pad,
+        config.block_n,
+        use_softcap,
+        config.dot_precision,
+        config.dot_upcast,
+        config.unmasked_tiles,
+    )
+    # What Triton specializes on (direct.py): the tensors' dtypes and alignments, the strides, head_dim; the ints it
+    # does not specialize are table widths, counts and flags, i32 whatever the step.
+    key = (
+        query.device.index,
+        config,
+        use_softcap,
+        pointer_keys(*tensors),
+        q_strides,
+        k_strides,
+        v_strides,
+        out_strides,
+        int_keys(head_dim),
+    )
+    options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     with on_device(query):
-        _paged_prefill_kernel[(num_tiles, num_kv_heads * head_tiles)](
-            query,
-            key_cache,
-            value_cache,
-            block_tables,
-            cu_seqlens_q,
-            seq_lens,
-            kv_start if kv_start is not None else seq_lens,  # unused when has_kv_start is False
-            sinks,
-            out,
-            *query.stride(),
-            *key_cache.stride(),
-            *value_cache.stride(),
-            block_tables.stride(0),
-            *out.stride(),
-            float(scale),
-            float(softcap) if softcap is not None else 1.0,
-            min(int(sliding_window), NO_WINDOW) if sliding_window is not None else NO_WINDOW,
-            group,
-            head_dim,
-            block_size,
-            num_seqs,
-            int(kv_start is not None),
-            int(sinks.numel() > 0),
-            config.heads,
-            config.block_q,
-            BLOCK_M=config.block_m,
-            HEAD_DIM_PAD=config.head_dim_pad,
-            BLOCK_N=config.block_n,
-            USE_SOFTCAP=softcap is not None,
-            DOT_PRECISION=config.dot_precision,
-            DOT_UPCAST=config.dot_upcast,
-            UNMASKED_TILES=config.unmasked_tiles,
-            num_warps=config.num_warps,
-            num_stages=config.num_stages,
-        )
+        _PREFILL.launch((num_tiles, num_kv_heads * head_tiles, 1), key, args, options)
     return out
+
+
+# The kernel's launches by the variant a launch's key names (direct.py: without JITFunction.run's binding per call).
+_PREFILL = DirectKernel(_paged_prefill_kernel)

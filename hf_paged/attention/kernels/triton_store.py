@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from . import launch_config
-from .direct import DirectKernel, pointer_key
+from .direct import DirectKernel, pointer_keys
 from .reference import token_rows
 from .triton_decode import on_device
 
@@ -112,8 +112,7 @@ class StoreLaunch:
         # pointers, strides, block size and head_dim, the tile width and the warps.
         self.fixed_key = (
             self.device_index,
-            pointer_key(key_cache),
-            pointer_key(value_cache),
+            pointer_keys(key_cache, value_cache),
             self.tail,
             self.head_dim_pad,
             self.options["num_warps"],
@@ -147,11 +146,16 @@ class StoreLaunch:
         """The launch on token rows: `key` / `value` `[num_tokens, kv_heads, head_dim]` (any strides), `slots`
         `[num_tokens]`, checked by the caller, on the current device."""
         key_strides, value_strides = key.stride(), value.stride()
+        # The per-call part of the variant's key (direct.py's `pointer_keys` of each tensor, written inline: this
+        # runs at every layer).
         variant = (
             self.fixed_key,
-            pointer_key(key),
-            pointer_key(value),
-            pointer_key(slots),
+            key.dtype,
+            value.dtype,
+            slots.dtype,
+            key.data_ptr() % 16 == 0,
+            value.data_ptr() % 16 == 0,
+            slots.data_ptr() % 16 == 0,
             key_strides,
             value_strides,
         )
