@@ -60,7 +60,8 @@ from tabulate import tabulate
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "bench" / "results" / "gpu"
 NO_CUDA_EXIT = 2
-STEP_KINDS = ("tests", "engine", "generate", "layers", "decode", "prefill", "tuning", "serving")  # what --skip names
+# What --skip names: "generate" is eager generate(), "compiled" generate() compiled (StaticCache and PagedCache).
+STEP_KINDS = ("tests", "engine", "generate", "compiled", "layers", "decode", "prefill", "tuning", "serving")
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
 SERVING_DTYPES = ("float32", "bfloat16")
@@ -105,10 +106,11 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         if engine_backends:
             command += ["--backends", *engine_backends]
         runs["engine"].append(Step("engine", "engine speed", command, outputs=[out / "engine.json"]))
-    if "generate" not in skip:
-        for name, (label, arguments) in GENERATE_RUNS.items():
+    for name, (label, arguments) in GENERATE_RUNS.items():
+        kind = "compiled" if "compiled" in label else "generate"
+        if kind not in skip:
             command = [python, "bench/generate_speed.py", *arguments, "--json", str(out / name)]
-            runs["generate"].append(Step("generate", label, command, outputs=[out / name]))
+            runs[kind].append(Step(kind, label, command, outputs=[out / name]))
     if "layers" not in skip:
         command = [python, "-m", "bench.layer_costs", "--json", str(out / "layer_costs.json")]
         runs["layers"].append(Step("layers", "layer costs", command, outputs=[out / "layer_costs.json"]))
@@ -137,22 +139,21 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
             command += ["--serving-json", str(out / f"serving_{dtype}.json")]
             outputs = [out / f"SERVING_{dtype}.md", out / f"cache_report_{dtype}.json", out / f"serving_{dtype}.json"]
             runs["serving"].append(Step("serving", f"serving {dtype}", command, outputs=outputs))
-    # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, the prefill kernel's
-    # tuning, as that kernel is the furthest from its floor, eager generate()), then what takes longest (compiling the
-    # model) and what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run cut short by its
-    # deadline loses the least.
+    # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, generate() compiled,
+    # whose floors no run has measured yet, the prefill kernel's tuning, as that kernel is the furthest from its
+    # floor, eager generate()), then what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run
+    # cut short by its deadline loses the least.
     decode_bf16 = [step for step in runs["decode"] if " bf16 " in step.name]
-    generate_eager = [step for step in runs["generate"] if "compiled" not in step.name]
     prefill_tuning = [step for step in runs["tuning"] if step.name.startswith("prefill")]
     return [
         *runs["tests"],
         *runs["engine"],
         *decode_bf16,
         *runs["prefill"],
+        *runs["compiled"],
         *prefill_tuning,
-        *generate_eager,
+        *runs["generate"],
         *runs["layers"],
-        *[step for step in runs["generate"] if step not in generate_eager],
         *[step for step in runs["decode"] if step not in decode_bf16],
         *[step for step in runs["tuning"] if step not in prefill_tuning],
         *runs["serving"],

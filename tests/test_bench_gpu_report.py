@@ -61,8 +61,8 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     steps = gpu_report.plan(tmp_path, set())
     kinds = [step.kind for step in steps]
     assert set(kinds) == set(gpu_report.STEP_KINDS)
-    # tests, the Engine, the bf16 decode and prefill kernels, the prefill kernel's tuning, eager generate(); then the
-    # model compiled; then fp32 decode, the decode kernel's tuning and serving, which no floor reads.
+    # tests, the Engine, the bf16 decode and prefill kernels, generate() compiled, the prefill kernel's tuning, eager
+    # generate() and a layer's costs; then fp32 decode, the decode kernel's tuning and serving, which no floor reads.
     order = [
         "tests",
         "engine",
@@ -71,11 +71,11 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
         "decode bf16 head_dim 256",
         "prefill bf16 head_dim 64",
         "prefill bf16 head_dim 128",
+        "generate speed, compiled",
+        "generate speed, compiled paged kernel",
         "prefill kernel tuning",
         "generate speed",
         "layer costs",
-        "generate speed, compiled",
-        "generate speed, compiled paged kernel",
         "decode fp32 head_dim 128",
         "decode kernel tuning",
         "serving",
@@ -86,6 +86,9 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     assert len(compiled) == 2 and all(step.command[step.command.index("--batch") + 1] == "1" for step in compiled)
     assert all(step.outputs and step.outputs[0].parent == tmp_path for step in steps if step.kind != "tests")
     assert [step.kind for step in gpu_report.plan(tmp_path, {"tests", "serving"})][0] == "engine"
+    # "generate" and "compiled" are skipped apart
+    assert {step.kind for step in gpu_report.plan(tmp_path, {"generate"}) if "generate" in step.name} == {"compiled"}
+    assert {step.kind for step in gpu_report.plan(tmp_path, {"compiled"}) if "generate" in step.name} == {"generate"}
 
 
 def test_a_run_writes_the_report_and_brings_back_the_raw_results_in_one_archive(tmp_path, monkeypatch):
