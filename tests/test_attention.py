@@ -94,6 +94,49 @@ def test_decode_step_returns_a_plan_instead_of_gathered_kv():
     cache.release()
 
 
+def test_a_layer_hands_each_step_its_plan_on_the_same_placeholders():
+    model = tiny_model("llama", PAGED_ATTENTION)
+    cache = PagedCache(config=model.config)
+    num_kv_heads, head_dim = (
+        model.config.num_key_value_heads,
+        model.config.hidden_size // model.config.num_attention_heads,
+    )
+    prompt = torch.randn(1, num_kv_heads, 5, head_dim)
+    cache.update(prompt, prompt, 0)
+    steps = [torch.randn(1, num_kv_heads, 1, head_dim) for _ in range(3)]
+    handed = [cache.update(step, step, 0) for step in steps[:2]]
+    # the same two empty tensors, each time with that step's plan: the step's lengths and its token in the pool
+    assert handed[0][0] is handed[1][0] and handed[0][1] is handed[1][1]
+    plan = plan_of(handed[1][0])
+    assert plan is plan_of(handed[1][1]) and plan.seq_lens.tolist() == [7]
+    assert torch.equal(plan.gather()[0][:, :, 6:], steps[1])
+    # new ones where the states change shape or the inference mode changes
+    with torch.inference_mode():
+        keys, _ = cache.update(steps[2], steps[2], 0)
+    assert keys is not handed[0][0] and keys.is_inference() and plan_of(keys).seq_lens.tolist() == [8]
+    cache.release()
+
+
+def test_a_dropped_cache_frees_its_pool_without_the_garbage_collector():
+    """A layer's placeholders keep its last plan between steps: nothing they reach may point back at the cache, or a
+    dropped cache's private pool would wait for a garbage collection."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", PAGED_ATTENTION)
+    gc.collect()
+    gc.disable()
+    try:
+        cache = PagedCache(config=model.config)
+        model.generate(random_prompt(12), past_key_values=cache, max_new_tokens=4, do_sample=False)
+        pool = weakref.ref(cache.pool)
+        pool_tensor = weakref.ref(cache.pool.key_cache[0])
+        del cache
+        assert pool() is None and pool_tensor() is None
+    finally:
+        gc.enable()
+
+
 def test_kv_start_reads_left_padding_and_refuses_holes():
     model = tiny_model("llama", PAGED_ATTENTION)
     cache = PagedCache(config=model.config)

@@ -19,6 +19,7 @@ import torch
 
 from ..attention import PAGED_ATTENTION, DecodePlan, plan_placeholders
 from ..attention.kernels.dispatch import triton_possible
+from ..attention.plan import PLAN_ATTR
 from ..attention.prefill_plan import PrefillPlan
 from ..storage import BlockPool
 from .gather import shared_prefix_kv, visible_kv
@@ -52,6 +53,9 @@ class VisibleKV:
         # Resolved at every step's layer 0 (`start_step`) for the step's other layers.
         self._paged_attention, self._multi_device, self._kernel_possible = False, False, False
         self._plannable = False  # the step may hand attention a plan: paged attention, one device, no latents
+        # Pool layer -> (what its placeholders were made for, the placeholders): made again only when its states
+        # change shape, dtype or device (or the inference mode), and handed each step's plan in turn.
+        self._placeholders: dict[int, tuple] = {}
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: what every layer of the step would otherwise look up again (`multi_device`:
@@ -141,12 +145,35 @@ class VisibleKV:
             metadata = self._tables.metadata_of(layer_idx)
             split_gather = lambda: shared_prefix_kv(metadata, layer_idx, first, split, num_tokens)  # noqa: E731
         plan = self._plan(DecodePlan, layer_idx, first, num_tokens, split_gather=split_gather)
-        return plan_placeholders(key_states, value_states, plan)
+        return self._placeholders_of(layer_idx, key_states, value_states, plan)
 
     def _prefill_placeholders(
         self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, first: int, num_tokens: int
     ):
-        return plan_placeholders(key_states, value_states, self._plan(PrefillPlan, layer_idx, first, num_tokens))
+        plan = self._plan(PrefillPlan, layer_idx, first, num_tokens)
+        return self._placeholders_of(layer_idx, key_states, value_states, plan)
+
+    def _placeholders_of(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, plan):
+        """`plan_placeholders(key_states, value_states, plan)`, the layer's placeholders of its last step handed
+        `plan` where they fit (two empty tensors fewer a layer and step; attention reads a plan in the step it is
+        handed over, so no earlier one is read again)."""
+        if torch.compiler.is_compiling():
+            return plan_placeholders(key_states, value_states, plan)
+        key = (
+            key_states.shape,
+            value_states.shape,
+            key_states.dtype,
+            key_states.device,
+            torch.is_inference_mode_enabled(),
+        )
+        made = self._placeholders.get(layer_idx)
+        if made is None or made[0] != key:
+            made = self._placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
+            return made[1]
+        keys, values = made[1]
+        setattr(keys, PLAN_ATTR, plan)
+        setattr(values, PLAN_ATTR, plan)
+        return keys, values
 
     def _plan(self, plan_class, layer_idx: int, first: int, num_tokens: int, **extra):
         """A `DecodePlan` or `PrefillPlan` of pool layer `layer_idx` for a step ending at `num_tokens`, its mask from
@@ -162,7 +189,8 @@ class VisibleKV:
             seq_lens=step["seq_lens"],
             kv_offset=first,
             position_offset=step["position_offset"],
-            gather=lambda: self.gather(layer_idx, first, num_tokens),
+            # Not through `self`: a layer's placeholders keep its last plan, which must not keep this object alive.
+            gather=lambda: visible_kv(metadata, layer_idx, first, num_tokens),  # plans are made on one device
             _kv_starts=step["kv_starts"],
             _backends=step["backends"],
             **({"_launches": step["launches"]} if plan_class is DecodePlan else {}),
