@@ -53,6 +53,7 @@ class VisibleKV:
         # Resolved at every step's layer 0 (`start_step`) for the step's other layers.
         self._paged_attention, self._multi_device, self._kernel_possible = False, False, False
         self._plannable = False  # the step may hand attention a plan: paged attention, one device, no latents
+        self._reuse_placeholders = False
         # Pool layer -> (what its placeholders were made for, the placeholders): made again only when its states
         # change shape, dtype or device (or the inference mode), and handed each step's plan in turn.
         self._placeholders: dict[int, tuple] = {}
@@ -66,6 +67,8 @@ class VisibleKV:
         # Every layer group's tables hold blocks of this one pool.
         latent = self._latent or pool.layout.latent
         self._plannable = self._paged_attention and not self._multi_device and not latent
+        # A traced step makes fresh placeholders (the memo below would guard the trace on its contents).
+        self._reuse_placeholders = not torch.compiler.is_compiling()
 
     def visible(
         self,
@@ -157,7 +160,7 @@ class VisibleKV:
         """`plan_placeholders(key_states, value_states, plan)`, the layer's placeholders of its last step handed
         `plan` where they fit (two empty tensors fewer a layer and step; attention reads a plan in the step it is
         handed over, so no earlier one is read again)."""
-        if torch.compiler.is_compiling():
+        if not self._reuse_placeholders:
             return plan_placeholders(key_states, value_states, plan)
         key = (
             key_states.shape,
