@@ -137,6 +137,33 @@ def test_a_dropped_cache_frees_its_pool_without_the_garbage_collector():
         gc.enable()
 
 
+def test_a_grown_pool_frees_its_old_tensors_though_its_layers_keep_placeholders():
+    """A layer's kept placeholders lose their plan (which views the pool) at each step's start, at a grow and at
+    release, so a growing private pool's old tensors go at the grow, as without them."""
+    import gc
+    import weakref
+
+    model = tiny_model("llama", PAGED_ATTENTION)
+    config = model.config
+    num_kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    gc.collect()
+    gc.disable()
+    try:
+        cache = PagedCache(config=config)
+        prompt = torch.randn(1, num_kv_heads, 5, head_dim)
+        for layer in range(config.num_hidden_layers):
+            cache.update(prompt, prompt, layer)
+        old_tensor, num_blocks = weakref.ref(cache.pool.key_cache[1]), cache.pool.num_blocks
+        step = torch.randn(1, num_kv_heads, 1, head_dim)
+        while cache.pool.num_blocks == num_blocks:
+            kept = [cache.update(step, step, layer)[0] for layer in range(config.num_hidden_layers)]
+        assert plan_of(kept[-1]) is not None and old_tensor() is None
+        cache.release()
+        assert plan_of(kept[-1]) is None
+    finally:
+        gc.enable()
+
+
 def test_kv_start_reads_left_padding_and_refuses_holes():
     model = tiny_model("llama", PAGED_ATTENTION)
     cache = PagedCache(config=model.config)

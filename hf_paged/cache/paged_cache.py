@@ -264,6 +264,7 @@ class PagedCache(Cache):
                 were computed with shifted positions).
         """
         self._update.last_layer_updated = 0  # the next update starts a step
+        self._update.visible.drop_plans()
         self._rows.release(token_ids, attention_mask)
 
     reset = release  # transformers' name for it

@@ -186,8 +186,12 @@ class UpdatePath:
         model's states cannot be rolled back: its cache is then only good for release() (IncompleteStep)."""
         key = ("write", num_past, num_tokens, device)
         writers = blocks.writers()
+        pool = blocks.pool
+        pool_blocks = pool.num_blocks
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
+            if pool.num_blocks != pool_blocks:  # the pool grew: its old tensors go unless a kept plan holds them
+                self.visible.drop_plans()
         except PoolExhausted:
             if starting:
                 blocks.release()

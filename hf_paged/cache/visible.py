@@ -61,6 +61,7 @@ class VisibleKV:
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: what every layer of the step would otherwise look up again (`multi_device`:
         `pool.is_multi_device`)."""
+        self.drop_plans()
         self._paged_attention = self._runs_paged_attention()
         self._multi_device = multi_device
         self._kernel_possible = triton_possible(pool.device)
@@ -155,6 +156,14 @@ class VisibleKV:
     ):
         plan = self._plan(PrefillPlan, layer_idx, first, num_tokens)
         return self._placeholders_of(layer_idx, key_states, value_states, plan)
+
+    def drop_plans(self) -> None:
+        """Take the plans off the layers' kept placeholders: a plan holds views of the pool's tensors, which a grow
+        replaces (the old ones must go then) and a released cache no longer reads. At every step's start, at a grow
+        and at `release`."""
+        for _, placeholders in self._placeholders.values():
+            for placeholder in placeholders:
+                setattr(placeholder, PLAN_ATTR, None)
 
     def _placeholders_of(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor, plan):
         """`plan_placeholders(key_states, value_states, plan)`, the layer's placeholders of its last step handed

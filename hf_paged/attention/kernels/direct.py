@@ -12,8 +12,9 @@ kernel's order, constexprs included).
 
 The key must determine Triton's specialization of the arguments: equal keys must mean equal specializations. A
 tensor's is its dtype and whether its address is a multiple of 16 (`pointer_keys`), a specialized int's its class
-(`int_keys`); Triton's process-wide settings that enter its own key (debug, instrumentation) are added here, and a
-kernel with pre-run hooks, or a stage-inspection hook installed, always goes through `kernel[grid]`.
+(`int_keys`); Triton's process-wide settings that enter its own key (debug, instrumentation, sanitizer casts) are
+added here, and a kernel with pre-run hooks, or a stage-inspection hook installed, always goes through
+`kernel[grid]`; so does every launch on a Triton without `triton.knobs` (before 3.4).
 tests/test_direct_launch.py checks, with Triton's driver stood in, that every launch takes the variant
 `JITFunction.run` would take, with the arguments it would pass. Under `TRITON_INTERPRET=1` the kernels are
 interpreted functions and every call goes through `kernel[grid]`; so does every call inside `through_jit_run()`.
@@ -25,9 +26,13 @@ import contextlib
 import weakref
 
 import torch
-from triton import knobs
 from triton.runtime.driver import driver
 from triton.runtime.jit import JITFunction
+
+try:
+    from triton import knobs
+except ImportError:  # Triton before 3.4 has no knobs: its launches go through kernel[grid], as interpreted ones do
+    knobs = None
 
 # Variants kept per kernel before the map starts again: keys hold exact strides, so a process that sees many
 # layouts (pools of several shapes, prompts of many lengths) makes a few; what a launcher's key holds is bounded, this
@@ -58,7 +63,7 @@ class DirectKernel:
 
     def __init__(self, fn):
         self.fn = fn
-        self.direct = isinstance(fn, JITFunction)
+        self.direct = knobs is not None and isinstance(fn, JITFunction)
         self.variants: dict = {}
         DirectKernel.instances.add(self)
 
@@ -71,12 +76,23 @@ class DirectKernel:
             args: every parameter of the kernel in its order, constexprs included.
             options: the launch options (`num_warps`, `num_stages`), the same for every call with one key.
         """
-        if not self.direct or self.fn.pre_run_hooks or knobs.runtime.add_stages_inspection_hook is not None:
+        if (
+            not self.direct
+            or getattr(self.fn, "pre_run_hooks", None)
+            or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
+        ):
             self.fn[grid](*args, **options)
             return
         # A compiled variant is loaded on the device that first ran it; the process-wide settings Triton keys on.
         device = driver.active.get_current_device()
-        variant = (device, knobs.runtime.debug, knobs.compilation.instrumentation_mode, key)
+        compilation = knobs.compilation
+        variant = (
+            device,
+            knobs.runtime.debug,
+            compilation.instrumentation_mode,
+            getattr(compilation, "fpsan_homomorphic_casts", None),  # Triton 3.9's
+            key,
+        )
         kernel = self.variants.get(variant)
         if kernel is None:
             kernel = self.fn[grid](*args, **options)
