@@ -23,7 +23,6 @@ interpreted functions and every call goes through `kernel[grid]`; so does every 
 from __future__ import annotations
 
 import contextlib
-import weakref
 
 import torch
 from triton.runtime.driver import driver
@@ -38,6 +37,7 @@ except ImportError:  # Triton before 3.4 has no knobs: its launches go through k
 # layouts (pools of several shapes, prompts of many lengths) makes a few; what a launcher's key holds is bounded, this
 # bounds the rest.
 MAX_VARIANTS = 128
+_through_jit = False  # set by `through_jit_run`
 
 
 def pointer_keys(*tensors: torch.Tensor) -> tuple:
@@ -59,13 +59,10 @@ class DirectKernel:
         fn: a `triton.jit` function (an interpreted one under `TRITON_INTERPRET=1`, launched as `fn[grid]` always).
     """
 
-    instances: weakref.WeakSet = weakref.WeakSet()
-
     def __init__(self, fn):
         self.fn = fn
         self.direct = knobs is not None and isinstance(fn, JITFunction)
         self.variants: dict = {}
-        DirectKernel.instances.add(self)
 
     def launch(self, grid: tuple[int, int, int], key: tuple, args: tuple, options: dict) -> None:
         """`fn[grid](*args, **options)`.
@@ -78,6 +75,7 @@ class DirectKernel:
         """
         if (
             not self.direct
+            or _through_jit
             or getattr(self.fn, "pre_run_hooks", None)
             or getattr(knobs.runtime, "add_stages_inspection_hook", None) is not None
         ):
@@ -121,15 +119,11 @@ class DirectKernel:
 @contextlib.contextmanager
 def through_jit_run():
     """Within: every launch of this package's launchers goes through `kernel[grid]` (`JITFunction.run`), as when
-    Triton's launch is replaced (resources.py records the launches) or measured against (bench/launch_overhead.py)."""
-    from . import triton_decode, triton_prefill, triton_store  # noqa: F401  (their kernels, made at import)
-
-    kernels = list(DirectKernel.instances)
-    saved = [kernel.direct for kernel in kernels]
+    Triton's launch is replaced (resources.py records the launches) or measured against (bench/launch_overhead.py).
+    Process-wide, for those tools: not for threads that launch meanwhile."""
+    global _through_jit
+    saved, _through_jit = _through_jit, True
     try:
-        for kernel in kernels:
-            kernel.direct = False
         yield
     finally:
-        for kernel, direct in zip(kernels, saved):
-            kernel.direct = direct
+        _through_jit = saved
