@@ -27,9 +27,9 @@ def test_each_step_is_counted_with_its_launches_and_host_reads():
     assert rows["generate step, PagedCache, hf_paged"][2] == 4  # store and decode kernel a layer
     # Python calls a layer of a decode step, over DynamicCache's (the model's own are in both): the store's and the
     # decode kernel's launches are made once per step (`StoreLaunch`, `DecodeLaunch`), not chosen at every layer.
-    # Measured at 2 layers: 45.5 (sdpa) and 76.5 ("hf_paged") over DynamicCache's 230.5; 57.5 and 96.5 before the
+    # Measured at 2 layers: 45.5 (sdpa) and 77 ("hf_paged") over DynamicCache's 230.5; 57.5 and 96.5 before the
     # launch objects. A launch counts `DirectKernel.launch` (direct.py), the lookup that replaces JITFunction.run's
     # binding on a GPU; Triton's own calls are left out of the count either way (its launch is stood in).
     dynamic = python["generate step, DynamicCache"]
     assert python["generate step, PagedCache, sdpa"] - dynamic <= 46
-    assert python["generate step, PagedCache, hf_paged"] - dynamic <= 77
+    assert python["generate step, PagedCache, hf_paged"] - dynamic <= 78

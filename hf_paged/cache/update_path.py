@@ -187,10 +187,11 @@ class UpdatePath:
         key = ("write", num_past, num_tokens, device)
         writers = blocks.writers()
         pool = blocks.pool
-        pool_blocks = pool.num_blocks
+        # A pool that may grow here while layers keep placeholders: their plans view its tensors, which must go.
+        pool_blocks = pool.num_blocks if pool.growable and self.visible.placeholders else None
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
-            if pool.num_blocks != pool_blocks:  # the pool grew: its old tensors go unless a kept plan holds them
+            if pool_blocks is not None and pool.num_blocks != pool_blocks:
                 self.visible.drop_plans()
         except PoolExhausted:
             if starting:

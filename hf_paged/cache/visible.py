@@ -55,13 +55,15 @@ class VisibleKV:
         self._plannable = False  # the step may hand attention a plan: paged attention, one device, no latents
         self._reuse_placeholders = False
         # Pool layer -> (what its placeholders were made for, the placeholders): made again only when its states
-        # change shape, dtype or device (or the inference mode), and handed each step's plan in turn.
-        self._placeholders: dict[int, tuple] = {}
+        # change shape, dtype or device (or the inference mode), and handed each step's plan in turn (empty while
+        # the model attends otherwise).
+        self.placeholders: dict[int, tuple] = {}
 
     def start_step(self, pool: BlockPool, multi_device: bool) -> None:
         """At layer 0's update: what every layer of the step would otherwise look up again (`multi_device`:
         `pool.is_multi_device`)."""
-        self.drop_plans()
+        if self.placeholders:
+            self.drop_plans()
         self._paged_attention = self._runs_paged_attention()
         self._multi_device = multi_device
         self._kernel_possible = triton_possible(pool.device)
@@ -161,7 +163,7 @@ class VisibleKV:
         """Take the plans off the layers' kept placeholders: a plan holds views of the pool's tensors, which a grow
         replaces (the old ones must go then) and a released cache no longer reads. At every step's start, at a grow
         and at `release`."""
-        for _, placeholders in self._placeholders.values():
+        for _, placeholders in self.placeholders.values():
             for placeholder in placeholders:
                 setattr(placeholder, PLAN_ATTR, None)
 
@@ -178,9 +180,9 @@ class VisibleKV:
             key_states.device,
             torch.is_inference_mode_enabled(),
         )
-        made = self._placeholders.get(layer_idx)
+        made = self.placeholders.get(layer_idx)
         if made is None or made[0] != key:
-            made = self._placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
+            made = self.placeholders[layer_idx] = (key, plan_placeholders(key_states, value_states, plan))
             return made[1]
         keys, values = made[1]
         setattr(keys, PLAN_ATTR, plan)
