@@ -164,6 +164,22 @@ def test_a_grown_pool_frees_its_old_tensors_though_its_layers_keep_placeholders(
         gc.enable()
 
 
+def test_a_grow_in_a_step_keeps_the_plans_of_kv_sharing_source_layers():
+    """Later layers of a step attend through a KV-sharing source layer's placeholders again: a grow in that step
+    takes the other layers' plans off (their pool views go), not a source's; the next step's start takes all off."""
+    from hf_paged.cache.visible import VisibleKV
+
+    visible = VisibleKV(tables=None, config=None, latent=False, kv_sources=frozenset({0}))
+    visible._reuse_placeholders = True
+    states = torch.zeros(1, 2, 1, 8)
+    plans = {layer: object() for layer in (0, 1)}
+    handed = {layer: visible._placeholders_of(layer, states, states, plan)[0] for layer, plan in plans.items()}
+    visible.drop_plans(in_step=True)
+    assert plan_of(handed[0]) is plans[0] and plan_of(handed[1]) is None
+    visible.drop_plans()
+    assert plan_of(handed[0]) is None
+
+
 def test_kv_start_reads_left_padding_and_refuses_holes():
     model = tiny_model("llama", PAGED_ATTENTION)
     cache = PagedCache(config=model.config)

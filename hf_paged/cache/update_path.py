@@ -192,7 +192,7 @@ class UpdatePath:
         try:
             blocks.prepare_write(writers, num_past, num_tokens)
             if pool_blocks is not None and pool.num_blocks != pool_blocks:
-                self.visible.drop_plans()
+                self.visible.drop_plans(in_step=True)
         except PoolExhausted:
             if starting:
                 blocks.release()

@@ -159,11 +159,15 @@ class VisibleKV:
         plan = self._plan(PrefillPlan, layer_idx, first, num_tokens)
         return self._placeholders_of(layer_idx, key_states, value_states, plan)
 
-    def drop_plans(self) -> None:
+    def drop_plans(self, in_step: bool = False) -> None:
         """Take the plans off the layers' kept placeholders: a plan holds views of the pool's tensors, which a grow
-        replaces (the old ones must go then) and a released cache no longer reads. At every step's start, at a grow
-        and at `release`."""
-        for _, placeholders in self.placeholders.values():
+        replaces (the old ones must go then) and a released cache no longer reads. At every step's start, at
+        `release`, and `in_step` at a grow, where the plans of KV-sharing source layers stay: later layers of the
+        step attend through them again (reading the old tensors, which hold this step's keys), as they did before
+        layers kept their placeholders."""
+        for layer_idx, (_, placeholders) in self.placeholders.items():
+            if in_step and layer_idx in self._kv_sources:
+                continue
             for placeholder in placeholders:
                 setattr(placeholder, PLAN_ATTR, None)
 
