@@ -15,16 +15,17 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     paged-compiled         PagedCache(max_cache_len), sdpa, compiled the same way
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
 
-Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that
-also compiles). Each PagedCache variant has a pool of its own with room for all its runs, so that, as in a private
-pool, a row's blocks are consecutive and batch 1's attention reads a view of the pool (a pool whose freed blocks are
-handed out again wrapping from its last id to its first has its rows gather: `python -m bench.layer_costs` times
-both). The timed runs reuse the warm-up's cache, emptied in between (`PagedCache.release()`,
-`StaticCache.reset()`), as a server keeps its caches: the compiled step's CUDA graphs read the cache's static buffers
-in place, so a new cache would record them again; DynamicCache is made anew, as generate() makes it. Then
-`--check-dtype` (float32 by default) runs every variant once more for tokens, each against
-DynamicCache's. On CPU, `--tiny` runs the same on a 2-layer model in seconds (a dry run of the script); compiled
-variants then need `--compile-all-devices` (transformers compiles by itself on CUDA only).
+Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that also
+compiles), then of a generate() of one new token (the prompt's forward: "prompt ms"), each best of `--repeats`; "decode
+ms per token" is the difference over the other new tokens. Each PagedCache variant has a pool of its own with room for
+all its runs, so that, as in a private pool, a row's blocks are consecutive and batch 1's attention reads a view of the
+pool (a pool whose freed blocks are handed out again wrapping from its last id to its first has its rows gather: `python
+-m bench.layer_costs` times both). The timed runs reuse the warm-up's cache, emptied in between (`PagedCache.release()`,
+`StaticCache.reset()`), as a server keeps its caches: the compiled step's CUDA graphs read the cache's static buffers in
+place, so a new cache would record them again; DynamicCache is made anew, as generate() makes it. Then `--check-dtype`
+(float32 by default) runs every variant once more for tokens, each against DynamicCache's. On CPU, `--tiny` runs the
+same on a 2-layer model in seconds (a dry run of the script); compiled variants then need `--compile-all-devices`
+(transformers compiles by itself on CUDA only).
 
 Then `--trace-steps` decode steps at batch 1 in the speed dtype, teacher-forced: DynamicCache's greedy tokens are fed
 to each eager PagedCache variant, and every step's logits are compared with DynamicCache's (bit for bit, largest
@@ -203,12 +204,31 @@ def main(argv=None) -> int:
                 run(variant, models, pool, input_ids, args.new_tokens, compile_config, cache=cache)[1]
                 for _ in range(args.repeats)
             )
+            # The prompt's forward alone (generate() of one new token), to tell it from the decode steps.
+            prompt_seconds = min(
+                run(variant, models, pool, input_ids, 1, compile_config, cache=cache)[1] for _ in range(args.repeats)
+            )
             ms_per_token = seconds / args.new_tokens * 1e3
-            results["speed"].append(dict(batch=batch, variant=variant, ms_per_token=ms_per_token))
+            decode_ms = max(seconds - prompt_seconds, 0.0) / max(args.new_tokens - 1, 1) * 1e3
+            results["speed"].append(
+                dict(
+                    batch=batch,
+                    variant=variant,
+                    ms_per_token=ms_per_token,
+                    prompt_ms=prompt_seconds * 1e3,
+                    decode_ms_per_token=decode_ms,
+                )
+            )
             save()
-            speed_rows.append([batch, variant, f"{ms_per_token:.2f}"])
-            print(f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token", flush=True)
-    print(tabulate(speed_rows, ["batch", "variant", "ms per new token"], tablefmt="github"))
+            prompt_ms = f"{prompt_seconds * 1e3:.1f}"
+            speed_rows.append([batch, variant, f"{ms_per_token:.2f}", prompt_ms, f"{decode_ms:.2f}"])
+            print(
+                f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token, prompt {prompt_ms} ms, "
+                f"decode {decode_ms:.2f} ms/token",
+                flush=True,
+            )
+    headers = ["batch", "variant", "ms per new token", "prompt ms", "decode ms per token"]
+    print(tabulate(speed_rows, headers, tablefmt="github"))
 
     if args.host_profile:
         results["host_profile"], results["op_profile"] = eager_profiles(models, shape, args)

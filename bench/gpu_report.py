@@ -344,22 +344,36 @@ def _generate_section(out: Path) -> str:
     ]
     rows, identity, trace, host, ops = [], [], None, None, None
     for report in reports:  # each step's speeds against the DynamicCache runs of that step
-        dynamic = {}
+        dynamic, dynamic_decode = {}, {}
         for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
             if r["variant"] == "dynamic":
                 dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
+                if r.get("decode_ms_per_token"):
+                    decode = r["decode_ms_per_token"]
+                    dynamic_decode[r["batch"]] = min(dynamic_decode.get(r["batch"], decode), decode)
         for r in report["speed"]:
             if r["variant"] == "dynamic" and report is not reports[0]:
                 continue  # DynamicCache's rows once, from the first step
             speed = dynamic[r["batch"]] / r["ms_per_token"] if r["batch"] in dynamic else None
+            decode = r.get("decode_ms_per_token")  # with the prompt's own time
+            decode_speed = dynamic_decode.get(r["batch"]) / decode if decode and r["batch"] in dynamic_decode else None
             rows.append(
-                [r["batch"], r["variant"], f"{r['ms_per_token']:.2f}", "" if speed is None else f"{speed:.2f}x"]
+                [
+                    r["batch"],
+                    r["variant"],
+                    f"{r['ms_per_token']:.2f}",
+                    "" if speed is None else f"{speed:.2f}x",
+                    "" if decode is None else f"{r['prompt_ms']:.1f}",
+                    "" if decode is None else f"{decode:.2f}",
+                    "" if decode_speed is None else f"{decode_speed:.2f}x",
+                ]
             )
         identity += [r for r in report.get("identity") or [] if r["variant"] != "dynamic"]
         trace = trace or report.get("trace")
         host = host or report.get("host_profile")
         ops = ops or report.get("op_profile")
-    parts.append(tabulate(rows, ["batch", "variant", "ms per new token", "speed vs DynamicCache"], tablefmt="github"))
+    headers = ["batch", "variant", "ms per new token", "speed vs DynamicCache", "prompt ms", "decode ms per token"]
+    parts.append(tabulate(rows, [*headers, "decode speed vs DynamicCache"], tablefmt="github", disable_numparse=True))
     if trace:
         rows = [
             [

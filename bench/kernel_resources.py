@@ -159,19 +159,23 @@ def decode_rows(variants: list[dict]) -> list[list]:
 
 
 PREFILL_TEXT = (
-    "One program per (tile of new tokens of one sequence, kv head, up to 16 of its q heads): `BLOCK_M` query rows, "
-    "the tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA "
-    "group; the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles "
-    "once per (dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on "
-    "CUDA cores and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte "
-    "stack frame there). 16-bit caches' variants at head_dim 64 and 128 first read the tiles every row sees whole "
-    "without a mask (`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), "
-    "then the diagonal ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only "
-    "(fp32's 128-wide variant would spill with the second). On sm_90 those 16-bit variants take 128 rows, with "
-    "the warps and stages timed fastest on an H200 (`PREFILL_SM90` in launch_config: one warpgroup and 3 stages at "
-    "64 wide, 1.15-1.62x the 8 warps; 8 warps, 64 rows a warpgroup as Hopper's `wgmma` computes them, and 3 stages "
-    "at 128 wide, where 64 rows over 8 warps had both warpgroups compute the same logits; bench/logs/"
-    "gpu-h200-9849b1a); sm_80 keeps 64 rows, its 128-wide variant spilling with 128."
+    "One program per (tile of new tokens of one sequence, kv head, up to 16 of its q heads): `BLOCK_M` query rows, the"
+    " tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA group;"
+    " the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles once per "
+    "(dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on CUDA cores "
+    "and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte stack frame "
+    "there). 16-bit caches' variants at head_dim 64 and 128 first read the tiles every row sees whole without a mask "
+    "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the diagonal "
+    "ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only (fp32's 128-wide "
+    "variant would spill with the second). On sm_90 those 16-bit variants take 128 rows, with the warps and stages "
+    "timed fastest on an H200 (`PREFILL_SM90` in launch_config: one warpgroup and 2 stages at 64 wide, 1.12-1.47x the "
+    "8 warps (with 3 stages it spills); 8 warps, 64 rows a warpgroup as Hopper's `wgmma` computes them, and 3 stages "
+    "at 128 wide, where 64 rows over 8 warps had both warpgroups compute the same logits; "
+    "bench/logs/gpu-h200-9849b1a); sm_80 keeps 64 rows, its 128-wide variant spilling with 128. The grid is "
+    "one-dimensional, its query tiles in reverse and the kv heads of a tile neighbours (`heavy_first` in "
+    "launch_config): in a causal prefill a sequence's last tile attends every key and its first almost none, so the "
+    "longest programs start first and the shortest fill the last wave (`python -m bench.prefill_tuning` times the "
+    "ascending order beside it)."
 )
 
 

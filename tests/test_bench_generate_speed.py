@@ -40,6 +40,9 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
     variants |= {"static-compiled", "paged-compiled", "paged+hf_paged-compiled"}
     assert {r["variant"] for r in report["speed"]} == variants
     assert all(r["ms_per_token"] > 0 for r in report["speed"])
+    # the prompt's forward timed alone, and the decode steps' time per token without it
+    assert all(r["prompt_ms"] > 0 and r["decode_ms_per_token"] >= 0 for r in report["speed"])
+    assert all(r["decode_ms_per_token"] * 2 <= r["ms_per_token"] * 3 for r in report["speed"])
     assert [(r["identical_rows"], r["rows"]) for r in report["identity"]] == [(2, 2)] * 8
     # The teacher-forced trace in the speed dtype: on CPU every variant's logits are DynamicCache's, bit for bit; SDPA
     # got the pool's strided view from PagedCache, and a contiguous copy where the variant asks for one.
@@ -69,6 +72,7 @@ def test_dry_run_times_every_variant_and_finds_their_tokens_identical(tmp_path, 
 
     section = _generate_section(tmp_path)
     assert "paged+hf_paged-compiled" in section and "2/2" in section
+    assert "| prompt ms " in section and "decode speed vs DynamicCache" in section
     assert "| paged, contiguous K/V " in section and "first step with other logits" in section
     assert "Most own host time, paged+hf_paged" in section and "Host time under cProfile" in section
     assert "Operators under torch.profiler, batch 2" in section and "Host time under cProfile, batch 2" in section

@@ -1,6 +1,7 @@
 """bench/prefill_tuning.py: the prefill kernel's launch choices tried beside its defaults (a dry run in Triton's
 interpreter here; on a GPU, `make bench-gpu`)."""
 
+import dataclasses
 import json
 
 import torch
@@ -14,7 +15,10 @@ from hf_paged.attention.kernels import launch_config
 def test_the_grid_starts_with_the_default_and_bounds_each_threads_tiles():
     default = launch_config.prefill_config(128, 4, torch.bfloat16, 90)
     configs = candidates(default)
-    assert configs[0] == default and len(set(configs)) == len(configs) == 12
+    assert configs[0] == default and len(set(configs)) == len(configs) == 13
+    # then the default's tiles in the grid's ascending order, the only candidate in that order
+    assert configs[1] == dataclasses.replace(default, heavy_first=False)
+    assert [c.heavy_first for c in configs] == [True, False] + [True] * 11
     assert {(c.block_m, c.num_warps) for c in configs} >= {(128, 8), (64, 4), (64, 8)}  # 128 rows need 8 warps here
     for config in configs:
         assert max(config.block_m, config.block_n) * config.head_dim_pad // (32 * config.num_warps) <= 64
@@ -34,8 +38,9 @@ def test_a_dry_run_times_each_configuration_against_sdpa(tmp_path, capsys):
     assert main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
     (result,) = json.loads(path.read_text())["results"]
     assert result["default"] == "M32 N16 w4 s2" and [c["context"] for c in result["cells"]] == ["24+0", "8+20"]
-    for cell in result["cells"]:  # the default and the grid's one tile, each right (within 1e-4 of SDPA) and timed
-        assert set(cell["times"]) == {"M32 N16 w4 s2", "M16 N16 w4 s2"}
+    # the default (in both orders) and the grid's one tile, each right (within 1e-4 of SDPA) and timed
+    for cell in result["cells"]:
+        assert set(cell["times"]) == {"M32 N16 w4 s2", "M32 N16 w4 s2 ascending", "M16 N16 w4 s2"}
         assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
     assert "| new+cached" in capsys.readouterr().out
     section = _tuning_section(tmp_path)

@@ -284,6 +284,19 @@ def test_prefill_rejects_inputs_that_do_not_fit():
 
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
+@pytest.mark.parametrize("heavy_first", [True, False], ids=["heavy-first", "ascending"])
+def test_prefill_grid_order_changes_no_output(heavy_first, monkeypatch):
+    """The grid's two orders (`PrefillConfig.heavy_first`, the default: the query tiles in reverse, the kv heads of
+    one tile neighbours; or ascending) map the same programs: every output bit for bit the same, and right, over
+    ragged sequences (one with no new token, spare tiles of the grid's bound) and a GQA group of 20 q heads, two
+    tiles of q heads a kv head."""
+    assert launch_config.prefill_config(64, 4, torch.bfloat16, 90).heavy_first
+    args = make_prefill([37, 9, 30, 64], [12, 0, 30, 33], num_q_heads=40, num_kv_heads=2, head_dim=16)
+    default = check_prefill("triton", args)
+    launched_with(monkeypatch, lambda config, args: dataclasses.replace(config, heavy_first=heavy_first))
+    assert torch.equal(check_prefill("triton", args), default)
+
+
 def test_unmasked_tiles_are_the_default_for_16_bit_caches_and_refused_for_fp32_ones(monkeypatch):
     """16-bit caches of head_dim 64 and 128 (the sizes measured) read the whole tiles without a mask by default; an fp32
     cache, whose variant would spill with the second loop, is refused it by name."""

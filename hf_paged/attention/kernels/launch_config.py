@@ -123,6 +123,11 @@ class PrefillConfig:
     # sizes keep one masked loop until measured (at 16 and 32 it costs a program an SM on sm_80). Never for fp32
     # caches: their 128-wide variant spills on sm_90 with the second loop.
     unmasked_tiles: bool = False
+    # The grid's query tiles in reverse, the kv heads of a tile neighbours: in a causal prefill a sequence's last tile
+    # attends every key and its first almost none, so the longest programs start first and the shortest fill the
+    # last wave, instead of the longest starting last and running alone (FlashAttention's order for a causal grid).
+    # `python -m bench.prefill_tuning` times the ascending order beside it.
+    heavy_first: bool = True
 
 
 # Query rows per prefill program (tokens x q heads): a tile of 64 rows against a K/V tile keeps the fp32

@@ -13,6 +13,8 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
   block_q * heads` query rows are the tokens x the q heads that share the kv head, so each K/V tile read from the
   pool serves the whole GQA group (row `r` is token `r // heads`, head `r % heads`; both runtime arguments, so the
   group compiles nothing new);
+- the grid is one-dimensional, the kv heads (and tiles of q heads) of one query tile neighbours and the query tiles
+  in reverse (`PrefillConfig.heavy_first`): the tiles that attend the most keys start first;
 - the grid is sized from the token count alone (`num_tokens // block_q + B` tiles, an upper bound), and each program
   finds its sequence by a binary search over `cu_seqlens_q`: no host sync, so a step's launch can be captured;
 - the key loop runs over the union of the tile's visible ranges (from the earliest query's window start to the
@@ -170,6 +172,8 @@ def _attend_tile(
         "use_sinks",
         "heads",
         "block_q",
+        "num_tiles",
+        "num_kv_heads",
     ]
 )
 def _paged_prefill_kernel(
@@ -208,6 +212,8 @@ def _paged_prefill_kernel(
     use_sinks,  # 0 or 1
     heads,  # q heads per program (a power of two up to 16)
     block_q,  # new tokens per program: BLOCK_M // heads
+    num_tiles,  # query tiles of the grid: num_tokens // block_q + B, an upper bound
+    num_kv_heads,
     BLOCK_M: tl.constexpr,  # query rows per program: block_q tokens x heads q heads
     HEAD_DIM_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -215,18 +221,28 @@ def _paged_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,  # read the tiles every row sees whole without a mask (launch_config)
+    HEAVY_FIRST: tl.constexpr,  # the query tiles in reverse (launch_config)
 ):
-    # grid: (num_tokens // BLOCK_Q + B, num_kv_heads * head_tiles)
-    tile = tl.program_id(0)
+    # grid: ((num_tokens // BLOCK_Q + B) * num_kv_heads * head_tiles,): a program's (tile, kv head, head tile)
+    head_tiles = tl.cdiv(group, heads)
+    head_programs = num_kv_heads * head_tiles
+    if HEAVY_FIRST:
+        # The kv heads and head tiles of one query tile are neighbours, the tiles in reverse: a sequence's last
+        # tiles, which attend the most keys, start first and its first tiles fill the last wave (the largest work
+        # first, as FlashAttention schedules a causal grid).
+        head_program = tl.program_id(0) % head_programs
+        tile = num_tiles - 1 - tl.program_id(0) // head_programs
+    else:
+        tile = tl.program_id(0) % num_tiles
+        head_program = tl.program_id(0) // num_tiles
     seq_idx = _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q)
     q_first = tl.load(cu_seqlens_q_ptr + seq_idx)
     q_len = tl.load(cu_seqlens_q_ptr + seq_idx + 1) - q_first
     q_tile = tile - (q_first // block_q + seq_idx)
     if q_tile * block_q >= q_len:  # one of the spare tiles of the grid's upper bound
         return
-    head_tiles = tl.cdiv(group, heads)
-    kv_head = (tl.program_id(1) // head_tiles).to(tl.int64)  # int64: see the decode kernel
-    head_start = (tl.program_id(1) % head_tiles) * heads
+    kv_head = (head_program // head_tiles).to(tl.int64)  # int64: see the decode kernel
+    head_start = (head_program % head_tiles) * heads
 
     rows = tl.arange(0, BLOCK_M)
     token = q_tile * block_q + rows // heads  # the row's new token, within its sequence
@@ -375,6 +391,8 @@ def paged_prefill_attention_triton(
         int(sinks.numel() > 0),
         config.heads,
         config.block_q,
+        num_tiles,
+        num_kv_heads,
         config.block_m,
         config.head_dim_pad,
         config.block_n,
@@ -382,6 +400,7 @@ def paged_prefill_attention_triton(
         config.dot_precision,
         config.dot_upcast,
         config.unmasked_tiles,
+        config.heavy_first,
     )
     # What Triton specializes on (direct.py): the tensors' dtypes and alignments, the strides, head_dim; the ints it
     # does not specialize are table widths, counts and flags, i32 whatever the step.
@@ -398,7 +417,7 @@ def paged_prefill_attention_triton(
     )
     options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
     with on_device(query):
-        _PREFILL.launch((num_tiles, num_kv_heads * head_tiles, 1), key, args, options)
+        _PREFILL.launch((num_tiles * num_kv_heads * head_tiles, 1, 1), key, args, options)
     return out
 
 
