@@ -16,7 +16,8 @@ intermediate 8192, vocab 128256), built from its config (no download); a prompt 
     paged+hf_paged-compiled PagedCache(max_cache_len) with the "hf_paged" attention, compiled
 
 Time is wall time of the whole generate() over the new tokens (best of `--repeats`, after one warm-up generate that also
-compiles), then of a generate() of one new token (the prompt's forward: "prompt ms"), each best of `--repeats`; "decode
+compiles; the eager variants in rounds that run each once, in turn, so that a drift of the machine's speed weighs on
+all alike), then of a generate() of one new token (the prompt's forward: "prompt ms"), each best of `--repeats`; "decode
 ms per token" is the difference over the other new tokens. Each PagedCache variant has a pool of its own with room for
 all its runs, so that, as in a private pool, a row's blocks are consecutive and batch 1's attention reads a view of the
 pool (a pool whose freed blocks are handed out again wrapping from its last id to its first has its rows gather: `python
@@ -133,6 +134,25 @@ def run(variant, models, pool, input_ids, new_tokens, compile_config, fresh: boo
     return out, seconds, cache
 
 
+def _warm_cache(variant, models, pool, input_ids, new_tokens, compile_config):
+    """A warm-up generate() of `variant` (it compiles a compiled one) -> the cache its timed runs reuse, emptied (None
+    for DynamicCache, which generate() makes anew at every run)."""
+    _, _, cache = run(variant, models, pool, input_ids, new_tokens, compile_config, fresh=True)
+    return None if variant == "dynamic" else cache
+
+
+def _timed_rounds(warm: dict, models, input_ids, args, compile_config) -> list[tuple[str, tuple[float, float]]]:
+    """[(variant, (best seconds of a generate() of `args.new_tokens`, best seconds of one of a single new token: the
+    prompt's forward))] for each variant of `warm` (variant -> (pool, warm cache)), over `args.repeats` rounds that
+    each run every variant once, in turn."""
+    whole, prompt = ({variant: [] for variant in warm} for _ in range(2))
+    for new_tokens, times in ((args.new_tokens, whole), (1, prompt)):
+        for _ in range(args.repeats):
+            for variant, (pool, cache) in warm.items():
+                times[variant].append(run(variant, models, pool, input_ids, new_tokens, compile_config, cache=cache)[1])
+    return [(variant, (min(whole[variant]), min(prompt[variant]))) for variant in warm]
+
+
 @contextlib.contextmanager
 def _backend(variant: str):
     """Within: the kernel backend `variant` asks for (HF_PAGED_ATTENTION_BACKEND=torch for "paged+torch-store",
@@ -193,40 +213,41 @@ def main(argv=None) -> int:
         generator = torch.Generator().manual_seed(batch)
         input_ids = torch.randint(1, shape["vocab_size"], (batch, args.prompt_len), generator=generator)
         input_ids = input_ids.to(args.device)
-        order = [*args.variants, "dynamic"] if "dynamic" in args.variants else list(args.variants)
-        for variant in order:
-            pool = BlockPool.for_model(models[0], num_blocks=_num_blocks(batch, args, args.repeats + 1), block_size=16)
-            # A warm-up that compiles, then timed runs on its cache (but DynamicCache's, made anew each time, as
-            # generate() does): a compiled step's CUDA graphs read the cache's buffers in place and replay.
-            _, _, cache = run(variant, models, pool, input_ids, args.new_tokens, compile_config, fresh=True)
-            cache = None if variant == "dynamic" else cache
-            seconds = min(
-                run(variant, models, pool, input_ids, args.new_tokens, compile_config, cache=cache)[1]
-                for _ in range(args.repeats)
-            )
-            # The prompt's forward alone (generate() of one new token), to tell it from the decode steps.
-            prompt_seconds = min(
-                run(variant, models, pool, input_ids, 1, compile_config, cache=cache)[1] for _ in range(args.repeats)
-            )
-            ms_per_token = seconds / args.new_tokens * 1e3
-            decode_ms = max(seconds - prompt_seconds, 0.0) / max(args.new_tokens - 1, 1) * 1e3
-            results["speed"].append(
-                dict(
-                    batch=batch,
-                    variant=variant,
-                    ms_per_token=ms_per_token,
-                    prompt_ms=prompt_seconds * 1e3,
-                    decode_ms_per_token=decode_ms,
+        # A warm-up of each variant that compiles, then timed runs on its cache (but DynamicCache's, made anew each
+        # time, as generate() does): a compiled step's CUDA graphs read the cache's buffers in place and replay.
+        # The eager variants run in rounds, each variant once a round, so that a drift of the machine's speed
+        # during the run weighs on all of them alike; then the compiled ones, one after the other (the warm-up of
+        # one forgets what dynamo compiled for the others).
+        eager = [variant for variant in args.variants if not variant.endswith("-compiled")]
+        groups = [eager, *([variant] for variant in args.variants if variant not in eager)]
+        for variants in groups:
+            warm = {}
+            for variant in variants:
+                # room for the warm-up and the timed runs, whole and of the prompt alone
+                pool = BlockPool.for_model(
+                    models[0], num_blocks=_num_blocks(batch, args, 2 * args.repeats + 1), block_size=16
                 )
-            )
-            save()
-            prompt_ms = f"{prompt_seconds * 1e3:.1f}"
-            speed_rows.append([batch, variant, f"{ms_per_token:.2f}", prompt_ms, f"{decode_ms:.2f}"])
-            print(
-                f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token, prompt {prompt_ms} ms, "
-                f"decode {decode_ms:.2f} ms/token",
-                flush=True,
-            )
+                warm[variant] = pool, _warm_cache(variant, models, pool, input_ids, args.new_tokens, compile_config)
+            for variant, (seconds, prompt_seconds) in _timed_rounds(warm, models, input_ids, args, compile_config):
+                ms_per_token = seconds / args.new_tokens * 1e3
+                decode_ms = max(seconds - prompt_seconds, 0.0) / max(args.new_tokens - 1, 1) * 1e3
+                results["speed"].append(
+                    dict(
+                        batch=batch,
+                        variant=variant,
+                        ms_per_token=ms_per_token,
+                        prompt_ms=prompt_seconds * 1e3,
+                        decode_ms_per_token=decode_ms,
+                    )
+                )
+                save()
+                prompt_ms = f"{prompt_seconds * 1e3:.1f}"
+                speed_rows.append([batch, variant, f"{ms_per_token:.2f}", prompt_ms, f"{decode_ms:.2f}"])
+                print(
+                    f"batch {batch:3d} {variant:26s} {ms_per_token:8.2f} ms/token, prompt {prompt_ms} ms, "
+                    f"decode {decode_ms:.2f} ms/token",
+                    flush=True,
+                )
     headers = ["batch", "variant", "ms per new token", "prompt ms", "decode ms per token"]
     print(tabulate(speed_rows, headers, tablefmt="github"))
 

@@ -345,7 +345,7 @@ def _generate_section(out: Path) -> str:
     rows, identity, trace, host, ops = [], [], None, None, None
     for report in reports:  # each step's speeds against the DynamicCache runs of that step
         dynamic, dynamic_decode = {}, {}
-        for r in report["speed"]:  # DynamicCache runs first and last: its better time is the reference
+        for r in report["speed"]:  # DynamicCache's best time is the reference (a row of each batch, or more)
             if r["variant"] == "dynamic":
                 dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
                 if r.get("decode_ms_per_token"):
