@@ -175,7 +175,10 @@ PREFILL_TEXT = (
     "one-dimensional, its query tiles in reverse and the kv heads of a tile neighbours (`heavy_first` in "
     "launch_config): in a causal prefill a sequence's last tile attends every key and its first almost none, so the "
     "longest programs start first and the shortest fill the last wave (`python -m bench.prefill_tuning` times the "
-    "ascending order beside it)."
+    "ascending order beside it). The whole tiles' block ids are read one tile ahead: at head_dim 128 (3 stages) the "
+    "sm_90 TTGIR of that loop then waits with two tiles' K/V in flight (`ttg.async_wait {num = 2}`), where with the "
+    "table read inside the tile it waited for all (`num = 0`); at 64 wide, 2 stages keep one tile in flight either "
+    "way. The grid's order and the block ids read ahead are not yet timed on a GPU."
 )
 
 

@@ -21,6 +21,8 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
   last query's own position) in tiles of `BLOCK_N` tokens; the tiles every row sees whole (up to the first query's
   own position, inside every row's window) are read and used without a mask; on the others, per (query, key), the
   mask is causal, window and `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
+  the whole tiles' block ids are read one tile ahead, so with 3 pipeline stages two tiles' K/V are in flight while
+  one is used (with the table read inside the tile, Triton's pipeliner keeps one);
 - online softmax in fp32 (exp2, the scale folded into log2(e): each row's running max is taken over the unscaled
   logits and scaled once, each logit's exponent one fused multiply-subtract); a row whose keys so far are all masked
   keeps a running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at
@@ -74,13 +76,11 @@ def _find_sequence(cu_seqlens_q_ptr, num_seqs, tile, block_q):
 def _kv_tiles(
     k_cache_ptr,
     v_cache_ptr,
-    bt_row,
-    pos,
-    in_range,
-    block_size,
+    block_ids,
+    offsets,
+    mask,
     kv_head,
     d,
-    d_mask,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -89,18 +89,9 @@ def _kv_tiles(
     stride_vs,
     stride_vh,
     stride_vd,
-    MASKED: tl.constexpr,
 ):
-    """The K and V tiles (`[BLOCK_N, HEAD_DIM_PAD]` each) of the keys at positions `pos` through the sequence's block
-    table row; where MASKED, only the positions `in_range` are read (zeros elsewhere), else every one is a key."""
-    if MASKED:
-        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
-        mask = in_range[:, None] & d_mask[None, :]
-    else:
-        block_idx = pos // block_size
-        block_ids = tl.load(bt_row + block_idx).to(tl.int64)
-        offsets = pos - block_idx * block_size
-        mask = d_mask[None, :]
+    """The K and V tiles (`[BLOCK_N, HEAD_DIM_PAD]` each) at the slots (pool block id, offset in it) of a tile's keys;
+    zeros where `mask` is off."""
     k = load_kv_tile(k_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_kb, stride_ks, stride_kh, stride_kd)
     v = load_kv_tile(v_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_vb, stride_vs, stride_vh, stride_vd)
     return k, v
@@ -286,11 +277,18 @@ def _paged_prefill_kernel(
             tl.minimum(tl.maximum(tile_lo, ((first_pos + 1) // BLOCK_N) * BLOCK_N), tile_hi),
             tile_lo,
         )
+        # Each tile's block ids are read one tile ahead, so no K/V load waits on the block table within a tile: with
+        # 3 stages Triton's pipeliner then keeps two tiles' K/V in flight (one, with the table read in the loop).
+        pos = tile_lo + tl.arange(0, BLOCK_N)
+        ids = tl.load(bt_row + pos // block_size, mask=pos < full_hi, other=0)
         for tile_start in range(tile_lo, full_hi, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
+            block_ids = ids.to(tl.int64)
+            ahead = pos + BLOCK_N
+            ids = tl.load(bt_row + ahead // block_size, mask=ahead < full_hi, other=0)
             k, v = _kv_tiles(
-                k_cache_ptr, v_cache_ptr, bt_row, pos, pos, block_size, kv_head, d, d_mask,
-                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, False,
+                k_cache_ptr, v_cache_ptr, block_ids, pos % block_size, d_mask[None, :], kv_head, d,
+                stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
             )  # fmt: skip
             acc, l_i, m_i = _attend_tile(
                 q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, row_mask, sliding_window,
@@ -299,9 +297,10 @@ def _paged_prefill_kernel(
     for tile_start in range(full_hi, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
+        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
         k, v = _kv_tiles(
-            k_cache_ptr, v_cache_ptr, bt_row, pos, in_range, block_size, kv_head, d, d_mask,
-            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd, True,
+            k_cache_ptr, v_cache_ptr, block_ids, offsets, in_range[:, None] & d_mask[None, :], kv_head, d,
+            stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
         )  # fmt: skip
         acc, l_i, m_i = _attend_tile(
             q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, row_mask, sliding_window,
