@@ -78,7 +78,9 @@ block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does no
 - Each thread's share of one K (or V) tile is 16 registers: `BLOCK_N * head_dim_tile / (32 * num_warps)` is 32
   elements for fp16/bf16 and 16 for fp32 (whose dot products run on CUDA cores in full precision), with at most
   64 tokens and at most twice the tile width (narrow heads spend their registers on the `[16, BLOCK_N]` logits).
-- 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used).
+- 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used);
+  where 3 were timed faster (`TUNED_DECODE`), each tile's block ids are read one tile ahead, so that two tiles' loads
+  are in flight (`launch_config.ids_ahead`).
 - `python -m bench.decode_tuning` (a step of `make bench-gpu`) times the decode kernel with other tiles, warps and
   stages beside these on a GPU, replayed from CUDA graphs over K/V stored as the pool stores them: the numbers a
   change of these choices is to be made from (then checked for spills here).
@@ -95,7 +97,8 @@ block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does no
   (batch x kv heads x group tiles x splits; splitting aims at two programs per SM).
 - **warps/SM**: the warps those blocks keep resident.
 - **K/V per tile KiB**: bytes of K and V one program loads per tile (`2 * BLOCK_N * head_dim_tile * itemsize`).
-- **in flight/SM KiB**: one tile per resident block being loaded while the previous one is used; Little's law asks
+- **in flight/SM KiB**: the tiles each resident block loads while it uses one (one; two with 3 stages, whose block
+  ids are read a tile ahead: `launch_config.ids_ahead`); Little's law asks
   about {needed_kib:.0f} KiB per SM to keep 3.35 TB/s flowing at about {latency_ns:.0f} ns of latency on 132 SMs.
 - **FLOP/B / ridge**: math executed per K/V byte read, `2 * BLOCK_G / itemsize` (a context token costs
   `2 * BLOCK_G * head_dim` FLOPs in each of QK^T and PV, over 16 rows whether or not the group fills them, and
@@ -150,12 +153,18 @@ def decode_rows(variants: list[dict]) -> list[list]:
                 v["num_stages"],
                 *_common(v),
                 f"{tile_bytes / 1024:.0f}",
-                f"{_occupancy(v)['blocks'] * tile_bytes / 1024:.0f}",
+                f"{_occupancy(v)['blocks'] * tile_bytes * _tiles_in_flight(v) / 1024:.0f}",
                 f"{flop_per_byte:.0f} / {RIDGE[dtype]:.0f}",
                 f"{example_bytes / HBM_PEAK * 1e6:.1f}",
             ]
         )
     return rows
+
+
+def _tiles_in_flight(variant: dict) -> int:
+    """K/V tiles a program has in flight while it uses one: two where its block ids are read a tile ahead (3 stages,
+    `launch_config.ids_ahead`), else one."""
+    return 2 if launch_config.ids_ahead(variant["num_stages"]) else 1
 
 
 PREFILL_TEXT = (
@@ -175,10 +184,11 @@ PREFILL_TEXT = (
     "one-dimensional, its query tiles in reverse and the kv heads of a tile neighbours (`heavy_first` in "
     "launch_config): in a causal prefill a sequence's last tile attends every key and its first almost none, so the "
     "longest programs start first and the shortest fill the last wave (`python -m bench.prefill_tuning` times the "
-    "ascending order beside it). The whole tiles' block ids are read one tile ahead: at head_dim 128 (3 stages) the "
-    "sm_90 TTGIR of that loop then waits with two tiles' K/V in flight (`ttg.async_wait {num = 2}`), where with the "
-    "table read inside the tile it waited for all (`num = 0`); at 64 wide, 2 stages keep one tile in flight either "
-    "way. The grid's order and the block ids read ahead are not yet timed on a GPU."
+    "ascending order beside it). With 3 stages the whole tiles' block ids are read one tile ahead (`ids_ahead` in "
+    "launch_config): at head_dim 128 the sm_90 TTGIR of that loop then waits with two tiles' K/V in flight "
+    "(`ttg.async_wait {num = 2}`), where with the table read inside the tile it waited for all (`num = 0`); 2 stages "
+    "keep one tile in flight either way, and read the ids within the tile. The grid's order and the block ids read "
+    "ahead are not yet timed on a GPU."
 )
 
 

@@ -284,6 +284,22 @@ def test_prefill_rejects_inputs_that_do_not_fit():
 
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
+@pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-tile"])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_prefill_reads_block_ids_ahead_or_in_the_tile_alike(ids_ahead, block_size, monkeypatch):
+    """The whole tiles' block ids read one tile ahead (`launch_config.ids_ahead`, with 3 pipeline stages) or within
+    the tile: the same keys, the same output bit for bit, right against the reference, on chunks long enough for
+    several whole tiles over 62 and 63 cached keys, in bf16."""
+    launched_with(monkeypatch, lambda config, args: dataclasses.replace(config, unmasked_tiles=True))
+    args = make_prefill(
+        [132, 191], [70, 128], block_size=block_size, num_q_heads=4, num_kv_heads=2, dtype=torch.bfloat16
+    )
+    monkeypatch.setattr(launch_config, "ids_ahead", lambda num_stages: not ids_ahead)
+    other = kernels.paged_prefill_attention_triton(*args, scale=args[0].shape[-1] ** -0.5)
+    monkeypatch.setattr(launch_config, "ids_ahead", lambda num_stages: ids_ahead)
+    assert torch.equal(check_prefill("triton", args), other)
+
+
 @pytest.mark.parametrize("heavy_first", [True, False], ids=["heavy-first", "ascending"])
 def test_prefill_grid_order_changes_no_output(heavy_first, monkeypatch):
     """The grid's two orders (`PrefillConfig.heavy_first`, the default: the query tiles in reverse, the kv heads of

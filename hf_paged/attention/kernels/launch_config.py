@@ -38,6 +38,8 @@ MAX_BLOCK_N = 64
 #   128: N128 w8 s2  13.1 / 75.6 / 268.0   against 14.7 / 88.8 / 325.3 (1.13-1.21x)
 #   256: N32 w4 s3   31.3 / 152.7 / 568.7  against 29.5 / 186.1 / 702.1 (0.94x at 8 x 512, 1.22-1.23x at 8k)
 # Each keeps a thread's share of a K or V tile at <= 64 elements and compiles without spills for sm_80 and sm_90.
+# Those times were taken with the block ids read within each tile; the 3-stage ones now read them a tile ahead
+# (`ids_ahead`), not yet timed on a GPU.
 TUNED_DECODE = {64: (128, 8, 3), 128: (128, 8, 2), 256: (32, 4, 3)}
 
 
@@ -192,6 +194,19 @@ def prefill_config(
         dot_upcast=dtype == torch.bfloat16 and capability is None,
         unmasked_tiles=dtype != torch.float32 and pad in (64, 128),
     )
+
+
+def ids_ahead(num_stages: int) -> bool:
+    """Whether a decode or prefill launch of `num_stages` pipeline stages reads each K/V tile's block ids from the block
+    table one tile ahead (carried in registers) rather than within the tile.
+
+    Why: Triton's pipeliner gives an indirect load (K/V addresses from a block-table load in the same iteration) one
+    stage of its own, so with 3 stages it kept one tile's K/V in flight, as with 2 (the sm_90 TTGIR waits with
+    `ttg.async_wait {num = 0}` at the top of the loop); with the ids read a tile ahead, the K/V loads are direct and
+    two tiles are in flight (`num = 2`). With 2 stages there is no such stage to win back, and the ids carried cost
+    registers (sm_80's 128-wide bf16 decode variant: 97 -> 154, one program an SM fewer), so they stay in the tile.
+    """
+    return num_stages >= 3
 
 
 def merge_num_warps(head_dim: int) -> int:

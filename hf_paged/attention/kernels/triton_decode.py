@@ -6,8 +6,9 @@ Design, for memory bandwidth (decode reads every cached K/V byte once and does l
 - one program per (sequence, kv head, split) handles the GQA group of q heads that share the kv head, 16 at a time
   (a group of up to 16 in one program), so each K/V tile is read from HBM once per group, not once per q head;
 - the program walks the sequence in tiles of `BLOCK_N` tokens; for each tile it gathers the block ids from the
-  block table and loads a `[BLOCK_N, head_dim]` tile of K and of V (rows are contiguous `head_dim` vectors in the
-  NHD layout, so every row load is coalesced whatever the block size);
+  block table (one tile ahead with 3 pipeline stages, so that two tiles' K/V are in flight) and loads a
+  `[BLOCK_N, head_dim]` tile of K and of V (rows are contiguous `head_dim` vectors in the NHD layout, so every row
+  load is coalesced whatever the block size);
 - online softmax in fp32 (exp2 with the scale folded into log2(e)), `tl.dot` for QK^T and PV with the group dim
   padded to 16 rows (tensor cores for fp16/bf16);
 - split-K ("flash decoding"): when batch * num_kv_heads programs cannot fill the GPU, the context is cut into
@@ -127,6 +128,7 @@ def _paged_decode_kernel(
     USE_SOFTCAP: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
+    IDS_AHEAD: tl.constexpr,  # read each tile's block ids one tile ahead (launch_config.ids_ahead)
 ):
     # grid: (B, num_kv_heads * group_tiles, num_splits); a program serves BLOCK_G q heads of one kv head.
     seq_idx = tl.program_id(0)
@@ -168,10 +170,19 @@ def _paged_decode_kernel(
     # An empty range (start >= end: a split past the sequence, or nothing visible) must run no tile at all.
     tile_lo = (start // BLOCK_N) * BLOCK_N
     tile_hi = tl.where(start < end, end, tile_lo)
+    if IDS_AHEAD:  # each tile's block ids read one tile ahead (launch_config.ids_ahead)
+        pos = tile_lo + tl.arange(0, BLOCK_N)
+        ids = tl.load(bt_row + pos // block_size, mask=(pos >= start) & (pos < end), other=0)
     for tile_start in range(tile_lo, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         visible = (pos >= start) & (pos < end)
-        block_ids, offsets = tile_slots(bt_row, pos, visible, block_size)
+        if IDS_AHEAD:
+            block_ids = ids.to(tl.int64)
+            offsets = pos % block_size
+            ahead = pos + BLOCK_N
+            ids = tl.load(bt_row + ahead // block_size, mask=ahead < end, other=0)
+        else:
+            block_ids, offsets = tile_slots(bt_row, pos, visible, block_size)
         kv_mask = visible[:, None] & d_mask[None, :]
         # k, v: [BLOCK_N, HEAD_DIM_PAD]
         k = load_kv_tile(
@@ -464,6 +475,7 @@ class DecodeLaunch:
             use_softcap,
             config.dot_precision,
             config.dot_upcast,
+            launch_config.ids_ahead(config.num_stages),
         )
         _DECODE.launch(self.grid, key, args, self.options)
         if self.num_splits > 1:

@@ -21,8 +21,8 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
   last query's own position) in tiles of `BLOCK_N` tokens; the tiles every row sees whole (up to the first query's
   own position, inside every row's window) are read and used without a mask; on the others, per (query, key), the
   mask is causal, window and `kv_start`; tiles wholly before the window or after the causal edge are never loaded;
-  the whole tiles' block ids are read one tile ahead, so with 3 pipeline stages two tiles' K/V are in flight while
-  one is used (with the table read inside the tile, Triton's pipeliner keeps one);
+  with 3 pipeline stages the whole tiles' block ids are read one tile ahead, so that two tiles' K/V are in flight
+  while one is used (`launch_config.ids_ahead`);
 - online softmax in fp32 (exp2, the scale folded into log2(e): each row's running max is taken over the unscaled
   logits and scaled once, each logit's exponent one fused multiply-subtract); a row whose keys so far are all masked
   keeps a running max of -inf and contributes nothing; attention sinks add one logit per head to the denominator at
@@ -213,6 +213,7 @@ def _paged_prefill_kernel(
     DOT_UPCAST: tl.constexpr,
     UNMASKED_TILES: tl.constexpr,  # read the tiles every row sees whole without a mask (launch_config)
     HEAVY_FIRST: tl.constexpr,  # the query tiles in reverse (launch_config)
+    IDS_AHEAD: tl.constexpr,  # read each whole tile's block ids one tile ahead (launch_config.ids_ahead)
 ):
     # grid: ((num_tokens // BLOCK_Q + B) * num_kv_heads * head_tiles,): a program's (tile, kv head, head tile)
     head_tiles = tl.cdiv(group, heads)
@@ -277,15 +278,17 @@ def _paged_prefill_kernel(
             tl.minimum(tl.maximum(tile_lo, ((first_pos + 1) // BLOCK_N) * BLOCK_N), tile_hi),
             tile_lo,
         )
-        # Each tile's block ids are read one tile ahead, so no K/V load waits on the block table within a tile: with
-        # 3 stages Triton's pipeliner then keeps two tiles' K/V in flight (one, with the table read in the loop).
-        pos = tile_lo + tl.arange(0, BLOCK_N)
-        ids = tl.load(bt_row + pos // block_size, mask=pos < full_hi, other=0)
+        if IDS_AHEAD:  # each tile's block ids read one tile ahead (launch_config.ids_ahead)
+            pos = tile_lo + tl.arange(0, BLOCK_N)
+            ids = tl.load(bt_row + pos // block_size, mask=pos < full_hi, other=0)
         for tile_start in range(tile_lo, full_hi, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
-            block_ids = ids.to(tl.int64)
-            ahead = pos + BLOCK_N
-            ids = tl.load(bt_row + ahead // block_size, mask=ahead < full_hi, other=0)
+            if IDS_AHEAD:
+                block_ids = ids.to(tl.int64)
+                ahead = pos + BLOCK_N
+                ids = tl.load(bt_row + ahead // block_size, mask=ahead < full_hi, other=0)
+            else:
+                block_ids = tl.load(bt_row + pos // block_size).to(tl.int64)
             k, v = _kv_tiles(
                 k_cache_ptr, v_cache_ptr, block_ids, pos % block_size, d_mask[None, :], kv_head, d,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
@@ -400,6 +403,7 @@ def paged_prefill_attention_triton(
         config.dot_upcast,
         config.unmasked_tiles,
         config.heavy_first,
+        launch_config.ids_ahead(config.num_stages),
     )
     # What Triton specializes on (direct.py): the tensors' dtypes and alignments, the strides, head_dim; the ints it
     # does not specialize are table widths, counts and flags, i32 whatever the step.
