@@ -348,15 +348,16 @@ def _generate_section(out: Path) -> str:
         for r in report["speed"]:  # DynamicCache's best time is the reference (a row of each batch, or more)
             if r["variant"] == "dynamic":
                 dynamic[r["batch"]] = min(dynamic.get(r["batch"], r["ms_per_token"]), r["ms_per_token"])
-                if r.get("decode_ms_per_token"):
+                if r.get("decode_ms_per_token") is not None:
                     decode = r["decode_ms_per_token"]
                     dynamic_decode[r["batch"]] = min(dynamic_decode.get(r["batch"], decode), decode)
         for r in report["speed"]:
             if r["variant"] == "dynamic" and report is not reports[0]:
                 continue  # DynamicCache's rows once, from the first step
             speed = dynamic[r["batch"]] / r["ms_per_token"] if r["batch"] in dynamic else None
-            decode = r.get("decode_ms_per_token")  # with the prompt's own time
-            decode_speed = dynamic_decode.get(r["batch"]) / decode if decode and r["batch"] in dynamic_decode else None
+            decode = r.get("decode_ms_per_token")  # None in reports from before the prompt was timed alone
+            reference = dynamic_decode.get(r["batch"])
+            decode_speed = reference / decode if decode and reference is not None else None
             rows.append(
                 [
                     r["batch"],

@@ -182,13 +182,13 @@ PREFILL_TEXT = (
     "at 128 wide, where 64 rows over 8 warps had both warpgroups compute the same logits; "
     "bench/logs/gpu-h200-9849b1a); sm_80 keeps 64 rows, its 128-wide variant spilling with 128. The grid is "
     "one-dimensional, its query tiles in reverse and the kv heads of a tile neighbours (`heavy_first` in "
-    "launch_config): in a causal prefill a sequence's last tile attends every key and its first almost none, so the "
-    "longest programs start first and the shortest fill the last wave (`python -m bench.prefill_tuning` times the "
-    "ascending order beside it). With 3 stages the whole tiles' block ids are read one tile ahead (`ids_ahead` in "
-    "launch_config): at head_dim 128 the sm_90 TTGIR of that loop then waits with two tiles' K/V in flight "
-    "(`ttg.async_wait {num = 2}`), where with the table read inside the tile it waited for all (`num = 0`); 2 stages "
-    "keep one tile in flight either way, and read the ids within the tile. The grid's order and the block ids read "
-    "ahead are not yet timed on a GPU."
+    "launch_config): in a causal prefill a sequence's last tile attends every key and its first almost none, so a "
+    "sequence's longest programs start before its shorter ones, which fill the last wave (several sequences run last "
+    "one first) (`python -m bench.prefill_tuning` times the ascending order beside it). With 3 stages the whole tiles'"
+    " block ids are read one tile ahead (`ids_ahead` in launch_config): at head_dim 128 the sm_90 TTGIR of that loop "
+    "then waits with two tiles' K/V in flight (`ttg.async_wait {num = 2}`), where with the table read inside the tile "
+    "it waited for all (`num = 0`); 2 stages keep one tile in flight either way, and read the ids within the tile. The"
+    " grid's order and the block ids read ahead are not yet timed on a GPU."
 )
 
 

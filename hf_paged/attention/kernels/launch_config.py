@@ -126,9 +126,9 @@ class PrefillConfig:
     # caches: their 128-wide variant spills on sm_90 with the second loop.
     unmasked_tiles: bool = False
     # The grid's query tiles in reverse, the kv heads of a tile neighbours: in a causal prefill a sequence's last tile
-    # attends every key and its first almost none, so the longest programs start first and the shortest fill the
-    # last wave, instead of the longest starting last and running alone (FlashAttention's order for a causal grid).
-    # `python -m bench.prefill_tuning` times the ascending order beside it.
+    # attends every key and its first almost none, so a sequence's longest programs start before its shorter ones,
+    # which fill the last wave, instead of the longest starting last and running alone (FlashAttention's order for a
+    # causal grid). Several sequences run last one first. `python -m bench.prefill_tuning` times the ascending order.
     heavy_first: bool = True
 
 

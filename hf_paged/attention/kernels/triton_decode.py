@@ -390,7 +390,8 @@ class DecodeLaunch:
             pointer_keys(*self.tables, self.partial_out, self.partial_lse),
             int_keys(self.stride_bt, *self.sizes, num_splits),
         )
-        self.decode_key = (fixed, config)
+        self.ids_ahead = launch_config.ids_ahead(config.num_stages)
+        self.decode_key = (fixed, config, self.ids_ahead)
         self.merge_key = (fixed, config, self.merge_options["num_warps"])
 
     def __call__(
@@ -475,7 +476,7 @@ class DecodeLaunch:
             use_softcap,
             config.dot_precision,
             config.dot_upcast,
-            launch_config.ids_ahead(config.num_stages),
+            self.ids_ahead,
         )
         _DECODE.launch(self.grid, key, args, self.options)
         if self.num_splits > 1:

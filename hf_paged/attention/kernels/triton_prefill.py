@@ -14,7 +14,7 @@ Design (FlashAttention-2's loop over the paged K/V, as vLLM's and SGLang's Trito
   pool serves the whole GQA group (row `r` is token `r // heads`, head `r % heads`; both runtime arguments, so the
   group compiles nothing new);
 - the grid is one-dimensional, the kv heads (and tiles of q heads) of one query tile neighbours and the query tiles
-  in reverse (`PrefillConfig.heavy_first`): the tiles that attend the most keys start first;
+  in reverse (`PrefillConfig.heavy_first`): a sequence's tiles that attend the most keys start before its others;
 - the grid is sized from the token count alone (`num_tokens // block_q + B` tiles, an upper bound), and each program
   finds its sequence by a binary search over `cu_seqlens_q`: no host sync, so a step's launch can be captured;
 - the key loop runs over the union of the tile's visible ranges (from the earliest query's window start to the
@@ -220,8 +220,8 @@ def _paged_prefill_kernel(
     head_programs = num_kv_heads * head_tiles
     if HEAVY_FIRST:
         # The kv heads and head tiles of one query tile are neighbours, the tiles in reverse: a sequence's last
-        # tiles, which attend the most keys, start first and its first tiles fill the last wave (the largest work
-        # first, as FlashAttention schedules a causal grid).
+        # tiles, which attend the most keys, start before its first ones, which fill the last wave (the largest work
+        # first, as FlashAttention schedules a causal grid; several sequences run last one first).
         head_program = tl.program_id(0) % head_programs
         tile = num_tiles - 1 - tl.program_id(0) // head_programs
     else:
@@ -372,6 +372,7 @@ def paged_prefill_attention_triton(
         value_cache.stride(),
         out.stride(),
     )
+    ids_ahead = launch_config.ids_ahead(config.num_stages)
     has_kv_start = int(kv_start is not None)
     kv_start = kv_start if has_kv_start else seq_lens  # unused when has_kv_start is False
     tensors = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, kv_start, sinks, out)
@@ -403,13 +404,14 @@ def paged_prefill_attention_triton(
         config.dot_upcast,
         config.unmasked_tiles,
         config.heavy_first,
-        launch_config.ids_ahead(config.num_stages),
+        ids_ahead,
     )
     # What Triton specializes on (direct.py): the tensors' dtypes and alignments, the strides, head_dim; the ints it
     # does not specialize are table widths, counts and flags, i32 whatever the step.
     key = (
         query.device.index,
         config,
+        ids_ahead,
         use_softcap,
         pointer_keys(*tensors),
         q_strides,
