@@ -283,6 +283,7 @@ def test_decode_split_k(num_splits, options):
 
 
 @pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-tile"])
+@pytest.mark.parametrize("block_size", [8, 128])
 @pytest.mark.parametrize(
     "options",
     [
@@ -291,13 +292,15 @@ def test_decode_split_k(num_splits, options):
         pytest.param(dict(num_splits=2, kv_start=[0, 150, 4, 7]), id="splits-kv_start"),
     ],
 )
-def test_decode_reads_block_ids_ahead_or_in_the_tile_alike(ids_ahead, options, monkeypatch):
+def test_decode_reads_block_ids_ahead_or_in_the_tile_alike(ids_ahead, block_size, options, monkeypatch):
     """Each tile's block ids read one tile ahead (`launch_config.ids_ahead`, with 3 pipeline stages) or within the
     tile: the same keys, so the same output bit for bit, right against the reference, over split chunks that start
-    and end inside tiles, blocks of 8 (several a tile) and rows of 1 to 200 keys."""
+    and end inside tiles, blocks of 8 (several a tile) and of 128 (several tiles a block), rows of 1 to 200 keys."""
     from hf_paged.attention.kernels import launch_config
 
-    batch = make_batch([1, 200, 130, 17], block_size=8, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    batch = make_batch(
+        [1, 200, 130, 17], block_size=block_size, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32
+    )
     if "kv_start" in options:
         options = {**options, "kv_start": torch.tensor(options["kv_start"], dtype=torch.int32, device=DEVICE)}
     monkeypatch.setattr(launch_config, "ids_ahead", lambda num_stages: not ids_ahead)

@@ -285,7 +285,7 @@ def test_prefill_rejects_inputs_that_do_not_fit():
 
 @pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
 @pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-tile"])
-@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("block_size", [8, 16, 128])
 def test_prefill_reads_block_ids_ahead_or_in_the_tile_alike(ids_ahead, block_size, monkeypatch):
     """The whole tiles' block ids read one tile ahead (`launch_config.ids_ahead`, with 3 pipeline stages) or within
     the tile: the same keys, the same output bit for bit, right against the reference, on chunks long enough for
