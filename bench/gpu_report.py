@@ -21,9 +21,10 @@
 8. bench/layer_costs.py: one decoder layer's cache update and attention on a decode step (DynamicCache, PagedCache
    with sdpa and with "hf_paged") and the operations they are made of, host and GPU microseconds, batch 1 and 16.
 
-They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, then 6 for the prefill kernel,
-the furthest from its floor, then 3 eager and 8), then 3 compiled (each compiles the model), 4 in fp32, 6 for the
-decode kernel and 7, so a run cut short by its deadline loses the least. Each step runs in its own process and the
+They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, 3 compiled, whose floors no
+run has measured yet, 6 for the prefill kernel, the furthest from its floor, then 8, under a minute, and 3 eager,
+which writes its timings before its profiles), then 4 in fp32, 6 for the decode kernel and 7, so a run cut short by
+its deadline loses the least. Each step runs in its own process and the
 report records its command, exit status and time, so one failing step does not hide the others. Writes
 bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a step failed. Without CUDA it runs
 nothing, says so, and exits 2.
@@ -141,8 +142,9 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
             runs["serving"].append(Step("serving", f"serving {dtype}", command, outputs=outputs))
     # The order they run in: what every issue's floors read first (the Engine, the bf16 kernels, generate() compiled,
     # whose floors no run has measured yet, the prefill kernel's tuning, as that kernel is the furthest from its
-    # floor, eager generate()), then what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run
-    # cut short by its deadline loses the least.
+    # floor, a layer's costs, under a minute, then eager generate(), which saves its timings before its profiles),
+    # then what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run cut short by its deadline
+    # loses the least.
     decode_bf16 = [step for step in runs["decode"] if " bf16 " in step.name]
     prefill_tuning = [step for step in runs["tuning"] if step.name.startswith("prefill")]
     return [
@@ -152,8 +154,8 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         *runs["prefill"],
         *runs["compiled"],
         *prefill_tuning,
-        *runs["generate"],
         *runs["layers"],
+        *runs["generate"],
         *[step for step in runs["decode"] if step not in decode_bf16],
         *[step for step in runs["tuning"] if step not in prefill_tuning],
         *runs["serving"],

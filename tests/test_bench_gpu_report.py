@@ -61,8 +61,9 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     steps = gpu_report.plan(tmp_path, set())
     kinds = [step.kind for step in steps]
     assert set(kinds) == set(gpu_report.STEP_KINDS)
-    # tests, the Engine, the bf16 decode and prefill kernels, generate() compiled, the prefill kernel's tuning, eager
-    # generate() and a layer's costs; then fp32 decode, the decode kernel's tuning and serving, which no floor reads.
+    # tests, the Engine, the bf16 decode and prefill kernels, generate() compiled, the prefill kernel's tuning, a
+    # layer's costs and eager generate(); then fp32 decode, the decode kernel's tuning and serving, which no floor
+    # reads.
     order = [
         "tests",
         "engine",
@@ -74,8 +75,8 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
         "generate speed, compiled",
         "generate speed, compiled paged kernel",
         "prefill kernel tuning",
-        "generate speed",
         "layer costs",
+        "generate speed",
         "decode fp32 head_dim 128",
         "decode kernel tuning",
         "serving",
