@@ -18,10 +18,13 @@ setup: $(VENV)/.installed
 # The test suite. Without CUDA, Triton kernels run under TRITON_INTERPRET=1 (set by tests/conftest.py); on a CUDA
 # machine tests/test_gpu.py runs the paged path on the GPU too.
 # Microbenchmarks run once each as smoke tests here (--benchmark-disable). ruff checks lint and formatting first.
+# pytest-xdist runs one worker per core (at most 4), each test module whole in one worker (--dist loadfile), so a
+# module-scoped fixture (the zoo's run, the kernels' compile, a server) is made once.
+PYTEST_WORKERS := -n auto --maxprocesses 4 --dist loadfile
 test: setup
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(PY) -m pytest -q --benchmark-disable
+	$(PY) -m pytest -q --benchmark-disable $(PYTEST_WORKERS)
 
 # The benchmark draws its plot with matplotlib (the `plot` extra; also in `dev`, installed explicitly here so the
 # bench targets do not depend on what `dev` lists).
@@ -62,7 +65,7 @@ $(GPU_VERSIONS_VENV)/.installed: pyproject.toml
 	touch $@
 
 test-gpu-versions: $(GPU_VERSIONS_VENV)/.installed
-	$(GPU_VERSIONS_VENV)/bin/python -m pytest -q --benchmark-disable -p no:cacheprovider
+	$(GPU_VERSIONS_VENV)/bin/python -m pytest -q --benchmark-disable -p no:cacheprovider $(PYTEST_WORKERS)
 
 # Regenerates docs/kernels.md: registers, spills, shared memory and occupancy of every Triton kernel variant on
 # sm_80 and sm_90 (compiled here, no GPU needed).

@@ -3,6 +3,9 @@
 Triton kernels run on CPU tensors in Triton's interpreter when there is no GPU. `triton.jit` reads
 `TRITON_INTERPRET` when a kernel is *defined*, so it is set here, at conftest import, before any test module can
 import `hf_paged.attention.kernels.triton_*`. `setdefault`: an explicit `TRITON_INTERPRET=0` from the shell still wins.
+
+Under pytest-xdist (`make test` runs one worker per core) each worker computes with one intra-op thread: the workers
+already share the cores, and two threads each would make them wait on one another.
 """
 
 import os
@@ -12,6 +15,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 
 
 @pytest.fixture
