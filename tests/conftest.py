@@ -28,3 +28,10 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+def pytest_collection_modifyitems(items):
+    """Modules that hold a test marked slow run first, the rest in their own order: pytest-xdist hands each module
+    whole to one worker in collection order, and a long module handed out last runs alone at the end."""
+    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
+    items.sort(key=lambda item: item.module.__name__ not in slow_modules if item.module else True)

@@ -62,6 +62,7 @@ def test_steps_that_prefill_run_compiled_with_generates_tokens(monkeypatch, name
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_compiled_steps_on_the_triton_kernels_with_the_decode_forward_compiled_too(monkeypatch):
     """Both forwards compiled, on the Triton kernels (the interpreter): the prefill kernel and the decode kernel run
     inside `hf_paged::step_attention`, the runner's store and decode kernel as their own custom ops."""
@@ -78,6 +79,7 @@ def test_compiled_steps_on_the_triton_kernels_with_the_decode_forward_compiled_t
     assert pool.num_used_blocks == 0
 
 
+@pytest.mark.slow
 def test_both_forwards_compiled_by_inductor_give_generates_tokens(monkeypatch):
     """inductor, the compiler a GPU run uses (C++ kernels here), around the custom ops on the Triton kernels (the
     interpreter): the store op reinplaced on the pool, the decode kernel op, `hf_paged::step_attention`; rows padded

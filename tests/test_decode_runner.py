@@ -585,6 +585,7 @@ def test_the_runner_forward_traces_into_one_graph_and_compiles_to_the_same_logit
     torch.testing.assert_close(compiled, eager)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama", "gemma3"])  # gemma3: two layer groups, the second table after the first
 def test_a_compiled_decode_forward_is_one_graph_for_every_bucket(monkeypatch, name):
     """Rows padded to buckets as under CUDA graphs, 12 requests finishing one by one, then rows past the table's

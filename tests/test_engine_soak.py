@@ -172,6 +172,7 @@ def soak(monkeypatch, num_requests: int, seed: int = 0) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_serving_loop_soak(monkeypatch, one_torch_thread):
     summary = soak(monkeypatch, NUM_REQUESTS)
     print(f"\nsoak: {summary}")

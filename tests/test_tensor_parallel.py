@@ -19,7 +19,10 @@ import torch.distributed as dist
 from tests.tp_worker import MODELS, save_models
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
+    pytest.mark.slow,  # the ranks run in a module-scoped fixture of about 20 s
+]
 
 
 def run_ranks(tmp_path, backend: str) -> list[dict]:
