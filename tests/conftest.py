@@ -31,7 +31,7 @@ def one_torch_thread():
 
 
 def pytest_collection_modifyitems(items):
-    """Modules that hold a test marked slow run first, the rest in their own order: pytest-xdist hands each module
-    whole to one worker in collection order, and a long module handed out last runs alone at the end."""
-    slow_modules = {item.module.__name__ for item in items if item.get_closest_marker("slow") and item.module}
-    items.sort(key=lambda item: item.module.__name__ not in slow_modules if item.module else True)
+    """Test files that hold a test marked slow run first, the rest in their own order: pytest-xdist hands each file
+    whole to one worker in collection order, and a long file handed out last runs alone at the end."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)

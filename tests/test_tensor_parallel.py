@@ -21,7 +21,7 @@ from tests.tp_worker import MODELS, save_models
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tp_worker.py")
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available"),
-    pytest.mark.slow,  # the ranks run in a module-scoped fixture of about 20 s
+    pytest.mark.slow,  # both ranks run whole generate() checks in one module-scoped fixture
 ]
 
 
