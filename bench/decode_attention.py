@@ -6,6 +6,9 @@ For every (batch, context) cell, one new token per sequence attends to `context`
   (b) gather+sdpa:   copy each sequence's K/V out of the pool into contiguous tensors (the block-table gather),
                      then `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
   (c) sdpa-contig:   SDPA on K/V that are already contiguous (what a non-paged cache would do; the bound to beat).
+With `--table-tokens N`, (a) also runs with block tables N tokens wide over the same rows (the columns past a row's
+blocks point at other blocks), as CUDA graphs' and a `max_cache_len` cache's tables are: as wide as the rows may
+grow; split-K's count is then chosen from that width, and each row's chunks from its own length.
 GQA runs through SDPA without copying K/V heads: the q heads of one kv head become the query "length" dim.
 
 Bandwidth = bytes that must be read (K and V of every sequence, plus the queries) / time, the same count for all
@@ -16,6 +19,7 @@ one graph, no L2 flush): the device's time alone, as the Engine's replayed decod
 
     python bench/decode_attention.py                                  # default grid, bf16, on the GPU
     python bench/decode_attention.py --batch-sizes 1 8 --context-lens 8192 --json bench/results/decode.json
+    python bench/decode_attention.py --batch-sizes 1 8 --context-lens 512 2048 --table-tokens 32768
     python bench/decode_attention.py --device cpu --tiny              # seconds-long smoke run on CPU
 """
 
@@ -63,6 +67,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--rep-ms", type=float, default=100.0)
     parser.add_argument("--graph-rep-ms", type=float, default=20.0, help="time replayed from a CUDA graph, per method")
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON")
+    parser.add_argument(
+        "--table-tokens",
+        type=int,
+        default=0,
+        help="also time (a) with block tables this many tokens wide, at the cells whose context is shorter",
+    )
     parser.add_argument(
         "--tiny", action="store_true", help="tiny shapes (batch 1 2, context 64 256, 4/2 heads, head_dim 64, fp32)"
     )
@@ -155,6 +165,59 @@ def decode_inputs(args, batch: int, context: int, head_dim: int, device: torch.d
     return query, key_cache, value_cache, block_tables, seq_lens
 
 
+def ragged_lengths(batch: int, lo: int, hi: int, seed: int = 0) -> list[int]:
+    """`batch` lengths uniform in [lo, hi], seeded."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(lo, hi + 1, (batch,), generator=gen).tolist()
+
+
+def ragged_inputs(args, lengths: list[int], head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(query, key_cache, value_cache, block_tables, seq_lens) for rows of `lengths`, laid out as `decode_inputs`
+    lays them out; each table row as wide as the longest, the columns past a row's blocks pointing at other rows'
+    blocks."""
+    dtype = DTYPES[args.dtype]
+    blocks = [math.ceil(n / args.block_size) for n in lengths]
+    num_blocks, width = sum(blocks), max(blocks)
+    gen = torch.Generator(device=device).manual_seed(0)
+    shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
+    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
+    ids = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, device=device, dtype=torch.int32)
+    first = 0
+    for row, n in enumerate(blocks):
+        tables[row, :n] = ids[first : first + n]
+        first += n
+    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    query = torch.randn(len(lengths), args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
+    return query, key_cache, value_cache, tables, seq_lens
+
+
+def checked_ms(args, run, out: torch.Tensor, expected: torch.Tensor, device: torch.device) -> float | str:
+    """Milliseconds per `run()`, replayed from a CUDA graph where one captures (else timed from Python), once its
+    `out` is within `args.tolerance` of `expected`; otherwise why it has no time: "wrong (max |err| ...)" or the
+    name of the error its launch or capture raised (a tuning run records it and times the rest)."""
+    try:
+        run()
+        error = float((out.float() - expected).abs().max())
+        if error > args.tolerance:
+            return f"wrong (max |err| {error:.1e})"
+        measured = graph_ms(run, device, args.rep_ms)
+        return measured if measured is not None else time_ms(run, device, 1.0, args.rep_ms)
+    except Exception as error:  # a configuration the compiler refuses, or one its graph capture does
+        return type(error).__name__
+
+
+def widened_tables(block_tables: torch.Tensor, width: int, num_blocks: int) -> torch.Tensor:
+    """`block_tables` `[B, n]` widened to `width` columns, the new ones other blocks of the pool (seeded), past every
+    row's length as in a table made as wide as its rows may grow."""
+    gen = torch.Generator(device=block_tables.device).manual_seed(1)
+    extra = torch.randint(
+        0, num_blocks, (block_tables.shape[0], width - block_tables.shape[1]), generator=gen, device=block_tables.device
+    )
+    return torch.cat([block_tables, extra.to(block_tables.dtype)], dim=1)
+
+
 def bench_cell(args, batch: int, context: int, device: torch.device, peak: float | None) -> list[dict]:
     dtype = DTYPES[args.dtype]
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -195,7 +258,22 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
         config = launch_config.decode_config(args.head_dim, DTYPES[args.dtype], launch_config.device_capability(device))
         context_len = blocks_per_seq * args.block_size
         rows[0]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, context_len, device, config.block_n)
-    paged_out = out.float()
+    rows[0]["out"] = out.float()
+    if args.table_tokens > context:
+        wide_tables = widened_tables(block_tables, math.ceil(args.table_tokens / args.block_size), num_blocks)
+
+        def paged_wide():
+            paged_decode_attention(
+                query, key_cache, value_cache, wide_tables, seq_lens, scale=scale, out=out, backend=args.backend
+            )
+
+        method = f"paged ({backend}), table of {args.table_tokens} tokens"
+        rows.append({**cell, "method": method, "ms": time_ms(paged_wide, device, args.warmup_ms, args.rep_ms)})
+        rows[-1]["graph_ms"] = graph_ms(paged_wide, device, args.graph_rep_ms)
+        if backend == "triton":
+            table_len = wide_tables.shape[1] * args.block_size
+            rows[-1]["num_splits"] = choose_num_splits(batch, args.num_kv_heads, table_len, device, config.block_n)
+        rows[-1]["out"] = out.float()
     rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
     rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.graph_rep_ms)
 
@@ -211,12 +289,13 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
             "graph_ms": graph_ms(contiguous, device, args.graph_rep_ms),
         }
     )
-    max_err = (sdpa_decode(query, key, value, scale).float() - paged_out).abs().max().item()
+    expected = sdpa_decode(query, key, value, scale).float()
     for row in rows:
         row["bytes"] = read_bytes
         row["bandwidth_gbs"] = read_bytes / (row["ms"] * 1e-3) / 1e9
         row["peak_fraction"] = read_bytes / (row["ms"] * 1e-3) / peak if peak else None
-    rows[0]["max_abs_err_vs_sdpa"] = max_err
+        if "out" in row:  # the paged runs'
+            row["max_abs_err_vs_sdpa"] = (expected - row.pop("out")).abs().max().item()
     return rows
 
 

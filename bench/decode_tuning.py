@@ -3,11 +3,12 @@
 
 For each `--head-dims` (bf16, 32 q / 8 kv heads, block size 16, K/V stored head-major as a `BlockPool` stores them,
 scattered block tables), every (BLOCK_N, num_warps, num_stages) of the grid below is timed on each cell (batch x
-context), replayed from a CUDA graph (the device's time alone), its output checked against SDPA's. Per head_dim the
-report gives, per cell, the default configuration's time, the best one's and what it is, and the configuration best
-over all cells (the geometric mean of its time over each cell's best): the numbers `launch_config.py`'s table of
-choices is to be made from. A configuration that spills registers is one CI refuses (tests/test_kernel_compile.py):
-check a new choice there before taking it.
+context, or batch x a range of lengths as the Engine's decode steps hold), replayed from a CUDA graph (the device's
+time alone), its output checked against SDPA's (a range's against the PyTorch path). Per head_dim the report gives,
+per cell, the default configuration's time, the best one's and what it is, and the configuration best over all cells
+(the geometric mean of its time over each cell's best): the numbers `launch_config.py`'s table of choices is to be
+made from. A configuration that spills registers is one CI refuses (tests/test_kernel_compile.py): check a new
+choice there before taking it.
 
     python -m bench.decode_tuning --json bench/results/gpu/decode_tuning.json
     TRITON_INTERPRET=1 python -m bench.decode_tuning --device cpu --tiny      # a dry run in Triton's interpreter
@@ -30,7 +31,14 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_attention import DTYPES, decode_inputs, graph_ms, sdpa_decode, time_ms  # noqa: E402
+from bench.decode_attention import (  # noqa: E402
+    DTYPES,
+    checked_ms,
+    decode_inputs,
+    ragged_inputs,
+    ragged_lengths,
+    sdpa_decode,
+)
 from bench.host import device_name  # noqa: E402
 from hf_paged.attention.kernels import gather_kv, launch_config  # noqa: E402
 
@@ -87,14 +95,25 @@ def tune_head_dim(args, head_dim: int, device: torch.device, save=lambda result:
     return result
 
 
-def tune_cell(args, head_dim: int, configs: list, batch: int, context: int, device: torch.device) -> dict:
-    """{configuration: ms per call, or why it has no time} for `batch` sequences of `context` cached tokens."""
+def tune_cell(args, head_dim: int, configs: list, batch: int, context, device: torch.device) -> dict:
+    """{configuration: ms per call, or why it has no time} for `batch` sequences of `context` cached tokens, or of
+    lengths drawn uniformly from a range `context` "lo-hi" (`bench.decode_splits`'s ragged rows, checked against the
+    PyTorch path)."""
+    from hf_paged.attention.kernels import paged_decode_attention_torch
     from hf_paged.attention.kernels.triton_decode import paged_decode_attention_triton
 
-    query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(args, batch, context, head_dim, device)
-    scale, out = head_dim**-0.5, torch.empty_like(query)
-    keys, values = gather_kv(key_cache, block_tables, context), gather_kv(value_cache, block_tables, context)
-    expected = sdpa_decode(query, keys, values, scale).float()
+    if isinstance(context, str):
+        lo, _, hi = context.partition("-")
+        lengths = ragged_lengths(batch, int(lo), int(hi))
+        query, key_cache, value_cache, block_tables, seq_lens = ragged_inputs(args, lengths, head_dim, device)
+        scale, out = head_dim**-0.5, torch.empty_like(query)
+        expected = paged_decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
+        expected = expected.float()
+    else:
+        query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(args, batch, context, head_dim, device)
+        scale, out = head_dim**-0.5, torch.empty_like(query)
+        keys, values = gather_kv(key_cache, block_tables, context), gather_kv(value_cache, block_tables, context)
+        expected = sdpa_decode(query, keys, values, scale).float()
 
     def paged():
         paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
@@ -108,16 +127,7 @@ def time_configs(args, configs: list, run, out, expected, device, label, chooser
     times = {}
     for config in configs:
         with launched_with(config, chooser):
-            try:
-                run()
-                error = float((out.float() - expected).abs().max())
-                if error > args.tolerance:
-                    times[label(config)] = f"wrong (max |err| {error:.1e})"
-                    continue
-                measured = graph_ms(run, device, args.rep_ms)
-                times[label(config)] = measured if measured is not None else time_ms(run, device, 1.0, args.rep_ms)
-            except Exception as error:  # a configuration the compiler refuses, or one its graph capture does
-                times[label(config)] = type(error).__name__
+            times[label(config)] = checked_ms(args, run, out, expected, device)
     return times
 
 
@@ -183,15 +193,25 @@ def make_tiny(args, cells: list[str]) -> None:
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.decode_tuning", description=__doc__.splitlines()[0])
     parser.add_argument("--head-dims", type=int, nargs="+", default=[64, 128, 256])
-    parser.add_argument("--cells", type=str, nargs="+", default=["8x512", "8x8192", "32x8192"])
+    # 48 rows of 128-1280 tokens: the Engine's decode steps on the GPU workload (about 47 rows of its burst's lengths)
+    cells = ["8x512", "8x8192", "32x8192", "48x128-1280"]
+    parser.add_argument("--cells", type=str, nargs="+", default=cells, help="BATCHxCONTEXT or BATCHxLO-HI")
     add_grid_arguments(parser, BLOCK_NS, rep_ms=10.0, tolerance=2e-2)
-    parser.add_argument("--tiny", action="store_true", help="head_dim 32, cells 1x32 2x64, 4/2 heads, fp32, 2 configs")
+    parser.add_argument(
+        "--tiny", action="store_true", help="head_dim 32, cells 1x32 2x64 3x8-64, 4/2 heads, fp32, 2 configs"
+    )
     args = parser.parse_args(argv)
     if args.tiny:
-        make_tiny(args, ["1x32", "2x64"])
+        make_tiny(args, ["1x32", "2x64", "3x8-64"])
         args.block_ns = [16, 32]
-    args.cells = [tuple(int(n) for n in cell.split("x")) for cell in args.cells]
+    args.cells = [parse_cell(cell) for cell in args.cells]
     return args
+
+
+def parse_cell(text: str) -> tuple[int, int | str]:
+    """ "8x512" -> (8, 512); "48x128-1280" -> (48, "128-1280"), rows of lengths drawn from that range."""
+    batch, context = text.split("x")
+    return int(batch), context if "-" in context else int(context)
 
 
 def main(argv=None) -> int:

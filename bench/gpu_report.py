@@ -12,7 +12,8 @@
    milliseconds per new token, each one's tokens against DynamicCache's in float32, and a bf16 trace of every
    step's logits against DynamicCache's;
 4. bench/decode_attention.py: the Triton decode kernel's fraction of HBM peak against gather + SDPA and SDPA on
-   contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128);
+   contiguous K/V, in bfloat16 (head_dim 64, 128, 256) and float32 (head_dim 128), and with block tables 32k tokens
+   wide at the shorter contexts (CUDA graphs' and compiled caches' tables);
 5. bench/prefill_attention.py: the Triton prefill kernel's TFLOP/s against SDPA on contiguous K/V (whole prompts of
    2k-8k tokens and chunks over a cached prefix), bf16, head_dim 64 and 128;
 6. bench/decode_tuning.py and bench/prefill_tuning.py: the decode and prefill kernels' tiles, warps and stages tried
@@ -22,9 +23,10 @@
    with sdpa and with "hf_paged") and the operations they are made of, host and GPU microseconds, batch 1 and 16.
 
 They run in another order: what the issues' floors read first (1, 2, 4 and 5 in bf16, 3 compiled, whose floors no
-run has measured yet, 6 for the prefill kernel, the furthest from its floor, then 8, under a minute, and 3 eager,
-which writes its timings before its profiles), then 4 in fp32, 6 for the decode kernel and 7, so a run cut short by
-its deadline loses the least. Each step runs in its own process and the
+run has measured yet, 6 for the prefill kernel, the furthest from its floor, then 8, under a minute, the decode
+kernel's split-K counts on the Engine's ragged rows (`bench.decode_splits`, under a minute) and 3 eager, which writes
+its timings before its profiles), then 4 in fp32, 6 for the decode kernel and 7, so a run cut short by its deadline
+loses the least. Each step runs in its own process and the
 report records its command, exit status and time, so one failing step does not hide the others. Writes
 bench/results/gpu/REPORT.md (and the raw JSON and logs beside it); exits 1 when a step failed. Without CUDA it runs
 nothing, says so, and exits 2.
@@ -65,6 +67,9 @@ NO_CUDA_EXIT = 2
 STEP_KINDS = ("tests", "engine", "generate", "compiled", "layers", "decode", "prefill", "tuning", "serving")
 DECODE_RUNS = [("bf16", 64), ("bf16", 128), ("bf16", 256), ("fp32", 128)]
 PREFILL_RUNS = [("bf16", 64), ("bf16", 128)]
+# The decode runs also time the kernel with block tables this wide at the shorter contexts: as CUDA graphs' tables
+# (the Engine's) and a `max_cache_len` cache's are, whose split-K chunks are cut from each row's own length.
+DECODE_TABLE_TOKENS = 32768
 SERVING_DTYPES = ("float32", "bfloat16")
 
 
@@ -119,8 +124,11 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         for dtype, head_dim in DECODE_RUNS:
             json_path = out / f"decode_{dtype}_d{head_dim}.json"
             command = [python, "bench/decode_attention.py", "--dtype", dtype, "--head-dim", str(head_dim)]
+            command += ["--table-tokens", str(DECODE_TABLE_TOKENS)]
             name, command = f"decode {dtype} head_dim {head_dim}", [*command, "--json", str(json_path)]
             runs["decode"].append(Step("decode", name, command, outputs=[json_path]))
+        command = [python, "-m", "bench.decode_splits", "--json", str(out / "decode_splits.json")]
+        runs["decode"].append(Step("decode", "decode split counts", command, outputs=[out / "decode_splits.json"]))
     if "prefill" not in skip:
         for dtype, head_dim in PREFILL_RUNS:
             json_path = out / f"prefill_{dtype}_d{head_dim}.json"
@@ -144,8 +152,10 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
     # whose floors no run has measured yet, the prefill kernel's tuning, as that kernel is the furthest from its
     # floor, a layer's costs, under a minute, then eager generate(), which saves its timings before its profiles),
     # then what no floor reads (fp32 decode, the decode kernel's tuning, serving), so a run cut short by its deadline
-    # loses the least.
+    # loses the least. The decode split counts (under a minute: the Engine's decode steps are the rows they time) follow
+    # the bf16 decode runs in a run that skips the others, and the layer costs in a whole run.
     decode_bf16 = [step for step in runs["decode"] if " bf16 " in step.name]
+    splits = [step for step in runs["decode"] if step.name == "decode split counts"]
     prefill_tuning = [step for step in runs["tuning"] if step.name.startswith("prefill")]
     return [
         *runs["tests"],
@@ -155,8 +165,9 @@ def plan(out: Path, skip: set[str], engine_backends: list[str] | None = None) ->
         *runs["compiled"],
         *prefill_tuning,
         *runs["layers"],
+        *splits,
         *runs["generate"],
-        *[step for step in runs["decode"] if step not in decode_bf16],
+        *[step for step in runs["decode"] if step not in decode_bf16 + splits],
         *[step for step in runs["tuning"] if step not in prefill_tuning],
         *runs["serving"],
     ]
@@ -591,6 +602,15 @@ def _engine_section(out: Path) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _kernel_run_heading(title: str, report: dict, what: str) -> str:
+    """A tuning run's heading: `title`, then the device, dtype, heads and block size of its `report`, and `what`."""
+    args = report["args"]
+    shapes = (
+        f"{args['dtype']}, {args['num_q_heads']} q / {args['num_kv_heads']} kv heads, block_size {args['block_size']}"
+    )
+    return f"### {title}\n\n{report['device']}, {shapes}; {what}\n"
+
+
 def _tuning_section(out: Path) -> str:
     from bench.decode_tuning import best_overall
     from bench.decode_tuning import table as tuning_table
@@ -604,12 +624,8 @@ def _tuning_section(out: Path) -> str:
         if not path.exists():
             continue
         report = json.loads(path.read_text())
-        args = report["args"]
-        parts.append(
-            f"### {kernel} kernel\n\n{report['device']}, {args['dtype']}, {args['num_q_heads']} q / "
-            f"{args['num_kv_heads']} kv heads, block_size {args['block_size']}; each configuration's time {timing} "
-            "(N: BLOCK_N, w: warps, s: stages)\n"
-        )
+        what = f"each configuration's time {timing} (N: BLOCK_N, w: warps, s: stages)"
+        parts.append(_kernel_run_heading(f"{kernel} kernel", report, what))
         for result in report["results"]:
             overall = best_overall(result)
             parts += [f"#### {kernel}, head_dim {result['head_dim']}\n", tuning_table(result)]
@@ -617,6 +633,18 @@ def _tuning_section(out: Path) -> str:
                 parts.append(
                     f"\nBest over every cell: {overall[0]} ({overall[1]:.2f}x each cell's best, geometric mean)\n"
                 )
+    path = out / "decode_splits.json"
+    if path.exists():
+        from bench.decode_splits import table as splits_table
+
+        report = json.loads(path.read_text())
+        what = "rows of lengths drawn uniformly from each range, each split count's time replayed from a CUDA graph"
+        parts.append(_kernel_run_heading("decode split counts", report, f"{what} (`python -m bench.decode_splits`)"))
+        for result in report["results"]:
+            parts += [
+                f"#### split counts, head_dim {result['head_dim']}\n",
+                splits_table(result, report["peak_bandwidth"]),
+            ]
     return "\n".join(parts) + "\n" if parts else "(no tuning results)\n"
 
 

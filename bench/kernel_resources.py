@@ -81,6 +81,13 @@ block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does no
 - 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used);
   where 3 were timed faster (`TUNED_DECODE`), each tile's block ids are read one tile ahead, so that two tiles' loads
   are in flight (`launch_config.ids_ahead`).
+- Split-K (`triton_decode.choose_num_splits`): while batch x kv heads programs leave SMs idle, each sequence is cut
+  into up to 64 chunks, as many as fill two programs an SM and the block table's width holds at 4 tiles (>= 128
+  tokens) each. The kernel cuts each row's chunks from its own length on the device, equal runs of whole tiles and
+  none shorter than that, so a table wider than its rows (CUDA graphs', a `max_cache_len` cache's) or a sliding
+  window leaves no split idle that the row's keys could fill. `python -m bench.decode_splits` (in `make bench-gpu`)
+  times each split count on ragged rows such as the Engine's decode steps hold, where the grid already fills the SMs
+  and the longest rows' programs set the time.
 - `python -m bench.decode_tuning` (a step of `make bench-gpu`) times the decode kernel with other tiles, warps and
   stages beside these on a GPU, replayed from CUDA graphs over K/V stored as the pool stores them: the numbers a
   change of these choices is to be made from (then checked for spills here).

@@ -45,9 +45,42 @@ def test_a_dry_run_times_each_configuration_and_the_report_shows_the_best(tmp_pa
     assert result["default"] == "N64 w4 s2" and [(c["batch"], c["context"]) for c in result["cells"]] == [
         (1, 32),
         (2, 64),
+        (3, "8-64"),  # rows of lengths drawn from 8-64, checked against the PyTorch path
     ]
     for cell in result["cells"]:  # the default and the grid's two tiles, each right and timed
         assert set(cell["times"]) == {"N64 w4 s2", "N16 w4 s2", "N32 w4 s2"}
         assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
     section = _tuning_section(tmp_path)
     assert "#### decode, head_dim 32" in section and "Best over every cell" in section
+
+
+def test_a_dry_run_of_the_split_counts_times_each_count_on_ragged_rows_and_the_report_shows_them(tmp_path):
+    """`python -m bench.decode_splits --tiny`: each cell's rows of lengths drawn from its range, every split count
+    asked for (and the chosen one) right against the PyTorch path and timed, the chosen count named."""
+    from bench.decode_attention import ragged_lengths
+    from bench.decode_splits import main as splits_main
+    from bench.decode_splits import parse_cell
+
+    require_triton_on_cpu()
+    assert parse_cell("32x128-1280") == (32, 128, 1280) and parse_cell("8x512") == (8, 512, 512)
+    lengths = ragged_lengths(64, 128, 1280)
+    assert (
+        min(lengths) >= 128
+        and max(lengths) <= 1280
+        and len(set(lengths)) > 32
+        and lengths == ragged_lengths(64, 128, 1280)
+    )
+    path = tmp_path / "decode_splits.json"
+    assert splits_main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
+    (result,) = json.loads(path.read_text())["results"]
+    assert result["head_dim"] == 32 and [(c["batch"], c["lengths"]) for c in result["cells"]] == [
+        (3, "8-100"),
+        (2, "64-64"),
+    ]
+    for cell in result["cells"]:
+        assert cell["chosen"] == 1  # one "SM" off CUDA: the grid fills it
+        assert set(cell["times"]) == {"1", "2", "4"} and all(
+            isinstance(ms, float) and ms > 0 for ms in cell["times"].values()
+        )
+    section = _tuning_section(tmp_path)
+    assert "#### split counts, head_dim 32" in section and "2 splits (us)" in section

@@ -62,8 +62,8 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     kinds = [step.kind for step in steps]
     assert set(kinds) == set(gpu_report.STEP_KINDS)
     # tests, the Engine, the bf16 decode and prefill kernels, generate() compiled, the prefill kernel's tuning, a
-    # layer's costs and eager generate(); then fp32 decode, the decode kernel's tuning and serving, which no floor
-    # reads.
+    # layer's costs, the decode split counts and eager generate(); then fp32 decode, the decode kernel's tuning and
+    # serving, which no floor reads.
     order = [
         "tests",
         "engine",
@@ -76,6 +76,7 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
         "generate speed, compiled paged kernel",
         "prefill kernel tuning",
         "layer costs",
+        "decode split counts",
         "generate speed",
         "decode fp32 head_dim 128",
         "decode kernel tuning",
@@ -86,6 +87,14 @@ def test_the_plan_runs_what_the_floors_read_first_and_compiled_generate_apart_at
     compiled = [step for step in steps if step.name.startswith("generate speed, compiled")]
     assert len(compiled) == 2 and all(step.command[step.command.index("--batch") + 1] == "1" for step in compiled)
     assert all(step.outputs and step.outputs[0].parent == tmp_path for step in steps if step.kind != "tests")
+    decode = [step for step in steps if step.name.startswith("decode bf16")]
+    assert all(step.command[step.command.index("--table-tokens") + 1] == "32768" for step in decode)
+    # the documented first command (docs/benchmarks.md, "GPU"): the split counts after the bf16 decode runs
+    first = [
+        step.name
+        for step in gpu_report.plan(tmp_path, {"serving", "tuning", "generate", "compiled", "layers", "prefill"})
+    ]
+    assert first.index("decode split counts") == first.index("decode bf16 head_dim 256") + 1
     assert [step.kind for step in gpu_report.plan(tmp_path, {"tests", "serving"})][0] == "engine"
     # "generate" and "compiled" are skipped apart
     assert {step.kind for step in gpu_report.plan(tmp_path, {"generate"}) if "generate" in step.name} == {"compiled"}

@@ -100,3 +100,17 @@ def test_decode_benchmark_smoke_run_matches_sdpa(tmp_path):
     assert all(r["max_abs_err_vs_sdpa"] < 1e-4 for r in results if "max_abs_err_vs_sdpa" in r)
     section = _decode_section(tmp_path)
     assert "under a CUDA graph (us)" in section and section.count("sdpa-contig") == 4
+
+
+def test_decode_benchmark_times_wide_tables_at_the_shorter_contexts(tmp_path):
+    """`--table-tokens`: the paged method again with block tables that wide, at every cell whose context is shorter
+    (tables of 200 tokens: the tiny grid's context 64, not its 256), its output SDPA's too."""
+    import bench.decode_attention as decode_attention
+
+    path = tmp_path / "decode.json"
+    argv = ["--device", "cpu", "--tiny", "--backend", "torch", "--rep-ms", "1", "--warmup-ms", "1", "--json", str(path)]
+    assert decode_attention.main([*argv, "--table-tokens", "200"]) == 0
+    results = json.loads(path.read_text())["results"]
+    wide = [r for r in results if r["method"] == "paged (torch), table of 200 tokens"]
+    assert [(r["batch"], r["context"]) for r in wide] == [(1, 64), (2, 64)]
+    assert len(results) == 4 * 3 + 2 and all(r["max_abs_err_vs_sdpa"] < 1e-4 and r["ms"] > 0 for r in wide)

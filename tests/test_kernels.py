@@ -282,6 +282,76 @@ def test_decode_split_k(num_splits, options):
     check_decode("triton", batch, num_splits=num_splits, **options)
 
 
+def widened(batch: PagedBatch, width: int, seed: int = 1) -> PagedBatch:
+    """`batch` with block tables `width` columns wide, the new columns random blocks past every row's end (what CUDA
+    graphs' tables and a `max_cache_len` cache's are: as wide as the rows may grow)."""
+    tables = batch.block_tables.cpu()
+    extra = torch.randint(
+        0,
+        batch.key_cache.shape[0],
+        (tables.shape[0], width - tables.shape[1]),
+        generator=torch.Generator().manual_seed(seed),
+    )
+    batch.block_tables = torch.cat([tables, extra.to(tables.dtype)], dim=1).to(DEVICE)
+    return batch
+
+
+def splits_with_keys(launch) -> list[int]:
+    """Per row, how many of a split launch's chunks held a visible key (finite partial log-sum-exp)."""
+    return torch.isfinite(launch.partial_lse.cpu()).all(dim=1).sum(dim=1).tolist()
+
+
+@pytest.mark.parametrize(
+    "options, expected",
+    [
+        # fp32 at head_dim 64: tiles of 32 tokens. 1000 keys in 4 runs of 256; 300 in runs of 96; 40 fill 2 tiles.
+        pytest.param({}, [4, 4, 2], id="plain"),
+        # a window of 200 over 1000 keys: 4 runs of 64 from tile 800; the 300-key row's window starts at 100 (tile 96)
+        pytest.param(dict(sliding_window=200), [4, 4, 2], id="window"),
+        # first keys 900, 0 and 39: the chunks cut [896, 1000), [0, 300) and the one tile holding 39
+        pytest.param(dict(kv_start=[900, 0, 39]), [4, 4, 1], id="kv_start"),
+    ],
+)
+def test_split_chunks_follow_each_rows_length_not_the_table_width(options, expected):
+    """A block table far wider than its rows (4096 tokens for rows of 1000, 300 and 40): each row's keys are cut into
+    the launch's 4 splits by its own length, so every split a row's tiles can fill holds keys (chunks cut from the
+    table's width, 1024 tokens each, would leave each row one busy split); the output is the reference's."""
+    from hf_paged.attention.kernels import triton_decode
+
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    batch = make_batch([1000, 300, 40], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    batch = widened(batch, 4096 // 16)
+    if "kv_start" in options:
+        options = {**options, "kv_start": torch.tensor(options["kv_start"], dtype=torch.int32, device=DEVICE)}
+    launch = triton_decode.DecodeLaunch(*batch.args, kv_start=options.get("kv_start"), num_splits=4)
+    assert launch.config.block_n == 32 and launch.sizes[0] == 32  # a count asked for: runs of whole tiles
+    result = launch(
+        batch.query, batch.key_cache, batch.value_cache, scale=0.125, sliding_window=options.get("sliding_window")
+    )
+    assert splits_with_keys(launch) == expected
+    expected_out = reference_decode(batch, scale=0.125, **options)
+    torch.testing.assert_close(result.cpu().double(), expected_out, **TOLERANCES[torch.float32])
+
+
+def test_chosen_splits_keep_their_shortest_chunk_on_a_wide_table(monkeypatch):
+    """With the split count chosen (an H100's 132 SMs, 2 rows x 2 kv heads: 64 splits of a 32k-token table), each row
+    is cut into chunks of at least `min_split_tokens` (128 tokens here, 4 tiles of 32) from its own length: 3000 keys
+    keep 24 splits busy and 600 keep 5, where chunks of the table's 32768 / 64 = 512 tokens kept 6 and 2."""
+    from hf_paged.attention.kernels import triton_decode
+
+    if not CAN_RUN_TRITON:
+        pytest.skip("triton not installed, or no CUDA and TRITON_INTERPRET is not 1")
+    monkeypatch.setattr(triton_decode, "_num_sms", lambda device: 132)
+    batch = make_batch([3000, 600], block_size=16, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    batch = widened(batch, 32768 // 16)
+    launch = triton_decode.DecodeLaunch(*batch.args)
+    assert launch.num_splits == 64 and launch.sizes[0] == triton_decode.min_split_tokens(32) == 128
+    result = launch(batch.query, batch.key_cache, batch.value_cache, scale=0.125)
+    assert splits_with_keys(launch) == [24, 5]
+    torch.testing.assert_close(result.cpu().double(), reference_decode(batch, scale=0.125), **TOLERANCES[torch.float32])
+
+
 @pytest.mark.parametrize("ids_ahead", [True, False], ids=["ids-ahead", "ids-in-tile"])
 @pytest.mark.parametrize("block_size", [8, 128])
 @pytest.mark.parametrize(

@@ -11,9 +11,12 @@ Design, for memory bandwidth (decode reads every cached K/V byte once and does l
   load is coalesced whatever the block size);
 - online softmax in fp32 (exp2 with the scale folded into log2(e)), `tl.dot` for QK^T and PV with the group dim
   padded to 16 rows (tensor cores for fp16/bf16);
-- split-K ("flash decoding"): when batch * num_kv_heads programs cannot fill the GPU, the context is cut into
-  `num_splits` chunks processed in parallel; each writes a normalized partial output and its log-sum-exp, and a
-  second small kernel merges them.
+- split-K ("flash decoding"): when batch * num_kv_heads programs cannot fill the GPU, each sequence's visible keys
+  are cut into `num_splits` chunks processed in parallel; each writes a normalized partial output and its
+  log-sum-exp, and a second small kernel merges them. The chunks are cut from each sequence's own length, read on
+  the device (equal runs of whole tiles, none shorter than the launch's `min_chunk`), not from the block table's
+  width: a table wider than its rows (CUDA graphs' and a compiled cache's, as wide as the rows may grow) or a
+  sliding window leaves no split idle that the row's keys could keep busy.
 
 Tile sizes, warps and stages come from `launch_config` (a function of head_dim, dtype and the GPU's compute
 capability, chosen so that no variant spills registers); group, block size, window and split count are runtime
@@ -117,7 +120,7 @@ def _paged_decode_kernel(
     scale,
     softcap,
     sliding_window,  # larger than any sequence when there is no window
-    tokens_per_split,  # a multiple of BLOCK_N
+    min_chunk,  # the fewest tokens a split of a sequence takes (a multiple of BLOCK_N)
     group,  # q heads per kv head
     head_dim,
     block_size,
@@ -140,13 +143,18 @@ def _paged_decode_kernel(
     split = tl.program_id(2)
     num_splits = tl.num_programs(2)
 
-    # Visible key positions: [lo, seq_len), intersected with this split's chunk.
+    # Visible key positions: [lo, seq_len), intersected with this split's chunk. The chunks cut the sequence's own
+    # visible tiles (from the one holding `lo`) into `num_splits` equal runs of whole tiles, each at least
+    # `min_chunk` long: the later splits of a short sequence are empty.
     seq_len = tl.load(seq_lens_ptr + seq_idx).to(tl.int32)
     lo = tl.maximum(seq_len - sliding_window, 0)
     if has_kv_start:
         lo = tl.maximum(lo, tl.load(kv_start_ptr + seq_idx).to(tl.int32))
-    start = tl.maximum(lo, split * tokens_per_split)
-    end = tl.minimum(seq_len, (split + 1) * tokens_per_split)
+    base = (lo // BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(seq_len - base, num_splits), min_chunk)
+    chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
+    start = tl.maximum(lo, base + split * chunk)
+    end = tl.minimum(seq_len, base + (split + 1) * chunk)
 
     g = group_start + tl.arange(0, BLOCK_G)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -277,8 +285,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
     """How many chunks to cut each sequence into so that the grid fills the GPU: a power of two up to 64.
 
     Splitting costs one partial write and a merge, so split only when batch * num_kv_heads programs leave SMs idle,
-    and keep every chunk at >= `min_split_tokens(block_n)` tokens (4 K/V tiles of the launch's `block_n`) so each
-    program still streams a run of K/V. The count is a runtime argument of both kernels: a new count compiles nothing.
+    and into no more chunks of >= `min_split_tokens(block_n)` tokens (4 K/V tiles of the launch's `block_n`) than the
+    block table's width holds, so each program still streams a run of K/V (the kernel cuts each row's chunks from its
+    own length, none shorter than that). The count is a runtime argument of both kernels: a new count compiles
+    nothing.
     """
     num_programs = batch * num_kv_heads
     num_sms = _num_sms(device)
@@ -314,7 +324,9 @@ def paged_decode_attention_triton(
     """Triton version of `paged_decode_attention_torch`; see there for the arguments and shapes.
 
     `num_splits` (Triton only, a tuning knob): chunks per sequence for split-K; `None` picks from the GPU's SM
-    count and the block table width (never from `seq_lens`, which would need a device sync).
+    count and the block table width (never from `seq_lens`, which would need a device sync). The kernel cuts each
+    sequence's visible keys into that many equal runs of whole tiles, reading `seq_lens` on the device; with `None`
+    no run is shorter than `min_split_tokens`, with a count given none is shorter than one tile.
     """
     launch = DecodeLaunch(
         query, key_cache, value_cache, block_tables, seq_lens, kv_start=kv_start, num_splits=num_splits
@@ -365,9 +377,11 @@ class DecodeLaunch:
         max_context = block_tables.shape[1] * block_size
         if num_splits is None:
             num_splits = choose_num_splits(batch, num_kv_heads, max_context, device, config.block_n)
-        # Trailing chunks may be empty (a split past every sequence writes lse = -inf, which the merge ignores).
-        tokens_per_split = launch_config.ceil_div(launch_config.ceil_div(max_context, num_splits), config.block_n)
-        tokens_per_split *= config.block_n
+            min_chunk = min_split_tokens(config.block_n)
+        else:  # a count asked for: as many chunks as the rows' tiles allow
+            min_chunk = config.block_n
+        # Each row's chunks are cut on the device from its own length; a split past a short row's keys is empty
+        # (it writes lse = -inf, which the merge ignores).
         self.num_splits = num_splits
         self.grid = (batch, num_kv_heads * group_tiles, num_splits)
         self.merge_grid = (batch, num_q_heads, 1)
@@ -378,7 +392,7 @@ class DecodeLaunch:
             self.partial_out = self.partial_lse = unused_fp32(device)
         self.tables = (block_tables, seq_lens, kv_start if kv_start is not None else seq_lens)  # unused if no kv_start
         self.stride_bt = block_tables.stride(0)
-        self.sizes = (tokens_per_split, group, head_dim, block_size, int(kv_start is not None))
+        self.sizes = (min_chunk, group, head_dim, block_size, int(kv_start is not None))
         self.config = config
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         self.merge_options = {"num_warps": launch_config.merge_num_warps(head_dim)}
