@@ -56,9 +56,10 @@ Driven: {num_calls} launcher calls:
 
 - decode: dtypes fp16, bf16, fp32 x head_dim {head_dims}, each with 1 and 8 splits and every option (none,
   kv_start, sliding window, softcap, all three), and each with every GQA group ({groups}) and block size
-  ({block_sizes});
+  ({block_sizes}); and blocks of {general_block_size} at head_dim {general_head_dims} (below);
 - prefill: the same dtypes and head dims, each with every GQA group, and each with every option (none, kv_start,
-  sliding window, softcap, sinks, all four) at block sizes 8 and 128;
+  sliding window, softcap, sinks, all four) at block sizes 8 and 128; and blocks of {general_block_size} at head_dim
+  {general_head_dims};
 - store: each dtype into a pool of the same dtype, and fp32 rows into fp16 / bf16 pools, over the same head dims
   and block sizes.
 
@@ -66,7 +67,13 @@ They pick **{num_variants} distinct variants** ({per_target} per target). GQA gr
 split count and head_dim itself are runtime arguments, so the decode kernel compiles once per (dtype, head_dim
 tile, softcap) and target, whatever the model or the step: the tile is head_dim rounded up to a power of two (at
 least 16), and a head_dim that is a multiple of 16 shares its tile's variant (80, 96 and 112 use the 128 one).
-Other head dims run correctly but are not in these tables.
+Other head dims run correctly but are not in these tables. One more choice doubles that where a pool needs it
+(**slot rows**, `SLOT_ROWS`): with a power-of-two block size and each block's slots consecutive rows of K and V (the
+pool's head-major view and a block-major cache both), a key's row is its slot, `(block_id << log2(block_size)) +
+offset`, times the slot stride, where other pools take a division by the block size and two 64-bit products a row.
+On sm_90, bf16, that takes the prefill kernel's unmasked loop from 594 to 441 instructions a tile at head_dim 128 and
+from 703 to 591 at head_dim 64 (the SASS, `cuobjdump -sass`). The general variants are compiled here at head_dim
+{general_head_dims}.
 
 tests/test_kernel_compile.py compiles the same variants in CI and fails on any spill, on shared memory past a
 block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does not compile.
@@ -155,6 +162,7 @@ def decode_rows(variants: list[dict]) -> list[list]:
                 dtype,
                 c["HEAD_DIM_PAD"],
                 "yes" if c["USE_SOFTCAP"] else "no",
+                "yes" if c["SLOT_ROWS"] else "no",
                 c["BLOCK_N"],
                 v["num_warps"],
                 v["num_stages"],
@@ -179,8 +187,9 @@ PREFILL_TEXT = (
     " tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA group;"
     " the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles once per "
     "(dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on CUDA cores "
-    "and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte stack frame "
-    "there). 16-bit caches' variants at head_dim 64 and 128 first read the tiles every row sees whole without a mask "
+    "and hold more per thread), in one stage at 64 wide on sm_90 and at 16 wide (in two, Triton leaves an 8-byte "
+    "stack frame at 64 on sm_90 and at 16 on sm_80). 16-bit caches' variants at head_dim 64 and 128 first read the "
+    "tiles every row sees whole without a mask "
     "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the diagonal "
     "ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only (fp32's 128-wide "
     "variant would spill with the second). On sm_90 those 16-bit variants take 128 rows, with the warps and stages "
@@ -209,6 +218,7 @@ def prefill_rows(variants: list[dict]) -> list[list]:
                 _dtype(v),
                 c["HEAD_DIM_PAD"],
                 "yes" if c["USE_SOFTCAP"] else "no",
+                "yes" if c["SLOT_ROWS"] else "no",
                 "yes" if c.get("UNMASKED_TILES") else "no",
                 c["BLOCK_M"],
                 c["BLOCK_N"],
@@ -259,7 +269,8 @@ def _order(variant: dict) -> tuple:
     dtypes = [DTYPE_ORDER.index(t.removeprefix("*")) for t in variant["dtypes"].split()]
     main = dtypes[0] if variant["kernel"] in ("_paged_decode_kernel", "_paged_prefill_kernel") else dtypes[-1]
     constexprs = variant["constexprs"]
-    return (variant["capability"], main, dtypes, constexprs["HEAD_DIM_PAD"], constexprs.get("USE_SOFTCAP", False))
+    softcap, slots = constexprs.get("USE_SOFTCAP", False), not constexprs.get("SLOT_ROWS", True)
+    return (variant["capability"], main, dtypes, constexprs["HEAD_DIM_PAD"], softcap, slots)
 
 
 COMMON_HEADERS = ["registers", "spills", "shared KiB", "blocks/SM (limit)", "warps/SM"]
@@ -275,6 +286,8 @@ def render(report: dict) -> str:
         head_dims=", ".join(map(str, resources.HEAD_DIMS)),
         groups=", ".join(map(str, resources.GROUPS)),
         block_sizes=", ".join(map(str, resources.BLOCK_SIZES)),
+        general_block_size=resources.GENERAL_BLOCK_SIZE,
+        general_head_dims=", ".join(map(str, resources.GENERAL_HEAD_DIMS)),
         num_variants=len(variants),
         per_target=len(variants) // len(launch_config.CHECKED_CAPABILITIES),
         needed_kib=HBM_PEAK * HBM_LATENCY / NUM_SMS / 1024,
@@ -291,7 +304,7 @@ def render(report: dict) -> str:
         text += "\nDo not compile: " + "; ".join(f"{v['kernel']} sm_{v['capability']} {v['example']}" for v in failed)
         text += "\n"
     text += "\n## Decode (`_paged_decode_kernel`)\n\n"
-    headers = ["arch", "dtype", "head_dim tile", "softcap", "BLOCK_N", "warps", "stages", *COMMON_HEADERS]
+    headers = ["arch", "dtype", "head_dim tile", "softcap", "slot rows", "BLOCK_N", "warps", "stages", *COMMON_HEADERS]
     headers += ["K/V per tile KiB", "in flight/SM KiB", "FLOP/B / ridge", "us/layer at peak"]
     text += tabulate(decode_rows(by_kernel["_paged_decode_kernel"]), headers, tablefmt="github", disable_numparse=True)
     text += "\n\n" + roofline_section()
@@ -302,7 +315,8 @@ def render(report: dict) -> str:
         small_kernel_rows(by_kernel["_merge_splits_kernel"], False), headers, tablefmt="github", disable_numparse=True
     )
     text += "\n\n## Prefill (`_paged_prefill_kernel`)\n\n" + textwrap.fill(PREFILL_TEXT, 120) + "\n\n"
-    headers = ["arch", "dtype", "head_dim tile", "softcap", "unmasked tiles", "BLOCK_M", "BLOCK_N", "warps", "stages"]
+    headers = ["arch", "dtype", "head_dim tile", "softcap", "slot rows", "unmasked tiles", "BLOCK_M", "BLOCK_N"]
+    headers += ["warps", "stages"]
     headers += COMMON_HEADERS
     rows = prefill_rows(by_kernel["_paged_prefill_kernel"])
     text += tabulate(rows, headers, tablefmt="github", disable_numparse=True)

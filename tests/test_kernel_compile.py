@@ -68,7 +68,13 @@ def test_shared_memory_fits_a_block(variants, capability):
 
 def test_runtime_sizes_add_no_variants(variants):
     """GQA group, block size, window, kv_start and split count are runtime arguments: the decode kernel compiles
-    once per (dtype, head_dim tile, softcap) and target, whatever model or step launches it."""
+    once per (dtype, head_dim tile, softcap) and target, whatever model or step launches it, and once more where the
+    block size is not a power of two (the general addressing, driven at `GENERAL_HEAD_DIMS`)."""
     decode = [v for v in variants if v["kernel"] == "_paged_decode_kernel"]
+    slots = [v for v in decode if v["constexprs"]["SLOT_ROWS"]]
     num_tiles = len({launch_config.head_dim_pad(d) for d in resources.HEAD_DIMS})
-    assert len(decode) == len(CAPABILITIES) * len(resources.DTYPES) * num_tiles * 2
+    assert len(slots) == len(CAPABILITIES) * len(resources.DTYPES) * num_tiles * 2
+    general = [v for v in decode if not v["constexprs"]["SLOT_ROWS"]]
+    assert len(general) == len(CAPABILITIES) * len(resources.DTYPES) * len(resources.GENERAL_HEAD_DIMS) * 2
+    prefill = [v for v in variants if v["kernel"] == "_paged_prefill_kernel"]
+    assert {v["constexprs"]["HEAD_DIM_PAD"] for v in prefill if not v["constexprs"]["SLOT_ROWS"]} == {64, 128, 256}

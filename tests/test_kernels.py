@@ -412,10 +412,60 @@ def test_a_launch_works_out_its_sizes_without_triton_cdiv(num_splits, monkeypatc
 # ------------------------------------------------------------------ strides and `out`
 def as_strided_cache(cache: torch.Tensor, storage: str) -> torch.Tensor:
     """The same values as `cache` ([num_blocks, block_size, H, D]), viewed out of another storage layout."""
+    if storage == "contiguous":
+        return cache
     if storage == "head-major":  # [H, num_blocks, block_size, D] storage, as BlockPool.nhd_view sees it
         return cache.permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    if storage == "block-heads":  # [num_blocks, H, block_size, D] storage: a block's slots are not consecutive rows
+        return cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
     assert storage == "fused-kv"  # [num_blocks, block_size, 2, H, D] storage, K at index 0 of dim 2
     return torch.stack([cache, torch.zeros_like(cache)], dim=2)[:, :, 0]
+
+
+def test_slot_rows_takes_power_of_two_blocks_of_consecutive_rows():
+    """The kernels address a row by its slot (`SLOT_ROWS`) where each block's slots are consecutive rows of K and V and
+    the block size is a power of two: the pool's head-major view, a block-major cache and K/V fused in one storage;
+    not a block size of 12, nor blocks stored head by head."""
+    from hf_paged.attention.kernels.triton_decode import block_shift, slot_rows
+
+    cache = torch.zeros(6, 16, 2, 8)  # [num_blocks, block_size, kv_heads, head_dim]
+    for view in (cache, as_strided_cache(cache, "head-major"), as_strided_cache(cache, "fused-kv")):
+        assert slot_rows(view.shape, view.stride(), view.stride())
+    block_heads = as_strided_cache(cache, "block-heads")
+    assert not slot_rows(block_heads.shape, block_heads.stride(), block_heads.stride())
+    assert not slot_rows(cache.shape, cache.stride(), block_heads.stride())  # V's layout counts too
+    odd = torch.zeros(6, 12, 2, 8)
+    assert not slot_rows(odd.shape, odd.stride(), odd.stride())
+    assert [block_shift(n) for n in (1, 2, 16, 128, 12)] == [0, 1, 4, 7, 0]
+
+
+@pytest.mark.parametrize(
+    "block_size, storage",
+    [(16, "contiguous"), (16, "head-major"), (12, "contiguous"), (16, "block-heads"), (1, "contiguous")],
+)
+def test_decode_addresses_rows_by_slot_or_by_block_alike(block_size, storage, monkeypatch):
+    """A power-of-two block size over consecutive rows reads each row at its slot, any other pool at block id times
+    block stride plus offset times slot stride (blocks of 12, blocks stored head by head): both right against the
+    reference, over split chunks and block boundaries, and the slot path's output the general path's bit for bit."""
+    from hf_paged.attention.kernels import triton_decode
+
+    batch = make_batch(
+        [1, 200, 130, 17], block_size=block_size, num_q_heads=4, num_kv_heads=2, head_dim=32, dtype=torch.float32
+    )
+    strided = PagedBatch(
+        batch.query,
+        as_strided_cache(batch.key_cache, storage),
+        as_strided_cache(batch.value_cache, storage),
+        batch.block_tables,
+        batch.seq_lens,
+    )
+    slots = triton_decode.slot_rows(strided.key_cache.shape, strided.key_cache.stride(), strided.value_cache.stride())
+    assert slots == (block_size in (1, 16) and storage != "block-heads")
+    result = decode_impl("triton")(*strided.args, scale=0.125, num_splits=3)
+    torch.testing.assert_close(result.cpu().double(), reference_decode(batch, scale=0.125), **TOLERANCES[torch.float32])
+    if slots:
+        monkeypatch.setattr(triton_decode, "slot_rows", lambda *args: False)
+        assert torch.equal(decode_impl("triton")(*strided.args, scale=0.125, num_splits=3), result)
 
 
 @IMPLS

@@ -300,6 +300,35 @@ def test_prefill_reads_block_ids_ahead_or_in_the_tile_alike(ids_ahead, block_siz
     assert torch.equal(check_prefill("triton", args), other)
 
 
+@pytest.mark.skipif(not CAN_RUN_TRITON, reason="needs Triton (a GPU or its interpreter)")
+@pytest.mark.parametrize(
+    "block_size, storage", [(16, "head-major"), (12, "contiguous"), (16, "block-heads"), (128, "contiguous")]
+)
+def test_prefill_addresses_rows_by_slot_or_by_block_alike(block_size, storage, monkeypatch):
+    """As the decode kernel: a power-of-two block size over consecutive rows reads each row at its slot, blocks of 12
+    or stored head by head at block id times block stride plus offset: both right against the reference over whole
+    tiles and masked ones (a prompt, a chunk mid-block after a long prefix, a window), the slot path's output the
+    general path's bit for bit."""
+    from test_kernels import as_strided_cache
+
+    from hf_paged.attention.kernels import triton_prefill
+
+    query, key_cache, value_cache, *rest = make_prefill(
+        [150, 37, 300], [150, 6, 90], block_size=block_size, head_dim=64, dtype=torch.bfloat16
+    )
+    assert launch_config.prefill_config(64, 2, torch.bfloat16, None).unmasked_tiles  # both loops run
+    args = (query, as_strided_cache(key_cache, storage), as_strided_cache(value_cache, storage), *rest)
+    slots = triton_prefill.slot_rows(args[1].shape, args[1].stride(), args[2].stride())
+    assert slots == (block_size != 12 and storage != "block-heads")
+    for options in (dict(), dict(sliding_window=40)):
+        result = check_prefill("triton", args, **options)
+        if slots:
+            with monkeypatch.context() as patch:
+                patch.setattr(triton_prefill, "slot_rows", lambda *a: False)
+                other = kernels.paged_prefill_attention_triton(*args, scale=query.shape[-1] ** -0.5, **options)
+            assert torch.equal(other, result)
+
+
 @pytest.mark.parametrize("heavy_first", [True, False], ids=["heavy-first", "ascending"])
 def test_prefill_grid_order_changes_no_output(heavy_first, monkeypatch):
     """The grid's two orders (`PrefillConfig.heavy_first`, the default: the query tiles in reverse, the kv heads of

@@ -39,6 +39,11 @@ HEAD_DIMS = (16, 32, 64, 80, 96, 128, 160, 192, 256)  # multiples of 16 up to 25
 GROUPS = (1, 2, 4, 7, 8, 16, 32)
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 SPLITS = (1, 8)
+# A block size that is not a power of two takes the kernels' general addressing (`SLOT_ROWS` off: block id times
+# block stride plus offset, by division), as blocks whose slots are not consecutive rows do; those variants are
+# compiled at these head sizes (the tiles the launch table tunes), each dtype and every option.
+GENERAL_BLOCK_SIZE = 12
+GENERAL_HEAD_DIMS = (64, 128, 256)
 DECODE_OPTIONS = ("plain", "kv_start", "window", "softcap", "all")
 PREFILL_OPTIONS = ("plain", "kv_start", "window", "softcap", "sinks", "all")
 KERNEL_NAMES = ("_paged_decode_kernel", "_merge_splits_kernel", "_paged_prefill_kernel", "_store_kv_kernel")
@@ -210,14 +215,22 @@ def _driven_calls():
     """(description, thunk) for every launcher call the check drives: each dtype and head_dim with every split and
     option choice (what the launchers decide from), and with every GQA group and block size (runtime arguments,
     which must not add variants)."""
-    decode_calls = [
-        (dtype, head_dim, 4, 16, num_splits, option)
-        for dtype, head_dim, num_splits, option in itertools.product(DTYPES, HEAD_DIMS, SPLITS, DECODE_OPTIONS)
-    ] + [
-        (dtype, head_dim, group, block_size, num_splits, option)
-        for dtype, head_dim, group, block_size in itertools.product(DTYPES, HEAD_DIMS, GROUPS, BLOCK_SIZES)
-        for num_splits, option in ((1, "plain"), (8, "all"))
-    ]
+    decode_calls = (
+        [
+            (dtype, head_dim, 4, 16, num_splits, option)
+            for dtype, head_dim, num_splits, option in itertools.product(DTYPES, HEAD_DIMS, SPLITS, DECODE_OPTIONS)
+        ]
+        + [
+            (dtype, head_dim, group, block_size, num_splits, option)
+            for dtype, head_dim, group, block_size in itertools.product(DTYPES, HEAD_DIMS, GROUPS, BLOCK_SIZES)
+            for num_splits, option in ((1, "plain"), (8, "all"))
+        ]
+        + [
+            (dtype, head_dim, 4, GENERAL_BLOCK_SIZE, num_splits, option)
+            for dtype, head_dim in itertools.product(DTYPES, GENERAL_HEAD_DIMS)
+            for num_splits, option in ((1, "plain"), (8, "all"))
+        ]
+    )
     for dtype, head_dim, group, block_size, num_splits, option in decode_calls:
         name = str(dtype).removeprefix("torch.")
         description = (
@@ -225,12 +238,20 @@ def _driven_calls():
         )
         yield description, lambda a=(dtype, head_dim, group, block_size, num_splits, option): _small_decode_call(*a)
     # the prefill kernel: a variant per (dtype, head_dim tile, q heads per program, softcap, sinks)
-    prefill_calls = [
-        (dtype, head_dim, group, 16, "plain") for dtype, head_dim, group in itertools.product(DTYPES, HEAD_DIMS, GROUPS)
-    ] + [
-        (dtype, head_dim, 4, block_size, option)
-        for dtype, head_dim, block_size, option in itertools.product(DTYPES, HEAD_DIMS, (8, 128), PREFILL_OPTIONS)
-    ]
+    prefill_calls = (
+        [
+            (dtype, head_dim, group, 16, "plain")
+            for dtype, head_dim, group in itertools.product(DTYPES, HEAD_DIMS, GROUPS)
+        ]
+        + [
+            (dtype, head_dim, 4, block_size, option)
+            for dtype, head_dim, block_size, option in itertools.product(DTYPES, HEAD_DIMS, (8, 128), PREFILL_OPTIONS)
+        ]
+        + [
+            (dtype, head_dim, 4, GENERAL_BLOCK_SIZE, option)
+            for dtype, head_dim, option in itertools.product(DTYPES, GENERAL_HEAD_DIMS, ("plain", "all"))
+        ]
+    )
     for dtype, head_dim, group, block_size, option in prefill_calls:
         name = str(dtype).removeprefix("torch.")
         description = f"prefill {name} head_dim={head_dim} group={group} block_size={block_size} {option}"

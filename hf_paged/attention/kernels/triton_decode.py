@@ -53,19 +53,78 @@ def fp32_dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def tile_slots(bt_row, pos, in_range, block_size):
-    """(pool block id [int64], offset in it) of each position `pos` of a tile, through the sequence's block table row
-    `bt_row`; positions out of `in_range` read entry 0 (their K/V are masked)."""
-    block_idx = pos // block_size
-    block_ids = tl.load(bt_row + block_idx, mask=in_range, other=0).to(tl.int64)
-    return block_ids, pos - block_idx * block_size
+def block_index(pos, block_size, block_shift, SLOT_ROWS: tl.constexpr):
+    """The block table entry holding each position `pos` (>= 0): with SLOT_ROWS (a power-of-two block size) a shift by
+    `block_shift`, else an integer division, which a runtime divisor makes a reciprocal and several integer
+    instructions per element in every tile."""
+    if SLOT_ROWS:
+        return pos >> block_shift
+    return pos // block_size
 
 
 @triton.jit
-def load_kv_tile(cache_ptr, block_ids, offsets, kv_head, d, mask, stride_b, stride_s, stride_h, stride_d):
+def block_offset(pos, block_size, SLOT_ROWS: tl.constexpr):
+    """Each position's offset in its block (`pos % block_size`; a mask with SLOT_ROWS)."""
+    if SLOT_ROWS:
+        return pos & (block_size - 1)
+    return pos % block_size
+
+
+@triton.jit
+def pool_block_ids(ids, SLOT_ROWS: tl.constexpr):
+    """Block ids read from a block table, in the width `load_kv_tile` takes them: int32 with SLOT_ROWS (a slot of the
+    pool fits in 32 bits), else int64 (their products with the block stride do not)."""
+    if SLOT_ROWS:  # a constexpr branch: one of the two is compiled, and returns one type
+        block_ids = ids.to(tl.int32)
+    else:
+        block_ids = ids.to(tl.int64)
+    return block_ids
+
+
+@triton.jit
+def tile_slots(bt_row, pos, in_range, block_size, block_shift, SLOT_ROWS: tl.constexpr):
+    """(pool block id, offset in it) of each position `pos` of a tile, through the sequence's block table row
+    `bt_row` (the ids as `pool_block_ids` gives them); positions out of `in_range` read entry 0 (their K/V are
+    masked)."""
+    block_idx = block_index(pos, block_size, block_shift, SLOT_ROWS)
+    block_ids = pool_block_ids(tl.load(bt_row + block_idx, mask=in_range, other=0), SLOT_ROWS)
+    if SLOT_ROWS:
+        offsets = block_offset(pos, block_size, SLOT_ROWS)
+    else:  # the quotient's remainder: no second division
+        offsets = pos - block_idx * block_size
+    return block_ids, offsets
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,
+    block_ids,
+    offsets,
+    kv_head,
+    d,
+    mask,
+    stride_b,
+    stride_s,
+    stride_h,
+    stride_d,
+    block_size,
+    SLOT_ROWS: tl.constexpr,
+):
     """[BLOCK_N, HEAD_DIM_PAD] rows of a K or V cache ([num_blocks, block_size, kv_heads, head_dim] strides) at the
     tile's slots, for kv head `kv_head`; zeros where `mask` is off. Rows are contiguous head_dim vectors (NHD), so
-    every row load is coalesced whatever the block size."""
+    every row load is coalesced whatever the block size.
+
+    With SLOT_ROWS a block's slots are consecutive rows of the cache (`stride_b == block_size * stride_s`, a
+    power-of-two block size, the pool's slots under 2**31): a row is its slot `block_id * block_size + offset`,
+    one 32-bit multiply-add, times `stride_s`, one widening multiply; otherwise each row costs two 64-bit products
+    (`block_id * stride_b`, whose sum overflows 32 bits in a large pool), a dozen integer instructions more a row."""
+    if SLOT_ROWS:
+        slots = block_ids * block_size + offsets  # one multiply-add
+        return tl.load(
+            cache_ptr + slots[:, None].to(tl.int64) * stride_s + kv_head * stride_h + d[None, :] * stride_d,
+            mask=mask,
+            other=0.0,
+        )
     return tl.load(
         cache_ptr
         + block_ids[:, None] * stride_b
@@ -91,7 +150,7 @@ def softcap_logits(logits, softcap):
 # to. Sizes that vary with the model or the workload (block table width, GQA group, block size, window) are excluded,
 # so one variant per (dtype, head_dim_pad, softcap) serves every model and step; head_dim stays specialized, because
 # knowing it is a multiple of 16 is what lets the loads of its rows vectorize.
-@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size", "has_kv_start"])
+@triton.jit(do_not_specialize=["stride_bt", "sliding_window", "group", "block_size", "block_shift", "has_kv_start"])
 def _paged_decode_kernel(
     q_ptr,  # [B, num_q_heads, head_dim]
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim]
@@ -124,6 +183,7 @@ def _paged_decode_kernel(
     group,  # q heads per kv head
     head_dim,
     block_size,
+    block_shift,  # log2(block_size) where SLOT_ROWS
     has_kv_start,  # 0 or 1 (an int: Triton 3.6's interpreter takes no bool argument)
     BLOCK_G: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -132,6 +192,7 @@ def _paged_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     DOT_UPCAST: tl.constexpr,
     IDS_AHEAD: tl.constexpr,  # read each tile's block ids one tile ahead (launch_config.ids_ahead)
+    SLOT_ROWS: tl.constexpr,  # a block's slots are consecutive cache rows, a power of two of them (`slot_rows`)
 ):
     # grid: (B, num_kv_heads * group_tiles, num_splits); a program serves BLOCK_G q heads of one kv head.
     seq_idx = tl.program_id(0)
@@ -180,25 +241,29 @@ def _paged_decode_kernel(
     tile_hi = tl.where(start < end, end, tile_lo)
     if IDS_AHEAD:  # each tile's block ids read one tile ahead (launch_config.ids_ahead)
         pos = tile_lo + tl.arange(0, BLOCK_N)
-        ids = tl.load(bt_row + pos // block_size, mask=(pos >= start) & (pos < end), other=0)
+        ids = tl.load(
+            bt_row + block_index(pos, block_size, block_shift, SLOT_ROWS), mask=(pos >= start) & (pos < end), other=0
+        )
     for tile_start in range(tile_lo, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         visible = (pos >= start) & (pos < end)
         if IDS_AHEAD:
-            block_ids = ids.to(tl.int64)
-            offsets = pos % block_size
+            block_ids = pool_block_ids(ids, SLOT_ROWS)
+            offsets = block_offset(pos, block_size, SLOT_ROWS)
             ahead = pos + BLOCK_N
-            ids = tl.load(bt_row + ahead // block_size, mask=ahead < end, other=0)
+            ids = tl.load(bt_row + block_index(ahead, block_size, block_shift, SLOT_ROWS), mask=ahead < end, other=0)
         else:
-            block_ids, offsets = tile_slots(bt_row, pos, visible, block_size)
+            block_ids, offsets = tile_slots(bt_row, pos, visible, block_size, block_shift, SLOT_ROWS)
         kv_mask = visible[:, None] & d_mask[None, :]
         # k, v: [BLOCK_N, HEAD_DIM_PAD]
         k = load_kv_tile(
-            k_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_kb, stride_ks, stride_kh, stride_kd
-        )
+            k_cache_ptr, block_ids, offsets, kv_head, d, kv_mask,
+            stride_kb, stride_ks, stride_kh, stride_kd, block_size, SLOT_ROWS,
+        )  # fmt: skip
         v = load_kv_tile(
-            v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask, stride_vb, stride_vs, stride_vh, stride_vd
-        )
+            v_cache_ptr, block_ids, offsets, kv_head, d, kv_mask,
+            stride_vb, stride_vs, stride_vh, stride_vd, block_size, SLOT_ROWS,
+        )  # fmt: skip
 
         logits = fp32_dot(q, tl.trans(k), DOT_PRECISION, DOT_UPCAST) * scale  # [BLOCK_G, BLOCK_N] fp32
         if USE_SOFTCAP:
@@ -392,7 +457,9 @@ class DecodeLaunch:
             self.partial_out = self.partial_lse = unused_fp32(device)
         self.tables = (block_tables, seq_lens, kv_start if kv_start is not None else seq_lens)  # unused if no kv_start
         self.stride_bt = block_tables.stride(0)
-        self.sizes = (min_chunk, group, head_dim, block_size, int(kv_start is not None))
+        self.sizes = (min_chunk, group, head_dim, block_size, block_shift(block_size), int(kv_start is not None))
+        self.slot_strides = (key_cache.stride(), value_cache.stride())
+        self.slot_rows = slot_rows(self.cache_shape, *self.slot_strides)
         self.config = config
         self.options = {"num_warps": config.num_warps, "num_stages": config.num_stages}
         self.merge_options = {"num_warps": launch_config.merge_num_warps(head_dim)}
@@ -449,10 +516,17 @@ class DecodeLaunch:
             value_cache.stride(),
             out.stride(),
         )
+        # Slot addressing, as worked out for the caches the launch was made with (every layer's in a pool of one
+        # layout): checked inline, no call a layer.
+        if k_strides == self.slot_strides[0] and v_strides == self.slot_strides[1]:
+            slots = self.slot_rows
+        else:
+            slots = slot_rows(self.cache_shape, k_strides, v_strides)
         # The per-call part of the variant's key (direct.py's `pointer_keys` of each tensor, written inline: this
         # runs at every layer).
         key = (
             self.decode_key,
+            slots,
             use_softcap,
             query.dtype,
             key_cache.dtype,
@@ -491,6 +565,7 @@ class DecodeLaunch:
             config.dot_precision,
             config.dot_upcast,
             self.ids_ahead,
+            slots,
         )
         _DECODE.launch(self.grid, key, args, self.options)
         if self.num_splits > 1:
@@ -510,6 +585,24 @@ class DecodeLaunch:
 # The kernels' launches by the variant a launch's key names (direct.py: without JITFunction.run's binding per call).
 _DECODE = DirectKernel(_paged_decode_kernel)
 _MERGE = DirectKernel(_merge_splits_kernel)
+
+
+def block_shift(block_size: int) -> int:
+    """log2 of a power-of-two block size (what `block_index` shifts by); 0 for another size, where it is unused."""
+    return block_size.bit_length() - 1 if block_size & (block_size - 1) == 0 else 0
+
+
+def slot_rows(cache_shape: torch.Size, k_strides: tuple, v_strides: tuple) -> bool:
+    """Whether the kernels address the caches (`[num_blocks, block_size, kv_heads, head_dim]`, of these strides) by
+    slot (`SLOT_ROWS`, see `load_kv_tile`): the block size a power of two, each block's slots consecutive rows of K
+    and of V (a pool's head-major and block-major layouts both are), and the pool's slots under 2**31."""
+    num_blocks, block_size = cache_shape[0], cache_shape[1]
+    return (
+        block_size & (block_size - 1) == 0
+        and num_blocks * block_size < 1 << 31
+        and k_strides[0] == block_size * k_strides[1]
+        and v_strides[0] == block_size * v_strides[1]
+    )
 
 
 def clamp_window(sliding_window: int | None) -> int:

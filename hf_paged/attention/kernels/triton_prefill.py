@@ -46,10 +46,15 @@ from .direct import DirectKernel, int_keys, pointer_keys
 from .reference import check_prefill_args
 from .triton_decode import (
     LOG2E,
+    block_index,
+    block_offset,
+    block_shift,
     clamp_window,
     fp32_dot,
     load_kv_tile,
     on_device,
+    pool_block_ids,
+    slot_rows,
     softcap_logits,
     tile_slots,
     unused_fp32,
@@ -89,11 +94,19 @@ def _kv_tiles(
     stride_vs,
     stride_vh,
     stride_vd,
+    block_size,
+    SLOT_ROWS: tl.constexpr,
 ):
     """The K and V tiles (`[BLOCK_N, HEAD_DIM_PAD]` each) at the slots (pool block id, offset in it) of a tile's keys;
     zeros where `mask` is off."""
-    k = load_kv_tile(k_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_kb, stride_ks, stride_kh, stride_kd)
-    v = load_kv_tile(v_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_vb, stride_vs, stride_vh, stride_vd)
+    k = load_kv_tile(
+        k_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_kb, stride_ks, stride_kh, stride_kd,
+        block_size, SLOT_ROWS,
+    )  # fmt: skip
+    v = load_kv_tile(
+        v_cache_ptr, block_ids, offsets, kv_head, d, mask, stride_vb, stride_vs, stride_vh, stride_vd,
+        block_size, SLOT_ROWS,
+    )  # fmt: skip
     return k, v
 
 
@@ -158,6 +171,7 @@ def _attend_tile(
         "sliding_window",
         "group",
         "block_size",
+        "block_shift",
         "num_seqs",
         "has_kv_start",
         "use_sinks",
@@ -198,6 +212,7 @@ def _paged_prefill_kernel(
     group,  # q heads per kv head
     head_dim,
     block_size,
+    block_shift,  # log2(block_size) where SLOT_ROWS
     num_seqs,
     has_kv_start,  # 0 or 1 (an int: Triton 3.6's interpreter takes no bool argument)
     use_sinks,  # 0 or 1
@@ -214,6 +229,7 @@ def _paged_prefill_kernel(
     UNMASKED_TILES: tl.constexpr,  # read the tiles every row sees whole without a mask (launch_config)
     HEAVY_FIRST: tl.constexpr,  # the query tiles in reverse (launch_config)
     IDS_AHEAD: tl.constexpr,  # read each whole tile's block ids one tile ahead (launch_config.ids_ahead)
+    SLOT_ROWS: tl.constexpr,  # a block's slots are consecutive cache rows, a power of two of them (`slot_rows`)
 ):
     # grid: ((num_tokens // BLOCK_Q + B) * num_kv_heads * head_tiles,): a program's (tile, kv head, head tile)
     head_tiles = tl.cdiv(group, heads)
@@ -280,18 +296,22 @@ def _paged_prefill_kernel(
         )
         if IDS_AHEAD:  # each tile's block ids read one tile ahead (launch_config.ids_ahead)
             pos = tile_lo + tl.arange(0, BLOCK_N)
-            ids = tl.load(bt_row + pos // block_size, mask=pos < full_hi, other=0)
+            ids = tl.load(bt_row + block_index(pos, block_size, block_shift, SLOT_ROWS), mask=pos < full_hi, other=0)
         for tile_start in range(tile_lo, full_hi, BLOCK_N):
             pos = tile_start + tl.arange(0, BLOCK_N)
             if IDS_AHEAD:
-                block_ids = ids.to(tl.int64)
+                block_ids = pool_block_ids(ids, SLOT_ROWS)
                 ahead = pos + BLOCK_N
-                ids = tl.load(bt_row + ahead // block_size, mask=ahead < full_hi, other=0)
+                ahead_idx = block_index(ahead, block_size, block_shift, SLOT_ROWS)
+                ids = tl.load(bt_row + ahead_idx, mask=ahead < full_hi, other=0)
             else:
-                block_ids = tl.load(bt_row + pos // block_size).to(tl.int64)
+                ids = tl.load(bt_row + block_index(pos, block_size, block_shift, SLOT_ROWS))
+                block_ids = pool_block_ids(ids, SLOT_ROWS)
+            offsets = block_offset(pos, block_size, SLOT_ROWS)
             k, v = _kv_tiles(
-                k_cache_ptr, v_cache_ptr, block_ids, pos % block_size, d_mask[None, :], kv_head, d,
+                k_cache_ptr, v_cache_ptr, block_ids, offsets, d_mask[None, :], kv_head, d,
                 stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+                block_size, SLOT_ROWS,
             )  # fmt: skip
             acc, l_i, m_i = _attend_tile(
                 q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, row_mask, sliding_window,
@@ -300,10 +320,11 @@ def _paged_prefill_kernel(
     for tile_start in range(full_hi, tile_hi, BLOCK_N):
         pos = tile_start + tl.arange(0, BLOCK_N)
         in_range = (pos >= start) & (pos < end)
-        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size)
+        block_ids, offsets = tile_slots(bt_row, pos, in_range, block_size, block_shift, SLOT_ROWS)
         k, v = _kv_tiles(
             k_cache_ptr, v_cache_ptr, block_ids, offsets, in_range[:, None] & d_mask[None, :], kv_head, d,
             stride_kb, stride_ks, stride_kh, stride_kd, stride_vb, stride_vs, stride_vh, stride_vd,
+            block_size, SLOT_ROWS,
         )  # fmt: skip
         acc, l_i, m_i = _attend_tile(
             q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, row_mask, sliding_window,
@@ -373,6 +394,7 @@ def paged_prefill_attention_triton(
         out.stride(),
     )
     ids_ahead = launch_config.ids_ahead(config.num_stages)
+    slots = slot_rows(key_cache.shape, k_strides, v_strides)
     has_kv_start = int(kv_start is not None)
     kv_start = kv_start if has_kv_start else seq_lens  # unused when has_kv_start is False
     tensors = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, kv_start, sinks, out)
@@ -389,6 +411,7 @@ def paged_prefill_attention_triton(
         group,
         head_dim,
         block_size,
+        block_shift(block_size),
         num_seqs,
         has_kv_start,
         int(sinks.numel() > 0),
@@ -405,6 +428,7 @@ def paged_prefill_attention_triton(
         config.unmasked_tiles,
         config.heavy_first,
         ids_ahead,
+        slots,
     )
     # What Triton specializes on (direct.py): the tensors' dtypes and alignments, the strides, head_dim; the ints it
     # does not specialize are table widths, counts and flags, i32 whatever the step.
@@ -412,6 +436,7 @@ def paged_prefill_attention_triton(
         query.device.index,
         config,
         ids_ahead,
+        slots,
         use_softcap,
         pointer_keys(*tensors),
         q_strides,
