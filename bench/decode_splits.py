@@ -118,7 +118,7 @@ def parse_args(argv=None):
             2,
             "fp32",
         )
-        args.splits, args.tolerance, args.rep_ms = [1, 2, 4], 1e-4, 1.0
+        args.splits, args.tolerance, args.rep_ms = [1, 2], 1e-4, 1.0
     args.cells = [parse_cell(cell) for cell in args.cells]
     return args
 

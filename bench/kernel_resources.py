@@ -71,9 +71,10 @@ Other head dims run correctly but are not in these tables. One more choice doubl
 (**slot rows**, `SLOT_ROWS`): with a power-of-two block size and each block's slots consecutive rows of K and V (the
 pool's head-major view and a block-major cache both), a key's row is its slot, `(block_id << log2(block_size)) +
 offset`, times the slot stride, where other pools take a division by the block size and two 64-bit products a row.
-On sm_90, bf16, that takes the prefill kernel's unmasked loop from 594 to 441 instructions a tile at head_dim 128 and
-from 703 to 591 at head_dim 64 (the SASS, `cuobjdump -sass`). The general variants are compiled here at head_dim
-{general_head_dims}.
+On sm_90, bf16, that (with the diagonal tiles' mask in one unsigned compare) takes the prefill kernel's unmasked loop
+from 594 to 437 instructions a tile at head_dim 128 and from 703 to 579 at head_dim 64, its masked loop from 893 to
+660 and 1353 to 981, and the decode kernel's from 730 to 504 and 496 to 342 (the SASS, `cuobjdump -sass`). The
+general variants are compiled here at head_dim {general_head_dims}.
 
 tests/test_kernel_compile.py compiles the same variants in CI and fails on any spill, on shared memory past a
 block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does not compile.
@@ -187,8 +188,9 @@ PREFILL_TEXT = (
     " tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA group;"
     " the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles once per "
     "(dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on CUDA cores "
-    "and hold more per thread), in one stage at 64 wide on sm_90 and at 16 wide (in two, Triton leaves an 8-byte "
-    "stack frame at 64 on sm_90 and at 16 on sm_80). 16-bit caches' variants at head_dim 64 and 128 first read the "
+    "and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte stack frame "
+    "there); every dtype takes one stage at 16 wide (in two, Triton 3.9 leaves one in the softcap's variants on "
+    "sm_80). 16-bit caches' variants at head_dim 64 and 128 first read the "
     "tiles every row sees whole without a mask "
     "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the diagonal "
     "ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only (fp32's 128-wide "

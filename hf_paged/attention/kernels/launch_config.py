@@ -168,7 +168,7 @@ def prefill_config(
     arguments, so one variant serves every group); 64 rows (128 for 16-bit caches at head_dim 64 and 128 on sm_90,
     with the warps and stages measured there: `PREFILL_SM90`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
-    stage at 16 wide and at 64 wide on sm_90), 2 stages:
+    stage at 64 wide on sm_90), 2 stages (one at 16 wide):
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
     spills (tests/test_kernel_compile.py); 16-bit caches of head_dim 64 and 128 read the tiles every row sees whole
     without a mask (`unmasked_tiles`).
@@ -180,10 +180,12 @@ def prefill_config(
         block_m, num_warps, num_stages = PREFILL_SM90[pad, softcap]
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
-        # One stage at 64 wide on sm_90 and at 16 wide: with two, Triton 3.6 leaves an 8-byte stack frame at 64 on
-        # sm_90, and Triton 3.9 one at 16 on sm_80 (the softcap's variant; a test model's size, whose speed no floor
-        # reads).
-        num_stages = 1 if pad == 16 or (pad == 64 and capability is not None and capability >= 90) else 2
+        # One stage at 64 wide on sm_90: with two, Triton 3.6 leaves an 8-byte stack frame there.
+        num_stages = 1 if pad == 64 and capability is not None and capability >= 90 else 2
+    if pad == 16:
+        # One stage at 16 wide, whatever the dtype: with two, Triton 3.9 leaves an 8-byte stack frame in the softcap's
+        # variants on sm_80 (a size of test models; a tile of 16 keys x 16 dims has little to keep in flight).
+        num_stages = 1
     return PrefillConfig(
         head_dim_pad=pad,
         block_m=block_m,

@@ -123,7 +123,6 @@ def _attend_tile(
     pos,
     in_range,
     q_pos,
-    row_mask,
     sliding_window,
     USE_SOFTCAP: tl.constexpr,
     MASKED: tl.constexpr,
@@ -131,8 +130,10 @@ def _attend_tile(
     DOT_UPCAST: tl.constexpr,
 ):
     """One K/V tile (keys at positions `pos`) into the online softmax: (acc, l_i, m_i) updated. Where MASKED, each
-    (query, key) is kept when the key is in range, causal for the query at `q_pos`, inside its window and the row is
-    one of the program's; a tile without the mask has every logit finite, so its running max needs no guard.
+    (query, key) is kept when the key is in range and `0 <= q_pos - pos < sliding_window` (causal and inside the
+    window: one unsigned compare); a tile without the mask has every logit finite, so its running max needs no guard.
+    Rows that are not the program's (past its tokens or its group's heads) are not masked: their queries are zeros,
+    their logits finite, and they are never stored.
 
     Without a softcap the scale and log2(e) are one factor (`scale >= 0`): the running max is taken over the raw
     logits and scaled once per row, and each logit costs one fused multiply-subtract before its exp2, as
@@ -144,12 +145,8 @@ def _attend_tile(
     else:
         qk_scale = scale * LOG2E
     if MASKED:
-        visible = (
-            in_range[None, :]
-            & (pos[None, :] <= q_pos[:, None])
-            & (q_pos[:, None] - pos[None, :] < sliding_window)
-            & row_mask[:, None]
-        )
+        distance = (q_pos[:, None] - pos[None, :]).to(tl.uint32)  # a key after the query wraps past any window
+        visible = (distance < sliding_window.to(tl.uint32)) & in_range[None, :]
         logits = tl.where(visible, qk * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(logits, axis=1))
         # A row with no visible key yet keeps m = -inf: subtract 0 instead, so its p and alpha are 0, not NaN.
@@ -314,7 +311,7 @@ def _paged_prefill_kernel(
                 block_size, SLOT_ROWS,
             )  # fmt: skip
             acc, l_i, m_i = _attend_tile(
-                q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, row_mask, sliding_window,
+                q, k, v, acc, l_i, m_i, scale, softcap, pos, pos, q_pos, sliding_window,
                 USE_SOFTCAP, False, DOT_PRECISION, DOT_UPCAST,
             )  # fmt: skip
     for tile_start in range(full_hi, tile_hi, BLOCK_N):
@@ -327,7 +324,7 @@ def _paged_prefill_kernel(
             block_size, SLOT_ROWS,
         )  # fmt: skip
         acc, l_i, m_i = _attend_tile(
-            q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, row_mask, sliding_window,
+            q, k, v, acc, l_i, m_i, scale, softcap, pos, in_range, q_pos, sliding_window,
             USE_SOFTCAP, True, DOT_PRECISION, DOT_UPCAST,
         )  # fmt: skip
 
