@@ -148,21 +148,16 @@ def sdpa_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
 
 def decode_inputs(args, batch: int, context: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]` int32, seq_lens `[B]` int32)
-    for `batch` sequences of `context` cached tokens in `args.dtype`, seeded: the caches stored as a BlockPool stores
-    them (head-major: each head's blocks contiguous) and handed over as the pool hands them to the kernels
-    (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`), the block tables scattered, as in a pool
-    that has served many requests."""
-    dtype = DTYPES[args.dtype]
-    blocks_per_seq = math.ceil(context / args.block_size)
-    num_blocks = batch * blocks_per_seq
-    gen = torch.Generator(device=device).manual_seed(0)
-    shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
-    key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).to(torch.int32)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device=device)
-    query = torch.randn(batch, args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
-    return query, key_cache, value_cache, block_tables, seq_lens
+    for `batch` sequences of `context` cached tokens: `ragged_inputs` with every row as long."""
+    return ragged_inputs(args, [context] * batch, head_dim, device)
+
+
+def parse_cell(text: str) -> tuple[int, int, int]:
+    """A cell of ragged rows: "32x128-1280" -> (32, 128, 1280), rows and their shortest and longest length; "8x512"
+    -> (8, 512, 512)."""
+    batch, lengths = text.split("x")
+    lo, _, hi = lengths.partition("-")
+    return int(batch), int(lo), int(hi or lo)
 
 
 def ragged_lengths(batch: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -172,9 +167,12 @@ def ragged_lengths(batch: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 
 def ragged_inputs(args, lengths: list[int], head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(query, key_cache, value_cache, block_tables, seq_lens) for rows of `lengths`, laid out as `decode_inputs`
-    lays them out; each table row as wide as the longest, the columns past a row's blocks pointing at other rows'
-    blocks."""
+    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]` int32, seq_lens `[B]` int32)
+    for rows of `lengths` cached tokens in `args.dtype`, seeded: the caches stored as a BlockPool stores them
+    (head-major: each head's blocks contiguous) and handed over as the pool hands them to the kernels
+    (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`), the block tables scattered, as in a pool
+    that has served many requests; each table row as wide as the longest, the columns past a row's blocks pointing at
+    other rows' blocks."""
     dtype = DTYPES[args.dtype]
     blocks = [math.ceil(n / args.block_size) for n in lengths]
     num_blocks, width = sum(blocks), max(blocks)
@@ -183,13 +181,13 @@ def ragged_inputs(args, lengths: list[int], head_dim: int, device: torch.device)
     key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     ids = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    query = torch.randn(len(lengths), args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
     tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, device=device, dtype=torch.int32)
     first = 0
     for row, n in enumerate(blocks):
         tables[row, :n] = ids[first : first + n]
         first += n
     seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
-    query = torch.randn(len(lengths), args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
     return query, key_cache, value_cache, tables, seq_lens
 
 

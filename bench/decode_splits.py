@@ -26,19 +26,19 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.decode_attention import DTYPES, checked_ms, peak_bandwidth, ragged_inputs, ragged_lengths  # noqa: E402
+from bench.decode_attention import (  # noqa: E402
+    DTYPES,
+    checked_ms,
+    parse_cell,
+    peak_bandwidth,
+    ragged_inputs,
+    ragged_lengths,
+)
 from bench.host import device_name  # noqa: E402
 from hf_paged.attention.kernels import launch_config  # noqa: E402
 
 CELLS = ("16x128-1280", "32x128-1280", "64x128-1280", "128x128-1280", "32x512-4096", "8x512-512")
 SPLITS = (1, 2, 4, 8)
-
-
-def parse_cell(text: str) -> tuple[int, int, int]:
-    """ "32x128-1280" -> (32, 128, 1280): rows, shortest and longest length."""
-    batch, lengths = text.split("x")
-    lo, _, hi = lengths.partition("-")
-    return int(batch), int(lo), int(hi or lo)
 
 
 def time_cell(args, head_dim: int, batch: int, lo: int, hi: int, device: torch.device) -> dict:

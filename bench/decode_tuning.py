@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench.decode_attention import (  # noqa: E402
     DTYPES,
     checked_ms,
-    decode_inputs,
+    parse_cell,
     ragged_inputs,
     ragged_lengths,
     sdpa_decode,
@@ -85,35 +85,29 @@ def tune_head_dim(args, head_dim: int, device: torch.device, save=lambda result:
     configs = candidates(default, args.block_ns, args.num_warps, args.num_stages)
     cells = []
     result = dict(head_dim=head_dim, default=_label(default), cells=cells)
-    for batch, context in args.cells:
-        cells.append(
-            dict(batch=batch, context=context, times=tune_cell(args, head_dim, configs, batch, context, device))
-        )
+    for batch, lo, hi in args.cells:
+        times = tune_cell(args, head_dim, configs, batch, lo, hi, device)
+        cells.append(dict(batch=batch, context=lo if lo == hi else f"{lo}-{hi}", times=times))
         if device.type == "cuda":
             torch.cuda.empty_cache()
         save(result)
     return result
 
 
-def tune_cell(args, head_dim: int, configs: list, batch: int, context, device: torch.device) -> dict:
-    """{configuration: ms per call, or why it has no time} for `batch` sequences of `context` cached tokens, or of
-    lengths drawn uniformly from a range `context` "lo-hi" (`bench.decode_splits`'s ragged rows, checked against the
-    PyTorch path)."""
+def tune_cell(args, head_dim: int, configs: list, batch: int, lo: int, hi: int, device: torch.device) -> dict:
+    """{configuration: ms per call, or why it has no time} for `batch` sequences of `lo` cached tokens, or of lengths
+    drawn uniformly from [lo, hi] (`bench.decode_splits`'s ragged rows, checked against the PyTorch path)."""
     from hf_paged.attention.kernels import paged_decode_attention_torch
     from hf_paged.attention.kernels.triton_decode import paged_decode_attention_triton
 
-    if isinstance(context, str):
-        lo, _, hi = context.partition("-")
-        lengths = ragged_lengths(batch, int(lo), int(hi))
-        query, key_cache, value_cache, block_tables, seq_lens = ragged_inputs(args, lengths, head_dim, device)
-        scale, out = head_dim**-0.5, torch.empty_like(query)
-        expected = paged_decode_attention_torch(query, key_cache, value_cache, block_tables, seq_lens, scale=scale)
-        expected = expected.float()
-    else:
-        query, key_cache, value_cache, block_tables, seq_lens = decode_inputs(args, batch, context, head_dim, device)
-        scale, out = head_dim**-0.5, torch.empty_like(query)
-        keys, values = gather_kv(key_cache, block_tables, context), gather_kv(value_cache, block_tables, context)
+    inputs = ragged_inputs(args, ragged_lengths(batch, lo, hi), head_dim, device)
+    query, key_cache, value_cache, block_tables, seq_lens = inputs
+    scale, out = head_dim**-0.5, torch.empty_like(query)
+    if lo == hi:
+        keys, values = gather_kv(key_cache, block_tables, lo), gather_kv(value_cache, block_tables, lo)
         expected = sdpa_decode(query, keys, values, scale).float()
+    else:
+        expected = paged_decode_attention_torch(*inputs, scale=scale).float()
 
     def paged():
         paged_decode_attention_triton(query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out)
@@ -206,12 +200,6 @@ def parse_args(argv=None):
         args.block_ns = [16, 32]
     args.cells = [parse_cell(cell) for cell in args.cells]
     return args
-
-
-def parse_cell(text: str) -> tuple[int, int | str]:
-    """ "8x512" -> (8, 512); "48x128-1280" -> (48, "128-1280"), rows of lengths drawn from that range."""
-    batch, context = text.split("x")
-    return int(batch), context if "-" in context else int(context)
 
 
 def main(argv=None) -> int:

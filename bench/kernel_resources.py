@@ -69,8 +69,9 @@ tile, softcap) and target, whatever the model or the step: the tile is head_dim 
 least 16), and a head_dim that is a multiple of 16 shares its tile's variant (80, 96 and 112 use the 128 one).
 Other head dims run correctly but are not in these tables. One more choice doubles that where a pool needs it
 (**slot rows**, `SLOT_ROWS`): with a power-of-two block size and each block's slots consecutive rows of K and V (the
-pool's head-major view and a block-major cache both), a key's row is its slot, `(block_id << log2(block_size)) +
-offset`, times the slot stride, where other pools take a division by the block size and two 64-bit products a row.
+pool's head-major view and a block-major cache both), a key's block and offset come from a shift and a mask and its
+row is its slot, `block_id * block_size + offset`, times the slot stride, where other pools take a division by the
+block size and two 64-bit products a row.
 On sm_90, bf16, that (with the diagonal tiles' mask in one unsigned compare) takes the prefill kernel's unmasked loop
 from 594 to 437 instructions a tile at head_dim 128 and from 703 to 579 at head_dim 64, its masked loop from 893 to
 660 and 1353 to 981, and the decode kernel's from 730 to 504 and 496 to 342 (the SASS, `cuobjdump -sass`). The

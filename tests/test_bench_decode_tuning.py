@@ -57,9 +57,8 @@ def test_a_dry_run_times_each_configuration_and_the_report_shows_the_best(tmp_pa
 def test_a_dry_run_of_the_split_counts_times_each_count_on_ragged_rows_and_the_report_shows_them(tmp_path):
     """`python -m bench.decode_splits --tiny`: each cell's rows of lengths drawn from its range, every split count
     asked for (and the chosen one) right against the PyTorch path and timed, the chosen count named."""
-    from bench.decode_attention import ragged_lengths
+    from bench.decode_attention import parse_cell, ragged_lengths
     from bench.decode_splits import main as splits_main
-    from bench.decode_splits import parse_cell
 
     require_triton_on_cpu()
     assert parse_cell("32x128-1280") == (32, 128, 1280) and parse_cell("8x512") == (8, 512, 512)
