@@ -8,9 +8,12 @@ negligible (16 layers, hidden 64, one thread), where a step is almost all host t
    against the runner's forward alone; the packed step (no runner) beside it.
 3. with `--prefill`: Engine steps that prefill (16 requests of 200 tokens in chunks of up to 64 tokens beside the
    decode rows), eager against `compile_prefill` (`--backend`, inductor by default), each Engine warmed up first.
-
-Each variant takes one step in turn (interleaved, so a slower moment of the machine hits all of them alike); the
-medians over `--steps` steps, best of `--repeats`, are the numbers.
+4. with `--compiled`: a decode step whose forward is compiled (`--backend`, fullgraph), as generate() compiles it
+   for a compileable cache, on `PagedCache(max_cache_len)` (reserved before the forward) with sdpa and with the
+   "hf_paged" attention against `StaticCache`, with the same tokens; then what `PagedCache.reserve` (the host's share
+   of each such step) costs. On CPU the compiled forward still runs its kernels on the host ("hf_paged" runs its
+   torch path inside the graph); on a GPU a CUDA graph replays it, and what stays on the host is the loop around
+   it, the guards and `reserve`.
 """
 
 from __future__ import annotations
@@ -89,12 +92,15 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prefill", action="store_true", help="steps that prefill, eager against compiled, only")
-    parser.add_argument("--backend", default="inductor", help="torch.compile's backend for --prefill")
+    parser.add_argument("--compiled", action="store_true", help="compiled generate() decode steps, per cache, only")
+    parser.add_argument("--backend", default="inductor", help="torch.compile's backend of --prefill, --compiled")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     model = negligible_model()
     if args.prefill:
         return prefill_steps(model, args.backend, args.repeats)
+    if args.compiled:
+        return compiled_decode(model, args.backend, args.repeats, args.prompt_len, args.steps)
     paged_model = hf_paged.enable(copy.deepcopy(model))
     for rows in args.rows:
         prompts = torch.randint(1, 128, (rows, args.prompt_len), generator=torch.Generator().manual_seed(rows))
@@ -172,6 +178,83 @@ def prefill_steps(model, backend: str, repeats: int, num_requests: int = 16, pro
     graphs = counters["stats"]["unique_graphs"]
     print(f"compiled steps: {step.num_compiled_steps} ({graphs} graphs compiled), compile error: {step.compile_error}")
     return 0 if step.compile_error is None else 1
+
+
+class CompiledDecoder(Decoder):
+    """A `Decoder` whose steps run the model's forward compiled (`backend`, fullgraph) on a compileable cache: a
+    `StaticCache`, or a `PagedCache(max_cache_len)` reserved before each forward, as generate() reserves it."""
+
+    def __init__(self, model, cache, prompts: torch.Tensor, backend: str):
+        super().__init__(model, lambda m: cache, prompts)  # the prompt's forward eagerly, as generate() runs it
+        self.forward = torch.compile(model.forward, backend=backend, fullgraph=True)
+        self.tokens: list[list[int]] = []  # each step's tokens
+
+    def step(self) -> None:
+        with torch.inference_mode():
+            if isinstance(self.cache, PagedCache):
+                self.cache.reserve(1)
+            positions = torch.full_like(self.token, self.position)
+            logits = self.forward(
+                input_ids=self.token, position_ids=positions, cache_position=positions[0], cache=self.cache
+            ).logits
+            self.token = logits[:, -1:].argmax(-1)
+            self.tokens.append(self.token.tolist())
+        self.position += 1
+
+
+def compiled_decode(model, backend: str, repeats: int, prompt_len: int, steps: int) -> int:
+    """Median host time of a compiled decode step per compileable cache (one step each in turn), best of `repeats`,
+    and the host time of `PagedCache.reserve` a step; 1 if a cache's tokens differ from StaticCache's."""
+    from transformers import StaticCache
+
+    paged_model = hf_paged.enable(copy.deepcopy(model))
+    prompts = torch.randint(1, 128, (1, prompt_len), generator=torch.Generator().manual_seed(0))
+    max_cache_len = prompt_len + 2 * steps + 2
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 8)
+    best: dict[str, float] = {}
+    tokens: dict[str, list] = {}
+    for _ in range(repeats):
+        decoders = {
+            "StaticCache": CompiledDecoder(
+                model, StaticCache(config=model.config, max_cache_len=max_cache_len), prompts, backend
+            ),
+            "PagedCache, sdpa": CompiledDecoder(
+                model, PagedCache(config=model.config, max_cache_len=max_cache_len), prompts, backend
+            ),
+            'PagedCache, "hf_paged"': CompiledDecoder(
+                paged_model, PagedCache(config=model.config, max_cache_len=max_cache_len), prompts, backend
+            ),
+        }
+        for decoder in decoders.values():  # each compiles at its first step
+            decoder.step()
+        medians = interleaved({name: decoder.step for name, decoder in decoders.items()}, steps)
+        best = {name: min(best.get(name, float("inf")), value) for name, value in medians.items()}
+        tokens = {name: decoder.tokens for name, decoder in decoders.items()}
+    base = best["StaticCache"]
+    print(f"compiled decode step ({backend}), prompt {prompt_len}, median of {steps} steps, best of {repeats}:")
+    same = True
+    for name, value in best.items():
+        identical = tokens[name] == tokens["StaticCache"]
+        same &= identical
+        print(f"  {name:24s} {value * 1e3:7.3f} ms  {value / base:.3f}x StaticCache's, same tokens: {identical}")
+    print(f"PagedCache.reserve, a decode step's host share: {reserve_us(model, prompt_len):.1f} us")
+    return 0 if same else 1
+
+
+def reserve_us(model, prompt_len: int, steps: int = 500) -> float:
+    """Host time of a compileable PagedCache's `reserve(1)` (and the settle after its forward), best of 5 runs."""
+    cache = PagedCache(config=model.config, max_cache_len=prompt_len + 5 * steps + 1)
+    with torch.inference_mode():
+        model(torch.randint(1, 128, (1, prompt_len)), cache=cache)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(steps):
+                cache.reserve(1)
+                cache._fixed.pending = None  # what the forward's last layer does
+            best = min(best, (time.perf_counter() - start) / steps)
+    cache.release()
+    return best * 1e6
 
 
 if __name__ == "__main__":

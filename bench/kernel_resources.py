@@ -50,7 +50,11 @@ timings on a GPU come from `bench/decode_attention.py` (`make bench-gpu`).
 them out, with Triton's `JITFunction.run` replaced by a recorder and `launch_config.device_capability` answering the
 target's capability: the recorded launches are exactly what the launchers choose on that GPU (tile sizes, warps,
 stages). Each distinct launch (Triton's own specialization key: argument types, 16-divisibility of ints and
-pointers, constexprs, options) is compiled once per target.
+pointers, constexprs, options) is compiled once per target. The tensors are those the library hands the kernels:
+block tables, lengths and `kv_start` in int64 (`launch_config.INDEX_DTYPE`; PagedCache eager and compiled, the
+Engine's packed step and decode runner all pass them so), `cu_seqlens_q` in int32, each starting on 16 bytes;
+tests/test_launch_variants.py records every launch those callers make and fails on one whose pointers' dtypes or
+alignments no driven launch has (a variant compiled on the GPU mid-run, never checked here).
 
 Driven: {num_calls} launcher calls:
 

@@ -12,6 +12,7 @@ from transformers.masking_utils import AttentionMaskInterface
 import hf_paged
 from hf_paged import PAGED_ATTENTION, BlockPool, PagedCache
 from hf_paged.attention import plan_of
+from hf_paged.attention.kernels.launch_config import INDEX_DTYPE
 from tests.models import (
     count_decode_launches,
     count_store_launches,
@@ -85,7 +86,7 @@ def test_decode_step_returns_a_plan_instead_of_gathered_kv():
     keys, _ = cache.update(step, step, 0)
     assert keys.shape == (2, num_kv_heads, 0, head_dim)
     plan = plan_of(keys)
-    assert plan.seq_lens.tolist() == [6, 6] and plan.block_tables.dtype == torch.int32
+    assert plan.seq_lens.tolist() == [6, 6] and plan.block_tables.dtype == plan.seq_lens.dtype == INDEX_DTYPE
     gathered, _ = plan.gather()
     assert torch.equal(gathered[:, :, :5], prefill) and torch.equal(gathered[:, :, 5:], step)
     # The plan's pool view is [num_blocks, block_size, kv_heads, head_dim] and holds the new token in place.

@@ -334,3 +334,34 @@ def test_decode_steps_keep_their_buffers_across_turns():
     decode = {tuple((id(b), b.data_ptr()) for b in buffers) for n, buffers in addresses if n == 1}
     assert [n for n, _ in addresses].count(1) == 10 and len(decode) == 1  # 5 decode steps a turn, one set of buffers
     assert [n for n, _ in addresses if n != 1] == [6]  # the second turn: its 5 tokens after the last one sampled
+
+
+def test_a_decode_step_sends_its_values_in_one_copy_and_the_tables_when_they_change(monkeypatch):
+    """`reserve` writes a step's slots, lengths and past length with one host-to-device copy (views of one tensor,
+    each on 16 bytes, as the kernels' variants expect), and a layer group's tables only when a block was added."""
+    import hf_paged.cache.fixed_width as fixed_width
+
+    copies = []
+    copy = fixed_width.copy_from_host
+    monkeypatch.setattr(
+        fixed_width, "copy_from_host", lambda buffer, values: copies.append(buffer) or copy(buffer, values)
+    )
+    model = tiny_model("llama")
+    cache = PagedCache(
+        config=model.config, pool=BlockPool.for_model(model, num_blocks=8, block_size=4), max_cache_len=16
+    )
+    with torch.inference_mode():
+        model(random_prompt(6), cache=cache)
+        per_step = []
+        for _ in range(4):  # positions 6, 7 (the prompt's second block), then 8, 9 (a new block)
+            copies.clear()
+            cache.reserve(1)
+            steps = cache._fixed.steps
+            per_step.append(len(copies))
+            assert steps.seq_lens.tolist() == [cache.get_seq_length() + 1]
+            cache._fixed.pending = None  # what the forward's last layer does
+    assert per_step == [2, 1, 2, 1]  # the first step and a new block's: the tables too
+    views = [*steps.slot_mapping, steps.seq_lens, steps.past_length]
+    assert all(v.data_ptr() % 16 == 0 for v in views) and len({v.untyped_storage().data_ptr() for v in views}) == 1
+    assert steps.past_length.item() == 9 and steps.slot_mapping[0].tolist() == [cache.block_tables[0][2] * 4 + 1]
+    assert all(t.dtype == torch.int64 for t in (*views, *steps.block_tables))

@@ -5,6 +5,7 @@ import torch
 
 from hf_paged import BlockPool
 from hf_paged.attention import paged_attention_forward
+from hf_paged.attention.kernels.launch_config import INDEX_DTYPE
 from hf_paged.engine import StepCache
 from tests.models import tiny_model
 
@@ -119,7 +120,10 @@ def test_the_steps_tensors_come_from_one_copy_per_dtype_each_on_16_bytes(monkeyp
     assert group.seq_lens.tolist() == [6, 3, 10, 6, 9] and group.tables.shape == (5, 4)  # 3 blocks, padded to even
     assert group.tables[3:, :3].tolist() == [[6, 7, 0], [8, 9, 10]]
     # the decode kernel's tables as wide as the longest row (its split choice reads the width), not padded
-    assert group.decode_tables.dtype == torch.int32 and group.decode_tables.tolist() == [
+    assert all(
+        t.dtype == INDEX_DTYPE for t in (group.tables, group.decode_tables, group.seq_lens, group.prefill_seq_lens)
+    )
+    assert group.decode_tables.tolist() == [
         [0, 1, 0],
         [2, 0, 0],
         [3, 4, 5],

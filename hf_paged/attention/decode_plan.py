@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels.dispatch import decode_launch
+from .kernels.launch_config import INDEX_DTYPE
 from .plan import memoized_backend
 from .shared_prefix import per_row_mask, shared_prefix_attention
 from .torch_attention import sdpa_or_torch_attention
@@ -34,8 +35,8 @@ class DecodePlan:
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
     value_cache: torch.Tensor  # same, of V (whose heads and head_dim may differ: then attend takes the torch path)
-    block_tables: torch.Tensor  # [B, num_table_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32: tokens per row from the first held block, the new one included
+    block_tables: torch.Tensor  # [B, num_table_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64: tokens per row from the first held block, the new one included
     kv_offset: int  # absolute position of the first key that the attention mask describes
     position_offset: int  # absolute position of block_tables[:, 0]'s first token (blocks released before it)
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
@@ -135,7 +136,7 @@ class DecodePlan:
         return memoized_backend(self._backends, module, device)
 
     def kv_start(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
-        """[B] int32: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).
+        """[B] int64: the first visible key of each row, from a decode mask ([B, 1, 1, kv_len] bool, or None).
 
         None when the mask is not "hidden prefix, then every key visible" (left padding, sliding window): such a
         mask cannot be described by one start per row, and the caller falls back to gather + SDPA.
@@ -155,7 +156,7 @@ class DecodePlan:
             visible = attention_mask[:, 0, -1, :]  # [B, kv_len]
             first = visible.int().argmax(dim=-1)
             if bool((visible.sum(dim=-1) == visible.shape[-1] - first).all()):
-                kv_start = (first + self.kv_offset - self.position_offset).to(torch.int32)
+                kv_start = (first + self.kv_offset - self.position_offset).to(INDEX_DTYPE)
         self._kv_starts[id(attention_mask)] = (attention_mask, kv_start)
         return kv_start
 

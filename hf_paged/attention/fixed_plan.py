@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .decode_plan import length_mask
+from .kernels.launch_config import INDEX_DTYPE
 from .kernels.ops import paged_decode_attention_compiled
 from .plan import backend_of
 from .shared_prefix import shared_prefix_attention
@@ -33,7 +34,7 @@ class FixedDecodePlan:
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
     value_cache: torch.Tensor  # same, of V
     block_tables: torch.Tensor  # [B, W] int64, the cache's persistent table of this layer's group
-    seq_lens: torch.Tensor  # [B] int32, tokens per row with the new one
+    seq_lens: torch.Tensor  # [B] int64, tokens per row with the new one
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # [B, kv_heads, W * block_size, head_dim] K and V
     backends: Mapping  # a module's backend setting (None or one of BACKENDS) -> "triton" / "torch", or the error
     ragged: bool = False  # rows of different lengths: `seq_lens` says which keys each row sees, not the mask
@@ -142,7 +143,7 @@ class FixedDecodePlan:
         return kv_start
 
     def _kv_start(self, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """[B] int32: each row's first visible key, when the mask is "hidden prefix, then every key up to the new
+        """[B] int64: each row's first visible key, when the mask is "hidden prefix, then every key up to the new
         token" (left padding, a window). Eagerly a mask of another shape gives None (the gather path runs); inside a
         compiled step, where the host cannot look, it stops the step with a device-side assert (on CUDA one that ends
         the process's CUDA context: loud, never wrong)."""
@@ -150,10 +151,10 @@ class FixedDecodePlan:
         first = visible.int().argmax(dim=-1)
         one_run = (visible.sum(dim=-1) == self.seq_lens - first).all()
         if not torch.compiler.is_compiling():
-            return first.to(torch.int32) if bool(one_run) else None
+            return first.to(INDEX_DTYPE) if bool(one_run) else None
         message = "hf_paged: a compiled decode step's mask is not 'hidden prefix, then every key up to the new token'"
         torch._assert_async(one_run, message)
-        return first.to(torch.int32)
+        return first.to(INDEX_DTYPE)
 
     def _length_mask(self, width: int, sliding_window: int | None) -> torch.Tensor | None:
         if self.full_rows and (sliding_window is None or width <= sliding_window):

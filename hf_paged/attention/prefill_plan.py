@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kernels import paged_prefill_attention
+from .kernels.launch_config import INDEX_DTYPE
 from .plan import memoized_backend
 from .torch_attention import sdpa_or_torch_attention
 
@@ -27,8 +28,8 @@ class PrefillPlan:
 
     key_cache: torch.Tensor  # [num_blocks, block_size, kv_heads, head_dim] view of the head-major pool
     value_cache: torch.Tensor  # same, of V
-    block_tables: torch.Tensor  # [B, num_table_blocks] int32
-    seq_lens: torch.Tensor  # [B] int32: tokens per row from the first held block, the new ones included
+    block_tables: torch.Tensor  # [B, num_table_blocks] int64
+    seq_lens: torch.Tensor  # [B] int64: tokens per row from the first held block, the new ones included
     kv_offset: int  # absolute position of the first key the attention mask describes
     position_offset: int  # absolute position of block_tables[:, 0]'s first token (blocks released before it)
     gather: Callable[[], tuple[torch.Tensor, torch.Tensor]]  # the K/V an sdpa step would get: [B, H, kv_len, D]
@@ -82,13 +83,13 @@ class PrefillPlan:
         return memoized_backend(self._backends, module, device) == "triton"
 
     def kv_start(self, attention_mask: torch.Tensor | None, q_len: int, sliding_window: int | None):
-        """[B] int32: each row's first key (counted from the first held block) when `attention_mask` ([B, 1, q_len,
+        """[B] int64: each row's first key (counted from the first held block) when `attention_mask` ([B, 1, q_len,
         kv_len] bool, or None: causal, no padding) is exactly causal attention from that key on (and within the
         window); None for any other mask, which the caller then applies itself through SDPA. One device read per
         mask and window, shared by the step's layers."""
         batch = self.seq_lens.shape[0]
         if attention_mask is None:
-            return torch.zeros(batch, dtype=torch.int32, device=self.seq_lens.device)
+            return torch.zeros(batch, dtype=INDEX_DTYPE, device=self.seq_lens.device)
         key = (id(attention_mask), sliding_window)
         memo = self._kv_starts.get(key)
         if memo is not None and memo[0] is attention_mask:
@@ -105,6 +106,6 @@ class PrefillPlan:
             if sliding_window is not None:
                 expected &= (queries - keys[None, :] < sliding_window)[None]
             if attention_mask.shape[0] == batch and torch.equal(attention_mask[:, 0], expected):
-                kv_start = (first + self.kv_offset - self.position_offset).to(torch.int32)
+                kv_start = (first + self.kv_offset - self.position_offset).to(INDEX_DTYPE)
         self._kv_starts[key] = (attention_mask, kv_start)
         return kv_start

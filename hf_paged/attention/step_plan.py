@@ -39,13 +39,13 @@ class GroupStep:
     num_table_blocks: list[int]  # per row: blocks its keys span
     first_positions: list[int]  # per row: position of its table's first key
     slots: torch.Tensor  # [num_tokens] long: pool slot of each new token
-    seq_lens: torch.Tensor  # [B] int32: keys per row from its first held block, the new ones included
+    seq_lens: torch.Tensor  # [B] int64: keys per row from its first held block, the new ones included
     host_seq_lens: list[int]  # the same on the host (no device sync to read one)
     length_masks: dict  # window -> the decode rows' length mask, shared by the group's layers this step
-    decode_tables: torch.Tensor  # [num_decode, longest row's blocks] int32: the decode rows' (the decode kernel's)
-    decode_seq_lens: torch.Tensor  # [num_decode] int32: the decode rows' `seq_lens`
+    decode_tables: torch.Tensor  # [num_decode, longest row's blocks] int64: the decode rows' (the decode kernel's)
+    decode_seq_lens: torch.Tensor  # [num_decode] int64: the decode rows' `seq_lens`
     prefill_tables: torch.Tensor  # [B - num_decode, width]: the prefill rows' `tables`
-    # [B - num_decode] int32: the prefill rows' `seq_lens`, a tensor of its own on 16 bytes (the prefill kernel
+    # [B - num_decode] int64: the prefill rows' `seq_lens`, a tensor of its own on 16 bytes (the prefill kernel
     # compiles a variant per pointer alignment, and a slice after the decode rows may be off it)
     prefill_seq_lens: torch.Tensor
     plan_memos: dict = field(default_factory=dict)  # the decode plans' memos (kv starts, backends by setting)

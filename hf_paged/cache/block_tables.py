@@ -155,6 +155,14 @@ class BlockTables:
         if key in self._memo:
             return
         block_size = self.pool.block_size
+        # A write further on in the one block the writers' last write made writable, with no table change since (the
+        # memo goes at each): that block is already their own and no block is missing (a decode step's common case).
+        # A block is shared only once full and cached, and the first write into a cached block uncaches it.
+        open_key = ("open block", writers)
+        last = self._memo.get(open_key)
+        if last is not None and start >= last[1] and start // block_size == (end - 1) // block_size == last[0]:
+            self._memo[open_key] = (last[0], end)
+            return
         sizes = Counter(self.leaders)  # leader -> rows in its group
         allocator = self.pool.allocator
         # NOTE: plan and take under the allocator lock, so no other thread's prefix lookup can take a hold on a block
@@ -189,6 +197,8 @@ class BlockTables:
         if new_block_ids:
             self._changed()
         self._memo[key] = True
+        if start // block_size == (end - 1) // block_size:
+            self._memo[open_key] = (start // block_size, end)
 
     def _plan_copies(
         self, writers: tuple[int, ...], start: int, end: int, sizes: Counter

@@ -15,7 +15,7 @@ each step's values. Every tensor has a shape fixed by the batch and `max_cache_l
     block_tables[g]  [B, W] int64    W = ceil(max_cache_len / block_size); entries past a row's blocks name block 0,
                                      whose keys the causal mask hides
     slot_mapping[g]  [B * n] int64   the slots of the step's n new tokens of every row, row by row
-    seq_lens         [B] int32       tokens per row after the step (the decode kernel's lengths)
+    seq_lens         [B] int64       tokens per row after the step (the decode kernel's lengths)
     past_length      [] int64        tokens per row before the step (`get_seq_length` inside a compiled forward)
 
 `g` is the layer group (a Gemma-style pool keeps one table per group); every row writes its own slots, so rows that
@@ -27,6 +27,8 @@ which counts in the layers' lengths what a reserved forward wrote once the host 
 
 from __future__ import annotations
 
+import itertools
+import math
 import weakref
 from typing import TYPE_CHECKING
 
@@ -35,9 +37,11 @@ import torch
 from ..attention import plan_placeholders
 from ..attention.fixed_plan import FixedDecodePlan
 from ..attention.kernels.dispatch import resolve_backends, triton_possible
+from ..attention.kernels.launch_config import INDEX_DTYPE
 from ..errors import UnsupportedModel
 from ..storage import BlockPool, KVLayout, group_of_layer
 from ..storage.pool import check_positive_int
+from ..storage.transfer import ALIGN_BYTES
 from .block_tables import head_major_index
 from .store import heads_first
 from .visible import runs_paged_attention
@@ -49,7 +53,8 @@ if TYPE_CHECKING:
 
 class FixedWidthSteps:
     """The persistent step buffers of a compileable cache (see the module docstring), refilled by `fill` before
-    each forward."""
+    each forward: a step's per-row values in one host-to-device copy, a layer group's tables in one more when they
+    changed (from pinned memory on CUDA, without a wait)."""
 
     def __init__(self, max_cache_len: int, block_size: int, num_groups: int):
         self.max_cache_len = max_cache_len
@@ -57,68 +62,110 @@ class FixedWidthSteps:
         self.width = -(-max_cache_len // block_size)  # W: block table entries per row
         self.num_groups = num_groups
         self.block_tables: list[torch.Tensor] = []
-        self.slot_mapping: list[torch.Tensor] = []  # the step's, one of `_slots`
-        self._slots: dict[int, list[torch.Tensor]] = {}  # new tokens of a step -> its slot buffers per layer group
-        self.seq_lens: torch.Tensor | None = None
-        self.past_length: torch.Tensor | None = None
+        self.slot_mapping: list[torch.Tensor] = []  # the step's, one of `_values`
+        self.seq_lens: torch.Tensor | None = None  # the step's, one of `_values`
+        self.past_length: torch.Tensor | None = None  # the step's, one of `_values`
+        self._values: dict[int, StepValues] = {}  # new tokens of a step -> its values' buffers
+        self._rows: tuple[int, torch.device] | None = None  # (rows, device) the buffers are made for
         self._versions: list[int] = [-1] * num_groups  # the BlockTables version each table buffer holds
-        self._static_pool_tensors: dict[int, weakref.ref] = {}  # id -> the pool tensors already marked static
+        self._marked_pool: weakref.ref | None = None  # the first K tensor of the pool whose tensors are marked static
 
     def fill(self, groups: list, past_length: int, num_new_tokens: int, device: torch.device) -> None:
         """Write one step's inputs: `groups` (one `BlockTables` per layer group, every row its own writer and holding
         blocks up to `past_length + num_new_tokens`)."""
         self._mark_pool_static(groups[0].pool)
         num_rows = groups[0].num_rows
-        self._allocate(num_rows, num_new_tokens, device)
+        values = self._allocate(num_rows, num_new_tokens, device)
         block_size, end = self.block_size, past_length + num_new_tokens
+        staged = []
         for group, tables in enumerate(groups):
             assert tables.base == 0, "a compileable PagedCache keeps every block from position 0"
             if self._versions[group] != tables.version:
-                padded = [table + [0] * (self.width - len(table)) for table in tables.tables]
-                self.block_tables[group].copy_(_host(padded, torch.int64), non_blocking=True)
+                padded = [entry for table in tables.tables for entry in table + [0] * (self.width - len(table))]
+                copy_from_host(self.block_tables[group], padded)
                 self._versions[group] = tables.version
-            slots = [
-                table[position // block_size] * block_size + position % block_size
-                for table in tables.tables
-                for position in range(past_length, end)
-            ]
-            self.slot_mapping[group].copy_(_host(slots, torch.int64), non_blocking=True)
-        self.seq_lens.fill_(end)
-        self.past_length.fill_(past_length)
+            staged.append(
+                [
+                    table[position // block_size] * block_size + position % block_size
+                    for table in tables.tables
+                    for position in range(past_length, end)
+                ]
+            )
+        staged += [[end] * num_rows, [past_length]]
+        values.write(staged)
 
-    def _allocate(self, num_rows: int, num_new_tokens: int, device: torch.device) -> None:
-        """(Re)make the buffers when the batch or the device changed, and the slots' when the step's token count did.
+    def _allocate(self, num_rows: int, num_new_tokens: int, device: torch.device) -> StepValues:
+        """(Re)make the buffers when the batch or the device changed, and a step's values when its token count did.
 
-        The decode step's slots are kept while the batch stays (a prompt's between two decode turns does not replace
-        them): a compiled step's CUDA graphs read static buffers in place, and one at a new address records the
-        graphs again."""
-        same_rows = self.seq_lens is not None and self.seq_lens.device == device and self.seq_lens.shape[0] == num_rows
-        if not same_rows:
-            self.block_tables = [
-                _static(torch.zeros(num_rows, self.width, dtype=torch.long, device=device))
-                for _ in range(self.num_groups)
-            ]
-            self.seq_lens = _static(torch.zeros(num_rows, dtype=torch.int32, device=device))
-            self.past_length = _static(torch.zeros((), dtype=torch.long, device=device))
+        The decode step's values are kept while the batch stays (a prompt's between two decode turns does not
+        replace them): a compiled step's CUDA graphs read static buffers in place, and one at a new address records
+        the graphs again."""
+        if self._rows != (num_rows, device):
+            with torch.inference_mode(False):  # normal tensors: a step outside inference mode writes them too
+                self.block_tables = [
+                    _static(torch.zeros(num_rows, self.width, dtype=INDEX_DTYPE, device=device))
+                    for _ in range(self.num_groups)
+                ]
             self._versions = [-1] * self.num_groups
-            self._slots = {}
-        slots = self._slots.get(num_new_tokens)
-        if slots is None:
+            self._values = {}
+            self._rows = (num_rows, device)
+        values = self._values.get(num_new_tokens)
+        if values is None:
             if num_new_tokens != 1:  # the decode step's and the last other step's
-                self._slots = {n: buffers for n, buffers in self._slots.items() if n == 1}
-            slots = self._slots[num_new_tokens] = [
-                _static(torch.zeros(num_rows * num_new_tokens, dtype=torch.long, device=device))
-                for _ in range(self.num_groups)
-            ]
-        self.slot_mapping = slots
+                self._values = {n: kept for n, kept in self._values.items() if n == 1}
+            shapes = [(num_rows * num_new_tokens,)] * self.num_groups + [(num_rows,), ()]
+            values = self._values[num_new_tokens] = StepValues(shapes, device)
+        *self.slot_mapping, self.seq_lens, self.past_length = values.views
+        return values
 
     def _mark_pool_static(self, pool) -> None:
         """A compiled step writes the pool in place: its tensors must be static inputs, or CUDA graphs would copy them
-        in (and write the copy) or be skipped. Marked once per tensor (a shared pool that grows has new ones)."""
+        in (and write the copy) or be skipped. Marked again only when they changed: a growable pool's grow replaces
+        every tensor, the first one included."""
+        first = pool.key_cache[0]
+        if self._marked_pool is not None and self._marked_pool() is first:
+            return
         for tensor in (*pool.key_cache, *pool.value_cache):
-            marked = self._static_pool_tensors.get(id(tensor))
-            if marked is None or marked() is not tensor:
-                self._static_pool_tensors[id(tensor)] = weakref.ref(_static(tensor))
+            _static(tensor)
+        self._marked_pool = weakref.ref(first)
+
+
+class StepValues:
+    """Tensors of int64 values a step sends to the device, as static views of one device tensor, written by one copy
+    (`write`). Each starts on 16 bytes (`ALIGN_BYTES`), as a freshly made tensor does: the kernels' compiled variants
+    specialize on it.
+
+    Args:
+        shapes (`list[tuple[int, ...]]`): the tensors' shapes.
+        device (`torch.device`): where they live.
+    """
+
+    def __init__(self, shapes: list[tuple[int, ...]], device: torch.device):
+        step = ALIGN_BYTES // INDEX_DTYPE.itemsize
+        sizes = [math.prod(shape) for shape in shapes]
+        offsets = list(itertools.accumulate([-(-size // step) * step for size in sizes], initial=0))
+        with torch.inference_mode(False):  # normal tensors: a step outside inference mode writes them too
+            self.device = torch.zeros(offsets[-1], dtype=INDEX_DTYPE, device=device)
+            self.views = [
+                _static(self.device[offset : offset + size].view(shape))
+                for offset, size, shape in zip(offsets, sizes, shapes)
+            ]
+        self._padding = [[0] * (end - offset - size) for offset, end, size in zip(offsets, offsets[1:], sizes)]
+
+    def write(self, values: list[list[int]]) -> None:
+        """One copy of every tensor's values (flat, in order) into the views."""
+        flat = []
+        for tensor_values, padding in zip(values, self._padding):
+            flat += tensor_values
+            flat += padding
+        copy_from_host(self.device, flat)
+
+
+def copy_from_host(buffer: torch.Tensor, values: list[int]) -> None:
+    """`buffer` (contiguous) := `values`, in one copy; from pinned memory on CUDA, which the host does not wait for
+    (PyTorch's pinned allocator keeps that memory until the copy has run)."""
+    pinned = buffer.device.type == "cuda"
+    buffer.copy_(torch.tensor(values, dtype=buffer.dtype, pin_memory=pinned).view(buffer.shape), non_blocking=pinned)
 
 
 def gather_fixed(
@@ -184,6 +231,10 @@ class ReservedSteps:
         self._config = config
         self._group_of = group_of_layer(tables.layer_groups)
         self._plans, self._backends = False, None  # set by reserve
+        # Whether the "hf_paged" attention's kernel runs on the pool's device (`_kernel_runs`), worked out at the
+        # first reservation on that device, as its backends are.
+        self._kernel_device: torch.device | None = None
+        self._kernel_runs = False
         # The reserved forward's masks and their first visible keys, read once a step (`FixedDecodePlan.kv_starts`).
         self._kv_starts: list = []
         for layer in paged_layers:
@@ -215,11 +266,13 @@ class ReservedSteps:
         device = self._tables.pool.device
         self.steps.fill(self._tables.groups, past_length, num_new_tokens, device)
         # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan.
-        self._plans = num_new_tokens == 1 and runs_paged_attention(self._config) and triton_possible(device)
-        if self._plans and self._backends is None:
+        if self._kernel_device != device:
+            self._kernel_device = device
+            self._kernel_runs = runs_paged_attention(self._config) and triton_possible(device)
             # NOTE: a dict, not the shared read-only mapping: dynamo breaks the graph at a read of a mapping proxy
             # once the traced frame mutated any dict (transformers pops `return_dict` from the forward's kwargs).
-            self._backends = dict(resolve_backends(device))
+            self._backends = dict(resolve_backends(device)) if self._kernel_runs else None
+        self._plans = num_new_tokens == 1 and self._kernel_runs
         self.pending = self.unsettled = num_new_tokens
 
     def settle(self) -> None:
@@ -310,10 +363,6 @@ def check_fits(num_tokens: int, max_cache_len: int) -> None:
             f"the forward would hold {num_tokens} tokens per row, over max_cache_len={max_cache_len}: build the cache "
             "with a larger max_cache_len"
         )
-
-
-def _host(values: list, dtype: torch.dtype) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype)
 
 
 def _static(tensor: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,7 @@
 `BlockTables` is host bookkeeping: Python lists of block ids, row groups, reference counts. Attention and the store
 want other forms of the same tables, and every layer of a group would otherwise rebuild them: the `[B, n]` tables
 tensor, the slots of the step's new tokens, the gather index of a head-major pool view, runs of consecutive pool
-blocks (a view instead of a gather), the prefix of blocks every row shares, the decode kernel's int32 tables and
+blocks (a view instead of a gather), the prefix of blocks every row shares, the decode kernel's tables and
 lengths. `TableMetadata` memoizes each until the tables change (`BlockTables.version` moves).
 
 A layer whose pool storage sits on another device than the pool's first layer reads them through `DeviceTables`,
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..attention.kernels.launch_config import INDEX_DTYPE
 from ..storage.transfer import to_device
 from .block_tables import BlockTables, GatherTables, head_major_index
 
@@ -76,9 +77,9 @@ class TableMetadata(GatherTables):
         return self if device == self.pool.device else DeviceTables(self, device)
 
     def step(self, num_tokens: int) -> dict:
-        """Decode metadata for a step with `num_tokens` per row: int32 block tables and seq_lens, plus memos that
-        the attention of every layer shares (first keys, backends, kernel launches). Built by the first layer, reused
-        by the rest.
+        """Decode metadata for a step with `num_tokens` per row: int64 block tables and seq_lens (what every caller
+        hands the kernels: `launch_config.INDEX_DTYPE`), plus memos that the attention of every layer shares (first
+        keys, backends, kernel launches). Built by the first layer, reused by the rest.
 
         Kernel positions count from the first block still held: `seq_lens = num_tokens - base * block_size`, and
         `position_offset` says how much to subtract from an absolute position."""
@@ -86,12 +87,12 @@ class TableMetadata(GatherTables):
         key = ("step", num_tokens)
         step = memo.get(key)
         if step is None:
-            tables = self.tables_tensor().to(torch.int32)
+            tables = self.tables_tensor()
             position_offset = self.tables.base * self.pool.block_size
             step = {
                 "block_tables": tables,
                 "seq_lens": torch.full(
-                    (self.num_rows,), num_tokens - position_offset, dtype=torch.int32, device=tables.device
+                    (self.num_rows,), num_tokens - position_offset, dtype=INDEX_DTYPE, device=tables.device
                 ),
                 "position_offset": position_offset,
                 "kv_starts": {},

@@ -190,6 +190,9 @@ class DecodeRunner:
         held block, then where a row's input id comes from on the device: `feed`), then per layer group a `[rows, W]`
         block table."""
         num_groups, width = self.pool.num_groups, self.graph_width
+        # An even number of rows: every field's row and every group's tables then start on 16 bytes, as the kernels'
+        # compiled variants expect them (Triton specializes a pointer on its alignment; tests/test_launch_variants.py).
+        max_rows += max_rows % 2
         self._num_fields = 3 + 2 * num_groups
         size = max_rows * (self._num_fields + num_groups * width)
         # Normal tensors even when a step (under inference mode) widens them: a compiled forward guards on its inputs'

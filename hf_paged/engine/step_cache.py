@@ -33,6 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..attention import plan_placeholders, store_backend, store_kv_rows
+from ..attention.kernels.launch_config import INDEX_DTYPE
 from ..attention.plan import EXPANDED_PLAN_KWARG
 from ..attention.step_plan import GroupStep, StepPlan
 from ..cache.gather import GatherWorkspace, workspace_for
@@ -191,22 +192,21 @@ class StepCache(Cache):
             ]
             host_seq_lens = [end - first for end, first in zip(ends, first_positions)]
             hosts.append((width, decode_width, num_table_blocks, first_positions, host_seq_lens))
-            longs += [padded, slots]
-            # The decode rows' tables in int32 (the decode kernel's), the prefill rows' lengths on their own
-            # (an aligned tensor, where a slice of all the rows' lengths may not start on 16 bytes).
+            # The decode rows' tables at their own width (the decode kernel's), the prefill rows' lengths on their
+            # own (an aligned tensor, where a slice of all the rows' lengths may not start on 16 bytes); tables and
+            # lengths in the kernels' `INDEX_DTYPE`, the int64 of the slots and positions.
             decode_tables = [
                 entry for row in range(num_decode) for entry in padded[row * width : row * width + decode_width]
             ]
-            ints += [host_seq_lens, host_seq_lens[num_decode:], decode_tables]
-        longs, ints = to_device(longs, torch.long, device), to_device(ints, torch.int32, device)
+            longs += [padded, slots, host_seq_lens, host_seq_lens[num_decode:], decode_tables]
+        longs, ints = to_device(longs, INDEX_DTYPE, device), to_device(ints, torch.int32, device)
         self.position_ids = longs[0].view(1, -1)  # [1, T]: the model's position_ids
         self.input_ids = longs[1].view(1, -1) if token_ids is not None else None  # [1, T]
         self.logits_indices = longs[2]  # [B] (or [num_logits]): where each row's next-token logits are
         self._prefill_cu_seqlens = ints[0]  # [chunks + 1]
         groups = []
         for g, (width, decode_width, num_table_blocks, first_positions, host_seq_lens) in enumerate(hosts):
-            tables, slots = longs[3 + 2 * g : 5 + 2 * g]
-            seq_lens, prefill_seq_lens, decode_tables = ints[1 + 3 * g : 4 + 3 * g]
+            tables, slots, seq_lens, prefill_seq_lens, decode_tables = longs[3 + 5 * g : 8 + 5 * g]
             tables = tables.view(-1, width)
             groups.append(
                 GroupStep(

@@ -95,7 +95,7 @@ def paged_decode_attention(
     """Decode attention over the paged pool; arguments and shapes as in `paged_decode_attention_torch`.
 
     query `[B, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`, block_tables
-    `[B, max_blocks_per_seq]` int32, seq_lens `[B]` int32 -> `[B, num_q_heads, head_dim]` in `query.dtype`.
+    `[B, max_blocks_per_seq]` and seq_lens `[B]` int32 or int64 -> `[B, num_q_heads, head_dim]` in `query.dtype`.
     `backend`: "auto" | "triton" | "torch"; `None` follows `HF_PAGED_ATTENTION_BACKEND`.
     """
     kwargs = dict(scale=scale, kv_start=kv_start, sliding_window=sliding_window, softcap=softcap, out=out)
@@ -143,7 +143,7 @@ def paged_prefill_attention(
     `paged_prefill_attention_torch`.
 
     query `[num_tokens, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`,
-    block_tables `[B, max_blocks_per_seq]` int32, cu_seqlens_q `[B + 1]` int32, seq_lens `[B]` int32 ->
+    block_tables `[B, max_blocks_per_seq]` and seq_lens `[B]` int32 or int64, cu_seqlens_q `[B + 1]` int32 ->
     `[num_tokens, num_q_heads, head_dim]` in `query.dtype`. `backend` as in `paged_decode_attention`.
     """
     args = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens)

@@ -28,6 +28,11 @@ import torch
 
 # Compute capabilities that CI compiles every kernel variant for (docs/kernels.md): A100, H100/H200.
 CHECKED_CAPABILITIES = (80, 90)
+# The dtype of the block tables, sequence lengths and first keys (`kv_start`) every caller hands the kernels
+# (PagedCache eager and compiled, the Engine's packed step and decode runner; `cu_seqlens_q` is int32): a pointer's
+# dtype is part of a compiled variant, so one dtype is one variant per launch configuration, the one CI compiles
+# (resources.py; tests/test_launch_variants.py records what the callers launch).
+INDEX_DTYPE = torch.int64
 TILE_REGISTERS = 16  # per thread, for its share of one [BLOCK_N, head_dim_pad] K or V tile
 # Narrow heads: past these, a longer tile adds more logits ([BLOCK_G, BLOCK_N] fp32) than K/V per thread.
 MAX_BLOCK_N = 64

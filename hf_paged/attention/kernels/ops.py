@@ -55,7 +55,7 @@ def paged_decode_attention_op(
     backend: str,
 ) -> torch.Tensor:
     """query `[B, num_q_heads, head_dim]`, caches `[num_blocks, block_size, num_kv_heads, head_dim]`, block_tables
-    `[B, max_blocks_per_seq]` int32, seq_lens `[B]` int32, kv_start `[B]` int32 or None -> `[B, num_q_heads,
+    `[B, max_blocks_per_seq]` and seq_lens `[B]` int32 or int64, kv_start `[B]` the same or None -> `[B, num_q_heads,
     head_dim]` in `query.dtype` (see `paged_decode_attention_torch`)."""
     return _decode(
         query, key_cache, value_cache, block_tables, seq_lens, kv_start, scale, sliding_window, softcap, backend

@@ -103,10 +103,11 @@ def paged_decode_attention_torch(
         query: `[B, num_q_heads, head_dim]`; the token's own K/V must already be in the cache.
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]`; `num_q_heads` is a multiple of
             `num_kv_heads` (q head `h` reads kv head `h // (num_q_heads // num_kv_heads)`).
-        block_tables: `[B, max_blocks_per_seq]` int32 block ids; entries past a sequence's length are ignored.
-        seq_lens: `[B]` int32, tokens in the cache per sequence (>= 1), the new one included.
+        block_tables: `[B, max_blocks_per_seq]` int32 or int64 block ids (the library's callers pass int64:
+            `launch_config.INDEX_DTYPE`); entries past a sequence's length are ignored.
+        seq_lens: `[B]` int32 or int64, tokens in the cache per sequence (>= 1), the new one included.
         scale: logit scale, usually `head_dim ** -0.5`.
-        kv_start: `[B]` int32, optional; positions `< kv_start[b]` are masked out (left padding).
+        kv_start: `[B]` int32 or int64, optional; positions `< kv_start[b]` are masked out (left padding).
         sliding_window: optional; attend only to the last `sliding_window` positions (the new one included).
         softcap: optional; logits become `softcap * tanh(logits / softcap)` after scaling (Gemma 2).
         out: optional `[B, num_q_heads, head_dim]` tensor to write into.
@@ -212,12 +213,13 @@ def paged_prefill_attention_torch(
             `cu_seqlens_q[b] : cu_seqlens_q[b + 1]`, in order. Their K/V must already be in the cache.
         key_cache, value_cache: `[num_blocks, block_size, num_kv_heads, head_dim]` (q head `h` reads kv head
             `h // (num_q_heads // num_kv_heads)`).
-        block_tables: `[B, max_blocks_per_seq]` int32 block ids; entries past a sequence's length are ignored.
+        block_tables: `[B, max_blocks_per_seq]` int32 or int64 block ids (int64 from the library's callers);
+            entries past a sequence's length are ignored.
         cu_seqlens_q: `[B + 1]` int32, the cumulative new-token counts (`cu_seqlens_q[0] == 0`).
-        seq_lens: `[B]` int32, tokens in the cache per sequence, its new ones included: new token `i` of sequence
-            `b` is at position `seq_lens[b] - q_len_b + i` and sees the keys at positions up to its own.
+        seq_lens: `[B]` int32 or int64, tokens in the cache per sequence, its new ones included: new token `i` of
+            sequence `b` is at position `seq_lens[b] - q_len_b + i` and sees the keys at positions up to its own.
         scale: logit scale, usually `head_dim ** -0.5`.
-        kv_start: `[B]` int32, optional; positions `< kv_start[b]` are masked out (left padding).
+        kv_start: `[B]` int32 or int64, optional; positions `< kv_start[b]` are masked out (left padding).
         sliding_window: optional; a query at position `p` sees keys `k` with `p - k < sliding_window`.
         softcap: optional; logits become `softcap * tanh(logits / softcap)` after scaling (Gemma 2).
         sinks: `[num_q_heads]` float, optional; one more logit per head in the softmax denominator that attends to

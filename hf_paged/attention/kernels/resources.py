@@ -160,11 +160,12 @@ def _small_decode_call(dtype, head_dim, group, block_size, num_splits, option) -
     query = torch.zeros(batch, 1, num_kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)[:, :, 0]
     # the head-major pool [kv_heads, num_blocks, block_size, head_dim], viewed as NHD (BlockPool.nhd_view)
     pool = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
-    block_tables = torch.zeros(batch, 3, dtype=torch.int32)
-    seq_lens = torch.full((batch,), 2 * block_size, dtype=torch.int32)
+    # tables, lengths and first keys in the dtype every caller hands the kernels (launch_config.INDEX_DTYPE)
+    block_tables = torch.zeros(batch, 3, dtype=launch_config.INDEX_DTYPE)
+    seq_lens = torch.full((batch,), 2 * block_size, dtype=launch_config.INDEX_DTYPE)
     kwargs = {}
     if option in ("kv_start", "all"):
-        kwargs["kv_start"] = torch.zeros(batch, dtype=torch.int32)
+        kwargs["kv_start"] = torch.zeros(batch, dtype=launch_config.INDEX_DTYPE)
     if option in ("window", "all"):
         kwargs["sliding_window"] = 4096
     if option in ("softcap", "all"):
@@ -182,12 +183,12 @@ def _small_prefill_call(dtype, head_dim, group, block_size, option) -> None:
     num_kv_heads, num_blocks, num_tokens = 2, 6, 5
     query = torch.zeros(1, num_kv_heads * group, num_tokens, head_dim, dtype=dtype).transpose(1, 2)[0]
     pool = torch.zeros(num_kv_heads, num_blocks, block_size, head_dim, dtype=dtype).permute(1, 2, 0, 3)
-    block_tables = torch.zeros(2, 3, dtype=torch.int32)
+    block_tables = torch.zeros(2, 3, dtype=launch_config.INDEX_DTYPE)
     cu_seqlens_q = torch.tensor([0, 2, num_tokens], dtype=torch.int32)
-    seq_lens = torch.tensor([block_size + 2, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([block_size + 2, 3], dtype=launch_config.INDEX_DTYPE)
     kwargs = {}
     if option in ("kv_start", "all"):
-        kwargs["kv_start"] = torch.zeros(2, dtype=torch.int32)
+        kwargs["kv_start"] = torch.zeros(2, dtype=launch_config.INDEX_DTYPE)
     if option in ("window", "all"):
         kwargs["sliding_window"] = 4096
     if option in ("softcap", "all"):
