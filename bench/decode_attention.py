@@ -38,6 +38,7 @@ from tabulate import tabulate
 
 from hf_paged import BlockPool
 from hf_paged.attention.kernels import gather_kv, paged_decode_attention, resolve_backend
+from hf_paged.attention.kernels.launch_config import INDEX_DTYPE
 
 # Peak HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name(); the first row whose words all occur
 # in the name wins, so the more specific rows come first.
@@ -147,8 +148,8 @@ def sdpa_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sca
 
 
 def decode_inputs(args, batch: int, context: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]` int32, seq_lens `[B]` int32)
-    for `batch` sequences of `context` cached tokens: `ragged_inputs` with every row as long."""
+    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]`, seq_lens `[B]`) for `batch`
+    sequences of `context` cached tokens: `ragged_inputs` with every row as long."""
     return ragged_inputs(args, [context] * batch, head_dim, device)
 
 
@@ -167,12 +168,12 @@ def ragged_lengths(batch: int, lo: int, hi: int, seed: int = 0) -> list[int]:
 
 
 def ragged_inputs(args, lengths: list[int], head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]` int32, seq_lens `[B]` int32)
-    for rows of `lengths` cached tokens in `args.dtype`, seeded: the caches stored as a BlockPool stores them
-    (head-major: each head's blocks contiguous) and handed over as the pool hands them to the kernels
-    (`BlockPool.nhd_view`, `[num_blocks, block_size, num_kv_heads, head_dim]`), the block tables scattered, as in a pool
-    that has served many requests; each table row as wide as the longest, the columns past a row's blocks pointing at
-    other rows' blocks."""
+    """(query `[B, q_heads, head_dim]`, key_cache, value_cache, block_tables `[B, n]`, seq_lens `[B]`) for rows of
+    `lengths` cached tokens in `args.dtype`, seeded: the tables and lengths in the dtype the library hands the kernels
+    (`launch_config.INDEX_DTYPE`); the caches stored as a BlockPool stores them (head-major: each head's blocks
+    contiguous) and handed over as the pool hands them to the kernels (`BlockPool.nhd_view`, `[num_blocks,
+    block_size, num_kv_heads, head_dim]`), the block tables scattered, as in a pool that has served many requests;
+    each table row as wide as the longest, the columns past a row's blocks pointing at other rows' blocks."""
     dtype = DTYPES[args.dtype]
     blocks = [math.ceil(n / args.block_size) for n in lengths]
     num_blocks, width = sum(blocks), max(blocks)
@@ -180,14 +181,14 @@ def ragged_inputs(args, lengths: list[int], head_dim: int, device: torch.device)
     shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
     key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    ids = torch.randperm(num_blocks, generator=gen, device=device).to(torch.int32)
+    ids = torch.randperm(num_blocks, generator=gen, device=device).to(INDEX_DTYPE)
     query = torch.randn(len(lengths), args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
-    tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, device=device, dtype=torch.int32)
+    tables = torch.randint(0, num_blocks, (len(lengths), width), generator=gen, device=device, dtype=INDEX_DTYPE)
     first = 0
     for row, n in enumerate(blocks):
         tables[row, :n] = ids[first : first + n]
         first += n
-    seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    seq_lens = torch.tensor(lengths, dtype=INDEX_DTYPE, device=device)
     return query, key_cache, value_cache, tables, seq_lens
 
 

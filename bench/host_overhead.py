@@ -222,7 +222,7 @@ def compiled_decode(model, backend: str, repeats: int, prompt_len: int, steps: i
                 model, PagedCache(config=model.config, max_cache_len=max_cache_len), prompts, backend
             ),
             'PagedCache, "hf_paged"': CompiledDecoder(
-                paged_model, PagedCache(config=model.config, max_cache_len=max_cache_len), prompts, backend
+                paged_model, PagedCache(config=paged_model.config, max_cache_len=max_cache_len), prompts, backend
             ),
         }
         for decoder in decoders.values():  # each compiles at its first step

@@ -121,8 +121,8 @@ def launcher_rows(calls: int) -> list[list]:
     rows = []
     for batch in (1, 16, 32):
         query = torch.zeros(batch, 1, num_kv_heads * group, head_dim, dtype=dtype).transpose(1, 2)[:, :, 0]
-        tables = (torch.arange(64 * batch, dtype=torch.int32) % num_blocks).view(batch, 64)
-        lengths = torch.full((batch,), 64 * block_size, dtype=torch.int32)
+        tables = (torch.arange(64 * batch, dtype=launch_config.INDEX_DTYPE) % num_blocks).view(batch, 64)
+        lengths = torch.full((batch,), 64 * block_size, dtype=launch_config.INDEX_DTYPE)
         states = torch.zeros(batch, num_kv_heads, 1, head_dim, dtype=dtype)
         slots = torch.arange(batch)
         block_n = launch_config.decode_config(head_dim, dtype, None).block_n

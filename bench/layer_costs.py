@@ -46,6 +46,7 @@ from hf_paged import BlockPool, PagedCache  # noqa: E402
 from hf_paged.attention import PAGED_ATTENTION  # noqa: E402
 from hf_paged.attention.interface import paged_attention_forward  # noqa: E402
 from hf_paged.attention.kernels.dispatch import resolve_backend  # noqa: E402
+from hf_paged.attention.kernels.launch_config import INDEX_DTYPE  # noqa: E402
 
 
 def time_calls(call, iters: int, device: torch.device, warmup: int = 5) -> dict:
@@ -133,8 +134,8 @@ def pieces(model, batch: int, context: int, iters: int) -> list[dict]:
         randn(num_blocks, block_size, kv_heads, head_dim),
         randn(num_blocks, block_size, kv_heads, head_dim),
     )
-    block_tables = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_row].view(batch, -1).int()
-    seq_lens = torch.full((batch,), context + 1, dtype=torch.int32, device=device)
+    block_tables = torch.randperm(num_blocks - 1, device=device)[: batch * blocks_per_row].view(batch, -1)
+    seq_lens = torch.full((batch,), context + 1, dtype=INDEX_DTYPE, device=device)
     slots = (block_tables[:, context // block_size].long() * block_size + context % block_size).contiguous()
     flat_k, flat_v = key_cache.view(-1, kv_heads, head_dim), value_cache.view(-1, kv_heads, head_dim)
     token_slots = (block_tables.long()[:, :, None] * block_size + torch.arange(block_size, device=device)).view(

@@ -84,8 +84,12 @@ def bench_cell(args, batch: int, new: int, cached: int, device: torch.device, pe
     shape = (args.num_kv_heads, num_blocks, args.block_size, args.head_dim)
     key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    block_tables = (
+        torch.randperm(num_blocks, generator=gen, device=device)
+        .view(batch, blocks_per_seq)
+        .to(launch_config.INDEX_DTYPE)
+    )
+    seq_lens = torch.full((batch,), seq_len, dtype=launch_config.INDEX_DTYPE, device=device)
     cu_seqlens_q = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
     query = torch.randn(batch * new, args.num_q_heads, args.head_dim, generator=gen, dtype=dtype, device=device)
     scale = args.head_dim**-0.5

@@ -97,8 +97,12 @@ def prefill_inputs(args, batch: int, new: int, cached: int, head_dim: int, devic
     shape = (args.num_kv_heads, num_blocks, args.block_size, head_dim)
     key_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
     value_cache = BlockPool.nhd_view(torch.randn(shape, generator=gen, dtype=dtype, device=device))
-    block_tables = torch.randperm(num_blocks, generator=gen, device=device).view(batch, blocks_per_seq).int()
-    seq_lens = torch.full((batch,), seq_len, dtype=torch.int32, device=device)
+    block_tables = (
+        torch.randperm(num_blocks, generator=gen, device=device)
+        .view(batch, blocks_per_seq)
+        .to(launch_config.INDEX_DTYPE)
+    )
+    seq_lens = torch.full((batch,), seq_len, dtype=launch_config.INDEX_DTYPE, device=device)
     cu_seqlens_q = torch.arange(0, (batch + 1) * new, new, dtype=torch.int32, device=device)
     query = torch.randn(batch * new, args.num_q_heads, head_dim, generator=gen, dtype=dtype, device=device)
     return query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens

@@ -365,3 +365,30 @@ def test_a_decode_step_sends_its_values_in_one_copy_and_the_tables_when_they_cha
     assert all(v.data_ptr() % 16 == 0 for v in views) and len({v.untyped_storage().data_ptr() for v in views}) == 1
     assert steps.past_length.item() == 9 and steps.slot_mapping[0].tolist() == [cache.block_tables[0][2] * 4 + 1]
     assert all(t.dtype == torch.int64 for t in (*views, *steps.block_tables))
+
+
+@pytest.mark.parametrize("first, second", [("hf_paged", "sdpa"), ("sdpa", "hf_paged")])
+def test_the_attention_is_asked_at_every_reserved_step(first, second):
+    """A model switched between "hf_paged" and sdpa after its cache was built (`hf_paged.enable`,
+    `set_attn_implementation`): the next reserved step hands sdpa K/V, and "hf_paged" a plan, as the eager path does."""
+    require_triton_on_cpu()
+    base = tiny_model("llama")
+    prompt, tokens = random_prompt(6), [torch.tensor([[5]]), torch.tensor([[7]])]
+    with torch.inference_mode():
+        reference = DynamicCache(config=base.config)
+        base(prompt, cache=reference)
+        base(tokens[0], cache=reference)
+        expected = base(tokens[1], cache=reference).logits
+        model = copy.deepcopy(base)
+        if first == "hf_paged":
+            hf_paged.enable(model, backend="triton")
+        cache = PagedCache(config=model.config, max_cache_len=32)
+        model(prompt, cache=cache)
+        model(tokens[0], cache=cache)
+        if second == "hf_paged":
+            hf_paged.enable(model, backend="triton")
+        else:
+            model.set_attn_implementation("sdpa")
+        logits = model(tokens[1], cache=cache).logits
+    assert cache._fixed._plans == (second == "hf_paged")
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)

@@ -69,7 +69,7 @@ def test_every_launch_of_the_library_takes_a_variant_ci_compiles(launches, monke
     monkeypatch.setenv("HF_PAGED_ATTENTION_BACKEND", "triton")
     driven = _driven(launches)
     recorded, _ = launches
-    # tables and lengths in INDEX_DTYPE, kv_start and cu_seqlens_q in int32, slots in int64, the rest floats
+    # tables, lengths, kv_start and slots in INDEX_DTYPE, cu_seqlens_q in int32, the rest floats
     dtypes = {dtype for pointers in driven.values() for specs in pointers for dtype, _ in specs}
     assert {dtype for dtype in dtypes if not dtype.is_floating_point} == {launch_config.INDEX_DTYPE, torch.int32}
 

@@ -157,7 +157,9 @@ class BlockTables:
         block_size = self.pool.block_size
         # A write further on in the one block the writers' last write made writable, with no table change since (the
         # memo goes at each): that block is already their own and no block is missing (a decode step's common case).
-        # A block is shared only once full and cached, and the first write into a cached block uncaches it.
+        # Another holder can only come through a table change of these tables (`share_from` and `select_rows` clear
+        # both sides' memos) or a prefix lookup, which takes only cached blocks: full ones, and the write that made
+        # this block writable left it uncached.
         open_key = ("open block", writers)
         last = self._memo.get(open_key)
         if last is not None and start >= last[1] and start // block_size == (end - 1) // block_size == last[0]:

@@ -231,7 +231,7 @@ class ReservedSteps:
         self._config = config
         self._group_of = group_of_layer(tables.layer_groups)
         self._plans, self._backends = False, None  # set by reserve
-        # Whether the "hf_paged" attention's kernel runs on the pool's device (`_kernel_runs`), worked out at the
+        # Whether the "hf_paged" attention's kernel can run on the pool's device (`_kernel_runs`), worked out at the
         # first reservation on that device, as its backends are.
         self._kernel_device: torch.device | None = None
         self._kernel_runs = False
@@ -265,14 +265,16 @@ class ReservedSteps:
             tables.prepare_write(tables.writers(), past_length, end)
         device = self._tables.pool.device
         self.steps.fill(self._tables.groups, past_length, num_new_tokens, device)
-        # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan.
+        # A decode step of the "hf_paged" attention where its kernel can run: placeholders carrying a plan. The
+        # attention is asked at every step (`hf_paged.enable` or `set_attn_implementation` may switch it between two);
+        # whether the kernel runs on the pool's device, and its backends, once per device.
         if self._kernel_device != device:
             self._kernel_device = device
-            self._kernel_runs = runs_paged_attention(self._config) and triton_possible(device)
+            self._kernel_runs = triton_possible(device)
             # NOTE: a dict, not the shared read-only mapping: dynamo breaks the graph at a read of a mapping proxy
             # once the traced frame mutated any dict (transformers pops `return_dict` from the forward's kwargs).
             self._backends = dict(resolve_backends(device)) if self._kernel_runs else None
-        self._plans = num_new_tokens == 1 and self._kernel_runs
+        self._plans = num_new_tokens == 1 and self._kernel_runs and runs_paged_attention(self._config)
         self.pending = self.unsettled = num_new_tokens
 
     def settle(self) -> None:
