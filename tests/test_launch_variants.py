@@ -3,7 +3,8 @@
 Triton compiles a variant per pointer argument's dtype and 16-byte alignment: a caller handing a kernel int32 tables
 where another hands int64 makes a second variant, compiled on the GPU in the middle of a run and never checked for
 spills. So every launch the library makes (PagedCache eagerly and compiled, the Engine's packed step and its decode
-runner) must take the pointers' dtypes and alignments of a launch that `resources.py` drives, kernel by kernel.
+runner, on a uniform model and on one of two layer groups whose sliding layers release blocks) must take the
+pointers' dtypes and alignments of a launch that `resources.py` drives, kernel by kernel.
 """
 
 from __future__ import annotations
@@ -109,6 +110,15 @@ def test_every_launch_of_the_library_takes_a_variant_ci_compiles(launches, monke
         "llama", prompts, [4, 6, 3]
     )
     assert engine.runner.stats.eager_steps > 0  # decode-only steps ran on the runner
+
+    # A model of two layer groups, its sliding layers' tables released past their window (each row's first held
+    # block moves), eagerly and in the Engine.
+    gemma = hf_paged.enable(copy.deepcopy(tiny_model("gemma3")), backend="triton")
+    gemma.generate(input_ids, attention_mask=attention_mask, cache=PagedCache(config=gemma.config), max_new_tokens=6)
+    engine, pool = tiny_engine("gemma3", 64, max_num_seqs=3, max_num_batched_tokens=10)
+    assert engine.generate(prompts, max_new_tokens=[5, 12, 6], ignore_eos=True) == greedy_reference(
+        "gemma3", prompts, [5, 12, 6]
+    )
 
     assert eager and compiled and len(recorded) > eager + compiled
     kernels = {kernel for kernel, _ in recorded}
