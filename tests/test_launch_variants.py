@@ -26,14 +26,9 @@ from transformers.generation import CompileConfig
 import hf_paged
 from hf_paged import PagedCache
 from hf_paged.attention.kernels import launch_config, resources
-from hf_paged.attention.kernels.direct import DirectKernel
+from hf_paged.attention.kernels.direct import DirectKernel, pointer_keys
 
 pytestmark = pytest.mark.slow
-
-
-def _pointers(args: tuple) -> tuple:
-    """What a compiled variant specializes a launch's tensors on: each one's dtype and 16-byte alignment."""
-    return tuple((arg.dtype, arg.data_ptr() % 16 == 0) for arg in args if isinstance(arg, torch.Tensor))
 
 
 @pytest.fixture
@@ -43,7 +38,8 @@ def launches(monkeypatch):
     run = [True]
 
     def recording(self, grid, key, args, options):
-        recorded.append((self.fn.__name__, _pointers(args)))
+        # what a compiled variant specializes the launch's tensors on: each one's dtype and 16-byte alignment
+        recorded.append((self.fn.__name__, pointer_keys(*(arg for arg in args if isinstance(arg, torch.Tensor)))))
         if run[0]:
             launch(self, grid, key, args, options)
 

@@ -27,7 +27,6 @@ which counts in the layers' lengths what a reserved forward wrote once the host 
 
 from __future__ import annotations
 
-import itertools
 import math
 import weakref
 from typing import TYPE_CHECKING
@@ -41,7 +40,7 @@ from ..attention.kernels.launch_config import INDEX_DTYPE
 from ..errors import UnsupportedModel
 from ..storage import BlockPool, KVLayout, group_of_layer
 from ..storage.pool import check_positive_int
-from ..storage.transfer import ALIGN_BYTES
+from ..storage.transfer import aligned_flat
 from .block_tables import head_major_index
 from .store import heads_first
 from .visible import runs_paged_attention
@@ -132,8 +131,8 @@ class FixedWidthSteps:
 
 class StepValues:
     """Tensors of int64 values a step sends to the device, as static views of one device tensor, written by one copy
-    (`write`). Each starts on 16 bytes (`ALIGN_BYTES`), as a freshly made tensor does: the kernels' compiled variants
-    specialize on it.
+    (`write`). Each starts on 16 bytes (`aligned_flat`, the layout of `to_device`'s copy), as a freshly made tensor
+    does: the kernels' compiled variants specialize on it.
 
     Args:
         shapes (`list[tuple[int, ...]]`): the tensors' shapes.
@@ -141,24 +140,18 @@ class StepValues:
     """
 
     def __init__(self, shapes: list[tuple[int, ...]], device: torch.device):
-        step = ALIGN_BYTES // INDEX_DTYPE.itemsize
         sizes = [math.prod(shape) for shape in shapes]
-        offsets = list(itertools.accumulate([-(-size // step) * step for size in sizes], initial=0))
+        flat, offsets = aligned_flat([[0] * size for size in sizes], INDEX_DTYPE)
         with torch.inference_mode(False):  # normal tensors: a step outside inference mode writes them too
-            self.device = torch.zeros(offsets[-1], dtype=INDEX_DTYPE, device=device)
+            self.device = torch.zeros(len(flat), dtype=INDEX_DTYPE, device=device)
             self.views = [
                 _static(self.device[offset : offset + size].view(shape))
                 for offset, size, shape in zip(offsets, sizes, shapes)
             ]
-        self._padding = [[0] * (end - offset - size) for offset, end, size in zip(offsets, offsets[1:], sizes)]
 
     def write(self, values: list[list[int]]) -> None:
         """One copy of every tensor's values (flat, in order) into the views."""
-        flat = []
-        for tensor_values, padding in zip(values, self._padding):
-            flat += tensor_values
-            flat += padding
-        copy_from_host(self.device, flat)
+        copy_from_host(self.device, aligned_flat(values, INDEX_DTYPE)[0])
 
 
 def copy_from_host(buffer: torch.Tensor, values: list[int]) -> None:

@@ -26,6 +26,15 @@ def to_device(segments: Sequence[Sequence[int]], dtype: torch.dtype, device: tor
             "a step's tensors are made from host values here, which a CUDA graph cannot capture: capture a forward of "
             "a compileable PagedCache (max_cache_len=...) or the Engine's decode runner instead"
         )
+    flat, offsets = aligned_flat(segments, dtype)
+    host = torch.tensor(flat, dtype=dtype, pin_memory=device.type == "cuda" and torch.cuda.is_available())
+    values = host if device.type == "cpu" else host.to(device, non_blocking=host.is_pinned())
+    return [values[offset : offset + len(segment)] for offset, segment in zip(offsets, segments)]
+
+
+def aligned_flat(segments: Sequence[Sequence[int]], dtype: torch.dtype) -> tuple[list[int], list[int]]:
+    """(the segments' values one after the other, each padded with zeros up to the next `ALIGN_BYTES` boundary of
+    `dtype` elements; where each segment starts): the layout of one tensor whose segments all start aligned."""
     step = max(1, ALIGN_BYTES // dtype.itemsize)
     flat: list[int] = []
     offsets = []
@@ -33,6 +42,4 @@ def to_device(segments: Sequence[Sequence[int]], dtype: torch.dtype, device: tor
         offsets.append(len(flat))
         flat.extend(segment)
         flat.extend([0] * (-len(flat) % step))
-    host = torch.tensor(flat, dtype=dtype, pin_memory=device.type == "cuda" and torch.cuda.is_available())
-    values = host if device.type == "cpu" else host.to(device, non_blocking=host.is_pinned())
-    return [values[offset : offset + len(segment)] for offset, segment in zip(offsets, segments)]
+    return flat, offsets
