@@ -95,6 +95,32 @@ class Server:
         """A client for one `asyncio.run` (its connections belong to that event loop)."""
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
+    def metrics_while_streaming(self, prompts: list[str]) -> dict[str, float]:
+        """Metrics read while one stream per prompt (no max_tokens, eos ignored) has started; the streams are closed
+        after. The requests are sent at once: sent one after the other, the first could grow past what admission
+        keeps for the last (a slow client on a busy machine) and the last would wait."""
+
+        async def streaming() -> dict[str, float]:
+            client = self.async_client()
+            streams = await asyncio.gather(
+                *(
+                    client.completions.create(
+                        model=self.model_dir, prompt=prompt, stream=True, extra_body={"ignore_eos": True}
+                    )
+                    for prompt in prompts
+                )
+            )
+            try:
+                for stream in streams:  # every one has started; none may end before (ignore_eos)
+                    await stream.__anext__()
+                return self.metrics()
+            finally:
+                for stream in streams:
+                    await stream.close()
+                await client.close()
+
+        return asyncio.run(streaming())
+
     def get(self, path: str) -> tuple[int, str]:
         try:
             with urllib.request.urlopen(self.url + path, timeout=10) as response:
@@ -830,17 +856,7 @@ def test_requests_without_max_tokens_run_at_once_and_the_model_is_pinned(server)
     admission reserves only --decode-reserve-tokens (256) of growth for it: three such streams run together in a pool
     of 1,024 tokens, where reserving each one's whole room would run one at a time."""
     before = server.wait_idle()
-    streams = [
-        server.client.completions.create(
-            model=server.model_dir, prompt=f"stream {i} of three", stream=True, extra_body={"ignore_eos": True}
-        )  # ignore_eos: none may end before all three have started
-        for i in range(3)
-    ]
-    for stream in streams:
-        next(iter(stream))
-    running = server.metrics()["hf_paged_requests_running"]
-    for stream in streams:
-        stream.close()
+    running = server.metrics_while_streaming([f"stream {i} of three" for i in range(3)])["hf_paged_requests_running"]
     assert running == 3
     after = server.wait_idle()
     # Each ended once: aborted when its client went away, or finished at the pool's limit if it got there first (a
@@ -863,28 +879,8 @@ def test_sixteen_streams_without_max_tokens_all_run_at_once_in_a_341_block_pool(
     try:
         assert server.metrics()["hf_paged_kv_blocks"] == 341
 
-        async def sixteen_streams() -> tuple[float, float]:
-            client = server.async_client()
-            streams = await asyncio.gather(
-                *(
-                    client.completions.create(
-                        model=server.model_dir,
-                        prompt=f"stream {i} of sixteen",
-                        stream=True,
-                        extra_body={"ignore_eos": True},
-                    )
-                    for i in range(16)
-                )
-            )
-            for stream in streams:  # every stream has started: none may end before (ignore_eos, ~2,000 tokens)
-                await stream.__anext__()
-            metrics = server.metrics()
-            for stream in streams:
-                await stream.close()
-            await client.close()
-            return metrics["hf_paged_requests_running"], metrics["hf_paged_requests_waiting"]
-
-        running, waiting = asyncio.run(sixteen_streams())
+        metrics = server.metrics_while_streaming([f"stream {i} of sixteen" for i in range(16)])
+        running, waiting = metrics["hf_paged_requests_running"], metrics["hf_paged_requests_waiting"]
         assert (running, waiting) == (16, 0)
         assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
     finally:
