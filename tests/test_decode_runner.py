@@ -42,6 +42,37 @@ def test_decode_steps_through_the_runner_match_generate(name, padded):
     assert pool.num_used_blocks == 0  # the block padding rows wrote to went back after each step
 
 
+def test_the_padding_block_is_held_before_admission_so_a_full_pool_never_preempts():
+    """Three requests whose peaks fill the pool exactly run together: the block padding rows write to (3 rows run as
+    4) is taken before they are admitted, so admission counts it, not from under the admitted rows at the first
+    padded step (which preempted one)."""
+    engine, pool = tiny_engine("llama", 6, max_num_seqs=4)
+    engine.runner.pad_to_buckets = True
+    prompts = [[1, 2], [5, 6], [9, 10]]  # 2 + 7 new tokens: 8 K/V tokens, 2 blocks each
+    assert engine.generate(prompts, max_new_tokens=7, ignore_eos=True) == greedy_reference("llama", prompts, [7] * 3)
+    assert engine.stats.num_preemptions == 0 and engine.runner.stats.padded_rows > 0
+    assert pool.num_used_blocks == 0
+
+
+def test_a_request_that_needs_every_block_runs_with_the_padding_block_given_back():
+    """A request that needs the whole pool alone, queued while the runner holds its padding block, gets that block
+    once nothing else runs (it runs unpadded), instead of failing as if a block were held outside the engine."""
+    engine, pool = tiny_engine("llama", 6, max_num_seqs=4)
+    engine.runner.pad_to_buckets = True
+    for first in (1, 5, 9):
+        engine.add_request([first, first + 1], max_new_tokens=3, ignore_eos=True)
+    engine.step()
+    engine.step()  # a padded decode step: 3 rows as 4
+    assert engine.runner.holds_padding_block
+    prompt = list(range(10, 31))  # 21 prompt + 4 new tokens: 24 K/V tokens, the pool's 6 blocks
+    big = engine.add_request(prompt, max_new_tokens=4, ignore_eos=True)
+    while engine.has_unfinished():
+        engine.step()
+    request = engine.request(big)
+    assert request.error is None and request.output_ids == greedy_reference("llama", [prompt], [4])[0]
+    assert pool.num_used_blocks == 0
+
+
 def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypatch):
     """An eager step gathers each layer's K and V into the runner's two grow-only buffers (a fresh output per layer
     cost more in page faults than the copy on CPU), taken once per step and read by every layer; the tokens stay
@@ -170,22 +201,23 @@ def test_sampled_rows_through_the_runner_repeat_with_their_seeds():
     assert runs[0] == runs[1]
 
 
-def test_a_step_padded_with_no_free_block_runs_its_rows_alone():
-    """Padding rows need a block of their own; a full pool runs the step unpadded instead of failing."""
+def test_a_step_padded_with_no_padding_block_runs_its_rows_alone():
+    """Padding rows need a block of their own, which the runner takes only while no request runs: without one (a
+    pool full then), padded steps run their rows alone, and no block is taken mid-run."""
     engine, pool = tiny_engine("llama", 64, max_num_seqs=4)
     engine.runner.pad_to_buckets = True
     prompts = random_prompts((5, 11, 3))
-    engine.add_request(prompts[0], max_new_tokens=4)
-    engine.add_request(prompts[1], max_new_tokens=4)
-    engine.add_request(prompts[2], max_new_tokens=4)
+    for prompt in prompts:
+        engine.add_request(prompt, max_new_tokens=4)
     engine.step()  # the prefill of all three
+    engine.runner.release()  # as if the pool had been full before the step
     taken = pool.allocator.allocate(pool.allocator.num_free_blocks)
     before = engine.runner.stats.padded_rows
     engine.step()  # 3 decode rows, bucket 4, no block for the fourth
-    assert engine.runner.stats.padded_rows == before
     pool.allocator.free(taken)
     while engine.has_unfinished():
         engine.step()
+    assert engine.runner.stats.padded_rows == before and not engine.runner.holds_padding_block
     outputs = [engine.request(request_id).output_ids for request_id in range(3)]
     assert outputs == greedy_reference("llama", prompts, [4, 4, 4])
 
@@ -447,8 +479,8 @@ def test_the_traced_stand_in_catches_a_value_frozen_at_capture(monkeypatch):
 
 @pytest.mark.parametrize("padded", [False, True])
 def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
-    """The padding rows' block is taken once per busy period, not once a step: a step that took and freed one would
-    cycle the free queue and evict a cached prefix block every step."""
+    """The padding rows' block is taken once per busy period (before its first admission), not once a step: a step
+    that took and freed one would cycle the free queue and evict a cached prefix block every step."""
     model = tiny_model("llama", "hf_paged")
     pool = BlockPool.for_model(model, num_blocks=40, block_size=4, enable_prefix_caching=True)
     engine = Engine(model, pool, max_num_seqs=4, enable_prefix_caching=True)
@@ -463,8 +495,9 @@ def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
     assert num_cached() == 24
     engine.generate(random_prompts((3, 5, 6), seed=7), max_new_tokens=30, ignore_eos=True)  # 3 rows, bucket 4
     kept = num_cached()
-    # The three requests take 12 blocks from the head of the free queue (every one of them cached); padding: one more
-    assert kept == (11 if padded else 12)
+    # The three requests take 12 cached blocks from the head of the free queue. Padded, each of the two busy periods
+    # took one block more, the first from the never-used ones (which then went back behind the cached ones): two more.
+    assert kept == (10 if padded else 12)
     assert (engine.runner.stats.padded_rows > 0) == padded
     assert pool.num_used_blocks == 0
 

@@ -292,12 +292,29 @@ class DecodeRunner:
                 self._copied = None
             self._allocate(self._max_rows)
 
-    def _padding_block(self) -> int | None:
-        """The block padding rows write to, taken at the first padded step and kept until the Engine has no request
-        left (`release`): taking one per step would cycle the free queue and evict a cached prefix block each time."""
+    @property
+    def pads(self) -> bool:
+        """Whether decode steps may run padding rows (padded to buckets, or a graph to capture)."""
+        return self.pad_to_buckets or (self.cuda_graphs and self.capture_error is None)
+
+    @property
+    def holds_padding_block(self) -> bool:
+        return self._dummy_block is not None
+
+    def hold_padding_block(self) -> bool:
+        """Take the block padding rows write to, if one is free; whether the runner holds one.
+
+        The Engine calls it only while no request runs, before admission (`Engine._place_padding_block`): a block
+        taken while requests run would be one admission's lookahead counted on for them. It is kept until the Engine
+        has no request left (`release`): taking one per step would cycle the free queue and evict a cached prefix
+        block each time. Without one, padded steps run their own rows only."""
         allocator = self.pool.allocator
         if self._dummy_block is None and allocator.can_allocate(1):
             (self._dummy_block,) = allocator.allocate(1)
+        return self._dummy_block is not None
+
+    def _padding_block(self) -> int | None:
+        """The block padding rows write to, None when the runner holds none (`hold_padding_block`)."""
         return self._dummy_block
 
     def release(self) -> None:

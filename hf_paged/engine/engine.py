@@ -521,6 +521,20 @@ class Engine:
                 self._note_finished(request)
             self._release_runner_when_idle()
 
+    def _place_padding_block(self) -> None:
+        """The block the decode runner's padding rows write to, taken or given back only while no request runs, so
+        that admission sees it held: taken while requests run, it would be a block admission's lookahead counted on
+        for them (a preemption, or a request that fits the pool alone failing), and held, it would keep a waiting
+        request that needs every block from running (that one then runs unpadded)."""
+        runner, scheduler = self.runner, self.scheduler
+        if runner is None or scheduler.running or not scheduler.waiting or not runner.pads:
+            return
+        spare = self.pool.num_free_blocks - scheduler.block_manager.solo_need(scheduler.waiting[0])
+        if runner.holds_padding_block and spare < 0:
+            runner.release()
+        elif not runner.holds_padding_block and spare >= 1:
+            runner.hold_padding_block()
+
     def _release_runner_when_idle(self) -> None:
         """No request left: the runner gives back the block its padding rows write to."""
         if self.runner is not None and not self.scheduler.has_unfinished():
@@ -548,6 +562,7 @@ class Engine:
     # ----------------------------------------------------------------- step
     def _step(self) -> list[tuple[int, int]]:
         self._num_attempts += 1
+        self._place_padding_block()
         if not self.async_scheduling:
             return self._sync_step()
         # The events of tokens read in a step that then raised are handed back by the next one (`_read`).
