@@ -243,6 +243,26 @@ def test_from_prefix_rejects_batches_and_release_checks_rows():
     assert pool.num_used_blocks == 0
 
 
+def test_release_refuses_token_ids_after_beam_search_and_caches_nothing():
+    """After beam search the rows are beams and generate() returns its hypotheses by score: row i need not hold
+    out[i]'s tokens, so caching row i's blocks under out[i]'s hashes would hand a later from_prefix other K/V."""
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=64, block_size=2, enable_prefix_caching=True)
+    prompt = torch.randint(1, 128, (1, 9), generator=torch.Generator().manual_seed(0))
+    cache = PagedCache(config=model.config, pool=pool)
+    out = model.generate(prompt, past_key_values=cache, max_new_tokens=8, num_beams=2, num_return_sequences=2)
+    with pytest.raises(ValueError, match="after beam search: the cache's rows are its beams"):
+        cache.release(token_ids=out)
+    assert pool.num_used_blocks == 0 and pool.stats()["cached_blocks"] == 0
+    # Released, the cache is empty and not beams any more: a greedy generation's blocks are cached again.
+    greedy = model.generate(prompt, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    cache.release(token_ids=greedy)
+    assert pool.stats()["cached_blocks"] == 12 // 2  # prompt + 3 fed tokens
+    with PagedCache.from_prefix(pool, greedy, model.config) as hit:
+        assert hit.get_seq_length() == 12
+        assert torch.equal(model.generate(greedy, past_key_values=hit, max_new_tokens=4), _cold(model, greedy, 4))
+
+
 # ------------------------------------------------------------------------------------------------ regressions
 # What the machine found: an update() that raised PoolExhausted held the blocks it held before, but had changed the
 # prefix cache (it took fresh blocks, then failed on a copy-on-write). Now it counts fresh blocks and copies first.

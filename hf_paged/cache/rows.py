@@ -61,12 +61,16 @@ class CacheRows:
         self.group_windows = group_windows
         self.sliding_groups = tuple(group for group, window in enumerate(group_windows) if window is not None)
         self._fixed = fixed
+        # Whether beam search reordered the rows since the last release: its rows are then beams, and what generate()
+        # returns is its best finished hypotheses, so no row's tokens are known to `release(token_ids=...)`.
+        self.reordered = False
 
     def reorder(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: row i continues beam `beam_idx[i]`; a hybrid model's states are index-selected on the batch
         dim, as DynamicCache does."""
         self._select_rows(beam_idx.tolist())
         self.states.select_rows(beam_idx)
+        self.reordered = True
 
     def repeat(self, repeats: int) -> None:
         """Each row `repeats` times in a row (`batch_repeat_interleave`)."""
@@ -149,6 +153,7 @@ class CacheRows:
             for layer in self.paged_layers:
                 layer.cumulative_length = 0
             self.states.clear()
+            self.reordered = False
 
     def _cache_rows(self, token_ids, attention_mask) -> None:
         """Remember every full block of every unpadded row in the prefix cache (see `release`)."""
@@ -157,6 +162,12 @@ class CacheRows:
         check_prefix_caching(blocks.pool, "release(token_ids=...)")
         if not blocks.num_rows:
             return
+        if self.reordered:
+            raise ValueError(
+                "release(token_ids=...) after beam search: the cache's rows are its beams, and generate() returns the "
+                "best finished hypotheses in order of score, so no row is known to hold the tokens given for it; "
+                "release() without token_ids (the blocks go back uncached)"
+            )
         rows = token_rows(token_ids)
         if len(rows) != blocks.num_rows:
             raise ValueError(f"release got token_ids for {len(rows)} rows, the cache holds {blocks.num_rows}")
@@ -183,6 +194,7 @@ class CacheRows:
             if source.is_initialized:
                 layer.dtype, layer.device, layer.is_initialized = source.dtype, source.device, True
         self.states.copy_from(other.states)
+        self.reordered = other.reordered
 
     def adopt_prefix(self, token_ids: list[int]) -> None:
         """Begin with one row holding the longest prefix of `token_ids` the pool has cached, leaving at least one
