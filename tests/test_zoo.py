@@ -112,6 +112,13 @@ def test_enable_refuses_attention_of_its_own():
         hf_paged.enable(model)
 
 
+def test_a_compileable_cache_refuses_a_model_that_sizes_its_bias_from_the_cache():
+    model = zoo.tiny_model("bloom", "BloomForCausalLM")
+    PagedCache(config=model.config)  # the eager cache serves it (the zoo's "paged" path)
+    with pytest.raises(UnsupportedModel, match="model type 'bloom': it builds its ALiBi bias over"):
+        PagedCache(config=model.config, max_cache_len=32)
+
+
 def test_the_attention_function_applies_sinks_as_transformers_does():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 

@@ -368,6 +368,7 @@ class Counts:
     updates: int = 0  # PagedCache.update calls
     step_updates: int = 0  # StepCache.update calls (the Engine's)
     row_updates: int = 0  # RowCache.update calls (the Engine's per-request step, with the model's own attention)
+    fixed_updates: int = 0  # ReservedSteps.update calls (a compileable PagedCache's fixed-width steps)
     attention_calls: int = 0  # calls of the "hf_paged" attention function
     plans: int = 0  # of those, calls that read K/V through a decode plan
 
@@ -398,6 +399,17 @@ def _attention(model, model_inputs) -> GenerateResult:
 
     hf_paged.enable(model, backend="torch")
     return _paged(model, model_inputs)
+
+
+# A compileable cache's width: room for the prompt and the new tokens.
+FIXED_CACHE_LEN = 64
+
+
+def _fixed(model, model_inputs) -> GenerateResult:
+    """Eager generate() on a compileable cache: every step after the prompt a fixed-width (reserved) step."""
+    from hf_paged import PagedCache
+
+    return generate(model, model_inputs, cache=PagedCache(config=model.config, max_cache_len=FIXED_CACHE_LEN))
 
 
 # The Engine's shapes: blocks of 4 tokens (a prompt spans several, a sliding window of 8 releases some) and 6
@@ -459,6 +471,13 @@ PATHS: list[ZooPath] = [
         lambda counts: counts.updates > 0 and counts.attention_calls > 0,
     ),
     ZooPath(
+        "fixed",
+        f"PagedCache(max_cache_len={FIXED_CACHE_LEN}), eager (the compileable cache's steps)",
+        _fixed,
+        "greedy",
+        lambda counts: counts.fixed_updates > 0,
+    ),
+    ZooPath(
         "engine",
         "Engine.generate (each prompt vs generate() of it alone)",
         _engine,
@@ -474,14 +493,20 @@ def _instrument(counts: Counts) -> None:
     """In a zoo child: count PagedCache.update calls and calls of the "hf_paged" attention function."""
     from hf_paged.attention import interface, plan_of
     from hf_paged.cache import PagedCache
+    from hf_paged.cache.fixed_width import ReservedSteps
     from hf_paged.engine import StepCache
     from hf_paged.engine.per_request import RowCache
 
     update, step_update, row_update = PagedCache.update, StepCache.update, RowCache.update
+    fixed_update = ReservedSteps.update
 
     def counted_update(self, *args, **kwargs):
         counts.updates += 1
         return update(self, *args, **kwargs)
+
+    def counted_fixed_update(self, *args, **kwargs):
+        counts.fixed_updates += 1
+        return fixed_update(self, *args, **kwargs)
 
     def counted_step_update(self, *args, **kwargs):
         counts.step_updates += 1
@@ -499,6 +524,7 @@ def _instrument(counts: Counts) -> None:
         return attend(module, query, key, *args, **kwargs)
 
     PagedCache.update = counted_update
+    ReservedSteps.update = counted_fixed_update
     StepCache.update = counted_step_update
     RowCache.update = counted_row_update
     # register() (called by enable()) registers whatever this module name holds.
@@ -565,7 +591,8 @@ def run_architecture(model_type: str, class_name: str, report: Callable[[str, di
         if isinstance(reference, Exception):
             report(path.name, {"outcome": "reference fails", "detail": _short(reference)})
             continue
-        counts.updates = counts.step_updates = counts.row_updates = counts.attention_calls = counts.plans = 0
+        counts.updates = counts.step_updates = counts.row_updates = counts.fixed_updates = 0
+        counts.attention_calls = counts.plans = 0
         try:
             got = path.run(model, model_inputs)
         except Exception as error:

@@ -335,19 +335,32 @@ class ReservedSteps:
         return plan_placeholders(key_states, value_states, plan)
 
 
+# Models whose own code sizes or changes what a fixed-width step hands attention: each step's K/V and masks describe
+# `max_cache_len` keys (a first prefill: the prompt's own), as StaticCache's do, and these read something else. Found
+# by the zoo's "fixed" path (tests/zoo.py), each a raw error or other tokens than DynamicCache's.
+FIXED_WIDTH_REFUSALS = {
+    "bloom": "it builds its ALiBi bias over cache.get_max_length() keys at every forward, a first prefill's included",
+    "cpmant": "it adds prompt tokens of its own and builds its mask inside its forward, not from the cache's sizes",
+    "dory": "its recurrent loops attend copies of the cache's layers, which a fixed-width step does not describe",
+    "git": "it concatenates image K/V to what cache.update() returns",
+    "prophetnet": "its n-gram streams attend the cache's K/V through masks of their own",
+    "xlm": "it builds its attention mask without asking the cache's sizes, so no step is reserved before a forward",
+}
+
+
 def check_compileable(model_type: str | None, layout: KVLayout, has_states: bool, kv_sources: frozenset) -> None:
     """Refuse (`UnsupportedModel`) a model whose cache holds what a fixed-width step cannot: `has_states` (linear
-    attention / mamba / conv states), latent K/V, indexer keys, or KV-sharing layers (`kv_sources`)."""
+    attention / mamba / conv states), latent K/V, indexer keys, or KV-sharing layers (`kv_sources`), and the models
+    of `FIXED_WIDTH_REFUSALS`."""
     layer_types = layout.layer_types
-    reason = None
-    if has_states:
-        reason = "its linear-attention / mamba / conv states are not paged"
-    elif layout.latent:
-        reason = "it expands latent K/V (multi-head latent attention) after cache.update()"
-    elif "indexed_attention" in layer_types:
-        reason = "its indexer keys live beside the pool"
-    elif "dummy" in layer_types or kv_sources:
-        reason = "its KV-sharing layers attend another layer's K/V"
+    reasons = (
+        (model_type in FIXED_WIDTH_REFUSALS, FIXED_WIDTH_REFUSALS.get(model_type)),
+        (has_states, "its linear-attention / mamba / conv states are not paged"),
+        (layout.latent, "it expands latent K/V (multi-head latent attention) after cache.update()"),
+        ("indexed_attention" in layer_types, "its indexer keys live beside the pool"),
+        ("dummy" in layer_types or kv_sources, "its KV-sharing layers attend another layer's K/V"),
+    )
+    reason = next((reason for applies, reason in reasons if applies), None)
     if reason is not None:
         raise UnsupportedModel(model_type, reason, "PagedCache(max_cache_len=...)")
 
