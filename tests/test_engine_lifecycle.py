@@ -128,6 +128,12 @@ def test_each_prompt_of_a_call_samples_on_its_own():
         (dict(prompts=[[1]], top_p=0), ValueError, r"top_p must be in \(0, 1\], got 0"),
         (dict(prompts=[[1]] * 4, seed=[0, 1]), ValueError, "seed has 2 entries for 4 prompts"),
         (dict(prompts=[[1]], seed="0"), TypeError, "seed must be an int"),
+        # prompt i is seeded with seed + i: the last one past 64 bits
+        (
+            dict(prompts=[[1]] * 2, seed=2**64 - 1),
+            ValueError,
+            r"seed must be a 64-bit integer, .* got 18446744073709551616",
+        ),
         (dict(prompts=[[1]], stop_token_ids=[[1], [2]]), ValueError, "stop_token_ids has 2 entries for 1 prompts"),
     ],
 )
@@ -167,8 +173,10 @@ def test_add_request_misuse():
     engine, _ = tiny_engine()
     with pytest.raises(TypeError, match="unknown sampling keyword 'top_pp' .did you mean 'top_p'"):
         engine.add_request([1, 2], top_pp=0.5)
-    with pytest.raises(ValueError, match="seed must be an int or None, got"):
+    with pytest.raises(ValueError, match="seed must be None or a 64-bit int, .* got \\[0, 1\\]"):
         engine.add_request([1, 2], seed=[0, 1])
+    with pytest.raises(ValueError, match="seed must be None or a 64-bit int, .* got 18446744073709551616"):
+        engine.add_request([1, 2], seed=2**64)
     with pytest.raises(ValueError, match="no request with id 'a': this engine has issued no ids yet"):
         engine.request("a")
     assert not engine.has_unfinished()

@@ -84,6 +84,7 @@ def test_a_frequency_penalty_changes_greedy_output_and_repeats_less():
         (dict(presence_penalty=3.0), "presence_penalty must be a number in [-2, 2]"),
         (dict(repetition_penalty=0), "repetition_penalty must be a number > 0"),
         (dict(logit_bias=((1, "a"),)), "logit_bias must be a tuple of (token id, bias) pairs"),
+        (dict(logit_bias=((1, float("nan")),)), "each bias a number (not NaN)"),
         (dict(min_tokens=-1), "min_tokens must be an int >= 0"),
     ],
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import event
 from hypothesis import strategies as st
@@ -47,6 +48,7 @@ class Tracked:
     def __init__(self, cache: PagedCache):
         self.cache = cache
         self.rows: list[list[int]] = []
+        self.reordered = False  # reorder_cache since the last release: release(token_ids=...) then raises
 
     def __repr__(self) -> str:
         return f"Tracked(rows={self.rows}, tables={self.cache.block_tables})"
@@ -190,6 +192,11 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         expected = dict(before.cached)
         if mode == "none" or not t.rows:
             t.cache.release()
+        elif t.reordered:
+            # Beam search's rows need not be generate()'s sequences: the token ids are refused, the blocks go back.
+            with pytest.raises(ValueError, match="after beam search"):
+                t.cache.release(token_ids=torch.tensor(t.rows))
+            event("release: token_ids refused after a reorder")
         else:
             padded = [
                 mode == "token_ids+mask" and data.draw(st.booleans(), label=f"padded[{row}]") for row in range(t.batch)
@@ -223,7 +230,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         freed = {b for table in tables for b in table if not others[b]}
         assert sorted(after.free[len(before.free) :]) == sorted(freed), "release() freed other blocks than its own"
         assert t.cache.block_tables == [] and t.cache.get_seq_length() == 0
-        t.rows = []
+        t.rows, t.reordered = [], False
 
     def remember_released(self, row: list[int]) -> None:
         if row and tuple(row) not in self.released:
@@ -342,6 +349,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         before = self.snapshot()
         t.cache.reorder_cache(torch.tensor(indices))
         t.rows = [list(t.rows[i]) for i in indices]
+        t.reordered = True
         self.check_only_freed(before)
 
     @precondition(lambda self: any(t.rows for t in self.tracked))

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from ..errors import PositionLimitWarning
-from .sampling import SamplingParams
+from .sampling import SEED_RANGE, SamplingParams
 
 # The keywords `add_request` takes besides the prompt and `max_new_tokens`.
 SAMPLING_KEYWORDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "max_new_tokens")
@@ -158,6 +158,7 @@ def spread_over_prompts(num_prompts: int, max_new_tokens, sampling: dict) -> lis
             values = list(value)
         elif name == "seed" and value is not None:
             check_seed(value)
+            check_seed(value + num_prompts - 1)  # prompt i is seeded with seed + i
             values = [value + index for index in range(num_prompts)]
         else:
             values = [value] * num_prompts
@@ -173,10 +174,6 @@ def check_sampling_keywords(sampling: dict) -> None:
         close = difflib.get_close_matches(name, SAMPLING_KEYWORDS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise TypeError(f"unknown sampling keyword {name!r}{hint}; the keywords are {', '.join(SAMPLING_KEYWORDS)}")
-
-
-# What torch.Generator.manual_seed takes: a 64-bit integer, signed or not.
-SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def check_seed(seed) -> None:

@@ -11,6 +11,9 @@ from typing import NamedTuple
 
 import torch
 
+# What torch.Generator.manual_seed takes: a 64-bit integer, signed or not.
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -59,8 +62,10 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (an int; 0 keeps every token), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ValueError(f"seed must be an int or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
+            raise ValueError(
+                f"seed must be None or a 64-bit int, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}"
+            )
         if self.eos_token_id is not None and not _is_int(self.eos_token_id):
             raise ValueError(f"eos_token_id must be an int or None, got {self.eos_token_id!r}")
         if not isinstance(self.stop_token_ids, tuple) or not all(map(_is_int, self.stop_token_ids)):
@@ -76,10 +81,17 @@ class SamplingParams:
                 f"repetition_penalty must be a number > 0 (1 changes nothing), got {self.repetition_penalty!r}"
             )
         if not isinstance(self.logit_bias, tuple) or not all(
-            isinstance(pair, tuple) and len(pair) == 2 and _is_int(pair[0]) and _is_number(pair[1])
+            isinstance(pair, tuple)
+            and len(pair) == 2
+            and _is_int(pair[0])
+            and _is_number(pair[1])
+            and not math.isnan(pair[1])
             for pair in self.logit_bias
         ):
-            raise ValueError(f"logit_bias must be a tuple of (token id, bias) pairs, got {self.logit_bias!r}")
+            raise ValueError(
+                f"logit_bias must be a tuple of (token id, bias) pairs, each bias a number (not NaN), got "
+                f"{self.logit_bias!r}"
+            )
         if not _is_int(self.min_tokens) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
