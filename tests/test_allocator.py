@@ -197,3 +197,16 @@ def test_a_blocks_hash_packs_its_tokens_as_8_byte_little_endian_integers():
     assert hash_block_tokens(b"parent", 2, tuple(tokens)) == digest.digest()
     with pytest.raises(ValueError, match="64 bits"):
         hash_block_tokens(None, 0, [2**63])
+
+
+def test_a_spare_block_is_one_that_caches_nothing_when_there_is_one():
+    allocator = BlockAllocator(4, enable_prefix_caching=True)
+    blocks = allocator.allocate(3)
+    for block_id, block_hash in zip(blocks[:2], (b"a" * 32, b"b" * 32)):
+        allocator.cache_block(block_id, block_hash)
+    allocator.free(blocks)  # queue: 3 (never used), then 0 and 1 (cached), 2 (caches nothing)
+    assert allocator.allocate_spare() == 2  # the least recently freed block that caches nothing
+    assert allocator.allocate_spare() == 3  # then a never-used one
+    assert allocator.allocate_spare() == 0 and allocator.num_cached_blocks == 1  # then the LRU cached one, evicted
+    assert allocator.allocate_spare() == 1 and allocator.allocate_spare() is None
+    allocator.check_invariants()

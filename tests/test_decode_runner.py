@@ -54,16 +54,22 @@ def test_the_padding_block_is_held_before_admission_so_a_full_pool_never_preempt
     assert pool.num_used_blocks == 0
 
 
-def test_a_request_that_needs_every_block_runs_with_the_padding_block_given_back():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+@pytest.mark.parametrize("padding_turned_off", [False, True])
+def test_a_request_that_needs_every_block_runs_with_the_padding_block_given_back(async_scheduling, padding_turned_off):
     """A request that needs the whole pool alone, queued while the runner holds its padding block, gets that block
-    once nothing else runs (it runs unpadded), instead of failing as if a block were held outside the engine."""
-    engine, pool = tiny_engine("llama", 6, max_num_seqs=4)
+    once nothing else runs (it runs unpadded), instead of failing as if a block were held outside the engine: also
+    when the others' last tokens are still in flight (asynchronous scheduling sets them aside), and at once when
+    padding was turned off meanwhile (as a failed graph capture turns it off)."""
+    engine, pool = tiny_engine("llama", 6, max_num_seqs=4, async_scheduling=async_scheduling)
     engine.runner.pad_to_buckets = True
     for first in (1, 5, 9):
         engine.add_request([first, first + 1], max_new_tokens=3, ignore_eos=True)
     engine.step()
     engine.step()  # a padded decode step: 3 rows as 4
     assert engine.runner.holds_padding_block
+    if padding_turned_off:
+        engine.runner.capture_error, engine.runner.pad_to_buckets = "RuntimeError: a capture failed", False
     prompt = list(range(10, 31))  # 21 prompt + 4 new tokens: 24 K/V tokens, the pool's 6 blocks
     big = engine.add_request(prompt, max_new_tokens=4, ignore_eos=True)
     while engine.has_unfinished():
@@ -71,6 +77,20 @@ def test_a_request_that_needs_every_block_runs_with_the_padding_block_given_back
     request = engine.request(big)
     assert request.error is None and request.output_ids == greedy_reference("llama", [prompt], [4])[0]
     assert pool.num_used_blocks == 0
+
+
+def test_the_padding_block_spares_the_cached_prompt_a_waiting_request_finds():
+    """The padding block is taken before admission, so not from the head of the free queue, which holds the least
+    recently freed block: the first block of the prompt resubmitted here. It takes a block that caches nothing."""
+    model = tiny_model("llama", "hf_paged")
+    pool = BlockPool.for_model(model, num_blocks=7, block_size=4, enable_prefix_caching=True)
+    engine = Engine(model, pool, max_num_seqs=4, enable_prefix_caching=True)
+    engine.runner.pad_to_buckets = True
+    prompt = list(range(1, 22))  # 21 tokens + 4 new: every block but the padding one; 5 full prompt blocks cached
+    first = engine.generate([prompt], max_new_tokens=4, ignore_eos=True)
+    hits = engine.scheduler.num_prefix_hit_tokens
+    assert engine.generate([prompt], max_new_tokens=4, ignore_eos=True) == first
+    assert engine.scheduler.num_prefix_hit_tokens - hits == 20 and pool.num_used_blocks == 0
 
 
 def test_eager_decode_steps_gather_every_layer_into_two_reused_buffers(monkeypatch):
@@ -495,8 +515,9 @@ def test_padding_rows_evict_at_most_one_cached_prefix_block(padded):
     assert num_cached() == 24
     engine.generate(random_prompts((3, 5, 6), seed=7), max_new_tokens=30, ignore_eos=True)  # 3 rows, bucket 4
     kept = num_cached()
-    # The three requests take 12 cached blocks from the head of the free queue. Padded, each of the two busy periods
-    # took one block more, the first from the never-used ones (which then went back behind the cached ones): two more.
+    # The three requests take 12 blocks from the head of the free queue (every one of them cached). Padded, each of
+    # the two busy periods held one block more (one that cached nothing, which the requests would have taken before
+    # a cached one): two cached blocks more in all, whatever the number of steps.
     assert kept == (10 if padded else 12)
     assert (engine.runner.stats.padded_rows > 0) == padded
     assert pool.num_used_blocks == 0

@@ -308,9 +308,9 @@ class DecodeRunner:
         taken while requests run would be one admission's lookahead counted on for them. It is kept until the Engine
         has no request left (`release`): taking one per step would cycle the free queue and evict a cached prefix
         block each time. Without one, padded steps run their own rows only."""
-        allocator = self.pool.allocator
-        if self._dummy_block is None and allocator.can_allocate(1):
-            (self._dummy_block,) = allocator.allocate(1)
+        if self._dummy_block is None:
+            # Not a cached block where another will do: the waiting request may be about to find it cached.
+            self._dummy_block = self.pool.allocator.allocate_spare()
         return self._dummy_block is not None
 
     def _padding_block(self) -> int | None:

@@ -527,7 +527,12 @@ class Engine:
         for them (a preemption, or a request that fits the pool alone failing), and held, it would keep a waiting
         request that needs every block from running (that one then runs unpadded)."""
         runner, scheduler = self.runner, self.scheduler
-        if runner is None or scheduler.running or not scheduler.waiting or not runner.pads:
+        if runner is None:
+            return
+        if not runner.pads:  # padding turned off (a capture failed): the block serves nothing
+            runner.release()
+            return
+        if scheduler.running or not scheduler.waiting:
             return
         spare = self.pool.num_free_blocks - scheduler.block_manager.solo_need(scheduler.waiting[0])
         if runner.holds_padding_block and spare < 0:
@@ -562,7 +567,6 @@ class Engine:
     # ----------------------------------------------------------------- step
     def _step(self) -> list[tuple[int, int]]:
         self._num_attempts += 1
-        self._place_padding_block()
         if not self.async_scheduling:
             return self._sync_step()
         # The events of tokens read in a step that then raised are handed back by the next one (`_read`).
@@ -585,6 +589,7 @@ class Engine:
             events = self._sync_step() if self.scheduler.has_unfinished() else []
             self._sync_next = False
             return events
+        self._place_padding_block()  # after the set-aside: requests whose last token is in flight no longer run
         checkpoint = self.scheduler.checkpoint()
         try:
             scheduled = self.scheduler.schedule()
@@ -730,6 +735,8 @@ class Engine:
     ) -> list[tuple[int, int]]:
         """A step whose tokens are read before it returns (`scheduled`: the step `schedule()` gave after
         `checkpoint`, when already made)."""
+        if scheduled is None:
+            self._place_padding_block()
         if checkpoint is None:
             checkpoint = self.scheduler.checkpoint()
         lockstep = self._lockstep

@@ -102,6 +102,20 @@ class BlockAllocator:
                 self._forget(block_id)  # evicted: new data will overwrite the cached contents
             return block_ids
 
+    def allocate_spare(self) -> int | None:
+        """Take one free block for scratch data, sparing cached ones: the least recently freed block that caches
+        nothing, else a never-used one, else the least recently used cached block (evicted); None when none is free.
+
+        Why: a block taken at the head of the queue (`allocate`) is the least recently freed one, which with prefix
+        caching is often the first block of the prompt a waiting request is about to find cached; O(free blocks)."""
+        with self.lock:
+            spare = next((block_id for block_id in self._free if block_id not in self._hash_of_block), None)
+            if spare is None:
+                return self.allocate(1)[0] if self.num_free_blocks else None
+            del self._free[spare]
+            self._ref_counts[spare] = 1
+            return spare
+
     def incref(self, block_ids: Iterable[int], times: int = 1) -> None:
         """Add `times` holders to each held block (a fork: a second block table now names it)."""
         with self.lock:
