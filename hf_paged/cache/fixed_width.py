@@ -354,13 +354,12 @@ def check_compileable(model_type: str | None, layout: KVLayout, has_states: bool
     of `FIXED_WIDTH_REFUSALS`."""
     layer_types = layout.layer_types
     reasons = (
-        (model_type in FIXED_WIDTH_REFUSALS, FIXED_WIDTH_REFUSALS.get(model_type)),
         (has_states, "its linear-attention / mamba / conv states are not paged"),
         (layout.latent, "it expands latent K/V (multi-head latent attention) after cache.update()"),
         ("indexed_attention" in layer_types, "its indexer keys live beside the pool"),
         ("dummy" in layer_types or kv_sources, "its KV-sharing layers attend another layer's K/V"),
     )
-    reason = next((reason for applies, reason in reasons if applies), None)
+    reason = FIXED_WIDTH_REFUSALS.get(model_type) or next((reason for applies, reason in reasons if applies), None)
     if reason is not None:
         raise UnsupportedModel(model_type, reason, "PagedCache(max_cache_len=...)")
 

@@ -174,7 +174,7 @@ class DecodeRunner:
         self._graphs_num_blocks = 0  # the pool's blocks when the graphs were captured
         # The runner's own streams for a capture and its warm-up, on the pool's device (not the current device's).
         self._capture_stream = self._warm_up_stream = None
-        self._dummy_block: int | None = None  # where padding rows write (`_padding_block`)
+        self._dummy_block: int | None = None  # where padding rows write (`hold_padding_block`)
         self._copied = None  # a CUDA event after the last host-to-device copy of the staging tensor
         self._gathers = GatherWorkspace()  # K and V of one layer at a time (`gather_buffer`)
         self._forward = model  # the model's forward over the runner's cache, compiled by `compile_forward`
@@ -238,10 +238,10 @@ class DecodeRunner:
         if self._graphs and self._graphs_num_blocks != self.pool.num_blocks:
             self._drop_graphs()  # a growable pool grew: its K/V are new tensors, which the graphs do not read
         self._fit_width(rows)
-        # Padding rows, and a capture, write to the runner's own block; with none free, the step runs its own rows
+        # Padding rows, and a capture, write to the runner's own block; with none held, the step runs its own rows
         # only, replayed only if their number is a captured bucket.
         needs_dummy = bucket > num_rows or (graphing and bucket not in self._graphs)
-        dummy = self._padding_block() if needs_dummy else None
+        dummy = self._dummy_block if needs_dummy else None  # held only if the Engine placed it (hold_padding_block)
         if needs_dummy and dummy is None:
             bucket = num_rows
         graphed = graphing and (bucket in self._graphs or (dummy is not None and self._capture(bucket, dummy)))
@@ -301,8 +301,8 @@ class DecodeRunner:
     def holds_padding_block(self) -> bool:
         return self._dummy_block is not None
 
-    def hold_padding_block(self) -> bool:
-        """Take the block padding rows write to, if one is free; whether the runner holds one.
+    def hold_padding_block(self) -> None:
+        """Take the block padding rows write to, if one is free (`holds_padding_block` says whether it did).
 
         The Engine calls it only while no request runs, before admission (`Engine._place_padding_block`): a block
         taken while requests run would be one admission's lookahead counted on for them. It is kept until the Engine
@@ -311,11 +311,6 @@ class DecodeRunner:
         if self._dummy_block is None:
             # Not a cached block where another will do: the waiting request may be about to find it cached.
             self._dummy_block = self.pool.allocator.allocate_spare()
-        return self._dummy_block is not None
-
-    def _padding_block(self) -> int | None:
-        """The block padding rows write to, None when the runner holds none (`hold_padding_block`)."""
-        return self._dummy_block
 
     def release(self) -> None:
         """Give back the padding rows' block (the Engine calls it when no request is left)."""

@@ -109,7 +109,7 @@ class BlockAllocator:
         Why: a block taken at the head of the queue (`allocate`) is the least recently freed one, which with prefix
         caching is often the first block of the prompt a waiting request is about to find cached; O(free blocks)."""
         with self.lock:
-            spare = next((block_id for block_id in self._free if block_id not in self._hash_of_block), None)
+            spare = next((block_id for block_id in self._free if not self.is_cached(block_id)), None)
             if spare is None:
                 return self.allocate(1)[0] if self.num_free_blocks else None
             del self._free[spare]
