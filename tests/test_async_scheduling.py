@@ -300,6 +300,8 @@ def test_sample_batch_draws_each_token_with_its_probability(device):
         SamplingParams(temperature=1.0),
         SamplingParams(temperature=0.5, top_k=2),
         SamplingParams(temperature=1.0, top_p=0.65),
+        SamplingParams(temperature=1e-40),  # logits / 1e-40 overflow: the greedy limit
+        SamplingParams(temperature=1.0, top_p=1e-46),  # 0 in float32: the first token still stays
     ]
     draws = 20_000
     torch.manual_seed(0)
@@ -312,6 +314,8 @@ def test_sample_batch_draws_each_token_with_its_probability(device):
             [0.1, 0.2, 0.3, 0.4, 0.0],
             [0.0, 0.0, *sharpened.tolist(), 0.0],
             [0.0, 0.0, 0.3 / 0.7, 0.4 / 0.7, 0.0],  # 0.4 then 0.3 reach 0.65: 0.2 and 0.1 are dropped
+            [0.0, 0.0, 0.0, 1.0, 0.0],
+            [0.0, 0.0, 0.0, 1.0, 0.0],
         ]
     )
     assert torch.allclose(frequencies, expected, atol=0.015), frequencies

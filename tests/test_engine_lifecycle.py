@@ -157,6 +157,35 @@ def test_per_prompt_lists_of_sampling_values():
     )
 
 
+def test_numpy_scalars_and_lists_of_bias_pairs_are_values_for_every_prompt():
+    """np.int64 / np.float32 arguments sample as the Python numbers they stand for; a list of (token id, bias) pairs
+    is one bias for every prompt (a list of dicts, one per prompt)."""
+    prompts = random_prompts((5, 9))
+    engine, pool = tiny_engine()
+    kwargs = dict(ignore_eos=True, temperature=0.8, top_k=5)
+    plain = engine.generate(prompts, max_new_tokens=4, seed=3, **kwargs)
+    numpy = engine.generate(
+        prompts, max_new_tokens=np.int64(4), seed=np.int64(3), **{**kwargs, "temperature": np.float32(0.8)}
+    )
+    assert numpy == plain
+    pairs = engine.generate(prompts, max_new_tokens=3, ignore_eos=True, logit_bias=[(7, 100.0), [8, 1.0]])
+    assert pairs == [[7, 7, 7], [7, 7, 7]]
+    per_prompt = engine.generate(prompts, max_new_tokens=3, ignore_eos=True, logit_bias=[{7: 100.0}, {9: 100.0}])
+    assert per_prompt == [[7, 7, 7], [9, 9, 9]]
+    assert pool.num_used_blocks == 0
+
+
+def test_a_tiny_temperature_or_top_p_is_the_greedy_limit():
+    """logits / 1e-40 overflow: the logits are shifted by their maximum first, so every other token gets -inf."""
+    prompts = random_prompts((5, 9))
+    engine, _ = tiny_engine()
+    greedy = engine.generate(prompts, max_new_tokens=4, ignore_eos=True)
+    assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1e-40, seed=0) == greedy
+    assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1e-40) == greedy
+    # top_p below float32's smallest number: 0 there, and the most likely token still stays
+    assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1.0, top_p=1e-46, seed=0) == greedy
+
+
 def test_a_prompt_tensor_is_one_prompt_and_a_2d_tensor_is_many():
     prompts = random_prompts((6, 6))
     engine, _ = tiny_engine()

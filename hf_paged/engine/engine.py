@@ -446,9 +446,11 @@ class Engine:
             sampling["stop_token_ids"] = tuple(sampling["stop_token_ids"])
         if isinstance(sampling.get("logit_bias"), dict):  # OpenAI's {token id: bias}
             sampling["logit_bias"] = tuple((int(token), bias) for token, bias in sampling["logit_bias"].items())
-        if (error := self.limits.logit_bias_error(sampling.get("logit_bias", ()))) is not None:
-            raise ValueError(error)
+        elif isinstance(sampling.get("logit_bias"), list):  # [(token id, bias), ...]
+            sampling["logit_bias"] = tuple(tuple(p) if isinstance(p, list) else p for p in sampling["logit_bias"])
         params = SamplingParams(max_new_tokens=max_new_tokens, **sampling)
+        if (error := self.limits.logit_bias_error(params.logit_bias)) is not None:
+            raise ValueError(error)
         capped = self.limits.cap_new_tokens(len(prompt_ids), params.max_new_tokens)
         if capped != params.max_new_tokens and capped >= 1:
             params = dataclasses.replace(params, max_new_tokens=capped)

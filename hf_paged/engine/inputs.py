@@ -148,7 +148,8 @@ def spread_over_prompts(num_prompts: int, max_new_tokens, sampling: dict) -> lis
     per_prompt = [{} for _ in range(num_prompts)]
     for name, value in {"max_new_tokens": max_new_tokens, **sampling}.items():
         is_list = isinstance(value, (list, tuple)) and not (
-            name == "stop_token_ids" and not any(isinstance(v, (list, tuple)) for v in value)
+            (name == "stop_token_ids" and not any(isinstance(v, (list, tuple)) for v in value))
+            or (name == "logit_bias" and _is_bias_pairs(value))
         )
         if is_list:
             if len(value) != num_prompts:
@@ -158,6 +159,7 @@ def spread_over_prompts(num_prompts: int, max_new_tokens, sampling: dict) -> lis
             values = list(value)
         elif name == "seed" and value is not None:
             check_seed(value)
+            value = int(value)  # a numpy integer would wrap around at seed + i
             check_seed(value + num_prompts - 1)  # prompt i is seeded with seed + i
             values = [value + index for index in range(num_prompts)]
         else:
@@ -176,8 +178,16 @@ def check_sampling_keywords(sampling: dict) -> None:
         raise TypeError(f"unknown sampling keyword {name!r}{hint}; the keywords are {', '.join(SAMPLING_KEYWORDS)}")
 
 
+def _is_bias_pairs(value) -> bool:
+    """Whether a `logit_bias` list is one value, (token id, bias) pairs for every prompt, rather than one entry per
+    prompt (each a dict or a list of pairs)."""
+    return bool(value) and all(
+        isinstance(pair, (list, tuple)) and len(pair) == 2 and isinstance(pair[0], numbers.Integral) for pair in value
+    )
+
+
 def check_seed(seed) -> None:
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise TypeError(f"seed must be an int (or, in generate/stream, a list of one per prompt), got {seed!r}")
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise ValueError(f"seed must be a 64-bit integer, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {seed}")

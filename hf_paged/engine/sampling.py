@@ -6,6 +6,7 @@ scheduling, for requests without a seed)."""
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -21,7 +22,8 @@ class SamplingParams:
 
     Args:
         max_new_tokens (`int`, defaults to 16): tokens to generate at most.
-        temperature (`float`, defaults to 0.0): 0 is greedy (argmax); otherwise logits are divided by it.
+        temperature (`float`, defaults to 0.0): 0 is greedy (argmax); otherwise logits are divided by it (after
+            subtracting their maximum, so a tiny temperature tends to greedy instead of overflowing).
         top_k (`int`, defaults to 0): keep the k most likely tokens (0: all).
         top_p (`float`, defaults to 1.0): keep the smallest set whose probability reaches top_p.
         seed (`int`, *optional*): seeds this request's own generator, so its samples do not depend on the batch.
@@ -54,6 +56,17 @@ class SamplingParams:
     logprobs: int | None = None
 
     def __post_init__(self):
+        # numpy and other numeric scalars (np.int64, np.float32) are taken as the Python numbers they stand for
+        for name in _SCALAR_FIELDS:
+            object.__setattr__(self, name, _plain(getattr(self, name)))
+        if isinstance(self.stop_token_ids, tuple):
+            object.__setattr__(self, "stop_token_ids", tuple(map(_plain, self.stop_token_ids)))
+        if isinstance(self.logit_bias, tuple):
+            object.__setattr__(
+                self,
+                "logit_bias",
+                tuple(tuple(map(_plain, pair)) if isinstance(pair, tuple) else pair for pair in self.logit_bias),
+            )
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
         if not _is_number(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
@@ -190,7 +203,10 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     """logits [vocab] (float) -> one token id, following `params`."""
     if params.temperature == 0.0:
         return int(logits.argmax())
-    logits = logits.float() / params.temperature
+    logits = logits.float()
+    # Shifted by the maximum before the division, so a tiny temperature gives -inf (not inf - inf = nan) to every
+    # token below the maximum: the greedy limit, ties kept
+    logits = (logits - logits.max()) / params.temperature
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -199,6 +215,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         # Drop a token when the tokens before it already reach top_p (the first token always stays).
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
+        drop[0] = False  # a top_p below float32's smallest number compares as 0
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
@@ -225,7 +242,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
 
     picked = [params[row] for row in sampled_rows]
     index = column(sampled_rows, torch.long)[:, 0]
-    x = logits.index_select(0, index).float() / column([p.temperature for p in picked], torch.float32)
+    x = logits.index_select(0, index).float()
+    x = (x - x.amax(-1, keepdim=True)) / column([p.temperature for p in picked], torch.float32)  # as in `sample`
     top_k, top_p = any(p.top_k > 0 for p in picked), any(p.top_p < 1.0 for p in picked)
     if top_k or top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)  # one sort serves both
@@ -240,11 +258,38 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         # A row without top-p beside rows with it: no threshold (float32 sums can reach 1.0 before the last token).
         thresholds = column([p.top_p if p.top_p < 1.0 else math.inf for p in picked], torch.float32)
         drop = probs.cumsum(-1) - probs >= thresholds
+        drop[:, 0] = False  # as in `sample`
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
     probs = x.softmax(-1)
     draws = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
     draws = draws.masked_fill(probs.isnan().any(-1), -1)
     return greedy.index_copy(0, index, draws)
+
+
+_SCALAR_FIELDS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "eos_token_id",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_tokens",
+    "logprobs",
+)
+
+
+def _plain(value):
+    """A numpy (or other) integer as an `int`, a real as a `float`; anything else (bools included) as it is."""
+    if isinstance(value, (bool, int, float)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)
+    return value
 
 
 def _is_int(value) -> bool:
