@@ -437,6 +437,18 @@ def test_bad_requests_fail_alone(server, kwargs, status, words):
 
 
 CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_tokens": 3}
+IMAGE_PART = {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}
+TOOL_ARGUMENTS = "messages[0].tool_calls[0].function.arguments"
+
+
+def chat_with(content, **message) -> dict:
+    """A chat body of one message with `content` (an assistant's, with `message`'s fields, when given)."""
+    role = "assistant" if message else "user"
+    return {"messages": [{"role": role, "content": content, **message}], "max_tokens": 3}
+
+
+def tool_call(arguments) -> dict:
+    return {"id": "call_0", "type": "function", "function": {"name": "lookup", "arguments": arguments}}
 
 
 @pytest.mark.parametrize(
@@ -463,6 +475,7 @@ CHAT_BODY = {"messages": [{"role": "user", "content": "hello there"}], "max_toke
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
+        ("/v1/completions", {"suffix": " END"}, "suffix"),
     ],
 )
 def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):
@@ -546,6 +559,7 @@ def test_logprobs_are_the_models_log_probabilities_of_each_generated_token(serve
         assert entry["top_logprobs"][0]["logprob"] == pytest.approx(entry["logprob"])
         assert entry["logprob"] == pytest.approx(expected[position].max().item(), abs=1e-3)
         assert bytes(entry["bytes"]).decode() == entry["token"]
+    assert "".join(entry["token"] for entry in content) == answer["choices"][0]["message"]["content"]
     status, answer = post_json(server, "/v1/completions", {"prompt": "hello", "max_tokens": 4, "logprobs": 2})
     assert status == 200, answer
     logprobs = answer["choices"][0]["logprobs"]
@@ -554,7 +568,12 @@ def test_logprobs_are_the_models_log_probabilities_of_each_generated_token(serve
         len(top) <= 2 and max(top.values()) == pytest.approx(lp)
         for top, lp in zip(logprobs["top_logprobs"], logprobs["token_logprobs"])
     )
-    assert "".join(logprobs["tokens"]).startswith(answer["choices"][0]["text"][:1])
+    # each token's text is what it adds to the answer (the word-level decoder puts spaces between words)
+    assert "".join(logprobs["tokens"]) == answer["choices"][0]["text"]
+    offsets = [sum(map(len, logprobs["tokens"][:i])) for i in range(4)]
+    assert logprobs["text_offset"] == offsets
+    text = answer["choices"][0]["text"]
+    assert all(text[offset:].startswith(token) for offset, token in zip(offsets, logprobs["tokens"]))
 
 
 def test_logprobs_of_an_answer_cut_at_a_stop_string(server):
@@ -691,13 +710,59 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
         ("/v1/chat/completions", CHAT_BODY | {"generation_config": "{not json"}, "generation_config"),
         ("/v1/completions", {"max_tokens": 3}, "prompt"),
         ("/v1/responses", {"max_output_tokens": 3}, "input"),
+        # bodies transformers' handlers fail on with a 500, or whose parts they drop without a word
+        ("/v1/chat/completions", chat_with([{"type": "text"}]), "messages[0].content[0].text"),
+        ("/v1/chat/completions", chat_with([{"type": "text", "text": 5}]), "messages[0].content[0].text"),
+        ("/v1/chat/completions", chat_with([IMAGE_PART]), "messages[0].content[0].type"),
+        ("/v1/chat/completions", chat_with([{"type": "foo"}]), "messages[0].content[0].type"),
+        ("/v1/chat/completions", chat_with("hi", tool_calls="call it"), "messages[0].tool_calls"),
+        ("/v1/chat/completions", chat_with("", tool_calls=[tool_call("{no json")]), TOOL_ARGUMENTS),
+        ("/v1/chat/completions", chat_with("", tool_calls=[tool_call(None)]), TOOL_ARGUMENTS),
+        ("/v1/chat/completions", chat_with("", tool_calls=[5]), "messages[0].tool_calls[0]"),
+        ("/v1/chat/completions", CHAT_BODY | {"tools": "all of them"}, "tools"),
+        ("/v1/chat/completions", CHAT_BODY | {"tools": [5]}, "tools[0]"),
+        ("/v1/chat/completions", CHAT_BODY | {"chat_template_kwargs": None}, "chat_template_kwargs"),
+        ("/v1/chat/completions", CHAT_BODY | {"chat_template_kwargs": "x"}, "chat_template_kwargs"),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"tokenize": False}},
+            "chat_template_kwargs.tokenize",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"generation_config": {"max_new_tokens": -1}},
+            "generation_config.max_new_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"generation_config": {"max_new_tokens": "5"}},
+            "generation_config.max_new_tokens",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"generation_config": {"stop_strings": 5}},
+            "generation_config.stop_strings",
+        ),
+        ("/v1/chat/completions", chat_with("hi \ud800"), "messages[0].content"),
+        ("/v1/completions", {"prompt": "hi \ud800", "max_tokens": 3}, "prompt"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": "false"}, "stream"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+        ),
+        ("/v1/responses", {"input": [{"type": "input_text"}], "max_output_tokens": 3}, "input"),
+        ("/v1/responses", {"input": [{"text": "hi"}], "max_output_tokens": 3}, "input"),
+        ("/v1/responses", {"input": "hi", "instructions": 5, "max_output_tokens": 3}, "instructions"),
     ],
 )
 def test_malformed_bodies_get_400_and_the_connection_keeps_working(server, path, body, param):
     connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    # (a lone surrogate is spelled as JSON's escape, which json.dumps would double)
+    text = json.dumps(body).replace("\\\\ud800", "\\ud800")
     try:
         for _ in range(2):  # the same keep-alive connection, twice
-            connection.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+            connection.request("POST", path, text, {"Content-Type": "application/json"})
             response = connection.getresponse()
             error = json.loads(response.read())
             assert response.status == 400 and error["error"]["param"] == param, error
@@ -804,6 +869,107 @@ def test_ignore_eos_and_stop(server, saved):
         model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0, stop=stop, stream=True
     )
     assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices) == full[: full.index(stop)]
+
+
+def answer_and_stream(server, body: dict) -> tuple[dict, str, str | None]:
+    """/v1/completions' answer to `body` in one JSON body, and the text and finish reason of the same streamed."""
+    status, answer = post_json(server, "/v1/completions", body)
+    assert status == 200, answer
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body | {"stream": True}), JSON_HEADERS)
+        events = connection.getresponse().read().decode().split("\n\n")
+    finally:
+        connection.close()
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    choices = [chunk["choices"][0] for chunk in chunks if chunk["choices"]]
+    reasons = [choice["finish_reason"] for choice in choices if choice.get("finish_reason")]
+    return answer, "".join(choice.get("text", "") for choice in choices), (reasons or [None])[-1]
+
+
+def test_a_stop_string_before_min_tokens_does_not_count(server, saved):
+    """vLLM's rule: no stop string ends a request before `min_tokens` tokens; the answer in one body is cut where the
+    stream was, at the first stop string that ends after them."""
+    prompt = "the quick brown fox"
+    full = greedy_text(saved, saved[1](prompt)["input_ids"], 8)
+    first = full.split()[0]
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": first, "min_tokens": 2}
+    answer, streamed, _ = answer_and_stream(server, body)
+    rest = full[len(first) :]
+    expected = full[: len(first) + rest.index(first)] if first in rest else full
+    assert answer["choices"][0]["text"] == streamed == expected
+
+
+def test_a_stop_on_the_last_allowed_token_finishes_with_stop(server, saved):
+    """The handlers name the finish reason from the token count; a stop string or stop token that ends the request on
+    its last allowed token is still "stop", as the Engine's reason, in one body and streamed."""
+    _, tokenizer, _ = saved
+    prompt = "the quick brown fox"
+    full_ids = tokenizer(greedy_text(saved, tokenizer(prompt)["input_ids"], 5), add_special_tokens=False)["input_ids"]
+    last = tokenizer.decode(full_ids[4:5])
+    if last in tokenizer.decode(full_ids[:4]):
+        pytest.skip("the fifth token's text comes earlier too")
+    base = {"prompt": prompt, "max_tokens": 5, "temperature": 0}
+    for extra in ({"stop": last}, {"stop_token_ids": [full_ids[4]]}):
+        answer, _, streamed_reason = answer_and_stream(server, base | extra)
+        assert answer["choices"][0]["finish_reason"] == streamed_reason == "stop", extra
+        assert answer["usage"]["completion_tokens"] == 5
+    answer, _, streamed_reason = answer_and_stream(server, base)
+    assert answer["choices"][0]["finish_reason"] == streamed_reason == "length"
+
+
+def test_a_list_of_one_prompt_is_that_prompt(server):
+    body = {"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
+    status, alone = post_json(server, "/v1/completions", body)
+    status_list, listed = post_json(server, "/v1/completions", body | {"prompt": [body["prompt"]]})
+    assert status == status_list == 200, listed
+    assert listed["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():
+    """A client gone while a chunk is being sent (the app's `send` raises, the body generator is suspended at its
+    yield): the response closes the generator then, so its handler cancels the Engine request without waiting for
+    garbage collection."""
+    import gc
+
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import StreamingResponse
+
+    from hf_paged.serve.handlers import ClosingStreamingResponse, _ending_with_done
+
+    closed = []
+
+    async def body():
+        try:
+            for index in range(100):
+                yield f"data: {index}\n\n"
+        finally:
+            closed.append(True)
+
+    async def send(message):
+        if message["type"] == "http.response.body" and message["body"]:
+            raise OSError("the client went away")
+
+    async def receive():
+        await asyncio.sleep(3600)
+
+    async def closed_once_sent(response) -> bool:
+        """Whether the body generator has been closed when the response returns (the event loop still runs: at its
+        end `asyncio.run` closes every async generator left)."""
+        closed.clear()
+        with pytest.raises(ClientDisconnect):  # starlette's name for the OSError of `send`
+            await response({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+        return bool(closed)
+
+    gc.disable()  # no collection may close it instead
+    try:
+        stock = StreamingResponse(_ending_with_done(body()), media_type="text/event-stream")
+        assert not asyncio.run(closed_once_sent(stock))  # starlette's own response leaves it suspended
+        closing = ClosingStreamingResponse.like(stock, _ending_with_done(body()))
+        assert asyncio.run(closed_once_sent(closing))
+        assert closing.media_type == "text/event-stream" and closing.raw_headers == stock.raw_headers
+    finally:
+        gc.enable()
 
 
 def test_disconnect_frees_its_blocks(server):

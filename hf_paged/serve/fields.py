@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 
 from ..errors import InvalidRequest
 
@@ -29,27 +30,46 @@ UNAPPLIED_FIELDS = {
     "modalities": ((["text"],), "output modalities other than text"),
     "previous_response_id": ((), "a stored earlier response"),
     "text": (({"format": {"type": "text"}},), "structured output"),
+    "suffix": (("",), "text after the completion, which the model would write towards (fill-in-the-middle)"),
 }
 RESPONSES_UNAPPLIED = {
     "n": ((1,), "several choices per request"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
 }
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
 # generation_config (transformers' extension, a JSON object): the keys the Engine applies, and those that change no
 # token (output formats, special ids the server reads from the model). Any other key must be a `GenerationConfig`
 # setting at its default (one that differs would change the output and is refused), and a key `GenerationConfig` does
 # not know is refused too.
-APPLIED_GENERATION_KEYS = {
-    "max_new_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "do_sample",
-    "eos_token_id",
-    "seed",
-    "repetition_penalty",
-    "min_new_tokens",
-    "stop_strings",
+# The applied keys, with what each may hold (besides null, which leaves it unset).
+APPLIED_GENERATION_VALUES = {
+    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
+    "min_new_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
+    "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
+    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "do_sample": (lambda v: isinstance(v, bool), "true or false"),
+    "eos_token_id": (
+        lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+        "a token id or a list of token ids",
+    ),
+    "seed": (_is_int, "an integer"),
+    "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a number > 0"),
+    "stop_strings": (
+        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(item, str) for item in v)),
+        "a string or a list of strings",
+    ),
 }
+APPLIED_GENERATION_KEYS = frozenset(APPLIED_GENERATION_VALUES)
 NEUTRAL_GENERATION_KEYS = {
     "pad_token_id",
     "bos_token_id",
@@ -100,6 +120,19 @@ def generation_defaults() -> dict:
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
+# The content parts a text model reads, per endpoint (the Responses API spells them its own way; its earlier
+# responses' output text comes back as `output_text`).
+TEXT_PARTS = {CHAT: ("text",), RESPONSES: ("input_text", "output_text", "text")}
+# Keywords the handlers pass to `apply_chat_template` themselves: a request's chat_template_kwargs cannot set them.
+HANDLER_TEMPLATE_KEYWORDS = (
+    "conversation",
+    "add_generation_prompt",
+    "tools",
+    "return_tensors",
+    "return_dict",
+    "tokenize",
+    "load_audio_from_video",
+)
 
 
 def check_body(body: dict, endpoint: str) -> None:
@@ -107,12 +140,15 @@ def check_body(body: dict, endpoint: str) -> None:
     `RESPONSES`) that the server cannot read or would not apply in full."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text_is_unicode(body, "")
     if endpoint == CHAT:
-        _check_messages(body)
+        _check_messages(body.get("messages"), "messages", TEXT_PARTS[CHAT])
+        _check_chat_fields(body)
     elif endpoint == COMPLETIONS:
         _check_prompt(body)
     elif endpoint == RESPONSES:
         _check_input(body)
+    _check_stream_fields(body)
     # Chat and completions serve `n` choices and log probabilities (handlers.py); the Responses API refuses them.
     unapplied = {**UNAPPLIED_FIELDS, **RESPONSES_UNAPPLIED} if endpoint == RESPONSES else None
     for name, (neutral, asks_for) in (unapplied or UNAPPLIED_FIELDS).items():
@@ -132,27 +168,133 @@ def _is_neutral(value, neutral: tuple) -> bool:
     return any(value == allowed and isinstance(value, bool) == isinstance(allowed, bool) for allowed in neutral)
 
 
-def _check_messages(body: dict) -> None:
-    messages = body.get("messages")
+def _check_messages(messages, where: str, part_types: tuple[str, ...]) -> None:
+    """Chat messages as transformers' handlers read them (`get_processor_inputs_from_messages`): each a role and a
+    content (text, or a list of text parts), an assistant's `tool_calls` in OpenAI's shape."""
     if not isinstance(messages, list) or not messages:
-        raise InvalidRequest(f"messages must be a non-empty list of messages, got {_short(messages)}", "messages")
+        raise InvalidRequest(f"{where} must be a non-empty list of messages, got {_short(messages)}", where)
     for index, message in enumerate(messages):
-        where = f"messages[{index}]"
+        at = f"{where}[{index}]"
         if not isinstance(message, dict):
-            raise InvalidRequest(f"{where} must be an object with a role and a content, got {_short(message)}", where)
+            raise InvalidRequest(f"{at} must be an object with a role and a content, got {_short(message)}", at)
         role = message.get("role")
         if role not in ROLES:
-            raise InvalidRequest(f"{where}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{where}.role")
+            raise InvalidRequest(f"{at}.role must be one of {', '.join(ROLES)}, got {_short(role)}", f"{at}.role")
+        if message.get("tool_calls") is not None:
+            _check_tool_calls(message["tool_calls"], f"{at}.tool_calls")
+            if message["tool_calls"]:
+                continue  # the handlers render the calls, not the content
         content = message.get("content")
-        if content is None and role == "assistant" and message.get("tool_calls"):
-            continue
         if isinstance(content, str):
             continue
-        if isinstance(content, list) and all(isinstance(part, dict) and "type" in part for part in content):
+        if isinstance(content, list):
+            for number, part in enumerate(content):
+                _check_text_part(part, f"{at}.content[{number}]", part_types)
             continue
         raise InvalidRequest(
-            f"{where}.content must be a string or a list of content parts, got {_short(content)}", f"{where}.content"
+            f"{at}.content must be a string or a list of content parts, got {_short(content)}", f"{at}.content"
         )
+
+
+def _check_text_part(part, where: str, part_types: tuple[str, ...]) -> None:
+    if not isinstance(part, dict):
+        raise InvalidRequest(f"{where} must be a content part object, got {_short(part)}", where)
+    kind = part.get("type")
+    if kind not in part_types:
+        raise InvalidRequest(
+            f"{where}.type must be {' or '.join(map(repr, part_types))}: hf-paged serve runs a text model, which "
+            f"reads no {_short(kind)} part",
+            f"{where}.type",
+        )
+    if not isinstance(part.get("text"), str):
+        raise InvalidRequest(f"{where}.text must be a string, got {_short(part.get('text'))}", f"{where}.text")
+
+
+def _check_tool_calls(tool_calls, where: str) -> None:
+    """An assistant message's earlier tool calls: `[{"type": "function", "function": {"name": ..., "arguments":
+    "<a JSON object>"}}]` (chat templates read the arguments as a mapping)."""
+    if not isinstance(tool_calls, list):
+        raise InvalidRequest(f"{where} must be a list of tool calls, got {_short(tool_calls)}", where)
+    for index, call in enumerate(tool_calls):
+        at = f"{where}[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise InvalidRequest(
+                f'{at} must be {{"type": "function", "function": {{"name": ..., "arguments": ...}}}}, got '
+                f"{_short(call)}",
+                at,
+            )
+        arguments = function.get("arguments")
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                pass
+        if not isinstance(arguments, dict):
+            raise InvalidRequest(
+                f"{at}.function.arguments must be a JSON object (as text or an object), got "
+                f"{_short(function.get('arguments'))}",
+                f"{at}.function.arguments",
+            )
+
+
+def _check_chat_fields(body: dict) -> None:
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list):
+            raise InvalidRequest(f"tools must be a list of tools, got {_short(tools)}", "tools")
+        for index, tool in enumerate(tools):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                raise InvalidRequest(
+                    f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., ...}}}}, got '
+                    f"{_short(tool)}",
+                    f"tools[{index}]",
+                )
+    kwargs = body.get("chat_template_kwargs")
+    if "chat_template_kwargs" in body and not isinstance(kwargs, dict):
+        raise InvalidRequest(f"chat_template_kwargs must be an object, got {_short(kwargs)}", "chat_template_kwargs")
+    taken = [key for key in HANDLER_TEMPLATE_KEYWORDS if key in (kwargs or {})]
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs.{taken[0]} is set by the server itself; a request may set other template variables",
+            f"chat_template_kwargs.{taken[0]}",
+        )
+
+
+def _check_stream_fields(body: dict) -> None:
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidRequest(f"stream must be true or false, got {_short(stream)}", "stream")
+    options = body.get("stream_options")
+    if options is None:
+        return
+    if not isinstance(options, dict):
+        raise InvalidRequest(f"stream_options must be an object, got {_short(options)}", "stream_options")
+    usage = options.get("include_usage")
+    if usage is not None and not isinstance(usage, bool):
+        raise InvalidRequest(
+            f"stream_options.include_usage must be true or false, got {_short(usage)}", "stream_options.include_usage"
+        )
+
+
+def _check_text_is_unicode(value, where: str) -> None:
+    """Every string of the body can be UTF-8 (JSON's escapes can spell a lone surrogate, which no tokenizer takes)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise InvalidRequest(
+                f"{where or 'the body'} is not valid Unicode text ({error.reason} at character {error.start})",
+                where or None,
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text_is_unicode(key, where or "the body")
+            _check_text_is_unicode(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_text_is_unicode(item, f"{where}[{index}]")
 
 
 def _check_prompt(body: dict) -> None:
@@ -165,12 +307,27 @@ def _check_prompt(body: dict) -> None:
 
 
 def _check_input(body: dict) -> None:
+    """The Responses API's input, read as transformers' handler reads it (`ResponseHandler._normalize_input`), then
+    checked as chat messages; `instructions` a string."""
+    from transformers.cli.serving.response import ResponseHandler
+
     value = body.get("input")
-    if isinstance(value, str) and value:
-        return
-    if isinstance(value, list) and value and all(isinstance(item, dict) for item in value):
-        return
-    raise InvalidRequest(f"input must be a non-empty string or a list of input items, got {_short(value)}", "input")
+    if not (isinstance(value, str) and value) and not (
+        isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
+    ):
+        raise InvalidRequest(f"input must be a non-empty string or a list of input items, got {_short(value)}", "input")
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise InvalidRequest(f"instructions must be a string, got {_short(instructions)}", "instructions")
+    try:
+        messages = ResponseHandler._normalize_input({"input": value})
+    except Exception as error:  # a KeyError for a field an item lacks, transformers' HTTPException for a type
+        detail = f"an item lacks the field {error}" if isinstance(error, KeyError) else getattr(error, "detail", error)
+        raise InvalidRequest(f"input cannot be read as messages: {detail}", "input") from None
+    try:
+        _check_messages(messages, "messages", TEXT_PARTS[RESPONSES])
+    except InvalidRequest as error:  # the messages' positions are not the items': the field is `input`
+        raise InvalidRequest(f"input, read as chat messages: {error.message}", "input") from None
 
 
 def _check_generation_config(value) -> None:
@@ -185,7 +342,14 @@ def _check_generation_config(value) -> None:
         raise InvalidRequest(f"generation_config must be a JSON object, got {_short(value)}", "generation_config")
     defaults = generation_defaults()
     for key, setting in value.items():
-        if key in APPLIED_GENERATION_KEYS or key in NEUTRAL_GENERATION_KEYS:
+        if key in APPLIED_GENERATION_KEYS:
+            accepts, allowed = APPLIED_GENERATION_VALUES[key]
+            if setting is not None and not accepts(setting):
+                raise InvalidRequest(
+                    f"generation_config.{key} must be {allowed}, got {_short(setting)}", f"generation_config.{key}"
+                )
+            continue
+        if key in NEUTRAL_GENERATION_KEYS:
             continue
         if key not in defaults:
             raise InvalidRequest(

@@ -52,12 +52,18 @@ class RequestOptionsMixin:
         return self.served_model_name, model, processor  # answers name the model as the request did
 
     async def handle_request(self, body: dict, request_id: str):
+        prompt = body.get("prompt") if isinstance(body, dict) else None
+        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
+            body = {**body, "prompt": prompt[0]}  # OpenAI's list of prompts, of one (the handler takes a string)
         response = await super().handle_request(body, request_id)
+        if not isinstance(response, StreamingResponse):
+            return response
+        chunks = response.body_iterator
         # Chat and completions streams end with [DONE], as OpenAI's do (a Responses stream ends with its
         # response.completed event instead).
-        if self.endpoint != RESPONSES and getattr(response, "media_type", None) == "text/event-stream":
-            response.body_iterator = _ending_with_done(response.body_iterator)
-        return response
+        if self.endpoint != RESPONSES and response.media_type == "text/event-stream":
+            chunks = _ending_with_done(chunks)
+        return ClosingStreamingResponse.like(response, chunks)
 
     def _validate_request(self, body: dict) -> None:
         check_body(body, self.endpoint)
@@ -161,34 +167,76 @@ class _Recorder:
         return getattr(self._manager, name)
 
 
-def _token_entry(tokenizer, token_id: int, logprob: float) -> dict:
-    text = tokenizer.decode([token_id])
+# Tokens before a piece that its decode is taken after: enough for a tokenizer's merges and spaces at the boundary.
+PIECE_CONTEXT = 8
+
+
+def _decode(tokenizer, token_ids: list[int]) -> str:
+    return tokenizer.decode(token_ids, skip_special_tokens=True)  # as the answer's text is decoded
+
+
+def _pieces(tokenizer, previous: list[int], token_ids: list[int]) -> list[str]:
+    """The text each of `token_ids` adds to the decoded text after the tokens `previous` (decoded together, then
+    told apart), so the pieces add up to the answer's text: a token decoded alone loses the space a SentencePiece
+    tokenizer spells inside it, or the space a word-level decoder puts between words. A special token the answer
+    skips adds nothing."""
+    context = previous[-PIECE_CONTEXT:]
+    pieces, text = [], _decode(tokenizer, context)
+    for end in range(1, len(token_ids) + 1):
+        longer = _decode(tokenizer, context + token_ids[:end])
+        pieces.append(longer[len(text) :] if longer.startswith(text) else _decode(tokenizer, token_ids[end - 1 : end]))
+        text = longer
+    return pieces
+
+
+def _alternative(tokenizer, context: list[int], token_id: int) -> str:
+    """The text `token_id` would have added after `context` (its own spelling where that is nothing: a special
+    token, so alternatives stay apart)."""
+    text = _decode(tokenizer, context)
+    longer = _decode(tokenizer, context + [token_id])
+    piece = longer[len(text) :] if longer.startswith(text) else _decode(tokenizer, [token_id])
+    return piece or tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _logprob_rows(tokenizer, generated):
+    """Per generated token with a log probability: (its piece, its TokenLogprob, [(alternative's text, log
+    probability)])."""
+    records = generated.logprobs[: len(generated)]
+    token_ids = list(generated[: len(records)])
+    previous = list(getattr(generated, "previous", ()))
+    pieces = _pieces(tokenizer, previous, token_ids)
+    rows = []
+    for index, (piece, record) in enumerate(zip(pieces, records)):
+        context = (previous + token_ids[:index])[-PIECE_CONTEXT:]
+        rows.append((piece, record, [(_alternative(tokenizer, context, t), lp) for t, lp in record.top]))
+    return rows
+
+
+def _token_entry(text: str, logprob: float) -> dict:
     return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
 def _chat_logprobs(tokenizer, generated) -> dict:
-    """OpenAI's chat `logprobs` object: per generated token, its text, log probability, UTF-8 bytes and the top
-    alternatives."""
+    """OpenAI's chat `logprobs` object: per generated token, its text (the pieces add up to the answer), log
+    probability, UTF-8 bytes and the top alternatives."""
     content = [
-        {
-            **_token_entry(tokenizer, token_id, record.logprob),
-            "top_logprobs": [_token_entry(tokenizer, top_id, logprob) for top_id, logprob in record.top],
-        }
-        for token_id, record in zip(generated, generated.logprobs)
+        {**_token_entry(piece, record.logprob), "top_logprobs": [_token_entry(text, lp) for text, lp in top]}
+        for piece, record, top in _logprob_rows(tokenizer, generated)
     ]
     return {"content": content, "refusal": None}
 
 
 def _completion_logprobs(tokenizer, generated) -> dict:
-    """OpenAI's completions `logprobs` object: the generated tokens' texts, log probabilities, top alternatives
-    ({text: log probability}) and character offsets in the completion."""
-    records = generated.logprobs[: len(generated)]
-    tokens = [tokenizer.decode([token_id]) for token_id in generated[: len(records)]]
+    """OpenAI's completions `logprobs` object: the generated tokens' texts (adding up to the completion), log
+    probabilities, top alternatives ({text: log probability}) and character offsets in the completion."""
+    rows = _logprob_rows(tokenizer, generated)
+    tokens = [piece for piece, _, _ in rows]
+    offset = getattr(generated, "text_offset", 0)
     return {
         "tokens": tokens,
-        "token_logprobs": [record.logprob for record in records],
-        "top_logprobs": [{tokenizer.decode([t]): logprob for t, logprob in record.top} for record in records],
-        "text_offset": list(itertools.accumulate((len(token) for token in tokens), initial=0))[: len(tokens)],
+        "token_logprobs": [record.logprob for _, record, _ in rows],
+        "top_logprobs": [dict(top) for _, _, top in rows],
+        "text_offset": list(itertools.accumulate((len(token) for token in tokens), initial=offset))[: len(tokens)],
     }
 
 
@@ -261,9 +309,33 @@ async def _merged_streams(streams: list):
 
 
 async def _ending_with_done(chunks):
-    async for chunk in chunks:
-        yield chunk
-    yield DONE
+    try:
+        async for chunk in chunks:
+            yield chunk
+        yield DONE
+    finally:
+        await chunks.aclose()
+
+
+class ClosingStreamingResponse(StreamingResponse):
+    """A `StreamingResponse` that closes its body iterator however the response ends. Starlette's leaves a body
+    generator that a client's disconnect interrupted in `send()` (not inside the generator) suspended at its
+    `yield`, closed only when garbage collection finds it; until then the handler's `streamer.cancel()` does not
+    run, and the Engine request goes on to its last token. Closing it raises GeneratorExit there at once."""
+
+    @classmethod
+    def like(cls, response: StreamingResponse, body_iterator) -> ClosingStreamingResponse:
+        closing = cls(body_iterator, status_code=response.status_code, background=response.background)
+        closing.media_type, closing.raw_headers = response.media_type, response.raw_headers
+        return closing
+
+    async def stream_response(self, send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            close = getattr(self.body_iterator, "aclose", None)
+            if close is not None:
+                await close()
 
 
 class PagedChatCompletionHandler(RequestOptionsMixin, ChoicesMixin, ChatCompletionHandler):

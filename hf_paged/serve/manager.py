@@ -174,6 +174,7 @@ class EngineManager(BaseGenerateManager):
             response_parser=response_parser,
             streaming=streaming,
             on_cancel=self._cancel,
+            generation_config=gen_config,
         )
         self._inbox.put(("add", stream))
         return stream
@@ -271,7 +272,7 @@ class EngineManager(BaseGenerateManager):
             if not (new_tokens or request.finished):
                 continue
             error = request.error if request.finish_reason == "error" else None
-            self._post(stream, new_tokens, request.finished, error, False, logprobs)
+            self._post(stream, new_tokens, request.finished, error, False, logprobs, request.finish_reason)
             if request.finished:
                 del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
@@ -300,9 +301,12 @@ class EngineManager(BaseGenerateManager):
         error: str | None,
         invalid: bool,
         logprobs: list | None = None,
+        finish_reason: str | None = None,
     ):
         try:
-            stream.result.get_loop().call_soon_threadsafe(stream.deliver, tokens, finished, error, invalid, logprobs)
+            stream.result.get_loop().call_soon_threadsafe(
+                stream.deliver, tokens, finished, error, invalid, logprobs, finish_reason
+            )
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass
 

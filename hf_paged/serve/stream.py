@@ -24,11 +24,13 @@ from ..errors import InvalidRequest
 
 class GeneratedIds(list):
     """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
-    for log probabilities (`logprobs`, else empty)."""
+    for log probabilities (`logprobs`, else empty). A streamed piece's also carry the request's tokens before them
+    (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`)."""
 
-    def __init__(self, token_ids, logprobs=()):
+    def __init__(self, token_ids, logprobs=(), previous=(), text_offset: int = 0):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
+        self.previous, self.text_offset = list(previous), text_offset
 
 
 class LoggedText(str):
@@ -52,6 +54,10 @@ class RequestStream:
     response_parser (*optional*): transformers' `ResponseParser` for streaming, as the handler built it.
     streaming (`bool`): queue text pieces (True) or resolve `result` with the generated ids (False).
     on_cancel (`Callable[[RequestStream], None]`): stops the Engine request (a client gone, a stop string seen).
+    generation_config (*optional*): the handler's config of the request. The handlers name the finish reason from
+        the token count alone ("length" once `max_new_tokens` tokens came); a request that a stop token, eos or stop
+        string ended on its last allowed token raises the config's `max_new_tokens` past that count when it ends, so
+        its answer says "stop", as the Engine does.
     """
 
     def __init__(
@@ -67,6 +73,7 @@ class RequestStream:
         response_parser=None,
         streaming: bool,
         on_cancel: Callable[[RequestStream], None],
+        generation_config=None,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -85,6 +92,8 @@ class RequestStream:
         self.engine_id: int | None = None
         self.num_sent = 0
         self.stopped = False  # a stop string ended it
+        self.finish_reason: str | None = None  # the Engine's ("stop", "length"), "stop" for a stop string
+        self._generation_config = generation_config
         self._tokenizer, self._decode = tokenizer, decode
         self._decoder = DecodeStream([], skip_special_tokens=response_parser is None)
         self._stops = stop_strings
@@ -92,6 +101,7 @@ class RequestStream:
         self._parser = response_parser
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
+        self._logged_ids: list[int] = []  # the tokens whose TokenLogprobs went out (stream)
         self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
         self._on_cancel = on_cancel
@@ -113,12 +123,15 @@ class RequestStream:
         error: str | None = None,
         invalid: bool = False,
         logprobs: list | None = None,
+        finish_reason: str | None = None,
     ) -> None:
-        """New tokens of the request, whether it has finished, and why it failed (`invalid`: it could never run);
-        `logprobs`: their TokenLogprobs, when the request records them (a stream sends each with the first piece
-        of text emitted at or after its token)."""
+        """New tokens of the request, whether it has finished (`finish_reason`: the Engine's), and why it failed
+        (`invalid`: it could never run); `logprobs`: their TokenLogprobs, when the request records them (a stream
+        sends each with the first piece of text emitted at or after its token)."""
         if self._closed:
             return
+        if finished:
+            self.finish_reason = finish_reason
         if logprobs is not None:
             self.logprobs.extend(logprobs)
             if self.streaming:
@@ -131,7 +144,7 @@ class RequestStream:
                 self._pending += self._decoder.step(self._tokenizer, token_id) or ""
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
             if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
-                self.stopped = True
+                self.stopped, self.finish_reason = True, "stop"
                 self._finish()
                 self._on_cancel(self)  # the Engine request runs on otherwise
                 return
@@ -166,13 +179,21 @@ class RequestStream:
                 self.queue.put_nowait(item)
 
     def _final_text(self) -> str:
-        """The whole output decoded at once, cut at the first stop string: the non-streamed answer."""
+        """The whole output decoded at once, cut where a stop string ended the request: at the first one that ends
+        after the text of its first `min_tokens` tokens (before them none counts, as `deliver` checks them)."""
         text = self._decode(self.token_ids)
-        positions = [i for i in (text.find(stop) for stop in self._stops) if i >= 0]
+        if not self.stopped:
+            return text
+        min_tokens = self.sampling.get("min_tokens", 0)
+        allowed = len(self._decode(self.token_ids[:min_tokens])) if min_tokens else 0
+        positions = [i for i in (text.find(stop, max(allowed - len(stop) + 1, 0)) for stop in self._stops) if i >= 0]
         return text[: min(positions)] if positions else text
 
     def _finish(self) -> None:
         self._closed = True
+        config = self._generation_config
+        if self.finish_reason == "stop" and config is not None and config.max_new_tokens is not None:
+            config.max_new_tokens = max(config.max_new_tokens, self.total_tokens + 1)  # see the class docstring
         if not self.streaming:
             if not self.result.done():
                 self.result.set_result(self._final_text())
@@ -204,7 +225,11 @@ class RequestStream:
         if not token_ids:
             return text
         self._unsent_logprobs = ([], [])
-        return LoggedText(text, GeneratedIds(token_ids, logprobs), self._tokenizer)
+        # Where their text starts in the answer: the length of the text of the tokens before them.
+        offset = len(self._tokenizer.decode(self._logged_ids, skip_special_tokens=True)) if self._logged_ids else 0
+        generated = GeneratedIds(token_ids, logprobs, previous=self._logged_ids[-16:], text_offset=offset)
+        self._logged_ids += token_ids
+        return LoggedText(text, generated, self._tokenizer)
 
     def _fail(self, error: str, invalid: bool) -> None:
         self._closed = True
