@@ -422,6 +422,7 @@ def test_seeds_reproduce_per_request(server):
         ({"extra_body": {"no_such_field": 1}}, 422, "no_such_field"),
         ({"seed": 2**64}, 400, "seed"),
         ({"seed": 2**64, "stream": True}, 400, "seed"),
+        ({"seed": 2**64 - 1, "n": 2}, 400, f"the largest seed for n=2 is {2**64 - 2}"),
     ],
 )
 def test_bad_requests_fail_alone(server, kwargs, status, words):
@@ -628,7 +629,13 @@ def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
 def test_n_choices_stream_interleaved_with_their_index(server, saved):
     messages = [{"role": "user", "content": "hello there"}]
     stream = server.client.chat.completions.create(
-        model=server.model_dir, messages=messages, max_tokens=6, temperature=0, n=3, stream=True
+        model=server.model_dir,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        n=3,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     texts, reasons, usage = {}, {}, None
     for chunk in stream:
@@ -916,6 +923,42 @@ def test_a_stop_on_the_last_allowed_token_finishes_with_stop(server, saved):
         assert answer["usage"]["completion_tokens"] == 5
     answer, _, streamed_reason = answer_and_stream(server, base)
     assert answer["choices"][0]["finish_reason"] == streamed_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"max_completion_tokens": 5000}, "max_completion_tokens"),
+        ({"generation_config": {"max_new_tokens": 5000}}, "generation_config.max_new_tokens"),
+    ],
+)
+def test_a_max_tokens_past_the_room_left_is_named_as_the_request_named_it(server, fields, param):
+    status, error = post_json(server, "/v1/chat/completions", {"messages": CHAT_BODY["messages"]} | fields)
+    assert status == 400 and error["error"]["param"] == param and param in error["error"]["message"], error
+
+
+@pytest.mark.parametrize("include_usage", [None, False, True])
+def test_a_stream_carries_its_usage_only_when_asked(server, include_usage):
+    """OpenAI's rule: with `stream_options.include_usage`, one last chunk with no choices and the usage; otherwise no
+    chunk has a usage."""
+    body = {"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0, "stream": True}
+    if include_usage is not None:
+        body["stream_options"] = {"include_usage": include_usage}
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", "/v1/completions", json.dumps(body), JSON_HEADERS)
+        events = [e for e in connection.getresponse().read().decode().split("\n\n") if e.strip()]
+    finally:
+        connection.close()
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    with_usage = [chunk for chunk in chunks if chunk.get("usage")]
+    if include_usage:
+        assert with_usage == [chunks[-1]] and chunks[-1]["choices"] == []
+        assert chunks[-1]["usage"]["completion_tokens"] == 4
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+    else:
+        assert with_usage == [] and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_a_list_of_one_prompt_is_that_prompt(server):

@@ -62,7 +62,8 @@ class RequestOptionsMixin:
         # Chat and completions streams end with [DONE], as OpenAI's do (a Responses stream ends with its
         # response.completed event instead).
         if self.endpoint != RESPONSES and response.media_type == "text/event-stream":
-            chunks = _ending_with_done(chunks)
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            chunks = _ending_with_done(_usage_as_asked(chunks, include_usage))
         return ClosingStreamingResponse.like(response, chunks)
 
     def _validate_request(self, body: dict) -> None:
@@ -306,6 +307,44 @@ async def _merged_streams(streams: list):
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+async def _usage_as_asked(chunks, include_usage: bool):
+    """A chat or completions stream's usage as OpenAI's API sends it: only with `stream_options.include_usage`, in a
+    chunk of its own with no choices after the last one (transformers' handlers put it on the last choice chunk,
+    asked or not)."""
+    last, usage = None, None
+    try:
+        async for chunk in chunks:
+            events = []
+            for event in chunk.split("\n\n"):
+                if not event:
+                    continue
+                data = _event_data(event)
+                if data is not None and "usage" in data:
+                    usage = data.pop("usage") or usage
+                    last = data
+                    if not data.get("choices"):
+                        continue  # a chunk that only carried the usage
+                    event = f"data: {json.dumps(data)}"
+                events.append(event + "\n\n")
+            if events:
+                yield "".join(events)
+        if include_usage and usage is not None and last is not None:
+            yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
+    finally:
+        await chunks.aclose()
+
+
+def _event_data(event: str) -> dict | None:
+    """An SSE event's JSON object, or None (an error event that is not JSON, a [DONE])."""
+    if not event.startswith("data: {"):
+        return None
+    try:
+        data = json.loads(event.removeprefix("data: "))
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
 
 
 async def _ending_with_done(chunks):

@@ -35,7 +35,9 @@ class RequestLimits:
             positions = max_model_len if positions is None else min(positions, max_model_len)
         return cls(positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
 
-    def max_new_tokens(self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str) -> int:
+    def max_new_tokens(
+        self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str, max_tokens_field: str = "max_tokens"
+    ) -> int:
         """The tokens a request with this prompt may generate: `max_new_tokens` when `given`, else all the room left
         before the model's position limit and what the pool holds of one request (`max_new_tokens` where neither
         limits it). Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room."""
@@ -67,8 +69,8 @@ class RequestLimits:
         room, limit = min(rooms)
         if given and max_new_tokens > room:
             raise InvalidRequest(
-                f"max_tokens is {max_new_tokens}, but the prompt's {num_prompt_tokens} tokens leave room for {room} "
-                f"within {limit}",
-                "max_tokens",
+                f"{max_tokens_field} is {max_new_tokens}, but the prompt's {num_prompt_tokens} tokens leave room for "
+                f"{room} within {limit}",
+                max_tokens_field,
             )
         return min(max_new_tokens, room) if given else room

@@ -152,7 +152,7 @@ class EngineManager(BaseGenerateManager):
         # (A request's generation_config without max_new_tokens leaves None: the room left, as without max_tokens.)
         requested = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
         max_new_tokens = self.limits.max_new_tokens(
-            len(prompt_ids), int(requested), options.max_tokens_given, options.prompt_field
+            len(prompt_ids), int(requested), options.max_tokens_given, options.prompt_field, options.max_tokens_field
         )
         gen_config.max_new_tokens = max_new_tokens  # the handler reads it back for the finish reason
         sampling = engine_sampling(gen_config)

@@ -34,6 +34,7 @@ class RequestOptions:
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
+    max_tokens_field: str = "max_tokens"  # the field that names max_tokens in the request, for errors about it
     # Applied to the logits by the Engine's sampler (SamplingParams): OpenAI's penalties and logit bias, vLLM's
     # repetition_penalty / min_tokens / stop_token_ids (or transformers' generation_config.repetition_penalty and
     # min_new_tokens).
@@ -108,9 +109,16 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
     if seed is not None:
         try:
             check_seed(seed)
-            check_seed(seed + n - 1)  # sample i is seeded with seed + i
         except ValueError as error:
             raise InvalidRequest(str(error), "seed") from None
+        try:
+            check_seed(seed + n - 1)  # sample i is seeded with seed + i
+        except ValueError:
+            raise InvalidRequest(
+                f"seed {seed} with n={n}: sample i is seeded with seed + i, and seed + {n - 1} is past the 64-bit "
+                f"range; the largest seed for n={n} is {2**64 - n}",
+                "seed",
+            ) from None
     for name in MAX_TOKENS_FIELDS:
         value = _int(body, name)
         if value is not None and value < 1:
@@ -158,6 +166,10 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS)
         or generation.get("max_new_tokens") is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
+        max_tokens_field=next(
+            (name for name in MAX_TOKENS_FIELDS if body.get(name) is not None),
+            "generation_config.max_new_tokens" if generation.get("max_new_tokens") is not None else "max_tokens",
+        ),
         repetition_penalty=float(repetition_penalty),
         logit_bias=_logit_bias(body),
         min_tokens=min_tokens,
