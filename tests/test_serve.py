@@ -477,6 +477,9 @@ def tool_call(arguments) -> dict:
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
         ("/v1/completions", {"suffix": " END"}, "suffix"),
+        ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
+        ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
+        ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0]"),
     ],
 )
 def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):

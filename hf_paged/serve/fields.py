@@ -31,8 +31,10 @@ UNAPPLIED_FIELDS = {
     "previous_response_id": ((), "a stored earlier response"),
     "text": (({"format": {"type": "text"}},), "structured output"),
     "suffix": (("",), "text after the completion, which the model would write towards (fill-in-the-middle)"),
+    "web_search_options": ((), "a web search"),
 }
 RESPONSES_UNAPPLIED = {
+    "include": (([],), "extra output items"),
     "n": ((1,), "several choices per request"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
 }
@@ -148,6 +150,7 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_prompt(body)
     elif endpoint == RESPONSES:
         _check_input(body)
+        _check_response_tools(body.get("tools"))
     _check_stream_fields(body)
     # Chat and completions serve `n` choices and log probabilities (handlers.py); the Responses API refuses them.
     unapplied = {**UNAPPLIED_FIELDS, **RESPONSES_UNAPPLIED} if endpoint == RESPONSES else None
@@ -260,6 +263,22 @@ def _check_chat_fields(body: dict) -> None:
             f"chat_template_kwargs.{taken[0]} is set by the server itself; a request may set other template variables",
             f"chat_template_kwargs.{taken[0]}",
         )
+
+
+def _check_response_tools(tools) -> None:
+    """The Responses API's tools: function tools only (a built-in tool, web or file search, is OpenAI's to run)."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise InvalidRequest(f"tools must be a list of tools, got {_short(tools)}", "tools")
+    for index, tool in enumerate(tools):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function" or not isinstance(tool.get("name"), str):
+            raise InvalidRequest(
+                f'tools[{index}] must be a function tool ({{"type": "function", "name": ...}}): hf-paged serve runs '
+                f"no built-in tool, got {_short(tool)}",
+                f"tools[{index}]",
+            )
 
 
 def _check_stream_fields(body: dict) -> None:
