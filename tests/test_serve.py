@@ -964,6 +964,27 @@ def test_a_stream_carries_its_usage_only_when_asked(server, include_usage):
         assert with_usage == [] and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
+    """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
+    leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special
+    token adding nothing, also for a piece that starts mid-answer (a streamed chunk)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hf_paged.serve.handlers import _pieces
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(special_tokens=["<unk>", "<s>"], vocab_size=60, show_progress=False)
+    tokenizer.train_from_iterator([SENTENCES[0]] * 3, trainer)
+    ids = tokenizer.encode("the quick brown fox jumps").ids
+    ids = ids[:3] + [tokenizer.token_to_id("<s>")] + ids[3:]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert "".join(tokenizer.decode([i]) for i in ids) != text  # alone, the spaces are lost
+    pieces = _pieces(tokenizer, [], ids)
+    assert "".join(pieces) == text and pieces[3] == ""
+    assert "".join(pieces[4:]) == "".join(_pieces(tokenizer, ids[:4], ids[4:]))
+
+
 def test_a_list_of_one_prompt_is_that_prompt(server):
     body = {"prompt": "the quick brown fox", "max_tokens": 4, "temperature": 0}
     status, alone = post_json(server, "/v1/completions", body)
