@@ -259,6 +259,24 @@ def test_a_prefix_caching_pool_serves_one_model():
     Engine(engine.model, pool)  # the same model again: fine
 
 
+def test_a_prefix_caching_pool_refuses_a_config_of_another_architecture():
+    """A cache built from a config alone (no model, no checkpoint name) on a pool that serves a model: a config of
+    other sizes with the same K/V shapes is another model, refused naming what differs; a copy of the served
+    model's config is the same model."""
+    import copy
+
+    from hf_paged import PagedCache, PoolMismatch
+
+    engine, pool = tiny_engine()
+    config = copy.deepcopy(engine.model.config)
+    PagedCache(config=config, pool=pool).release()
+    config.vocab_size += 1  # an embedding of another size: the K/V shapes are unchanged
+    with pytest.raises(PoolMismatch, match=r"vocab_size \d+, the model served \d+"):
+        PagedCache(config=config, pool=pool)
+    unshared = BlockPool.for_model(engine.model, num_blocks=8, block_size=4, enable_prefix_caching=False)
+    PagedCache(config=config, pool=unshared).release()  # without prefix caching nothing is shared
+
+
 def test_max_waiting_steps_tries_admission_every_so_many_decode_only_steps():
     """While every running request decodes, admission is tried once `max_waiting_steps` steps have passed since the
     last try; a step that prefills anyway, and an idle engine, try at once."""

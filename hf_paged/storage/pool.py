@@ -173,6 +173,7 @@ class BlockPool:
         self.allocator = BlockAllocator(num_blocks, enable_prefix_caching=enable_prefix_caching)
         self._model_ref: weakref.ref | None = None  # the model this pool serves, once known (see `serve_model`)
         self._model_name: str | None = None  # its checkpoint path or hub name, once known
+        self._architecture: dict | None = None  # its config's `_architecture`, once known
         # NOTE: `num_slots` tensors per K and V; the per-layer lists alias them (one entry per layer, so callers
         # index by layer). grow() replaces the tensors and refreshes the lists in place.
         self._key_slots = [self._new_storage(num_blocks, slot) for slot in range(self.num_slots)]
@@ -233,25 +234,37 @@ class BlockPool:
 
         NOTE: cached blocks are found by token ids alone, so a second model of the same shapes on a prefix-caching
         pool would read the first one's K/V. Two models count as different when both objects are known and differ,
-        or both have a checkpoint name (`config.name_or_path`) and the names differ; two configs of one checkpoint
-        are one model."""
+        when both have a checkpoint name (`config.name_or_path`) and the names differ, or when their configs differ
+        in architecture (`_architecture`: model type, sizes, vocabulary; how a config without a name, given alone,
+        is told from the model served); two configs of one checkpoint are one model. Two nameless configs of the
+        same architecture with other weights cannot be told apart."""
         model = model_or_config if isinstance(model_or_config, torch.nn.Module) else None
         config = getattr(model_or_config, "config", model_or_config)
         name = getattr(config, "name_or_path", None) or None
+        architecture = _architecture(config)
         known = self._model_ref() if self._model_ref is not None else None
         if self.allocator.enable_prefix_caching:
             other_model = model is not None and known is not None and known is not model
             other_name = name is not None and self._model_name is not None and name != self._model_name
-            if other_model or other_name:
+            other_architecture = self._architecture is not None and architecture != self._architecture
+            if other_model or other_name or other_architecture:
+                served = self._model_name or (type(known).__name__ if known is not None else "another model")
+                asked = name or (type(model).__name__ if model is not None else "a config")
+                differs = (
+                    f" (its config: {_differences(self._architecture, architecture)})"
+                    if other_architecture and not (other_model or other_name)
+                    else ""
+                )
                 raise PoolMismatch(
-                    f"this pool caches prefixes of {self._model_name or type(known).__name__}, not of "
-                    f"{name or type(model).__name__}: a prefix-caching pool serves one model (the cached K/V are "
-                    "found by token ids alone); give each model its own BlockPool"
+                    f"this pool caches prefixes of {served}, not of {asked}{differs}: a prefix-caching pool serves "
+                    "one model (the cached K/V are found by token ids alone); give each model its own BlockPool"
                 )
         if model is not None and known is None:
             self._model_ref = weakref.ref(model)
         if name is not None and self._model_name is None:
             self._model_name = name
+        if self._architecture is None:
+            self._architecture = architecture
 
     def _check_fits(self, num_blocks: int) -> None:
         """Raise `PoolTooLarge` before allocating storage a device cannot hold."""
@@ -484,3 +497,30 @@ def attention_devices(model: torch.nn.Module) -> list[torch.device] | None:
     if not devices or sorted(devices) != list(range(len(devices))):
         return None
     return [devices[layer_idx] for layer_idx in range(len(devices))]
+
+
+# The config fields that tell two models' architectures apart (where a config names them).
+ARCHITECTURE_FIELDS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+)
+
+
+def _architecture(config) -> dict:
+    """A model's architecture as its (text) config names it: `ARCHITECTURE_FIELDS` that it has."""
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config(decoder=True)
+    missing = object()
+    values = {field: getattr(config, field, missing) for field in ARCHITECTURE_FIELDS}
+    return {field: value for field, value in values.items() if value is not missing}
+
+
+def _differences(served: dict, asked: dict) -> str:
+    fields = [field for field in ARCHITECTURE_FIELDS if served.get(field) != asked.get(field)]
+    return ", ".join(f"{field} {asked.get(field)!r}, the model served {served.get(field)!r}" for field in fields)
