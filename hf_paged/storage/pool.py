@@ -516,9 +516,13 @@ def _architecture(config) -> dict:
     """A model's architecture as its (text) config names it: `ARCHITECTURE_FIELDS` that it has."""
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    missing = object()
-    values = {field: getattr(config, field, missing) for field in ARCHITECTURE_FIELDS}
-    return {field: value for field, value in values.items() if value is not missing}
+    architecture = {}
+    for field in ARCHITECTURE_FIELDS:
+        try:
+            architecture[field] = getattr(config, field)
+        except Exception:  # not named, or per layer: a heterogeneous config raises its own error
+            continue
+    return architecture
 
 
 def _differences(served: dict, asked: dict) -> str:
