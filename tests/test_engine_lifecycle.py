@@ -182,6 +182,9 @@ def test_a_tiny_temperature_or_top_p_is_the_greedy_limit():
     greedy = engine.generate(prompts, max_new_tokens=4, ignore_eos=True)
     assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1e-40, seed=0) == greedy
     assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1e-40) == greedy
+    # below float32's range (0 there): the same limit
+    assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1e-300, seed=0) == greedy
+    assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=5e-324) == greedy
     # top_p below float32's smallest number: 0 there, and the most likely token still stays
     assert engine.generate(prompts, max_new_tokens=4, ignore_eos=True, temperature=1.0, top_p=1e-46, seed=0) == greedy
 

@@ -596,6 +596,16 @@ def test_logprobs_of_an_answer_cut_at_a_stop_string(server):
     assert status == 200, cut
     logprobs = cut["choices"][0]["logprobs"]
     assert 0 < len(logprobs["token_logprobs"]) <= len(tokens)
+    # the last token's text is cut where the stop string starts: the texts add up to the answer
+    assert "".join(logprobs["tokens"]) == cut["choices"][0]["text"]
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    connection.request("POST", "/v1/completions", json.dumps(body | {"stream": True}), JSON_HEADERS)
+    events = connection.getresponse().read().decode().split("\n\n")
+    connection.close()
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events if e.startswith("data: {")]
+    streamed = [c["choices"][0] for c in chunks if c["choices"]]
+    streamed_tokens = [t for choice in streamed if choice.get("logprobs") for t in choice["logprobs"]["tokens"]]
+    assert "".join(streamed_tokens) == "".join(choice["text"] for choice in streamed) == cut["choices"][0]["text"]
     assert logprobs["token_logprobs"] == pytest.approx(
         free["choices"][0]["logprobs"]["token_logprobs"][: len(logprobs["token_logprobs"])], abs=1e-5
     )
@@ -766,6 +776,34 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
         ("/v1/responses", {"input": [{"type": "input_text"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": [{"text": "hi"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": "hi", "instructions": 5, "max_output_tokens": 3}, "instructions"),
+        ("/v1/responses", {"input": "hi", "parallel_tool_calls": 2, "max_output_tokens": 3}, "parallel_tool_calls"),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"continue_final_message": True}},
+            "chat_template_kwargs.continue_final_message",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"truncation": True, "max_length": 2}},
+            "chat_template_kwargs.truncation",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"chat_template": "{% for %}"}},
+            "chat_template_kwargs.chat_template",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"messages": []}},
+            "chat_template_kwargs.messages",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 3, "generation_config": {"seed": 2**70}},
+            "generation_config.seed",
+        ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5_0": 5}}, "logit_bias"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 50}, "min_tokens"),
     ],
 )
 def test_malformed_bodies_get_400_and_the_connection_keeps_working(server, path, body, param):
@@ -985,6 +1023,16 @@ def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     pieces = _pieces(tokenizer, [], ids)
     assert "".join(pieces) == text and pieces[3] == ""
     assert "".join(pieces[4:]) == "".join(_pieces(tokenizer, ids[:4], ids[4:]))
+
+
+def test_generation_config_seed_seeds_the_request(server):
+    body = {"prompt": "the quick brown fox", "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    texts = []
+    for fields in ({"generation_config": {"seed": 1}}, {"generation_config": {"seed": 1}}, {"seed": 1}):
+        status, answer = post_json(server, "/v1/completions", body | fields)
+        assert status == 200, answer
+        texts.append(answer["choices"][0]["text"])
+    assert texts[0] == texts[1] == texts[2]
 
 
 def test_a_list_of_one_prompt_is_that_prompt(server):

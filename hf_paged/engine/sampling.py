@@ -206,7 +206,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     # Shifted by the maximum before the division, so a tiny temperature gives -inf (not inf - inf = nan) to every
     # token below the maximum: the greedy limit, ties kept
-    logits = (logits - logits.max()) / params.temperature
+    logits = (logits - logits.max()) / max(params.temperature, _SMALLEST_TEMPERATURE)
     if params.top_k > 0:
         kth = torch.topk(logits, min(params.top_k, logits.numel())).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -243,7 +243,8 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     picked = [params[row] for row in sampled_rows]
     index = column(sampled_rows, torch.long)[:, 0]
     x = logits.index_select(0, index).float()
-    x = (x - x.amax(-1, keepdim=True)) / column([p.temperature for p in picked], torch.float32)  # as in `sample`
+    temperatures = column([max(p.temperature, _SMALLEST_TEMPERATURE) for p in picked], torch.float32)
+    x = (x - x.amax(-1, keepdim=True)) / temperatures  # as in `sample`
     top_k, top_p = any(p.top_k > 0 for p in picked), any(p.top_p < 1.0 for p in picked)
     if top_k or top_p:
         sorted_x, order = torch.sort(x, dim=-1, descending=True)  # one sort serves both
@@ -265,6 +266,10 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
     draws = draws.masked_fill(probs.isnan().any(-1), -1)
     return greedy.index_copy(0, index, draws)
 
+
+# A temperature divides float32 logits: one below float32's smallest normal number would round to 0 there (0 / 0 at
+# the maximum). Every temperature below it is the greedy limit alike.
+_SMALLEST_TEMPERATURE = torch.finfo(torch.float32).tiny
 
 _SCALAR_FIELDS = (
     "max_new_tokens",

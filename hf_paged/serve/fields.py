@@ -125,16 +125,26 @@ ROLES = ("system", "developer", "user", "assistant", "tool")
 # The content parts a text model reads, per endpoint (the Responses API spells them its own way; its earlier
 # responses' output text comes back as `output_text`).
 TEXT_PARTS = {CHAT: ("text",), RESPONSES: ("input_text", "output_text", "text")}
-# Keywords the handlers pass to `apply_chat_template` themselves: a request's chat_template_kwargs cannot set them.
-HANDLER_TEMPLATE_KEYWORDS = (
-    "conversation",
-    "add_generation_prompt",
-    "tools",
-    "return_tensors",
-    "return_dict",
-    "tokenize",
-    "load_audio_from_video",
-)
+# apply_chat_template's own parameters that a request's chat_template_kwargs may set (its other parameters are the
+# handlers' to set, or change the prompt without a word: truncation, padding, another template).
+TEMPLATE_PARAMETERS_ALLOWED = ("documents",)
+
+
+@functools.cache
+def reserved_template_keywords() -> tuple[str, ...]:
+    """Keywords a request's chat_template_kwargs may not hold: `apply_chat_template`'s parameters (but
+    `TEMPLATE_PARAMETERS_ALLOWED`) and those the handlers pass it besides (`messages`, `load_audio_from_video`)."""
+    import inspect
+
+    from transformers import PreTrainedTokenizerBase
+
+    parameters = inspect.signature(PreTrainedTokenizerBase.apply_chat_template).parameters
+    named = [
+        name
+        for name, parameter in parameters.items()
+        if name != "self" and parameter.kind is not inspect.Parameter.VAR_KEYWORD
+    ]
+    return (*(n for n in named if n not in TEMPLATE_PARAMETERS_ALLOWED), "messages", "load_audio_from_video")
 
 
 def check_body(body: dict, endpoint: str) -> None:
@@ -152,6 +162,11 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_input(body)
         _check_response_tools(body.get("tools"))
     _check_stream_fields(body)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest(
+            f"parallel_tool_calls must be true or false, got {_short(parallel)}", "parallel_tool_calls"
+        )
     # Chat and completions serve `n` choices and log probabilities (handlers.py); the Responses API refuses them.
     unapplied = {**UNAPPLIED_FIELDS, **RESPONSES_UNAPPLIED} if endpoint == RESPONSES else None
     for name, (neutral, asks_for) in (unapplied or UNAPPLIED_FIELDS).items():
@@ -257,10 +272,12 @@ def _check_chat_fields(body: dict) -> None:
     kwargs = body.get("chat_template_kwargs")
     if "chat_template_kwargs" in body and not isinstance(kwargs, dict):
         raise InvalidRequest(f"chat_template_kwargs must be an object, got {_short(kwargs)}", "chat_template_kwargs")
-    taken = [key for key in HANDLER_TEMPLATE_KEYWORDS if key in (kwargs or {})]
+    taken = [key for key in reserved_template_keywords() if key in (kwargs or {})]
     if taken:
         raise InvalidRequest(
-            f"chat_template_kwargs.{taken[0]} is set by the server itself; a request may set other template variables",
+            f"chat_template_kwargs.{taken[0]} is a setting of apply_chat_template that the server sets itself or "
+            "does not take from a request (the template, truncation, padding, the messages); a request may set the "
+            "template's own variables",
             f"chat_template_kwargs.{taken[0]}",
         )
 

@@ -206,6 +206,12 @@ def _logprob_rows(tokenizer, generated):
     token_ids = list(generated[: len(records)])
     previous = list(getattr(generated, "previous", ()))
     pieces = _pieces(tokenizer, previous, token_ids)
+    text_end = getattr(generated, "text_end", None)
+    if text_end is not None:  # a stop string cut the answer: each token's text up to its end
+        room = text_end - getattr(generated, "text_offset", 0)
+        for index, piece in enumerate(pieces):
+            pieces[index] = piece[: max(room, 0)]
+            room -= len(pieces[index])
     rows = []
     for index, (piece, record) in enumerate(zip(pieces, records)):
         context = (previous + token_ids[:index])[-PIECE_CONTEXT:]

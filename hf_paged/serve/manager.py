@@ -128,7 +128,8 @@ class EngineManager(BaseGenerateManager):
         except asyncio.CancelledError:  # the client went away (see DisconnectGuard)
             stream.cancel()
             raise
-        return text, len(stream.prompt_ids), GeneratedIds(stream.token_ids, stream.logprobs[: len(stream.token_ids)])
+        generated = GeneratedIds(stream.token_ids, stream.logprobs[: len(stream.token_ids)], text_end=len(text))
+        return text, len(stream.prompt_ids), generated
 
     def stop(self) -> None:
         if self._thread.is_alive():

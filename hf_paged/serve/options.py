@@ -106,18 +106,22 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
     n = n or 1
     seed = _int(body, "seed")
+    generation = _generation_config(body)
+    seed_field = "seed"
+    if seed is None and generation.get("seed") is not None:  # transformers' generation_config.seed
+        seed, seed_field = generation["seed"], "generation_config.seed"
     if seed is not None:
         try:
             check_seed(seed)
         except ValueError as error:
-            raise InvalidRequest(str(error), "seed") from None
+            raise InvalidRequest(str(error), seed_field) from None
         try:
             check_seed(seed + n - 1)  # sample i is seeded with seed + i
         except ValueError:
             raise InvalidRequest(
                 f"seed {seed} with n={n}: sample i is seeded with seed + i, and seed + {n - 1} is past the 64-bit "
                 f"range; the largest seed for n={n} is {2**64 - n}",
-                "seed",
+                seed_field,
             ) from None
     for name in MAX_TOKENS_FIELDS:
         value = _int(body, name)
@@ -132,7 +136,6 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         if value is not None and not -2.0 <= value <= 2.0:
             raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", name)
         penalties[name] = value or 0.0
-    generation = _generation_config(body)
     repetition_penalty = _number(body, "repetition_penalty")
     if repetition_penalty is None:
         repetition_penalty = generation.get("repetition_penalty", 1.0)
@@ -149,6 +152,11 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         min_tokens = generation.get("min_new_tokens") or 0
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
         raise InvalidRequest(f"min_tokens must be an integer >= 0, got {min_tokens!r}", "min_tokens")
+    max_tokens = next((body[name] for name in MAX_TOKENS_FIELDS if body.get(name) is not None), None)
+    if max_tokens is None:
+        max_tokens = generation.get("max_new_tokens")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise InvalidRequest(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids
@@ -195,10 +203,9 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest(f"logit_bias must map token ids to biases, got {value!r}", "logit_bias")
     pairs = []
     for token, bias in value.items():
-        try:
-            token_id = int(token)
-        except ValueError:
-            raise InvalidRequest(f"logit_bias keys must be token ids, got {token!r}", "logit_bias") from None
+        if not (isinstance(token, str) and token.isascii() and token.isdigit()):  # int() would take " 5" or "5_0"
+            raise InvalidRequest(f"logit_bias keys must be token ids (digits), got {token!r}", "logit_bias")
+        token_id = int(token)
         valid = isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100
         if token_id < 0 or not valid:
             raise InvalidRequest(

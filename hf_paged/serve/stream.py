@@ -25,12 +25,14 @@ from ..errors import InvalidRequest
 class GeneratedIds(list):
     """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
     for log probabilities (`logprobs`, else empty). A streamed piece's also carry the request's tokens before them
-    (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`)."""
+    (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`); once
+    the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a stop string)."""
 
-    def __init__(self, token_ids, logprobs=(), previous=(), text_offset: int = 0):
+    def __init__(self, token_ids, logprobs=(), previous=(), text_offset: int = 0, text_end: int | None = None):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
         self.previous, self.text_offset = list(previous), text_offset
+        self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
 
 
 class LoggedText(str):
@@ -102,6 +104,7 @@ class RequestStream:
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         self._logged_ids: list[int] = []  # the tokens whose TokenLogprobs went out (stream)
+        self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
         self._on_cancel = on_cancel
@@ -204,6 +207,7 @@ class RequestStream:
             text = self._final_text()
             if text.startswith(self._sent):
                 self._pending = text[len(self._sent) :]
+            self._text_end = len(self._sent) + len(self._pending)
         self._emit(self._pending)
         self._pending = ""
         if self._unsent_logprobs[0] and self._parser is None:  # tokens whose text was empty: a chunk of their own
@@ -227,7 +231,9 @@ class RequestStream:
         self._unsent_logprobs = ([], [])
         # Where their text starts in the answer: the length of the text of the tokens before them.
         offset = len(self._tokenizer.decode(self._logged_ids, skip_special_tokens=True)) if self._logged_ids else 0
-        generated = GeneratedIds(token_ids, logprobs, previous=self._logged_ids[-16:], text_offset=offset)
+        generated = GeneratedIds(
+            token_ids, logprobs, previous=self._logged_ids[-16:], text_offset=offset, text_end=self._text_end
+        )
         self._logged_ids += token_ids
         return LoggedText(text, generated, self._tokenizer)
 
