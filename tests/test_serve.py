@@ -96,11 +96,30 @@ class Server:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key="none", max_retries=0, timeout=60)
 
     def metrics_while_streaming(self, prompts: list[str]) -> dict[str, float]:
-        """Metrics read while one stream per prompt (no max_tokens, eos ignored) has started; the streams are closed
-        after. The requests are sent at once: sent one after the other, the first could grow past what admission
-        keeps for the last (a slow client on a busy machine) and the last would wait."""
+        """Metrics read while one stream per prompt (no max_tokens, eos ignored) has started, the streams closed after;
+        `hf_paged_requests_running` is the most seen at once, read every few milliseconds from the sends on (on a
+        busy machine a stream can run to the pool's limit before its client has read every first chunk). The
+        requests are sent at once: sent one after the other, the first could grow past what admission keeps for the
+        last (a slow client) and the last would wait."""
+        peak = {"running": 0.0}
+
+        async def watch(done: asyncio.Event) -> None:
+            while not done.is_set():
+                metrics = await asyncio.to_thread(self.metrics)
+                peak["running"] = max(peak["running"], metrics["hf_paged_requests_running"])
+                await asyncio.sleep(0.005)
 
         async def streaming() -> dict[str, float]:
+            done = asyncio.Event()
+            watcher = asyncio.ensure_future(watch(done))
+            try:
+                metrics = await started()
+            finally:
+                done.set()
+                await watcher
+            return {**metrics, "hf_paged_requests_running": max(peak["running"], metrics["hf_paged_requests_running"])}
+
+        async def started() -> dict[str, float]:
             client = self.async_client()
             streams = await asyncio.gather(
                 *(
