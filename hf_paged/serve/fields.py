@@ -160,7 +160,7 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_prompt(body)
     elif endpoint == RESPONSES:
         _check_input(body)
-        _check_response_tools(body.get("tools"))
+        _check_tools(body.get("tools"), RESPONSES)
     _check_stream_fields(body)
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -257,18 +257,7 @@ def _check_tool_calls(tool_calls, where: str) -> None:
 
 
 def _check_chat_fields(body: dict) -> None:
-    tools = body.get("tools")
-    if tools is not None:
-        if not isinstance(tools, list):
-            raise InvalidRequest(f"tools must be a list of tools, got {_short(tools)}", "tools")
-        for index, tool in enumerate(tools):
-            function = tool.get("function") if isinstance(tool, dict) else None
-            if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
-                raise InvalidRequest(
-                    f'tools[{index}] must be {{"type": "function", "function": {{"name": ..., ...}}}}, got '
-                    f"{_short(tool)}",
-                    f"tools[{index}]",
-                )
+    _check_tools(body.get("tools"), CHAT)
     kwargs = body.get("chat_template_kwargs")
     if "chat_template_kwargs" in body and not isinstance(kwargs, dict):
         raise InvalidRequest(f"chat_template_kwargs must be an object, got {_short(kwargs)}", "chat_template_kwargs")
@@ -282,20 +271,36 @@ def _check_chat_fields(body: dict) -> None:
         )
 
 
-def _check_response_tools(tools) -> None:
-    """The Responses API's tools: function tools only (a built-in tool, web or file search, is OpenAI's to run)."""
+# How each endpoint spells a function tool: chat nests its name under "function", the Responses API does not.
+FUNCTION_TOOLS = {
+    CHAT: '{"type": "function", "function": {"name": ..., ...}}',
+    RESPONSES: '{"type": "function", "name": ...}',
+}
+
+
+def _check_tools(tools, endpoint: str) -> None:
+    """A list of function tools, as `endpoint` spells them (the Responses API's built-in tools, web or file search,
+    are OpenAI's to run)."""
     if tools is None:
         return
     if not isinstance(tools, list):
         raise InvalidRequest(f"tools must be a list of tools, got {_short(tools)}", "tools")
     for index, tool in enumerate(tools):
-        kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function" or not isinstance(tool.get("name"), str):
+        if not _is_function_tool(tool, endpoint):
             raise InvalidRequest(
-                f'tools[{index}] must be a function tool ({{"type": "function", "name": ...}}): hf-paged serve runs '
-                f"no built-in tool, got {_short(tool)}",
+                f"tools[{index}] must be a function tool ({FUNCTION_TOOLS[endpoint]}): hf-paged serve runs no "
+                f"built-in tool, got {_short(tool)}",
                 f"tools[{index}]",
             )
+
+
+def _is_function_tool(tool, endpoint: str) -> bool:
+    if not isinstance(tool, dict):
+        return False
+    if endpoint == RESPONSES and tool.get("type") != "function":
+        return False
+    named = tool.get("function") if endpoint == CHAT else tool
+    return isinstance(named, dict) and isinstance(named.get("name"), str)
 
 
 def _check_stream_fields(body: dict) -> None:

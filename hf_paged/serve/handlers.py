@@ -190,10 +190,9 @@ def _pieces(tokenizer, previous: list[int], token_ids: list[int]) -> list[str]:
     return pieces
 
 
-def _alternative(tokenizer, context: list[int], token_id: int) -> str:
-    """The text `token_id` would have added after `context` (its own spelling where that is nothing: a special
-    token, so alternatives stay apart)."""
-    text = _decode(tokenizer, context)
+def _alternative(tokenizer, context: list[int], text: str, token_id: int) -> str:
+    """The text `token_id` would have added after `context` (decoded: `text`), or its own spelling where that is
+    nothing (a special token), so alternatives stay apart."""
     longer = _decode(tokenizer, context + [token_id])
     piece = longer[len(text) :] if longer.startswith(text) else _decode(tokenizer, [token_id])
     return piece or tokenizer.decode([token_id], skip_special_tokens=False)
@@ -215,7 +214,8 @@ def _logprob_rows(tokenizer, generated):
     rows = []
     for index, (piece, record) in enumerate(zip(pieces, records)):
         context = (previous + token_ids[:index])[-PIECE_CONTEXT:]
-        rows.append((piece, record, [(_alternative(tokenizer, context, t), lp) for t, lp in record.top]))
+        text = _decode(tokenizer, context) if record.top else ""  # once for all the position's alternatives
+        rows.append((piece, record, [(_alternative(tokenizer, context, text, t), lp) for t, lp in record.top]))
     return rows
 
 
@@ -288,11 +288,9 @@ async def _merged_streams(streams: list):
             for event in chunk.split("\n\n"):
                 if not event.startswith("data: "):
                     continue
-                try:
-                    data = json.loads(event.removeprefix("data: "))
-                except ValueError:  # transformers' error events are not always valid JSON: as they came
-                    data = None
-                if not isinstance(data, dict) or "choices" not in data:  # an error event: as it came
+                data = _event_data(event)
+                # an error event (transformers' are not always valid JSON): as it came
+                if data is None or "choices" not in data:
                     yield event + "\n\n"
                     continue
                 for choice in data["choices"]:

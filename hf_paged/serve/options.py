@@ -152,9 +152,11 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         min_tokens = generation.get("min_new_tokens") or 0
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
         raise InvalidRequest(f"min_tokens must be an integer >= 0, got {min_tokens!r}", "min_tokens")
-    max_tokens = next((body[name] for name in MAX_TOKENS_FIELDS if body.get(name) is not None), None)
-    if max_tokens is None:
-        max_tokens = generation.get("max_new_tokens")
+    # The field that names max_tokens in the request (its first one given), and its value.
+    max_tokens_field = next((name for name in MAX_TOKENS_FIELDS if body.get(name) is not None), None)
+    max_tokens = body[max_tokens_field] if max_tokens_field is not None else generation.get("max_new_tokens")
+    if max_tokens_field is None and max_tokens is not None:
+        max_tokens_field = "generation_config.max_new_tokens"
     if max_tokens is not None and min_tokens > max_tokens:
         raise InvalidRequest(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
     stop_token_ids = body.get("stop_token_ids") or []
@@ -171,13 +173,9 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         n=n,
         logprobs=_logprobs(body, chat),
         ignore_eos=ignore_eos,
-        max_tokens_given=any(body.get(name) is not None for name in MAX_TOKENS_FIELDS)
-        or generation.get("max_new_tokens") is not None,
+        max_tokens_given=max_tokens_field is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
-        max_tokens_field=next(
-            (name for name in MAX_TOKENS_FIELDS if body.get(name) is not None),
-            "generation_config.max_new_tokens" if generation.get("max_new_tokens") is not None else "max_tokens",
-        ),
+        max_tokens_field=max_tokens_field or "max_tokens",
         repetition_penalty=float(repetition_penalty),
         logit_bias=_logit_bias(body),
         min_tokens=min_tokens,
