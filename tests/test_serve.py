@@ -438,7 +438,7 @@ def test_seeds_reproduce_per_request(server):
         ({"max_tokens": 1021}, 400, "max_tokens"),  # 5 prompt tokens leave 1020 (the last token stores no K/V)
         ({"prompt": "the " * 1100}, 400, "pool"),  # more than the pool holds for one request
         ({"prompt": "the " * (MAX_POSITIONS + 10)}, 400, "max_position_embeddings"),  # more than the model positions
-        ({"extra_body": {"no_such_field": 1}}, 422, "no_such_field"),
+        ({"extra_body": {"no_such_field": 1}}, 400, "Unrecognized request argument supplied: no_such_field"),
         ({"seed": 2**64}, 400, "seed"),
         ({"seed": 2**64, "stream": True}, 400, "seed"),
         ({"seed": 2**64 - 1, "n": 2}, 400, f"the largest seed for n=2 is {2**64 - 2}"),
@@ -465,6 +465,11 @@ def chat_with(content, **message) -> dict:
     """A chat body of one message with `content` (an assistant's, with `message`'s fields, when given)."""
     role = "assistant" if message else "user"
     return {"messages": [{"role": role, "content": content, **message}], "max_tokens": 3}
+
+
+LOOKUP_PARAMETERS = {"type": "object", "properties": {"key": {"type": "string"}}}
+LOOKUP_TOOL = {"type": "function", "function": {"name": "lookup", "parameters": LOOKUP_PARAMETERS}}
+LOOKUP_TOOL_ITEM = {"type": "function", "name": "lookup", "parameters": LOOKUP_PARAMETERS}  # the Responses API's
 
 
 def tool_call(arguments) -> dict:
@@ -499,6 +504,24 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
         ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
         ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0]"),
+        ("/v1/chat/completions", {"foo": 1}, "foo"),
+        ("/v1/completions", {"messages": []}, "messages"),
+        ("/v1/chat/completions", {"verbosity": "low"}, "verbosity"),
+        ("/v1/chat/completions", {"moderation": {"model": "omni"}}, "moderation"),
+        ("/v1/chat/completions", {"reasoning_effort": "high"}, "reasoning_effort"),
+        ("/v1/chat/completions", {"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ("/v1/responses", {"reasoning": {"effort": "low"}}, "reasoning.effort"),
+        ("/v1/responses", {"reasoning": {"summary": "auto"}}, "reasoning.summary"),
+        ("/v1/responses", {"reasoning": {"budget": 10}}, "reasoning.budget"),
+        ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1}, "max_tool_calls"),
+        ("/v1/responses", {"max_tool_calls": -1}, "max_tool_calls"),
+        ("/v1/responses", {"background": True}, "background"),
+        ("/v1/responses", {"conversation": "conv_1"}, "conversation"),
+        ("/v1/responses", {"prompt": {"id": "pmpt_1"}}, "prompt"),
+        ("/v1/responses", {"truncation": "auto"}, "truncation"),
+        ("/v1/responses", {"context_management": [{"type": "compaction"}]}, "context_management"),
+        ("/v1/responses", {"access_programs": {"cyber": "daybreak_red"}}, "access_programs"),
     ],
 )
 def test_fields_the_engine_would_not_apply_are_refused_by_name(server, path, fields, param):
@@ -691,6 +714,169 @@ def test_fields_at_their_openai_defaults_are_accepted(server):
     assert status == 200 and body["usage"]["completion_tokens"] == 3
     status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "echo": False, "best_of": 1})
     assert status == 200 and body["usage"]["completion_tokens"] == 2
+
+
+def test_fields_that_change_no_token_are_accepted(server):
+    """OpenAI's bookkeeping fields, and the unapplied ones at the value that changes nothing, answer 200; without
+    tools a limit on tool calls changes nothing either."""
+    bookkeeping = {"store": True, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "prompt_cache_key": "p"}
+    chat = {"verbosity": "medium", "parallel_tool_calls": False, "prediction": {"type": "content", "content": "hi"}}
+    status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | bookkeeping | chat)
+    assert status == 200 and body["usage"]["completion_tokens"] == 3, body
+    responses = {
+        "background": False,
+        "truncation": "disabled",
+        "context_management": [],
+        "access_programs": {"cyber": "standard"},
+        "reasoning": {"summary": None, "mode": "standard"},
+        "max_tool_calls": 2,
+        "safety_identifier": "s",
+    }
+    request = {"input": "hello there", "max_output_tokens": 3} | bookkeeping | responses
+    status, body = post_json(server, "/v1/responses", request)
+    assert status == 200 and body["usage"]["output_tokens"] == 3, body
+
+
+def test_every_field_of_transformers_request_schemas_is_read_refused_or_left_alone():
+    """The field ledger (fields.py) against transformers' request schemas: each field there is one the server reads,
+    refuses at a value it would not apply, or knows changes no token; the server's fields beyond them are vLLM's
+    sampling extensions and bookkeeping fields only."""
+    from transformers.cli.serving.chat_completion import TransformersCompletionCreateParamsStreaming
+    from transformers.cli.serving.completion import TransformersTextCompletionCreateParams
+    from transformers.cli.serving.response import TransformersResponseCreateParamsStreaming
+
+    from hf_paged.serve.fields import CHAT, COMPLETIONS, NO_EFFECT_FIELDS, RESPONSES, known_fields
+    from hf_paged.serve.options import EXTENSION_FIELDS
+
+    schemas = {
+        CHAT: TransformersCompletionCreateParamsStreaming,
+        COMPLETIONS: TransformersTextCompletionCreateParams,
+        RESPONSES: TransformersResponseCreateParamsStreaming,
+    }
+    for endpoint, schema in schemas.items():
+        fields = set(schema.__annotations__)
+        assert fields <= known_fields(endpoint), (endpoint, fields - known_fields(endpoint))
+        assert known_fields(endpoint) - fields <= set(EXTENSION_FIELDS) | NO_EFFECT_FIELDS, endpoint
+
+
+def test_a_chat_template_reading_a_reasoning_effort_gets_the_requests(saved, tmp_path):
+    """In process, a model whose chat template reads `reasoning_effort`: chat's `reasoning_effort` and the Responses
+    API's `reasoning.effort` reach it (the prompt is the template's with that effort: the same greedy answer and
+    prompt length as generate() on it); a value that is not an effort is refused."""
+    from fastapi.testclient import TestClient
+
+    from hf_paged.serve.app import ServeConfig, build_app
+
+    tokenizer, model = make_tokenizer(), saved[2]
+    tokenizer.chat_template = (
+        "{% if reasoning_effort %}<s> system : {{ reasoning_effort }} </s> {% endif %}" + CHAT_TEMPLATE
+    )
+    tokenizer.save_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, reasoning_effort="high"
+    )["input_ids"]
+    assert len(ids) > len(chat_ids(saved, messages))
+    expected = greedy_text(saved, ids, 4)
+    app, manager = build_app(
+        ServeConfig(model=str(tmp_path), max_memory=str(NUM_BLOCKS * BYTES_PER_BLOCK), dtype="float32")
+    )
+    try:
+        client = TestClient(app)
+        chat = {"messages": messages, "max_tokens": 4, "temperature": 0, "reasoning_effort": "high"}
+        answer = client.post("/v1/chat/completions", json=chat).json()
+        assert answer["choices"][0]["message"]["content"] == expected
+        assert answer["usage"]["prompt_tokens"] == len(ids)
+        request = {"input": "hello there", "max_output_tokens": 4, "temperature": 0, "reasoning": {"effort": "high"}}
+        response = client.post("/v1/responses", json=request).json()
+        assert response["output"][0]["content"][0]["text"] == expected
+        assert response["usage"]["input_tokens"] == len(ids)
+        refused = client.post("/v1/chat/completions", json=chat | {"reasoning_effort": "extreme"})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        manager.stop()
+
+
+def events_of(server, path: str, body: dict) -> list[dict]:
+    """The JSON events of `body` streamed from `path`."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(body | {"stream": True}), JSON_HEADERS)
+        events = connection.getresponse().read().decode().split("\n\n")
+    finally:
+        connection.close()
+    return [json.loads(event.removeprefix("data: ")) for event in events if event.startswith("data: {")]
+
+
+def response_text(response: dict) -> str:
+    """A Responses API body's output text (what the openai client's `output_text` gives)."""
+    return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+
+
+def test_a_response_cut_by_max_output_tokens_is_incomplete(server, saved):
+    """As OpenAI's API says it: a response that max_output_tokens cut has status "incomplete" with
+    incomplete_details.reason "max_output_tokens" (its message "incomplete" too), in one body and streamed (which
+    ends with `response.incomplete`); one the model ended (here a stop token) is "completed"."""
+    request = {"input": "hello there", "max_output_tokens": 3, "temperature": 0}
+    status, cut = post_json(server, "/v1/responses", request)
+    assert status == 200 and cut["status"] == "incomplete", cut
+    assert cut["incomplete_details"] == {"reason": "max_output_tokens"} and cut["output"][0]["status"] == "incomplete"
+    events = events_of(server, "/v1/responses", request)
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "incomplete"
+    assert "response.completed" not in {event["type"] for event in events}
+    done = [event["item"] for event in events if event["type"] == "response.output_item.done"]
+    assert [item["status"] for item in done] == ["incomplete"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == response_text(cut)
+
+    first = saved[1](response_text(cut).split()[0], add_special_tokens=False)["input_ids"][0]
+    status, ended = post_json(server, "/v1/responses", request | {"stop_token_ids": [first]})
+    assert status == 200 and ended["status"] == "completed" and ended.get("incomplete_details") is None, ended
+    assert ended["usage"]["output_tokens"] == 1
+    events = events_of(server, "/v1/responses", request | {"stop_token_ids": [first]})
+    assert events[-1]["type"] == "response.completed" and events[-1]["response"]["status"] == "completed"
+
+
+def test_a_response_echoes_the_requests_settings(server):
+    """As OpenAI's: a response (in one body, and each streamed event's) carries the request's tools, tool_choice,
+    parallel_tool_calls (true when not given), instructions, max_output_tokens, temperature and metadata."""
+    request = {
+        "input": "hello there",
+        "instructions": "answer in short sentences",
+        "tools": [LOOKUP_TOOL_ITEM],
+        "tool_choice": "none",
+        "max_output_tokens": 3,
+        "temperature": 0.5,
+        "metadata": {"k": "v"},
+    }
+    status, response = post_json(server, "/v1/responses", request)
+    assert status == 200, response
+    for answer in [response] + [e["response"] for e in events_of(server, "/v1/responses", request) if "response" in e]:
+        assert {name: answer.get(name) for name in request if name != "input"} == {
+            name: value for name, value in request.items() if name != "input"
+        }
+        assert answer["parallel_tool_calls"] is True and answer["truncation"] == "disabled"
+
+
+def test_a_responses_input_of_items_continues_a_tool_call(server, saved):
+    """An earlier response's function call and its output, sent back as the input's first items (no role), are read
+    as the assistant's tool call and the tool's message (transformers' handler read them as one user message's
+    content parts, and refused them): the answer is generate()'s on that conversation."""
+    items = [
+        {"type": "function_call", "call_id": "call_0", "name": "lookup", "arguments": '{"key": "a"}'},
+        {"type": "function_call_output", "call_id": "call_0", "output": "a block table"},
+        {"role": "user", "content": "hello there"},
+    ]
+    messages = [
+        {"role": "assistant", "content": "", "tool_calls": [tool_call('{"key": "a"}')]},
+        {"role": "tool", "tool_call_id": "call_0", "content": "a block table"},
+        {"role": "user", "content": "hello there"},
+    ]
+    request = {"input": items, "tools": [LOOKUP_TOOL_ITEM], "max_output_tokens": 4, "temperature": 0}
+    status, response = post_json(server, "/v1/responses", request)
+    assert status == 200, response
+    assert response["usage"]["input_tokens"] == len(chat_ids(saved, messages))
+    assert response_text(response) == greedy_text(saved, chat_ids(saved, messages), 4)
 
 
 def test_penalties_and_logit_bias_change_the_output(server, saved):

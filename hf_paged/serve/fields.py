@@ -15,11 +15,42 @@ import json
 import math
 
 from ..errors import InvalidRequest
+from .options import EXTENSION_FIELDS
 
 CHAT, COMPLETIONS, RESPONSES = "chat.completions", "completions", "responses"
 
+# What each endpoint reads: every field of transformers' request schemas (`_valid_params_class`) is in one of four
+# places, and a field in none of them is refused as OpenAI refuses an unknown one ("Unrecognized request argument").
+#   READ_FIELDS        the fields the server applies, or checks and refuses where it would not apply the value
+#   EXTENSION_FIELDS   vLLM's sampling fields beyond OpenAI's (options.py), on every endpoint
+#   NO_EFFECT_FIELDS   fields that change no token of an answer, taken and left alone
+#   UNAPPLIED_FIELDS   fields the server does not apply: refused unless they hold a value that changes nothing
+READ_FIELDS = {
+    CHAT: (
+        "model", "messages", "stream", "stream_options", "max_tokens", "max_completion_tokens", "temperature",
+        "top_p", "stop", "seed", "n", "logprobs", "top_logprobs", "presence_penalty", "frequency_penalty",
+        "logit_bias", "tools", "parallel_tool_calls", "reasoning_effort", "chat_template_kwargs", "generation_config",
+    ),
+    COMPLETIONS: (
+        "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
+        "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "generation_config",
+    ),
+    RESPONSES: (
+        "model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
+        "seed", "tools", "parallel_tool_calls", "max_tool_calls", "reasoning", "generation_config",
+    ),
+}  # fmt: skip
+# The request's bookkeeping at OpenAI (metadata, user, safety_identifier, store, service_tier), its prompt cache's
+# settings (the server's prefix cache is its own), a predicted output (a latency hint: OpenAI's answer is the one
+# without it) and image options (a text model reads no image).
+NO_EFFECT_FIELDS = frozenset(
+    {
+        "metadata", "user", "safety_identifier", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+        "prompt_cache_retention", "prediction", "image",
+    }
+)  # fmt: skip
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
-UNAPPLIED_FIELDS = {
+_UNAPPLIED = {
     "best_of": ((1,), "the best of several completions"),
     "echo": ((False,), "the prompt echoed in the completion"),
     "response_format": (({"type": "text"},), "structured output"),
@@ -32,12 +63,43 @@ UNAPPLIED_FIELDS = {
     "text": (({"format": {"type": "text"}},), "structured output"),
     "suffix": (("",), "text after the completion, which the model would write towards (fill-in-the-middle)"),
     "web_search_options": ((), "a web search"),
-}
-RESPONSES_UNAPPLIED = {
+    "verbosity": (("medium",), "answers longer or shorter than the model's own"),
+    "moderation": ((), "moderation of the input and output"),
     "include": (([],), "extra output items"),
-    "n": ((1,), "several choices per request"),
     "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
+    "background": ((False,), "a response run in the background, fetched later"),
+    "background_options": (({},), "a response run in the background, fetched later"),
+    "conversation": ((), "a stored conversation's items before the input"),
+    "prompt": ((), "a stored prompt template"),
+    "truncation": (("disabled",), "the input's first items dropped to fit the context (a long input is refused)"),
+    "context_management": (([],), "the context compacted"),
+    "access_programs": (({}, {"cyber": "standard"}), "an access program of OpenAI's"),
 }
+UNAPPLIED_FIELDS = {
+    endpoint: {name: _UNAPPLIED[name] for name in names}
+    for endpoint, names in {
+        CHAT: (
+            "response_format", "tool_choice", "functions", "function_call", "audio", "modalities",
+            "web_search_options", "verbosity", "moderation",
+        ),
+        COMPLETIONS: ("best_of", "echo", "suffix"),
+        RESPONSES: (
+            "tool_choice", "text", "previous_response_id", "include", "top_logprobs", "background",
+            "background_options", "conversation", "prompt", "truncation", "context_management", "access_programs",
+            "moderation",
+        ),
+    }.items()
+}  # fmt: skip
+# OpenAI's reasoning efforts (chat's `reasoning_effort`, the Responses API's `reasoning.effort`). The server hands
+# one to the chat template as its `reasoning_effort` variable, and refuses it for a template that reads none.
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+# The Responses API's other reasoning settings, and the values of each that change nothing.
+REASONING_NEUTRAL = {"summary": (), "generate_summary": (), "mode": ("standard",), "context": ("auto",)}
+
+
+def known_fields(endpoint: str) -> frozenset[str]:
+    """Every field a request body of `endpoint` may hold."""
+    return frozenset((*READ_FIELDS[endpoint], *EXTENSION_FIELDS, *NO_EFFECT_FIELDS, *UNAPPLIED_FIELDS[endpoint]))
 
 
 def _is_int(value) -> bool:
@@ -152,6 +214,14 @@ def check_body(body: dict, endpoint: str) -> None:
     `RESPONSES`) that the server cannot read or would not apply in full."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    known = known_fields(endpoint)
+    for name in body:
+        if name not in known:
+            raise InvalidRequest(
+                f"Unrecognized request argument supplied: {name[:60]} (a {endpoint} request's fields: "
+                f"{', '.join(sorted(known))})",
+                name,
+            )
     _check_text_is_unicode(body, "")
     if endpoint == CHAT:
         _check_messages(body.get("messages"), "messages", TEXT_PARTS[CHAT])
@@ -162,14 +232,9 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_input(body)
         _check_tools(body.get("tools"), RESPONSES)
     _check_stream_fields(body)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise InvalidRequest(
-            f"parallel_tool_calls must be true or false, got {_short(parallel)}", "parallel_tool_calls"
-        )
-    # Chat and completions serve `n` choices and log probabilities (handlers.py); the Responses API refuses them.
-    unapplied = {**UNAPPLIED_FIELDS, **RESPONSES_UNAPPLIED} if endpoint == RESPONSES else None
-    for name, (neutral, asks_for) in (unapplied or UNAPPLIED_FIELDS).items():
+    _check_tool_limits(body)
+    _check_reasoning(body)
+    for name, (neutral, asks_for) in UNAPPLIED_FIELDS[endpoint].items():
         value = body.get(name)
         if value is None or _is_neutral(value, neutral):
             continue
@@ -303,6 +368,76 @@ def _is_function_tool(tool, endpoint: str) -> bool:
     return isinstance(named, dict) and isinstance(named.get("name"), str)
 
 
+def _check_tool_limits(body: dict) -> None:
+    """`parallel_tool_calls` (true by default) and the Responses API's `max_tool_calls` limit the tool calls of an
+    answer. The server does not hold the model to a limit, so one is refused where the request gives tools (without
+    tools no call is parsed, and a limit changes nothing)."""
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise InvalidRequest(
+            f"parallel_tool_calls must be true or false, got {_short(parallel)}", "parallel_tool_calls"
+        )
+    most = body.get("max_tool_calls")
+    if most is not None and (not _is_int(most) or most < 0):
+        raise InvalidRequest(f"max_tool_calls must be an integer >= 0, got {_short(most)}", "max_tool_calls")
+    if not body.get("tools"):
+        return
+    if parallel is False:
+        raise InvalidRequest(
+            "parallel_tool_calls=false asks for at most one tool call per answer, which hf-paged serve does not "
+            "enforce; allowed with tools: true or null",
+            "parallel_tool_calls",
+        )
+    if most is not None:
+        raise InvalidRequest(
+            f"max_tool_calls={most} asks for a limit on the tool calls of an answer, which hf-paged serve does not "
+            "enforce; allowed with tools: null",
+            "max_tool_calls",
+        )
+
+
+def _check_reasoning(body: dict) -> None:
+    """Chat's `reasoning_effort` and the Responses API's `reasoning` ({"effort": ...}; its other settings at the
+    values that change nothing). Whether the model's chat template reads an effort is the handler's check
+    (`requested_reasoning_effort`)."""
+    effort = body.get("reasoning_effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(
+            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(effort)}", "reasoning_effort"
+        )
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return
+    if not isinstance(reasoning, dict):
+        raise InvalidRequest(f"reasoning must be an object, got {_short(reasoning)}", "reasoning")
+    for key, value in reasoning.items():
+        if key == "effort":
+            if value is not None and value not in REASONING_EFFORTS:
+                raise InvalidRequest(
+                    f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(value)}",
+                    "reasoning.effort",
+                )
+            continue
+        if key not in REASONING_NEUTRAL:
+            raise InvalidRequest(
+                f"reasoning.{key} is not a reasoning setting (allowed: effort, {', '.join(REASONING_NEUTRAL)})",
+                f"reasoning.{key}",
+            )
+        if value is not None and value not in REASONING_NEUTRAL[key]:
+            allowed = " or ".join(json.dumps(v) for v in (*REASONING_NEUTRAL[key], None))
+            raise InvalidRequest(
+                f"reasoning.{key}={_short(value)} is not applied by hf-paged serve; allowed: {allowed}",
+                f"reasoning.{key}",
+            )
+
+
+def requested_reasoning_effort(body: dict) -> str | None:
+    """The reasoning effort a checked body asks for (chat's `reasoning_effort`, the Responses API's
+    `reasoning.effort`), or None."""
+    reasoning = body.get("reasoning")
+    return body.get("reasoning_effort") or (reasoning.get("effort") if isinstance(reasoning, dict) else None)
+
+
 def _check_stream_fields(body: dict) -> None:
     stream = body.get("stream")
     if stream is not None and not isinstance(stream, bool):
@@ -350,8 +485,6 @@ def _check_prompt(body: dict) -> None:
 def _check_input(body: dict) -> None:
     """The Responses API's input, read as transformers' handler reads it (`ResponseHandler._normalize_input`), then
     checked as chat messages; `instructions` a string."""
-    from transformers.cli.serving.response import ResponseHandler
-
     value = body.get("input")
     if not (isinstance(value, str) and value) and not (
         isinstance(value, list) and value and all(isinstance(item, dict) for item in value)
@@ -361,7 +494,7 @@ def _check_input(body: dict) -> None:
     if instructions is not None and not isinstance(instructions, str):
         raise InvalidRequest(f"instructions must be a string, got {_short(instructions)}", "instructions")
     try:
-        messages = ResponseHandler._normalize_input({"input": value})
+        messages = normalize_input({"input": value})
     except Exception as error:  # a KeyError for a field an item lacks, transformers' HTTPException for a type
         detail = f"an item lacks the field {error}" if isinstance(error, KeyError) else getattr(error, "detail", error)
         raise InvalidRequest(f"input cannot be read as messages: {detail}", "input") from None
@@ -369,6 +502,31 @@ def _check_input(body: dict) -> None:
         _check_messages(messages, "messages", TEXT_PARTS[RESPONSES])
     except InvalidRequest as error:  # the messages' positions are not the items': the field is `input`
         raise InvalidRequest(f"input, read as chat messages: {error.message}", "input") from None
+
+
+# The Responses API's input items that transformers' handler turns into messages (`_normalize_response_items`).
+INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
+
+
+def normalize_input(body: dict) -> list[dict]:
+    """The Responses API's input (and instructions) as chat messages, as transformers' handler reads them
+    (`ResponseHandler._normalize_input`), but for a list that starts with an item (a tool call or its output, a
+    reasoning item, as an earlier response's output gives them): the handler reads a list whose first entry has no
+    role as one user message's content parts, and refuses those."""
+    from transformers.cli.serving.response import ResponseHandler
+
+    items = body.get("input")
+    first = items[0] if isinstance(items, list) and items else None
+    if not (isinstance(first, dict) and "role" not in first and first.get("type") in INPUT_ITEM_TYPES):
+        return ResponseHandler._normalize_input(body)
+    messages = ResponseHandler._normalize_response_items(items)
+    instructions = body.get("instructions")
+    if instructions:  # as the handler puts them: a system message first
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] = instructions
+        else:
+            messages.insert(0, {"role": "system", "content": instructions})
+    return messages
 
 
 def _check_generation_config(value) -> None:

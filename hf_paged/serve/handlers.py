@@ -20,14 +20,15 @@ import copy
 import dataclasses
 import itertools
 import json
+import re
 
 from starlette.responses import JSONResponse, StreamingResponse
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
-from ..errors import ModelNotFound
-from .fields import CHAT, COMPLETIONS, RESPONSES, check_body
+from ..errors import InvalidRequest, ModelNotFound
+from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, normalize_input, requested_reasoning_effort
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
 from .stream import LoggedText
 
@@ -45,16 +46,32 @@ class RequestOptionsMixin:
         self.served_model_name = served_model_name
 
     def _resolve_model(self, body: dict):
+        """The model and processor, once the body's fields are checked; a reasoning effort the request asks for
+        goes to the chat template (`body` is the handler's own copy, which it reads the template's variables
+        from next)."""
         requested = body.get("model")
         if requested is not None and requested != self.served_model_name:
             raise ModelNotFound(requested, self.served_model_name)
         _model_id, model, processor = super()._resolve_model({**body, "model": None})
+        effort = requested_reasoning_effort(body)
+        if effort is not None:
+            field = "reasoning_effort" if "reasoning_effort" in body else "reasoning.effort"
+            if not _template_reads(processor, TEMPLATE_REASONING_EFFORT):
+                raise InvalidRequest(
+                    f"{field}={json.dumps(effort)} asks for a reasoning effort, and this model's chat template reads "
+                    f"none (no {TEMPLATE_REASONING_EFFORT} variable); allowed: null",
+                    field,
+                )
+            kwargs = body.get("chat_template_kwargs") or {}
+            body["chat_template_kwargs"] = {**kwargs, TEMPLATE_REASONING_EFFORT: effort}
         return self.served_model_name, model, processor  # answers name the model as the request did
 
     async def handle_request(self, body: dict, request_id: str):
+        if isinstance(body, dict):
+            body = dict(body)  # the handler's copy (`_resolve_model` adds the template's variables to it)
         prompt = body.get("prompt") if isinstance(body, dict) else None
         if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
-            body = {**body, "prompt": prompt[0]}  # OpenAI's list of prompts, of one (the handler takes a string)
+            body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes a string)
         response = await super().handle_request(body, request_id)
         if not isinstance(response, StreamingResponse):
             return response
@@ -81,6 +98,17 @@ class RequestOptionsMixin:
             generation_config.eos_token_id = model_generation_config.eos_token_id
         apply_options(generation_config, body, options)
         return generation_config
+
+
+# The chat template variable a reasoning effort goes to (gpt-oss's template reads it, as vLLM passes it).
+TEMPLATE_REASONING_EFFORT = "reasoning_effort"
+
+
+def _template_reads(processor, variable: str) -> bool:
+    """Whether the processor's chat template (or one of its named templates) names `variable`."""
+    template = getattr(processor, "chat_template", None)
+    sources = template.values() if isinstance(template, dict) else [template]
+    return any(isinstance(source, str) and re.search(rf"\b{variable}\b", source) for source in sources)
 
 
 class ChoicesMixin:
@@ -153,16 +181,20 @@ class ChoicesMixin:
 
 
 class _Recorder:
-    """The generation manager as a handler sees it, keeping the generated ids (with their log probabilities) of the
-    request it runs."""
+    """The generation manager as a handler sees it, keeping what the request it runs generated: its ids, with their
+    log probabilities and finish reason (`generated`), or its stream (`stream`, a `RequestStream`)."""
 
     def __init__(self, manager):
-        self._manager, self.generated = manager, None
+        self._manager, self.generated, self.stream = manager, None, None
 
     async def generate_non_streaming(self, *args, **kwargs):
         text, prompt_length, generated = await self._manager.generate_non_streaming(*args, **kwargs)
         self.generated = generated
         return text, prompt_length, generated
+
+    def generate_streaming(self, *args, **kwargs):
+        queue, self.stream = self._manager.generate_streaming(*args, **kwargs)
+        return queue, self.stream
 
     def __getattr__(self, name: str):
         return getattr(self._manager, name)
@@ -398,6 +430,89 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
     stock handler streams it)."""
 
     endpoint = RESPONSES
+    _normalize_input = staticmethod(normalize_input)
 
     async def handle_request(self, body: dict, request_id: str):
         return await super().handle_request({"stream": False, **body}, request_id)
+
+    async def _non_streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
+        recorder = _Recorder(gen_manager)
+        response = await super()._non_streaming(
+            request_id, model, processor, model_id, body, inputs, gen_config, recorder, **kw
+        )
+        answer = _as_requested(json.loads(response.body), body)
+        return JSONResponse(_incomplete(answer) if recorder.generated.finish_reason == "length" else answer)
+
+    def _streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
+        recorder = _Recorder(gen_manager)
+        response = super()._streaming(request_id, model, processor, model_id, body, inputs, gen_config, recorder, **kw)
+        events = _response_events(response.body_iterator, recorder, body)
+        return StreamingResponse(events, media_type=response.media_type)
+
+
+# The request's settings a response echoes, as OpenAI's does (transformers' says tools [], tool_choice "auto" and
+# parallel_tool_calls false whatever the request gave), and what each is when the request gives none.
+ECHOED_FIELDS = {
+    "instructions": None,
+    "max_output_tokens": None,
+    "max_tool_calls": None,
+    "metadata": None,
+    "parallel_tool_calls": True,
+    "reasoning": None,
+    "temperature": None,
+    "tool_choice": "auto",
+    "tools": [],
+    "top_p": None,
+    "truncation": "disabled",
+}
+
+
+def _as_requested(response: dict, body: dict) -> dict:
+    """A Responses API response (any event's `response`) with the request's settings (`ECHOED_FIELDS`)."""
+    echoed = {name: body[name] if body.get(name) is not None else default for name, default in ECHOED_FIELDS.items()}
+    return {**response, **{name: value for name, value in echoed.items() if value is not None}}
+
+
+# Why a response cut short is "incomplete" (OpenAI's `incomplete_details.reason`): the Engine's finish reason
+# "length" is max_output_tokens reached, or the model's context (max_output_tokens was fitted to it).
+INCOMPLETE_REASON = "max_output_tokens"
+
+
+def _incomplete(response: dict) -> dict:
+    """A Responses API response cut by max_output_tokens, as OpenAI's says it: status "incomplete" with
+    `incomplete_details`, its message "incomplete" too (its tool calls, whole when parsed, stay "completed")."""
+    output = [_incomplete_item(item) for item in response.get("output") or []]
+    return {**response, "status": "incomplete", "incomplete_details": {"reason": INCOMPLETE_REASON}, "output": output}
+
+
+def _incomplete_item(item: dict) -> dict:
+    return {**item, "status": "incomplete"} if item.get("type") == "message" else item
+
+
+async def _response_events(chunks, recorder: _Recorder, body: dict):
+    """A Responses API stream, each event's `response` with the request's settings (`_as_requested`); where
+    max_output_tokens cut the request, its message's `response.output_item.done` says "incomplete" and it ends with
+    `response.incomplete` (transformers' says `response.completed` whatever ended it). The finish reason is known
+    before those last events, which follow the request's end."""
+    try:
+        async for chunk in chunks:
+            stream = recorder.stream
+            cut = stream is not None and stream.finish_reason == "length"
+            events = []
+            for event in chunk.split("\n\n"):
+                if not event:
+                    continue
+                data = _event_data(event)
+                if data is None:
+                    events.append(event + "\n\n")
+                    continue
+                if isinstance(data.get("response"), dict):
+                    data = {**data, "response": _as_requested(data["response"], body)}
+                if cut and data.get("type") == "response.completed":
+                    data = {**data, "type": "response.incomplete", "response": _incomplete(data["response"])}
+                elif cut and data.get("type") == "response.output_item.done":
+                    data = {**data, "item": _incomplete_item(data["item"])}
+                events.append(f"data: {json.dumps(data)}\n\n")
+            yield "".join(events)
+    finally:
+        await chunks.aclose()

@@ -128,7 +128,12 @@ class EngineManager(BaseGenerateManager):
         except asyncio.CancelledError:  # the client went away (see DisconnectGuard)
             stream.cancel()
             raise
-        generated = GeneratedIds(stream.token_ids, stream.logprobs[: len(stream.token_ids)], text_end=len(text))
+        generated = GeneratedIds(
+            stream.token_ids,
+            stream.logprobs[: len(stream.token_ids)],
+            text_end=len(text),
+            finish_reason=stream.finish_reason,
+        )
         return text, len(stream.prompt_ids), generated
 
     def stop(self) -> None:

@@ -26,11 +26,22 @@ class GeneratedIds(list):
     """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
     for log probabilities (`logprobs`, else empty). A streamed piece's also carry the request's tokens before them
     (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`); once
-    the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a stop string)."""
+    the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a stop string). A
+    whole answer's also carry why it ended (`finish_reason`: the Engine's "stop" or "length", "stop" for a stop
+    string)."""
 
-    def __init__(self, token_ids, logprobs=(), previous=(), text_offset: int = 0, text_end: int | None = None):
+    def __init__(
+        self,
+        token_ids,
+        logprobs=(),
+        previous=(),
+        text_offset: int = 0,
+        text_end: int | None = None,
+        finish_reason: str | None = None,
+    ):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
+        self.finish_reason = finish_reason
         self.previous, self.text_offset = list(previous), text_offset
         self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
 
