@@ -656,7 +656,8 @@ def test_logprobs_of_an_answer_cut_at_a_stop_string(server):
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
 def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
     """Each chunk carries the log probabilities of the tokens whose text it brings: over the stream, every generated
-    token's once, equal to the non-streamed answer's (greedy)."""
+    token's once, equal to the non-streamed answer's (greedy), completions' text offsets pointing at each token's
+    text in the answer."""
     chat = "chat" in path
     body = {"max_tokens": 7, "temperature": 0} | (
         {"messages": [{"role": "user", "content": "hello there"}], "logprobs": True, "top_logprobs": 2}
@@ -681,6 +682,11 @@ def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
         got = [lp for piece in pieces for lp in piece["token_logprobs"]]
         assert got == pytest.approx(expected["token_logprobs"], abs=1e-5)
         assert [t for piece in pieces for t in piece["tokens"]] == expected["tokens"]
+        assert [o for piece in pieces for o in piece["text_offset"]] == expected["text_offset"]
+        text = answer["choices"][0]["text"]
+        assert [text[o:] for o in expected["text_offset"]] == [
+            "".join(expected["tokens"][i:]) for i in range(len(expected["tokens"]))
+        ]
 
 
 def test_n_choices_stream_interleaved_with_their_index(server, saved):
@@ -1209,13 +1215,23 @@ def test_a_stream_carries_its_usage_only_when_asked(server, include_usage):
         assert with_usage == [] and chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def token_pieces(tokenizer, token_ids: list[int], previous: list[int] = (), ended: bool = False) -> list[str]:
+    """The text each of `token_ids` adds to an answer after `previous`, as the logprobs entries spell them (`ended`:
+    the answer ends with them)."""
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _logprob_rows
+    from hf_paged.serve.stream import GeneratedIds
+
+    text_end = len(tokenizer.decode([*previous, *token_ids], skip_special_tokens=True)) if ended else None
+    generated = GeneratedIds(token_ids, [TokenLogprob(-1.0, ())] * len(token_ids), list(previous), text_end=text_end)
+    return [piece for piece, _, _ in _logprob_rows(tokenizer, generated)]
+
+
 def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
     leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special
     token adding nothing, also for a piece that starts mid-answer (a streamed chunk)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
-    from hf_paged.serve.handlers import _pieces
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
@@ -1225,9 +1241,32 @@ def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     ids = ids[:3] + [tokenizer.token_to_id("<s>")] + ids[3:]
     text = tokenizer.decode(ids, skip_special_tokens=True)
     assert "".join(tokenizer.decode([i]) for i in ids) != text  # alone, the spaces are lost
-    pieces = _pieces(tokenizer, [], ids)
+    pieces = token_pieces(tokenizer, ids)
     assert "".join(pieces) == text and pieces[3] == ""
-    assert "".join(pieces[4:]) == "".join(_pieces(tokenizer, ids[:4], ids[4:]))
+    assert "".join(pieces[4:]) == "".join(token_pieces(tokenizer, ids[4:], ids[:4]))
+
+
+def test_a_character_split_over_tokens_is_the_text_of_the_token_that_completes_it():
+    """Byte-level BPE (GPT-2's, Llama 3's): a character of several UTF-8 bytes can span tokens, and a decode that
+    ends inside one ends with U+FFFD. The token that completes the character adds it whole, the tokens before it add
+    "", so the texts add up to the answer (each decoded with U+FFFD they would not); an answer that ends inside a
+    character ends with what its decode ends with."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {symbol: index for index, symbol in enumerate(sorted(alphabet))}  # bytes only: é and 🦊 span tokens
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    text = "café 🦊 ok"
+    ids = tokenizer.encode(text).ids
+    assert len(ids) == len(text.encode()) and tokenizer.decode(ids[:4]).endswith("\ufffd")
+    pieces = token_pieces(tokenizer, ids, ended=True)
+    assert "".join(pieces) == text and pieces[3:5] == ["", "é"] and pieces[6:10] == ["", "", "", "🦊"]
+    for split in range(1, len(ids)):  # a streamed chunk starting anywhere, the first inside a character too
+        assert "".join(token_pieces(tokenizer, ids[:split]) + token_pieces(tokenizer, ids[split:], ids[:split])) == text
+    cut = ids[:8]  # ends two bytes into the fox
+    assert "".join(token_pieces(tokenizer, cut, ended=True)) == tokenizer.decode(cut)
 
 
 def test_generation_config_seed_seeds_the_request(server):

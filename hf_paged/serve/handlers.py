@@ -208,45 +208,49 @@ def _decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)  # as the answer's text is decoded
 
 
-def _pieces(tokenizer, previous: list[int], token_ids: list[int]) -> list[str]:
-    """The text each of `token_ids` adds to the decoded text after the tokens `previous` (decoded together, then
-    told apart), so the pieces add up to the answer's text: a token decoded alone loses the space a SentencePiece
-    tokenizer spells inside it, or the space a word-level decoder puts between words. A special token the answer
-    skips adds nothing."""
-    context = previous[-PIECE_CONTEXT:]
-    pieces, text = [], _decode(tokenizer, context)
-    for end in range(1, len(token_ids) + 1):
-        longer = _decode(tokenizer, context + token_ids[:end])
-        pieces.append(longer[len(text) :] if longer.startswith(text) else _decode(tokenizer, token_ids[end - 1 : end]))
-        text = longer
-    return pieces
+# What a decode ends with where its last token ends inside a UTF-8 character.
+REPLACEMENT = "\ufffd"
+
+
+def _added(text: str, longer: str, final: bool) -> str:
+    """The text a token adds: `longer` (the decode with it) past `text` (the decode before it). A character whose
+    bytes span several tokens is added whole by the token that completes it (a token ending inside one adds ""), so
+    the tokens' texts add up to the answer; the answer's last token keeps what it ends with (`final`). None where
+    `longer` does not continue `text` (a decoder that changed the text before)."""
+    before, after = text.rstrip(REPLACEMENT), longer if final else longer.rstrip(REPLACEMENT)
+    return after[len(before) :] if after.startswith(before) else None
 
 
 def _alternative(tokenizer, context: list[int], text: str, token_id: int) -> str:
     """The text `token_id` would have added after `context` (decoded: `text`), or its own spelling where that is
     nothing (a special token), so alternatives stay apart."""
-    longer = _decode(tokenizer, context + [token_id])
-    piece = longer[len(text) :] if longer.startswith(text) else _decode(tokenizer, [token_id])
+    piece = _added(text, _decode(tokenizer, context + [token_id]), final=True)
     return piece or tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _logprob_rows(tokenizer, generated):
     """Per generated token with a log probability: (its piece, its TokenLogprob, [(alternative's text, log
-    probability)])."""
+    probability)]). A token's piece is the text it adds to the decoded text after the tokens before it (decoded
+    together over the last `PIECE_CONTEXT` of them, then told apart), so the pieces add up to the answer's text: a
+    token decoded alone loses the space a SentencePiece tokenizer spells inside it, or the space a word-level decoder
+    puts between words. A special token the answer skips adds nothing."""
     records = generated.logprobs[: len(generated)]
     token_ids = list(generated[: len(records)])
     previous = list(getattr(generated, "previous", ()))
-    pieces = _pieces(tokenizer, previous, token_ids)
     text_end = getattr(generated, "text_end", None)
-    if text_end is not None:  # a stop string cut the answer: each token's text up to its end
-        room = text_end - getattr(generated, "text_offset", 0)
-        for index, piece in enumerate(pieces):
-            pieces[index] = piece[: max(room, 0)]
-            room -= len(pieces[index])
+    # A stop string cut the answer: each token's text up to its end.
+    room = None if text_end is None else text_end - getattr(generated, "text_offset", 0)
     rows = []
-    for index, (piece, record) in enumerate(zip(pieces, records)):
+    for index, (token_id, record) in enumerate(zip(token_ids, records)):
         context = (previous + token_ids[:index])[-PIECE_CONTEXT:]
-        text = _decode(tokenizer, context) if record.top else ""  # once for all the position's alternatives
+        text = _decode(tokenizer, context)
+        final = text_end is not None and index == len(token_ids) - 1
+        piece = _added(text, _decode(tokenizer, context + [token_id]), final)
+        if piece is None:
+            piece = _decode(tokenizer, [token_id])
+        if room is not None:
+            piece = piece[: max(room, 0)]
+            room -= len(piece)
         rows.append((piece, record, [(_alternative(tokenizer, context, text, t), lp) for t, lp in record.top]))
     return rows
 

@@ -115,6 +115,8 @@ class RequestStream:
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         self._logged_ids: list[int] = []  # the tokens whose TokenLogprobs went out (stream)
+        # The length of the text decoded so far, and of the text of the tokens in `_logged_ids` (stream).
+        self._decoded_chars = self._logged_chars = 0
         self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
@@ -155,7 +157,9 @@ class RequestStream:
             self.token_ids.append(token_id)
             self.total_tokens += 1
             if self.streaming or self._stops:
-                self._pending += self._decoder.step(self._tokenizer, token_id) or ""
+                piece = self._decoder.step(self._tokenizer, token_id) or ""
+                self._pending += piece
+                self._decoded_chars += len(piece)
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
             if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
                 self.stopped, self.finish_reason = True, "stop"
@@ -240,12 +244,17 @@ class RequestStream:
         if not token_ids:
             return text
         self._unsent_logprobs = ([], [])
-        # Where their text starts in the answer: the length of the text of the tokens before them.
-        offset = len(self._tokenizer.decode(self._logged_ids, skip_special_tokens=True)) if self._logged_ids else 0
+        # Where their text starts in the answer: the length of the text of the tokens before them, which were every
+        # token delivered at the last call (a piece goes out after its tokens are decoded).
         generated = GeneratedIds(
-            token_ids, logprobs, previous=self._logged_ids[-16:], text_offset=offset, text_end=self._text_end
+            token_ids,
+            logprobs,
+            previous=self._logged_ids[-16:],
+            text_offset=self._logged_chars,
+            text_end=self._text_end,
         )
         self._logged_ids += token_ids
+        self._logged_chars = self._decoded_chars
         return LoggedText(text, generated, self._tokenizer)
 
     def _fail(self, error: str, invalid: bool) -> None:
