@@ -516,6 +516,7 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
         ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1}, "max_tool_calls"),
         ("/v1/responses", {"max_tool_calls": -1}, "max_tool_calls"),
+        ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "tool_choice": "none"}, "tool_choice"),
         ("/v1/responses", {"background": True}, "background"),
         ("/v1/responses", {"conversation": "conv_1"}, "conversation"),
         ("/v1/responses", {"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -726,7 +727,8 @@ def test_fields_that_change_no_token_are_accepted(server):
     """OpenAI's bookkeeping fields, and the unapplied ones at the value that changes nothing, answer 200; without
     tools a limit on tool calls changes nothing either."""
     bookkeeping = {"store": True, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "prompt_cache_key": "p"}
-    chat = {"verbosity": "medium", "parallel_tool_calls": False, "prediction": {"type": "content", "content": "hi"}}
+    chat = {"verbosity": "medium", "parallel_tool_calls": False, "tool_choice": "none"}
+    chat |= {"prediction": {"type": "content", "content": "hi"}}
     status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | bookkeeping | chat)
     assert status == 200 and body["usage"]["completion_tokens"] == 3, body
     responses = {
@@ -850,7 +852,7 @@ def test_a_response_echoes_the_requests_settings(server):
         "input": "hello there",
         "instructions": "answer in short sentences",
         "tools": [LOOKUP_TOOL_ITEM],
-        "tool_choice": "none",
+        "tool_choice": "auto",
         "max_output_tokens": 3,
         "temperature": 0.5,
         "metadata": {"k": "v"},

@@ -369,9 +369,9 @@ def _is_function_tool(tool, endpoint: str) -> bool:
 
 
 def _check_tool_limits(body: dict) -> None:
-    """`parallel_tool_calls` (true by default) and the Responses API's `max_tool_calls` limit the tool calls of an
-    answer. The server does not hold the model to a limit, so one is refused where the request gives tools (without
-    tools no call is parsed, and a limit changes nothing)."""
+    """`parallel_tool_calls` (true by default), the Responses API's `max_tool_calls` and `tool_choice="none"` limit
+    the tool calls of an answer. The server does not hold the model to a limit, so one is refused where the request
+    gives tools (without tools the model is told of none, and a limit changes nothing)."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest(
@@ -382,6 +382,12 @@ def _check_tool_limits(body: dict) -> None:
         raise InvalidRequest(f"max_tool_calls must be an integer >= 0, got {_short(most)}", "max_tool_calls")
     if not body.get("tools"):
         return
+    if body.get("tool_choice") == "none":
+        raise InvalidRequest(
+            'tool_choice="none" with tools asks for an answer without tool calls, which hf-paged serve does not '
+            'enforce (the model sees the tools and its tool calls are parsed); allowed with tools: "auto" or null',
+            "tool_choice",
+        )
     if parallel is False:
         raise InvalidRequest(
             "parallel_tool_calls=false asks for at most one tool call per answer, which hf-paged serve does not "
