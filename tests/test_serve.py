@@ -513,11 +513,14 @@ def tool_call(arguments) -> dict:
         ("/v1/responses", {"reasoning": {"effort": "low"}}, "reasoning.effort"),
         ("/v1/responses", {"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ("/v1/responses", {"reasoning": {"budget": 10}}, "reasoning.budget"),
-        ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "parallel_tool_calls": False}, "parallel_tool_calls"),
+        ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "parallel_tool_calls": False}, "parallel_tool_calls"),
         ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1}, "max_tool_calls"),
         ("/v1/responses", {"max_tool_calls": -1}, "max_tool_calls"),
         ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "tool_choice": "none"}, "tool_choice"),
         ("/v1/responses", {"background": True}, "background"),
+        ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
+        ("/v1/responses", {"text": {"verbosity": "high"}}, "text.verbosity"),
+        ("/v1/responses", {"text": "plain"}, "text"),
         ("/v1/responses", {"conversation": "conv_1"}, "conversation"),
         ("/v1/responses", {"prompt": {"id": "pmpt_1"}}, "prompt"),
         ("/v1/responses", {"truncation": "auto"}, "truncation"),
@@ -726,6 +729,10 @@ def test_fields_at_their_openai_defaults_are_accepted(server):
 def test_fields_that_change_no_token_are_accepted(server):
     """OpenAI's bookkeeping fields, and the unapplied ones at the value that changes nothing, answer 200; without
     tools a limit on tool calls changes nothing either."""
+    status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "user": "u"})
+    assert status == 200, body
+    status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "store": True})
+    assert status == 400 and body["error"]["param"] == "store"  # not a completions field
     bookkeeping = {"store": True, "metadata": {"k": "v"}, "user": "u", "service_tier": "auto", "prompt_cache_key": "p"}
     chat = {"verbosity": "medium", "parallel_tool_calls": False, "tool_choice": "none"}
     chat |= {"prediction": {"type": "content", "content": "hi"}}
@@ -739,6 +746,7 @@ def test_fields_that_change_no_token_are_accepted(server):
         "reasoning": {"summary": None, "mode": "standard"},
         "max_tool_calls": 2,
         "safety_identifier": "s",
+        "text": {"format": {"type": "text"}, "verbosity": "medium"},
     }
     request = {"input": "hello there", "max_output_tokens": 3} | bookkeeping | responses
     status, body = post_json(server, "/v1/responses", request)
@@ -747,13 +755,13 @@ def test_fields_that_change_no_token_are_accepted(server):
 
 def test_every_field_of_transformers_request_schemas_is_read_refused_or_left_alone():
     """The field ledger (fields.py) against transformers' request schemas: each field there is one the server reads,
-    refuses at a value it would not apply, or knows changes no token; the server's fields beyond them are vLLM's
-    sampling extensions and bookkeeping fields only."""
+    refuses at a value it would not apply, or knows changes no token; beyond them the server knows vLLM's sampling
+    extensions only (which it takes out before the schema's check: another field would be its 422)."""
     from transformers.cli.serving.chat_completion import TransformersCompletionCreateParamsStreaming
     from transformers.cli.serving.completion import TransformersTextCompletionCreateParams
     from transformers.cli.serving.response import TransformersResponseCreateParamsStreaming
 
-    from hf_paged.serve.fields import CHAT, COMPLETIONS, NO_EFFECT_FIELDS, RESPONSES, known_fields
+    from hf_paged.serve.fields import CHAT, COMPLETIONS, RESPONSES, known_fields
     from hf_paged.serve.options import EXTENSION_FIELDS
 
     schemas = {
@@ -762,9 +770,7 @@ def test_every_field_of_transformers_request_schemas_is_read_refused_or_left_alo
         RESPONSES: TransformersResponseCreateParamsStreaming,
     }
     for endpoint, schema in schemas.items():
-        fields = set(schema.__annotations__)
-        assert fields <= known_fields(endpoint), (endpoint, fields - known_fields(endpoint))
-        assert known_fields(endpoint) - fields <= set(EXTENSION_FIELDS) | NO_EFFECT_FIELDS, endpoint
+        assert known_fields(endpoint) == set(schema.__annotations__) | set(EXTENSION_FIELDS), endpoint
 
 
 def test_a_chat_template_reading_a_reasoning_effort_gets_the_requests(saved, tmp_path):
@@ -864,6 +870,36 @@ def test_a_response_echoes_the_requests_settings(server):
             name: value for name, value in request.items() if name != "input"
         }
         assert answer["parallel_tool_calls"] is True and answer["truncation"] == "disabled"
+
+
+def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
+    """Chat's `parallel_tool_calls: false`, as vLLM holds it: an answer keeps each choice's first tool call, in one
+    body and streamed (where each call comes whole in a chunk of its own, index >= 1 for the later ones)."""
+    from hf_paged.serve.handlers import _first_tool_call_only, _first_tool_call_streamed
+
+    calls = [{**tool_call("{}"), "id": f"call_{i}"} for i in range(3)]
+    answer = {"choices": [{"index": 0, "message": {"role": "assistant", "tool_calls": calls}}, {"index": 1}]}
+    kept = _first_tool_call_only(answer)["choices"]
+    assert kept[0]["message"]["tool_calls"] == calls[:1] and kept[1] == {"index": 1}
+
+    def chunk(choice: int, delta: dict) -> str:
+        return f"data: {json.dumps({'choices': [{'index': choice, 'delta': delta}]})}\n\n"
+
+    sent = [chunk(0, {"role": "assistant"}), chunk(0, {"tool_calls": [{**calls[0], "index": 0}]})]
+    sent += [
+        chunk(1, {"tool_calls": [{**calls[0], "index": 0}]}) + chunk(0, {"tool_calls": [{**calls[1], "index": 1}]})
+    ]
+    sent += [chunk(0, {"tool_calls": [{**calls[2], "index": 2}]}), chunk(0, {}), "data: [DONE]\n\n"]
+
+    async def received() -> list[str]:
+        async def chunks():
+            for piece in sent:
+                yield piece
+
+        return [piece async for piece in _first_tool_call_streamed(chunks())]
+
+    got = "".join(asyncio.run(received()))
+    assert got == "".join([sent[0], sent[1], chunk(1, {"tool_calls": [{**calls[0], "index": 0}]}), sent[4], sent[5]])
 
 
 def test_a_responses_input_of_items_continues_a_tool_call(server, saved):
@@ -1269,6 +1305,11 @@ def test_a_character_split_over_tokens_is_the_text_of_the_token_that_completes_i
         assert "".join(token_pieces(tokenizer, ids[:split]) + token_pieces(tokenizer, ids[split:], ids[:split])) == text
     cut = ids[:8]  # ends two bytes into the fox
     assert "".join(token_pieces(tokenizer, cut, ended=True)) == tokenizer.decode(cut)
+    # U+FFFD in the answer (three bytes each, or bytes that begin no character, as a sampled model may give): each
+    # is its own text, held back one token at most, however many in a row (more than the 8 tokens decoded before).
+    stray = tokenizer.encode("é").ids[1]  # a continuation byte alone
+    for answer in (tokenizer.encode("a" + "\ufffd" * 3 + "b").ids, [ids[0], *[stray] * 10, ids[1]]):
+        assert "".join(token_pieces(tokenizer, answer, ended=True)) == tokenizer.decode(answer)
 
 
 def test_generation_config_seed_seeds_the_request(server):

@@ -37,18 +37,23 @@ READ_FIELDS = {
     ),
     RESPONSES: (
         "model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
-        "seed", "tools", "parallel_tool_calls", "max_tool_calls", "reasoning", "generation_config",
+        "seed", "tools", "parallel_tool_calls", "max_tool_calls", "reasoning", "text", "generation_config",
     ),
 }  # fmt: skip
 # The request's bookkeeping at OpenAI (metadata, user, safety_identifier, store, service_tier), its prompt cache's
 # settings (the server's prefix cache is its own), a predicted output (a latency hint: OpenAI's answer is the one
-# without it) and image options (a text model reads no image).
-NO_EFFECT_FIELDS = frozenset(
-    {
+# without it) and image options (a text model reads no image): each endpoint's, as transformers' schemas hold them.
+NO_EFFECT_FIELDS = {
+    CHAT: (
         "metadata", "user", "safety_identifier", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
-        "prompt_cache_retention", "prediction", "image",
-    }
-)  # fmt: skip
+        "prompt_cache_retention", "prediction",
+    ),
+    COMPLETIONS: ("user",),
+    RESPONSES: (
+        "metadata", "user", "safety_identifier", "store", "service_tier", "prompt_cache_key", "prompt_cache_options",
+        "prompt_cache_retention", "image",
+    ),
+}  # fmt: skip
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
 _UNAPPLIED = {
     "best_of": ((1,), "the best of several completions"),
@@ -60,7 +65,6 @@ _UNAPPLIED = {
     "audio": ((), "audio output"),
     "modalities": ((["text"],), "output modalities other than text"),
     "previous_response_id": ((), "a stored earlier response"),
-    "text": (({"format": {"type": "text"}},), "structured output"),
     "suffix": (("",), "text after the completion, which the model would write towards (fill-in-the-middle)"),
     "web_search_options": ((), "a web search"),
     "verbosity": (("medium",), "answers longer or shorter than the model's own"),
@@ -84,12 +88,15 @@ UNAPPLIED_FIELDS = {
         ),
         COMPLETIONS: ("best_of", "echo", "suffix"),
         RESPONSES: (
-            "tool_choice", "text", "previous_response_id", "include", "top_logprobs", "background",
+            "tool_choice", "previous_response_id", "include", "top_logprobs", "background",
             "background_options", "conversation", "prompt", "truncation", "context_management", "access_programs",
             "moderation",
         ),
     }.items()
 }  # fmt: skip
+# The Responses API's text settings, and the values of each that change nothing: plain text, the model's own length.
+TEXT_NEUTRAL = {"format": ({"type": "text"},), "verbosity": ("medium",)}
+TEXT_ASKS_FOR = {"format": "structured output", "verbosity": "answers longer or shorter than the model's own"}
 # OpenAI's reasoning efforts (chat's `reasoning_effort`, the Responses API's `reasoning.effort`). The server hands
 # one to the chat template as its `reasoning_effort` variable, and refuses it for a template that reads none.
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
@@ -99,7 +106,8 @@ REASONING_NEUTRAL = {"summary": (), "generate_summary": (), "mode": ("standard",
 
 def known_fields(endpoint: str) -> frozenset[str]:
     """Every field a request body of `endpoint` may hold."""
-    return frozenset((*READ_FIELDS[endpoint], *EXTENSION_FIELDS, *NO_EFFECT_FIELDS, *UNAPPLIED_FIELDS[endpoint]))
+    fields = (*READ_FIELDS[endpoint], *NO_EFFECT_FIELDS[endpoint], *UNAPPLIED_FIELDS[endpoint])
+    return frozenset((*fields, *EXTENSION_FIELDS))
 
 
 def _is_int(value) -> bool:
@@ -232,8 +240,9 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_input(body)
         _check_tools(body.get("tools"), RESPONSES)
     _check_stream_fields(body)
-    _check_tool_limits(body)
+    _check_tool_limits(body, endpoint)
     _check_reasoning(body)
+    _check_settings(body, "text", TEXT_NEUTRAL, TEXT_ASKS_FOR)
     for name, (neutral, asks_for) in UNAPPLIED_FIELDS[endpoint].items():
         value = body.get(name)
         if value is None or _is_neutral(value, neutral):
@@ -368,10 +377,11 @@ def _is_function_tool(tool, endpoint: str) -> bool:
     return isinstance(named, dict) and isinstance(named.get("name"), str)
 
 
-def _check_tool_limits(body: dict) -> None:
+def _check_tool_limits(body: dict, endpoint: str) -> None:
     """`parallel_tool_calls` (true by default), the Responses API's `max_tool_calls` and `tool_choice="none"` limit
-    the tool calls of an answer. The server does not hold the model to a limit, so one is refused where the request
-    gives tools (without tools the model is told of none, and a limit changes nothing)."""
+    the tool calls of an answer. Chat's `parallel_tool_calls: false` keeps an answer's first tool call
+    (handlers.py, as vLLM does); the other limits are not held, so they are refused where the request gives tools
+    (without tools the model is told of none, and a limit changes nothing)."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest(
@@ -388,7 +398,7 @@ def _check_tool_limits(body: dict) -> None:
             'enforce (the model sees the tools and its tool calls are parsed); allowed with tools: "auto" or null',
             "tool_choice",
         )
-    if parallel is False:
+    if parallel is False and endpoint == RESPONSES:
         raise InvalidRequest(
             "parallel_tool_calls=false asks for at most one tool call per answer, which hf-paged serve does not "
             "enforce; allowed with tools: true or null",
@@ -416,24 +426,34 @@ def _check_reasoning(body: dict) -> None:
         return
     if not isinstance(reasoning, dict):
         raise InvalidRequest(f"reasoning must be an object, got {_short(reasoning)}", "reasoning")
-    for key, value in reasoning.items():
-        if key == "effort":
-            if value is not None and value not in REASONING_EFFORTS:
-                raise InvalidRequest(
-                    f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(value)}",
-                    "reasoning.effort",
-                )
-            continue
-        if key not in REASONING_NEUTRAL:
+    effort = reasoning.get("effort")
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(
+            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(effort)}", "reasoning.effort"
+        )
+    _check_settings(body, "reasoning", {"effort": None, **REASONING_NEUTRAL}, {})
+
+
+def _check_settings(body: dict, field: str, neutral: dict, asks_for: dict) -> None:
+    """An object field of settings (`reasoning`, `text`): each key one of `neutral`'s, holding null or a value that
+    changes nothing (`neutral[key]`; None: any value, checked elsewhere); `asks_for[key]`: what another value asks
+    for."""
+    settings = body.get(field)
+    if settings is None:
+        return
+    if not isinstance(settings, dict):
+        raise InvalidRequest(f"{field} must be an object, got {_short(settings)}", field)
+    for key, value in settings.items():
+        if key not in neutral:
             raise InvalidRequest(
-                f"reasoning.{key} is not a reasoning setting (allowed: effort, {', '.join(REASONING_NEUTRAL)})",
-                f"reasoning.{key}",
+                f"{field}.{key} is not a {field} setting (allowed: {', '.join(neutral)})", f"{field}.{key}"
             )
-        if value is not None and value not in REASONING_NEUTRAL[key]:
-            allowed = " or ".join(json.dumps(v) for v in (*REASONING_NEUTRAL[key], None))
+        if value is not None and neutral[key] is not None and not _is_neutral(value, neutral[key]):
+            allowed = " or ".join(json.dumps(v) for v in (*neutral[key], None))
             raise InvalidRequest(
-                f"reasoning.{key}={_short(value)} is not applied by hf-paged serve; allowed: {allowed}",
-                f"reasoning.{key}",
+                f"{field}.{key}={_short(value)} asks for {asks_for.get(key, 'a setting')}, which hf-paged serve does "
+                f"not apply; allowed: {allowed}",
+                f"{field}.{key}",
             )
 
 

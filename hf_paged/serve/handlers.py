@@ -73,9 +73,14 @@ class RequestOptionsMixin:
         if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
             body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes a string)
         response = await super().handle_request(body, request_id)
+        one_call = self.endpoint == CHAT and isinstance(body, dict) and body.get("parallel_tool_calls") is False
         if not isinstance(response, StreamingResponse):
+            if one_call and isinstance(response, JSONResponse) and response.status_code == 200:
+                return JSONResponse(_first_tool_call_only(json.loads(response.body)))
             return response
         chunks = response.body_iterator
+        if one_call:
+            chunks = _first_tool_call_streamed(chunks)
         # Chat and completions streams end with [DONE], as OpenAI's do (a Responses stream ends with its
         # response.completed event instead).
         if self.endpoint != RESPONSES and response.media_type == "text/event-stream":
@@ -217,8 +222,14 @@ def _added(text: str, longer: str, final: bool) -> str:
     bytes span several tokens is added whole by the token that completes it (a token ending inside one adds ""), so
     the tokens' texts add up to the answer; the answer's last token keeps what it ends with (`final`). None where
     `longer` does not continue `text` (a decoder that changed the text before)."""
-    before, after = text.rstrip(REPLACEMENT), longer if final else longer.rstrip(REPLACEMENT)
+    before, after = _unfinished_cut(text), longer if final else _unfinished_cut(longer)
     return after[len(before) :] if after.startswith(before) else None
+
+
+def _unfinished_cut(text: str) -> str:
+    """`text` without the one U+FFFD a decode ends with where its last bytes begin a character (a lossy UTF-8 decode
+    gives one for an unfinished sequence; any U+FFFD before it is the answer's)."""
+    return text[:-1] if text.endswith(REPLACEMENT) else text
 
 
 def _alternative(tokenizer, context: list[int], text: str, token_id: int) -> str:
@@ -347,6 +358,39 @@ async def _merged_streams(streams: list):
         await asyncio.gather(*tasks, return_exceptions=True)
         for stream in streams:
             await stream.aclose()
+
+
+def _first_tool_call_only(answer: dict) -> dict:
+    """A chat answer to `parallel_tool_calls: false`: each choice's first tool call only, as vLLM keeps it (the
+    model is not held to one, so the calls after it are dropped)."""
+    choices = []
+    for choice in answer.get("choices") or []:
+        message = choice.get("message") or {}
+        if len(message.get("tool_calls") or []) > 1:
+            choice = {**choice, "message": {**message, "tool_calls": message["tool_calls"][:1]}}
+        choices.append(choice)
+    return {**answer, "choices": choices}
+
+
+async def _first_tool_call_streamed(chunks):
+    """A chat stream's answer to `parallel_tool_calls: false`: the chunks of each choice's tool calls after its first
+    (delta `tool_calls` index >= 1; transformers' handler sends each call whole in one chunk) are dropped."""
+    try:
+        async for chunk in chunks:
+            events = []
+            for event in chunk.split("\n\n"):
+                if not event:
+                    continue
+                data = _event_data(event)
+                choices = (data or {}).get("choices") or []
+                calls = [call for choice in choices for call in (choice.get("delta") or {}).get("tool_calls") or []]
+                if calls and all(call.get("index", 0) >= 1 for call in calls):
+                    continue
+                events.append(event + "\n\n")
+            if events:
+                yield "".join(events)
+    finally:
+        await chunks.aclose()
 
 
 async def _usage_as_asked(chunks, include_usage: bool):
