@@ -513,8 +513,6 @@ def tool_call(arguments) -> dict:
         ("/v1/responses", {"reasoning": {"effort": "low"}}, "reasoning.effort"),
         ("/v1/responses", {"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ("/v1/responses", {"reasoning": {"budget": 10}}, "reasoning.budget"),
-        ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "parallel_tool_calls": False}, "parallel_tool_calls"),
-        ("/v1/responses", {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1}, "max_tool_calls"),
         ("/v1/responses", {"max_tool_calls": -1}, "max_tool_calls"),
         ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "tool_choice": "none"}, "tool_choice"),
         ("/v1/responses", {"background": True}, "background"),
@@ -728,7 +726,7 @@ def test_fields_at_their_openai_defaults_are_accepted(server):
 
 def test_fields_that_change_no_token_are_accepted(server):
     """OpenAI's bookkeeping fields, and the unapplied ones at the value that changes nothing, answer 200; without
-    tools a limit on tool calls changes nothing either."""
+    tools a limit on tool calls changes nothing either (tool_choice "none")."""
     status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "user": "u"})
     assert status == 200, body
     status, body = post_json(server, "/v1/completions", {"prompt": "hi", "max_tokens": 2, "store": True})
@@ -751,6 +749,10 @@ def test_fields_that_change_no_token_are_accepted(server):
     request = {"input": "hello there", "max_output_tokens": 3} | bookkeeping | responses
     status, body = post_json(server, "/v1/responses", request)
     assert status == 200 and body["usage"]["output_tokens"] == 3, body
+    # max_tool_calls limits OpenAI's built-in tools' calls, which the server refuses: with function tools, nothing.
+    tools = {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1, "parallel_tool_calls": False}
+    status, body = post_json(server, "/v1/responses", request | tools)
+    assert status == 200 and body["max_tool_calls"] == 1 and body["parallel_tool_calls"] is False, body
 
 
 def test_every_field_of_transformers_request_schemas_is_read_refused_or_left_alone():
@@ -900,6 +902,53 @@ def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
 
     got = "".join(asyncio.run(received()))
     assert got == "".join([sent[0], sent[1], chunk(1, {"tool_calls": [{**calls[0], "index": 0}]}), sent[4], sent[5]])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_function_call_of_a_response():
+    """The Responses API's `parallel_tool_calls: false`, as chat's: the response's first function call only, in one
+    body and streamed (the later calls' events dropped: added, arguments done, done; the last event's output too)."""
+    from hf_paged.serve.handlers import _as_requested, _Recorder, _response_events
+
+    calls = [{"type": "function_call", "id": f"fc_{i}", "call_id": f"fc_{i}", "name": "lookup"} for i in range(3)]
+    message = {"type": "message", "id": "msg_0", "status": "completed", "content": []}
+    body = {"input": "hi", "tools": [LOOKUP_TOOL_ITEM], "parallel_tool_calls": False}
+    answer = _as_requested({"status": "completed", "output": [message, *calls]}, body)
+    assert answer["output"] == [message, calls[0]] and answer["parallel_tool_calls"] is False
+    assert _as_requested({"output": [message, *calls]}, body | {"parallel_tool_calls": True})["output"] == [
+        message,
+        *calls,
+    ]
+
+    def event(kind: str, **fields) -> str:
+        return f"data: {json.dumps({'type': kind, **fields})}\n\n"
+
+    def call_events(call: dict) -> str:
+        return (
+            event("response.output_item.added", item=call)
+            + event("response.function_call_arguments.done", item_id=call["id"], arguments="{}")
+            + event("response.output_item.done", item=call)
+        )
+
+    sent = [event("response.created", response={"output": []}), *map(call_events, calls)]
+    sent += [event("response.completed", response={"status": "completed", "output": [message, *calls]})]
+
+    async def received() -> list[dict]:
+        async def chunks():
+            for piece in sent:
+                yield piece
+
+        recorder = _Recorder(None)
+        return [piece async for piece in _response_events(chunks(), recorder, body)]
+
+    got = [json.loads(e.removeprefix("data: ")) for e in "".join(asyncio.run(received())).split("\n\n") if e]
+    assert [e["type"] for e in got] == [
+        "response.created",
+        "response.output_item.added",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    assert got[1]["item"]["id"] == "fc_0" and got[-1]["response"]["output"] == [message, calls[0]]
 
 
 def test_a_responses_input_of_items_continues_a_tool_call(server, saved):

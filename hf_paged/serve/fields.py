@@ -240,7 +240,7 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_input(body)
         _check_tools(body.get("tools"), RESPONSES)
     _check_stream_fields(body)
-    _check_tool_limits(body, endpoint)
+    _check_tool_limits(body)
     _check_reasoning(body)
     _check_settings(body, "text", TEXT_NEUTRAL, TEXT_ASKS_FOR)
     for name, (neutral, asks_for) in UNAPPLIED_FIELDS[endpoint].items():
@@ -377,11 +377,12 @@ def _is_function_tool(tool, endpoint: str) -> bool:
     return isinstance(named, dict) and isinstance(named.get("name"), str)
 
 
-def _check_tool_limits(body: dict, endpoint: str) -> None:
-    """`parallel_tool_calls` (true by default), the Responses API's `max_tool_calls` and `tool_choice="none"` limit
-    the tool calls of an answer. Chat's `parallel_tool_calls: false` keeps an answer's first tool call
-    (handlers.py, as vLLM does); the other limits are not held, so they are refused where the request gives tools
-    (without tools the model is told of none, and a limit changes nothing)."""
+def _check_tool_limits(body: dict) -> None:
+    """`parallel_tool_calls` (true by default) and `tool_choice="none"` limit the tool calls of an answer:
+    `parallel_tool_calls: false` keeps an answer's first tool call (handlers.py, as vLLM does); an answer without
+    tool calls is not held, so `tool_choice="none"` is refused where the request gives tools (without tools the model
+    is told of none). The Responses API's `max_tool_calls` limits calls of OpenAI's built-in tools, which the server
+    refuses (`_check_tools`): with function tools it changes nothing."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest(
@@ -390,25 +391,11 @@ def _check_tool_limits(body: dict, endpoint: str) -> None:
     most = body.get("max_tool_calls")
     if most is not None and (not _is_int(most) or most < 0):
         raise InvalidRequest(f"max_tool_calls must be an integer >= 0, got {_short(most)}", "max_tool_calls")
-    if not body.get("tools"):
-        return
-    if body.get("tool_choice") == "none":
+    if body.get("tools") and body.get("tool_choice") == "none":
         raise InvalidRequest(
             'tool_choice="none" with tools asks for an answer without tool calls, which hf-paged serve does not '
             'enforce (the model sees the tools and its tool calls are parsed); allowed with tools: "auto" or null',
             "tool_choice",
-        )
-    if parallel is False and endpoint == RESPONSES:
-        raise InvalidRequest(
-            "parallel_tool_calls=false asks for at most one tool call per answer, which hf-paged serve does not "
-            "enforce; allowed with tools: true or null",
-            "parallel_tool_calls",
-        )
-    if most is not None:
-        raise InvalidRequest(
-            f"max_tool_calls={most} asks for a limit on the tool calls of an answer, which hf-paged serve does not "
-            "enforce; allowed with tools: null",
-            "max_tool_calls",
         )
 
 

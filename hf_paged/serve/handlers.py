@@ -518,7 +518,21 @@ ECHOED_FIELDS = {
 def _as_requested(response: dict, body: dict) -> dict:
     """A Responses API response (any event's `response`) with the request's settings (`ECHOED_FIELDS`)."""
     echoed = {name: body[name] if body.get(name) is not None else default for name, default in ECHOED_FIELDS.items()}
-    return {**response, **{name: value for name, value in echoed.items() if value is not None}}
+    answer = {**response, **{name: value for name, value in echoed.items() if value is not None}}
+    if body.get("parallel_tool_calls") is False and isinstance(answer.get("output"), list):
+        answer["output"] = _first_function_call_only(answer["output"])
+    return answer
+
+
+def _first_function_call_only(items: list) -> list:
+    """A response's output items under `parallel_tool_calls: false`: its first function call only, as chat's
+    (`_first_tool_call_only`)."""
+    calls = itertools.count()
+    return [item for item in items if not (_is_function_call(item) and next(calls) >= 1)]
+
+
+def _is_function_call(item) -> bool:
+    return isinstance(item, dict) and item.get("type") == "function_call"
 
 
 # Why a response cut short is "incomplete" (OpenAI's `incomplete_details.reason`): the Engine's finish reason
@@ -541,7 +555,9 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     """A Responses API stream, each event's `response` with the request's settings (`_as_requested`); where
     max_output_tokens cut the request, its message's `response.output_item.done` says "incomplete" and it ends with
     `response.incomplete` (transformers' says `response.completed` whatever ended it). The finish reason is known
-    before those last events, which follow the request's end."""
+    before those last events, which follow the request's end. Under `parallel_tool_calls: false` the events of the
+    function calls after the first are dropped (each call's events name its item id)."""
+    one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
     try:
         async for chunk in chunks:
             stream = recorder.stream
@@ -553,6 +569,15 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
                 data = _event_data(event)
                 if data is None:
                     events.append(event + "\n\n")
+                    continue
+                item = data.get("item")
+                if one_call and data.get("type") == "response.output_item.added" and _is_function_call(item):
+                    calls += 1
+                    if calls > 1:
+                        dropped.add(item.get("id"))
+                if dropped and (
+                    data.get("item_id") in dropped or (_is_function_call(item) and item.get("id") in dropped)
+                ):
                     continue
                 if isinstance(data.get("response"), dict):
                     data = {**data, "response": _as_requested(data["response"], body)}
