@@ -715,6 +715,7 @@ def test_n_choices_stream_interleaved_with_their_index(server, saved):
 
 def test_fields_at_their_openai_defaults_are_accepted(server):
     neutral_generation = {"num_beams": 1, "length_penalty": 1.0, "pad_token_id": 0, "output_scores": True}
+    neutral_generation |= {"repetition_penalty": None, "cache_implementation": "dynamic"}
     status, body = post_json(server, "/v1/chat/completions", CHAT_BODY | {"generation_config": neutral_generation})
     assert status == 200, body
     neutral = {"n": 1, "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}}
@@ -1102,6 +1103,25 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
         ),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5_0": 5}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 50}, "min_tokens"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "\ud800x": 1}, None),  # a field's name
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": {"id": "m"}}, "model"),
+        ("/v1/chat/completions", CHAT_BODY | {"model": 5}, "model"),
+        (
+            "/v1/responses",
+            {"input": "hi", "generation_config": {"cache_implementation": 21}},
+            "generation_config.cache_implementation",
+        ),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "generation_config": {"pad_token_id": [0]}},
+            "generation_config.pad_token_id",
+        ),
+        ("/v1/completions", {"prompt": "hi", "generation_config": {"use_cache": "no"}}, "generation_config.use_cache"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "generation_config": {"repetition_penalty": -1}},
+            "generation_config.repetition_penalty",
+        ),
     ],
 )
 def test_malformed_bodies_get_400_and_the_connection_keeps_working(server, path, body, param):
@@ -1331,6 +1351,21 @@ def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     pieces = token_pieces(tokenizer, ids)
     assert "".join(pieces) == text and pieces[3] == ""
     assert "".join(pieces[4:]) == "".join(token_pieces(tokenizer, ids[4:], ids[:4]))
+
+
+def test_logprob_texts_add_up_after_a_run_of_special_tokens():
+    """A word-level decoder puts a space between words, and a decode with skip_special_tokens leaves special tokens
+    out: a word after more special tokens than the context a token is decoded after keeps its space, in one answer
+    and in a streamed chunk that starts after them."""
+    tokenizer = make_tokenizer()
+    words = tokenizer("the quick brown fox", add_special_tokens=False)["input_ids"]
+    specials = [tokenizer.pad_token_id, tokenizer.eos_token_id] * 6
+    ids = [*words[:2], *specials, *words[2:]]
+    text = tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == "the quick brown fox"
+    assert "".join(token_pieces(tokenizer, ids, ended=True)) == text
+    split = 2 + len(specials)
+    assert "".join(token_pieces(tokenizer, ids[:split]) + token_pieces(tokenizer, ids[split:], ids[:split])) == text
 
 
 def test_a_character_split_over_tokens_is_the_text_of_the_token_that_completes_it():

@@ -157,6 +157,33 @@ NEUTRAL_GENERATION_KEYS = {
     "_from_model_config",
 }
 
+# The values the neutral keys' GenerationConfig takes (another fails in transformers' generate(), after the request
+# is taken): key -> (accepts, what it allows).
+_TOKEN_ID = (lambda value: _is_int(value) and value >= 0, "a token id (an integer >= 0)")
+_BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
+NEUTRAL_GENERATION_VALUES = {
+    "pad_token_id": _TOKEN_ID,
+    "bos_token_id": _TOKEN_ID,
+    "decoder_start_token_id": _TOKEN_ID,
+    "use_cache": _BOOLEAN,
+    "output_scores": _BOOLEAN,
+    "output_logits": _BOOLEAN,
+    "output_attentions": _BOOLEAN,
+    "output_hidden_states": _BOOLEAN,
+    "return_dict_in_generate": _BOOLEAN,
+    "cache_implementation": (
+        lambda value: isinstance(value, str) and value in _cache_implementations(),
+        "one of transformers' cache implementations (ALL_CACHE_IMPLEMENTATIONS, or paged)",
+    ),
+}
+
+
+def _cache_implementations() -> tuple[str, ...]:
+    from transformers.generation.configuration_utils import ALL_CACHE_IMPLEMENTATIONS
+
+    return (*ALL_CACHE_IMPLEMENTATIONS, "paged")  # as GenerationConfig.validate takes them
+
+
 # The value of each setting that changes nothing, where GenerationConfig() leaves it unset (None) and fills it later.
 GENERATION_DEFAULTS = {
     "num_beams": 1,
@@ -222,6 +249,7 @@ def check_body(body: dict, endpoint: str) -> None:
     `RESPONSES`) that the server cannot read or would not apply in full."""
     if not isinstance(body, dict):
         raise InvalidRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+    _check_text_is_unicode(body, "")
     known = known_fields(endpoint)
     for name in body:
         if name not in known:
@@ -230,7 +258,9 @@ def check_body(body: dict, endpoint: str) -> None:
                 f"{', '.join(sorted(known))})",
                 name,
             )
-    _check_text_is_unicode(body, "")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise InvalidRequest(f"model must be a string (the served model's name), got {_short(model)}", "model")
     if endpoint == CHAT:
         _check_messages(body.get("messages"), "messages", TEXT_PARTS[CHAT])
         _check_chat_fields(body)
@@ -479,7 +509,7 @@ def _check_text_is_unicode(value, where: str) -> None:
             ) from None
     elif isinstance(value, dict):
         for key, item in value.items():
-            _check_text_is_unicode(key, where or "the body")
+            _check_text_is_unicode(key, where)  # a field's name: the object holding it
             _check_text_is_unicode(item, f"{where}.{key}" if where else str(key))
     elif isinstance(value, list):
         for index, item in enumerate(value):
@@ -562,6 +592,11 @@ def _check_generation_config(value) -> None:
                 )
             continue
         if key in NEUTRAL_GENERATION_KEYS:
+            accepts, allowed = NEUTRAL_GENERATION_VALUES.get(key, (None, None))
+            if setting is not None and accepts is not None and not accepts(setting):
+                raise InvalidRequest(
+                    f"generation_config.{key} must be {allowed}, got {_short(setting)}", f"generation_config.{key}"
+                )
             continue
         if key not in defaults:
             raise InvalidRequest(

@@ -30,7 +30,7 @@ from transformers.cli.serving.response import ResponseHandler
 from ..errors import InvalidRequest, ModelNotFound
 from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, normalize_input, requested_reasoning_effort
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
-from .stream import LoggedText
+from .stream import PIECE_CONTEXT, LoggedText, skipped_ids
 
 DONE = "data: [DONE]\n\n"
 
@@ -205,10 +205,6 @@ class _Recorder:
         return getattr(self._manager, name)
 
 
-# Tokens before a piece that its decode is taken after: enough for a tokenizer's merges and spaces at the boundary.
-PIECE_CONTEXT = 8
-
-
 def _decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)  # as the answer's text is decoded
 
@@ -251,9 +247,14 @@ def _logprob_rows(tokenizer, generated):
     text_end = getattr(generated, "text_end", None)
     # A stop string cut the answer: each token's text up to its end.
     room = None if text_end is None else text_end - getattr(generated, "text_offset", 0)
+    skipped = skipped_ids(tokenizer)
+    # The last PIECE_CONTEXT tokens before each that the answer's decode keeps (a run of special tokens, which it
+    # skips, would leave no context, and a word-level decoder's space before the next word would be lost).
+    context = [token for token in previous if token not in skipped][-PIECE_CONTEXT:]
     rows = []
     for index, (token_id, record) in enumerate(zip(token_ids, records)):
-        context = (previous + token_ids[:index])[-PIECE_CONTEXT:]
+        if index and token_ids[index - 1] not in skipped:
+            context = [*context[1 - PIECE_CONTEXT :], token_ids[index - 1]]
         text = _decode(tokenizer, context)
         final = text_end is not None and index == len(token_ids) - 1
         piece = _added(text, _decode(tokenizer, context + [token_id]), final)

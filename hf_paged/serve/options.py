@@ -137,16 +137,17 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
             raise InvalidRequest(f"{name} must be in [-2, 2], got {value}", name)
         penalties[name] = value or 0.0
     repetition_penalty = _number(body, "repetition_penalty")
-    if repetition_penalty is None:
-        repetition_penalty = generation.get("repetition_penalty", 1.0)
+    repetition_field = "repetition_penalty"
+    if repetition_penalty is None and generation.get("repetition_penalty") is not None:
+        repetition_penalty, repetition_field = generation["repetition_penalty"], "generation_config.repetition_penalty"
+    if repetition_penalty is None:  # null, as not given
+        repetition_penalty = 1.0
     if (
         not isinstance(repetition_penalty, int | float)
         or isinstance(repetition_penalty, bool)
         or repetition_penalty <= 0
     ):
-        raise InvalidRequest(
-            f"repetition_penalty must be a number > 0, got {repetition_penalty!r}", "repetition_penalty"
-        )
+        raise InvalidRequest(f"{repetition_field} must be a number > 0, got {repetition_penalty!r}", repetition_field)
     min_tokens = _int(body, "min_tokens")
     if min_tokens is None:
         min_tokens = generation.get("min_new_tokens") or 0

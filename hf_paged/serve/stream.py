@@ -21,6 +21,17 @@ from transformers.cli.serving.utils import _StreamError, response_events_to_chun
 
 from ..errors import InvalidRequest
 
+# Tokens before a piece that its decode is taken after: enough for a tokenizer's merges and spaces at the boundary.
+PIECE_CONTEXT = 8
+
+
+def skipped_ids(tokenizer) -> frozenset[int]:
+    """The special token ids a decode with `skip_special_tokens=True` leaves out (a transformers tokenizer's, or a
+    `tokenizers.Tokenizer`'s special added tokens)."""
+    if hasattr(tokenizer, "all_special_ids"):
+        return frozenset(tokenizer.all_special_ids)
+    return frozenset(index for index, token in tokenizer.get_added_tokens_decoder().items() if token.special)
+
 
 class GeneratedIds(list):
     """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
@@ -114,8 +125,11 @@ class RequestStream:
         self._parser = response_parser
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
-        self._logged_ids: list[int] = []  # the tokens whose TokenLogprobs went out (stream)
-        # The length of the text decoded so far, and of the text of the tokens in `_logged_ids` (stream).
+        # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
+        # tokens it skips), which the next ones' texts are decoded after (stream).
+        self._context: list[int] = []
+        self._skipped: frozenset[int] | None = None
+        # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
         self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
@@ -249,11 +263,13 @@ class RequestStream:
         generated = GeneratedIds(
             token_ids,
             logprobs,
-            previous=self._logged_ids[-16:],
+            previous=self._context,
             text_offset=self._logged_chars,
             text_end=self._text_end,
         )
-        self._logged_ids += token_ids
+        if self._skipped is None:
+            self._skipped = skipped_ids(self._tokenizer)
+        self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
         return LoggedText(text, generated, self._tokenizer)
 
