@@ -754,6 +754,12 @@ def test_fields_that_change_no_token_are_accepted(server):
     tools = {"tools": [LOOKUP_TOOL_ITEM], "max_tool_calls": 1, "parallel_tool_calls": False}
     status, body = post_json(server, "/v1/responses", request | tools)
     assert status == 200 and body["max_tool_calls"] == 1 and body["parallel_tool_calls"] is False, body
+    # null is a field not given (transformers' Response takes no null parallel_tool_calls: a 500, an empty stream)
+    nulls = {"parallel_tool_calls": None, "tools": None, "instructions": None, "temperature": None}
+    status, body = post_json(server, "/v1/responses", request | nulls)
+    assert status == 200 and body["parallel_tool_calls"] is True, body
+    events = events_of(server, "/v1/responses", request | nulls)
+    assert events[0]["type"] == "response.created" and events[-1]["type"] == "response.incomplete"
 
 
 def test_every_field_of_transformers_request_schemas_is_read_refused_or_left_alone():
@@ -1106,6 +1112,16 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "\ud800x": 1}, None),  # a field's name
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": {"id": "m"}}, "model"),
         ("/v1/chat/completions", CHAT_BODY | {"model": 5}, "model"),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"documents": 5}},
+            "chat_template_kwargs.documents",
+        ),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"chat_template_kwargs": {"documents": [5]}},
+            "chat_template_kwargs.documents",
+        ),
         (
             "/v1/responses",
             {"input": "hi", "generation_config": {"cache_implementation": 21}},

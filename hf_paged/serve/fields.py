@@ -373,6 +373,15 @@ def _check_chat_fields(body: dict) -> None:
             "template's own variables",
             f"chat_template_kwargs.{taken[0]}",
         )
+    documents = (kwargs or {}).get("documents")
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(document, dict) for document in documents)
+    ):
+        raise InvalidRequest(
+            f"chat_template_kwargs.documents must be a list of objects (apply_chat_template's documents), got "
+            f"{_short(documents)}",
+            "chat_template_kwargs.documents",
+        )
 
 
 # How each endpoint spells a function tool: chat nests its name under "function", the Responses API does not.

@@ -482,7 +482,9 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
     _normalize_input = staticmethod(normalize_input)
 
     async def handle_request(self, body: dict, request_id: str):
-        return await super().handle_request({"stream": False, **body}, request_id)
+        if isinstance(body, dict):  # a null field is one not given, as OpenAI reads it (the handler's defaults)
+            body = {"stream": False, **{name: value for name, value in body.items() if value is not None}}
+        return await super().handle_request(body, request_id)
 
     async def _non_streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
         recorder = _Recorder(gen_manager)
