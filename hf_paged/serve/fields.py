@@ -442,22 +442,16 @@ def _check_reasoning(body: dict) -> None:
     """Chat's `reasoning_effort` and the Responses API's `reasoning` ({"effort": ...}; its other settings at the
     values that change nothing). Whether the model's chat template reads an effort is the handler's check
     (`requested_reasoning_effort`)."""
-    effort = body.get("reasoning_effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequest(
-            f"reasoning_effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(effort)}", "reasoning_effort"
-        )
+    _check_effort(body.get("reasoning_effort"), "reasoning_effort")
     reasoning = body.get("reasoning")
-    if reasoning is None:
-        return
-    if not isinstance(reasoning, dict):
-        raise InvalidRequest(f"reasoning must be an object, got {_short(reasoning)}", "reasoning")
-    effort = reasoning.get("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
-        raise InvalidRequest(
-            f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {_short(effort)}", "reasoning.effort"
-        )
+    if isinstance(reasoning, dict):
+        _check_effort(reasoning.get("effort"), "reasoning.effort")
     _check_settings(body, "reasoning", {"effort": None, **REASONING_NEUTRAL}, {})
+
+
+def _check_effort(effort, field: str) -> None:
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise InvalidRequest(f"{field} must be one of {', '.join(REASONING_EFFORTS)}, got {_short(effort)}", field)
 
 
 def _check_settings(body: dict, field: str, neutral: dict, asks_for: dict) -> None:

@@ -376,20 +376,16 @@ def _first_tool_call_only(answer: dict) -> dict:
 async def _first_tool_call_streamed(chunks):
     """A chat stream's answer to `parallel_tool_calls: false`: the chunks of each choice's tool calls after its first
     (delta `tool_calls` index >= 1; transformers' handler sends each call whole in one chunk) are dropped."""
+
+    def kept(event: str, data: dict | None) -> str:
+        choices = (data or {}).get("choices") or []
+        calls = [call for choice in choices for call in (choice.get("delta") or {}).get("tool_calls") or []]
+        return "" if calls and all(call.get("index", 0) >= 1 for call in calls) else event
+
     try:
         async for chunk in chunks:
-            events = []
-            for event in chunk.split("\n\n"):
-                if not event:
-                    continue
-                data = _event_data(event)
-                choices = (data or {}).get("choices") or []
-                calls = [call for choice in choices for call in (choice.get("delta") or {}).get("tool_calls") or []]
-                if calls and all(call.get("index", 0) >= 1 for call in calls):
-                    continue
-                events.append(event + "\n\n")
-            if events:
-                yield "".join(events)
+            if events := _each_event(chunk, kept):
+                yield events
     finally:
         await chunks.aclose()
 
@@ -399,22 +395,19 @@ async def _usage_as_asked(chunks, include_usage: bool):
     chunk of its own with no choices after the last one (transformers' handlers put it on the last choice chunk,
     asked or not)."""
     last, usage = None, None
+
+    def without_usage(event: str, data: dict | None) -> str:
+        nonlocal last, usage
+        if data is None or "usage" not in data:
+            return event
+        usage = data.pop("usage") or usage
+        last = data
+        return f"data: {json.dumps(data)}" if data.get("choices") else ""  # "": a chunk that only carried the usage
+
     try:
         async for chunk in chunks:
-            events = []
-            for event in chunk.split("\n\n"):
-                if not event:
-                    continue
-                data = _event_data(event)
-                if data is not None and "usage" in data:
-                    usage = data.pop("usage") or usage
-                    last = data
-                    if not data.get("choices"):
-                        continue  # a chunk that only carried the usage
-                    event = f"data: {json.dumps(data)}"
-                events.append(event + "\n\n")
-            if events:
-                yield "".join(events)
+            if events := _each_event(chunk, without_usage):
+                yield events
         if include_usage and usage is not None and last is not None:
             yield f"data: {json.dumps({**last, 'choices': [], 'usage': usage})}\n\n"
     finally:
@@ -430,6 +423,13 @@ def _event_data(event: str) -> dict | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
+
+
+def _each_event(chunk: str, rewrite) -> str:
+    """A chunk of SSE events, each as `rewrite(event, data)` gives it (`data`: `_event_data(event)`; "" drops the
+    event)."""
+    events = (rewrite(event, _event_data(event)) for event in chunk.split("\n\n") if event)
+    return "".join(f"{event}\n\n" for event in events if event)
 
 
 async def _ending_with_done(chunks):
@@ -561,34 +561,30 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     before those last events, which follow the request's end. Under `parallel_tool_calls: false` the events of the
     function calls after the first are dropped (each call's events name its item id)."""
     one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
+
+    def as_asked(event: str, data: dict | None) -> str:
+        nonlocal calls
+        if data is None:
+            return event
+        item = data.get("item")
+        if one_call and data.get("type") == "response.output_item.added" and _is_function_call(item):
+            calls += 1
+            if calls > 1:
+                dropped.add(item.get("id"))
+        if dropped and (data.get("item_id") in dropped or (_is_function_call(item) and item.get("id") in dropped)):
+            return ""
+        if isinstance(data.get("response"), dict):
+            data = {**data, "response": _as_requested(data["response"], body)}
+        stream = recorder.stream
+        if stream is not None and stream.finish_reason == "length":
+            if data.get("type") == "response.completed":
+                data = {**data, "type": "response.incomplete", "response": _incomplete(data["response"])}
+            elif data.get("type") == "response.output_item.done":
+                data = {**data, "item": _incomplete_item(data["item"])}
+        return f"data: {json.dumps(data)}"
+
     try:
         async for chunk in chunks:
-            stream = recorder.stream
-            cut = stream is not None and stream.finish_reason == "length"
-            events = []
-            for event in chunk.split("\n\n"):
-                if not event:
-                    continue
-                data = _event_data(event)
-                if data is None:
-                    events.append(event + "\n\n")
-                    continue
-                item = data.get("item")
-                if one_call and data.get("type") == "response.output_item.added" and _is_function_call(item):
-                    calls += 1
-                    if calls > 1:
-                        dropped.add(item.get("id"))
-                if dropped and (
-                    data.get("item_id") in dropped or (_is_function_call(item) and item.get("id") in dropped)
-                ):
-                    continue
-                if isinstance(data.get("response"), dict):
-                    data = {**data, "response": _as_requested(data["response"], body)}
-                if cut and data.get("type") == "response.completed":
-                    data = {**data, "type": "response.incomplete", "response": _incomplete(data["response"])}
-                elif cut and data.get("type") == "response.output_item.done":
-                    data = {**data, "item": _incomplete_item(data["item"])}
-                events.append(f"data: {json.dumps(data)}\n\n")
-            yield "".join(events)
+            yield _each_event(chunk, as_asked)
     finally:
         await chunks.aclose()
