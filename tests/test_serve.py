@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -913,7 +914,8 @@ def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
 
 def test_parallel_tool_calls_false_keeps_the_first_function_call_of_a_response():
     """The Responses API's `parallel_tool_calls: false`, as chat's: the response's first function call only, in one
-    body and streamed (the later calls' events dropped: added, arguments done, done; the last event's output too)."""
+    body and streamed (the later calls' events dropped: added, arguments done, done; the last event's output too),
+    the events after them numbered without gaps (sequence_number, and output_index of a later item)."""
     from hf_paged.serve.handlers import _as_requested, _Recorder, _response_events
 
     calls = [{"type": "function_call", "id": f"fc_{i}", "call_id": f"fc_{i}", "name": "lookup"} for i in range(3)]
@@ -926,18 +928,22 @@ def test_parallel_tool_calls_false_keeps_the_first_function_call_of_a_response()
         *calls,
     ]
 
-    def event(kind: str, **fields) -> str:
-        return f"data: {json.dumps({'type': kind, **fields})}\n\n"
+    numbers = itertools.count()
 
-    def call_events(call: dict) -> str:
+    def event(kind: str, **fields) -> str:
+        return f"data: {json.dumps({'type': kind, 'sequence_number': next(numbers), **fields})}\n\n"
+
+    def item_events(item: dict, index: int) -> str:
         return (
-            event("response.output_item.added", item=call)
-            + event("response.function_call_arguments.done", item_id=call["id"], arguments="{}")
-            + event("response.output_item.done", item=call)
+            event("response.output_item.added", item=item, output_index=index)
+            + event("response.function_call_arguments.done", item_id=item["id"], output_index=index, arguments="{}")
+            + event("response.output_item.done", item=item, output_index=index)
         )
 
-    sent = [event("response.created", response={"output": []}), *map(call_events, calls)]
-    sent += [event("response.completed", response={"status": "completed", "output": [message, *calls]})]
+    later = {**calls[2], "type": "reasoning", "id": "rs_0"}  # an item after a dropped call
+    sent = [event("response.created", response={"output": []})]
+    sent += [item_events(item, index) for index, item in enumerate([*calls, later])]
+    sent += [event("response.completed", response={"status": "completed", "output": [message, *calls, later]})]
 
     async def received() -> list[dict]:
         async def chunks():
@@ -948,14 +954,12 @@ def test_parallel_tool_calls_false_keeps_the_first_function_call_of_a_response()
         return [piece async for piece in _response_events(chunks(), recorder, body)]
 
     got = [json.loads(e.removeprefix("data: ")) for e in "".join(asyncio.run(received())).split("\n\n") if e]
-    assert [e["type"] for e in got] == [
-        "response.created",
-        "response.output_item.added",
-        "response.function_call_arguments.done",
-        "response.output_item.done",
-        "response.completed",
-    ]
-    assert got[1]["item"]["id"] == "fc_0" and got[-1]["response"]["output"] == [message, calls[0]]
+    item_kinds = ["response.output_item.added", "response.function_call_arguments.done", "response.output_item.done"]
+    assert [e["type"] for e in got] == ["response.created", *item_kinds, *item_kinds, "response.completed"]
+    assert got[1]["item"]["id"] == "fc_0" and got[4]["item"]["id"] == "rs_0"
+    assert got[-1]["response"]["output"] == [message, calls[0], later]
+    assert [e["sequence_number"] for e in got] == list(range(len(got)))
+    assert [e.get("output_index") for e in got[1:-1]] == [0, 0, 0, 1, 1, 1]
 
 
 def test_a_responses_input_of_items_continues_a_tool_call(server, saved):
@@ -1109,6 +1113,12 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
         ),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "logit_bias": {"5_0": 5}}, "logit_bias"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "min_tokens": 50}, "min_tokens"),
+        (
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 2, "generation_config": {"min_new_tokens": 50}},
+            "generation_config.min_new_tokens",
+        ),
+        ("/v1/completions", {"prompt": [["hi"]], "max_tokens": 2}, "prompt"),  # a list in the list of one prompt
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "\ud800x": 1}, None),  # a field's name
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": {"id": "m"}}, "model"),
         ("/v1/chat/completions", CHAT_BODY | {"model": 5}, "model"),

@@ -110,7 +110,8 @@ def known_fields(endpoint: str) -> frozenset[str]:
     return frozenset((*fields, *EXTENSION_FIELDS))
 
 
-def _is_int(value) -> bool:
+def is_int(value) -> bool:
+    """Whether a JSON value is an integer (JSON's true and false are Python bools, which are ints)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -124,17 +125,17 @@ def _is_number(value) -> bool:
 # not know is refused too.
 # The applied keys, with what each may hold (besides null, which leaves it unset).
 APPLIED_GENERATION_VALUES = {
-    "max_new_tokens": (lambda v: _is_int(v) and v >= 1, "an integer >= 1"),
-    "min_new_tokens": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "max_new_tokens": (lambda v: is_int(v) and v >= 1, "an integer >= 1"),
+    "min_new_tokens": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
-    "top_k": (lambda v: _is_int(v) and v >= 0, "an integer >= 0"),
+    "top_k": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
     "do_sample": (lambda v: isinstance(v, bool), "true or false"),
     "eos_token_id": (
-        lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+        lambda v: is_int(v) or (isinstance(v, list) and all(map(is_int, v))),
         "a token id or a list of token ids",
     ),
-    "seed": (_is_int, "an integer"),
+    "seed": (is_int, "an integer"),
     "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a number > 0"),
     "stop_strings": (
         lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(item, str) for item in v)),
@@ -159,7 +160,7 @@ NEUTRAL_GENERATION_KEYS = {
 
 # The values the neutral keys' GenerationConfig takes (another fails in transformers' generate(), after the request
 # is taken): key -> (accepts, what it allows).
-_TOKEN_ID = (lambda value: _is_int(value) and value >= 0, "a token id (an integer >= 0)")
+_TOKEN_ID = (lambda value: is_int(value) and value >= 0, "a token id (an integer >= 0)")
 _BOOLEAN = (lambda value: isinstance(value, bool), "true or false")
 NEUTRAL_GENERATION_VALUES = {
     "pad_token_id": _TOKEN_ID,
@@ -428,7 +429,7 @@ def _check_tool_limits(body: dict) -> None:
             f"parallel_tool_calls must be true or false, got {_short(parallel)}", "parallel_tool_calls"
         )
     most = body.get("max_tool_calls")
-    if most is not None and (not _is_int(most) or most < 0):
+    if most is not None and (not is_int(most) or most < 0):
         raise InvalidRequest(f"max_tool_calls must be an integer >= 0, got {_short(most)}", "max_tool_calls")
     if body.get("tools") and body.get("tool_choice") == "none":
         raise InvalidRequest(

@@ -28,7 +28,7 @@ from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 
 from ..errors import InvalidRequest, ModelNotFound
-from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, normalize_input, requested_reasoning_effort
+from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, is_int, normalize_input, requested_reasoning_effort
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
 from .stream import PIECE_CONTEXT, LoggedText, skipped_ids
 
@@ -70,7 +70,7 @@ class RequestOptionsMixin:
         if isinstance(body, dict):
             body = dict(body)  # the handler's copy (`_resolve_model` adds the template's variables to it)
         prompt = body.get("prompt") if isinstance(body, dict) else None
-        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
+        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and [type(p) for p in prompt] == [str]:
             body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes a string)
         response = await super().handle_request(body, request_id)
         one_call = self.endpoint == CHAT and isinstance(body, dict) and body.get("parallel_tool_calls") is False
@@ -559,11 +559,14 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     max_output_tokens cut the request, its message's `response.output_item.done` says "incomplete" and it ends with
     `response.incomplete` (transformers' says `response.completed` whatever ended it). The finish reason is known
     before those last events, which follow the request's end. Under `parallel_tool_calls: false` the events of the
-    function calls after the first are dropped (each call's events name its item id)."""
+    function calls after the first are dropped (each call's events name its item id), and the events after them
+    numbered on without gaps: each `sequence_number` less the events dropped before it, each `output_index` less
+    the items dropped before that index."""
     one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
+    dropped_events, dropped_indices = 0, []  # the events dropped so far; the output indices of the items dropped
 
     def as_asked(event: str, data: dict | None) -> str:
-        nonlocal calls
+        nonlocal calls, dropped_events
         if data is None:
             return event
         item = data.get("item")
@@ -571,8 +574,16 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
             calls += 1
             if calls > 1:
                 dropped.add(item.get("id"))
+                if is_int(data.get("output_index")):
+                    dropped_indices.append(data["output_index"])
         if dropped and (data.get("item_id") in dropped or (_is_function_call(item) and item.get("id") in dropped)):
+            dropped_events += 1
             return ""
+        if dropped_events and is_int(data.get("sequence_number")):
+            data = {**data, "sequence_number": data["sequence_number"] - dropped_events}
+        if dropped_indices and is_int(data.get("output_index")):
+            index = data["output_index"]
+            data = {**data, "output_index": index - sum(gone < index for gone in dropped_indices)}
         if isinstance(data.get("response"), dict):
             data = {**data, "response": _as_requested(data["response"], body)}
         stream = recorder.stream

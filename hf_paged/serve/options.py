@@ -148,18 +148,22 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         or repetition_penalty <= 0
     ):
         raise InvalidRequest(f"{repetition_field} must be a number > 0, got {repetition_penalty!r}", repetition_field)
-    min_tokens = _int(body, "min_tokens")
-    if min_tokens is None:
-        min_tokens = generation.get("min_new_tokens") or 0
+    min_tokens, min_tokens_field = _int(body, "min_tokens"), "min_tokens"
+    if min_tokens is None and generation.get("min_new_tokens") is not None:
+        min_tokens, min_tokens_field = generation["min_new_tokens"], "generation_config.min_new_tokens"
+    if min_tokens is None:  # null, as not given
+        min_tokens = 0
     if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
-        raise InvalidRequest(f"min_tokens must be an integer >= 0, got {min_tokens!r}", "min_tokens")
+        raise InvalidRequest(f"{min_tokens_field} must be an integer >= 0, got {min_tokens!r}", min_tokens_field)
     # The field that names max_tokens in the request (its first one given), and its value.
     max_tokens_field = next((name for name in MAX_TOKENS_FIELDS if body.get(name) is not None), None)
     max_tokens = body[max_tokens_field] if max_tokens_field is not None else generation.get("max_new_tokens")
     if max_tokens_field is None and max_tokens is not None:
         max_tokens_field = "generation_config.max_new_tokens"
     if max_tokens is not None and min_tokens > max_tokens:
-        raise InvalidRequest(f"min_tokens ({min_tokens}) must be at most max_tokens ({max_tokens})", "min_tokens")
+        raise InvalidRequest(
+            f"{min_tokens_field} ({min_tokens}) must be at most {max_tokens_field} ({max_tokens})", min_tokens_field
+        )
     stop_token_ids = body.get("stop_token_ids") or []
     if not isinstance(stop_token_ids, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in stop_token_ids
