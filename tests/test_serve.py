@@ -515,7 +515,7 @@ def tool_call(arguments) -> dict:
         ("/v1/responses", {"reasoning": {"summary": "auto"}}, "reasoning.summary"),
         ("/v1/responses", {"reasoning": {"budget": 10}}, "reasoning.budget"),
         ("/v1/responses", {"max_tool_calls": -1}, "max_tool_calls"),
-        ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "tool_choice": "none"}, "tool_choice"),
+        ("/v1/chat/completions", {"tools": [LOOKUP_TOOL], "tool_choice": {"type": "function"}}, "tool_choice"),
         ("/v1/responses", {"background": True}, "background"),
         ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
         ("/v1/responses", {"text": {"verbosity": "high"}}, "text.verbosity"),
@@ -880,6 +880,48 @@ def test_a_response_echoes_the_requests_settings(server):
             name: value for name, value in request.items() if name != "input"
         }
         assert answer["parallel_tool_calls"] is True and answer["truncation"] == "disabled"
+
+
+def test_tool_choice_none_leaves_a_tool_call_in_the_text(server, saved):
+    """`tool_choice: "none"`: the answer's tool calls are not parsed, so a tool call the model writes stays in its
+    text, as vLLM leaves it without a tool parser; the processor is a copy whose response template (the
+    tokenizer's, or the one for the model's type) lacks `tool_calls`, the server's own unchanged. Over HTTP, with
+    tools (which stay in the prompt) the answer is generate()'s, and a response echoes tool_choice "none"."""
+    import copy as copying
+    import types
+
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, parse_assistant_message
+
+    from hf_paged.serve.handlers import without_tool_calls
+
+    tokenizer = copying.deepcopy(saved[1])
+    call = '{"name": "lookup", "arguments": {"key": "a"}}'
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", call, "<|im_end|>"])
+    answer = tokenizer.encode(f"the quick <tool_call> {call} </tool_call> <|im_end|>", add_special_tokens=False)
+    qwen = types.SimpleNamespace(config=types.SimpleNamespace(model_type="qwen2"))  # a type with a tool parser
+    llama = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))  # one without
+    content, _, calls = parse_assistant_message(tokenizer, qwen, answer, [])
+    assert content == "the quick" and [(c.name, c.arguments) for c in calls] == [("lookup", '{"key": "a"}')]
+    unparsed = without_tool_calls(tokenizer, qwen)
+    assert type(unparsed) is type(tokenizer) and unparsed is not tokenizer
+    content, _, calls = parse_assistant_message(unparsed, qwen, answer, [])
+    assert content == f"the quick <tool_call> {call} </tool_call>" and calls is None
+    assert getattr(tokenizer, "response_template", None) is None  # the server's tokenizer as it was
+    assert without_tool_calls(tokenizer, llama) is tokenizer  # no template: no tool call is ever parsed
+    tokenizer.response_template = copying.deepcopy(
+        next(t for k, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen2" in k)
+    )
+    assert "tool_calls" not in without_tool_calls(tokenizer, llama).response_template["fields"]
+    assert "tool_calls" in tokenizer.response_template["fields"]
+
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "tools": [LOOKUP_TOOL], "tool_choice": "none", "max_tokens": 5, "temperature": 0}
+    status, answer = post_json(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    assert answer["choices"][0]["message"]["content"] == greedy_text(saved, chat_ids(saved, messages), 5)
+    request = {"input": "hello there", "tools": [LOOKUP_TOOL_ITEM], "tool_choice": "none", "max_output_tokens": 3}
+    status, response = post_json(server, "/v1/responses", request)
+    assert status == 200 and response["tool_choice"] == "none" and response["tools"] == [LOOKUP_TOOL_ITEM], response
 
 
 def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():

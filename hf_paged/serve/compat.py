@@ -28,6 +28,7 @@ SEAMS: dict[str, dict[str, tuple[str, ...]]] = {
         "CBWorkerDeadError": (),
         "_StreamError": (),
         "response_events_to_chunks": (),
+        "get_response_template": (),
     },
     "transformers.cli.serving.server": {"build_server": ()},
     "transformers.cli.serving.model_manager": {"ModelManager": ("load_model_and_processor", "process_model_name")},

@@ -418,11 +418,10 @@ def _is_function_tool(tool, endpoint: str) -> bool:
 
 
 def _check_tool_limits(body: dict) -> None:
-    """`parallel_tool_calls` (true by default) and `tool_choice="none"` limit the tool calls of an answer:
-    `parallel_tool_calls: false` keeps an answer's first tool call (handlers.py, as vLLM does); an answer without
-    tool calls is not held, so `tool_choice="none"` is refused where the request gives tools (without tools the model
-    is told of none). The Responses API's `max_tool_calls` limits calls of OpenAI's built-in tools, which the server
-    refuses (`_check_tools`): with function tools it changes nothing."""
+    """`parallel_tool_calls` (true by default) limits the tool calls of an answer: `false` keeps an answer's first
+    tool call (handlers.py, as vLLM does); `tool_choice="none"` parses none (handlers.py, `without_tool_calls`). The
+    Responses API's `max_tool_calls` limits calls of OpenAI's built-in tools, which the server refuses
+    (`_check_tools`): with function tools it changes nothing."""
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
         raise InvalidRequest(
@@ -431,12 +430,6 @@ def _check_tool_limits(body: dict) -> None:
     most = body.get("max_tool_calls")
     if most is not None and (not is_int(most) or most < 0):
         raise InvalidRequest(f"max_tool_calls must be an integer >= 0, got {_short(most)}", "max_tool_calls")
-    if body.get("tools") and body.get("tool_choice") == "none":
-        raise InvalidRequest(
-            'tool_choice="none" with tools asks for an answer without tool calls, which hf-paged serve does not '
-            'enforce (the model sees the tools and its tool calls are parsed); allowed with tools: "auto" or null',
-            "tool_choice",
-        )
 
 
 def _check_reasoning(body: dict) -> None:

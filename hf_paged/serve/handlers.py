@@ -26,6 +26,7 @@ from starlette.responses import JSONResponse, StreamingResponse
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
+from transformers.cli.serving.utils import get_response_template
 
 from ..errors import InvalidRequest, ModelNotFound
 from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, is_int, normalize_input, requested_reasoning_effort
@@ -64,6 +65,8 @@ class RequestOptionsMixin:
                 )
             kwargs = body.get("chat_template_kwargs") or {}
             body["chat_template_kwargs"] = {**kwargs, TEMPLATE_REASONING_EFFORT: effort}
+        if body.get("tool_choice") == "none":
+            processor = without_tool_calls(processor, model)
         return self.served_model_name, model, processor  # answers name the model as the request did
 
     async def handle_request(self, body: dict, request_id: str):
@@ -107,6 +110,28 @@ class RequestOptionsMixin:
 
 # The chat template variable a reasoning effort goes to (gpt-oss's template reads it, as vLLM passes it).
 TEMPLATE_REASONING_EFFORT = "reasoning_effort"
+
+
+def without_tool_calls(processor, model):
+    """The processor an answer to `tool_choice: "none"` is read with: its tool calls are not parsed, so a tool call
+    the model writes stays in the answer's text, as vLLM leaves it without a tool parser (OpenAI's model writes none).
+
+    transformers' handlers parse an answer with the tokenizer's response template (or the one for the model's type);
+    this is a shallow copy of the processor (and of its tokenizer: the same vocabulary and backend) whose template
+    lacks the `tool_calls` field, or `processor` itself where its template parses no tool calls. The tools stay in
+    the prompt, as OpenAI keeps them in the model's context."""
+    template = get_response_template(processor, model)
+    if template is None or "tool_calls" not in template.get("fields", {}):
+        return processor
+    unparsed = copy.deepcopy(template)
+    del unparsed["fields"]["tool_calls"]
+    tokenizer = copy.copy(getattr(processor, "tokenizer", processor))
+    tokenizer.response_template = unparsed
+    if getattr(processor, "tokenizer", processor) is processor:
+        return tokenizer
+    processor = copy.copy(processor)
+    processor.tokenizer = tokenizer
+    return processor
 
 
 def _template_reads(processor, variable: str) -> bool:
