@@ -1161,6 +1161,9 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
             "generation_config.min_new_tokens",
         ),
         ("/v1/completions", {"prompt": [["hi"]], "max_tokens": 2}, "prompt"),  # a list in the list of one prompt
+        ("/v1/completions", {"prompt": [], "max_tokens": 2}, "prompt"),
+        ("/v1/completions", {"prompt": [5, True], "max_tokens": 2}, "prompt"),  # JSON's true is no token id
+        ("/v1/completions", {"prompt": [5, -1], "max_tokens": 2}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "\ud800x": 1}, None),  # a field's name
         ("/v1/completions", {"prompt": "hi", "max_tokens": 2, "model": {"id": "m"}}, "model"),
         ("/v1/chat/completions", CHAT_BODY | {"model": 5}, "model"),
@@ -1480,6 +1483,24 @@ def test_a_list_of_one_prompt_is_that_prompt(server):
     status_list, listed = post_json(server, "/v1/completions", body | {"prompt": [body["prompt"]]})
     assert status == status_list == 200, listed
     assert listed["choices"][0]["text"] == alone["choices"][0]["text"]
+
+
+def test_a_prompt_of_token_ids_runs_as_given(server, saved):
+    """OpenAI's and vLLM's completions prompt of token ids (or a list of one such list): those ids run as they are,
+    without the tokenizer, in one body and streamed, and the answer is generate()'s on them; an id past the model's
+    vocabulary is refused naming prompt."""
+    prompt_ids = saved[1]("the quick brown fox")["input_ids"]
+    expected = greedy_text(saved, prompt_ids, 5)
+    body = {"max_tokens": 5, "temperature": 0}
+    for prompt in (prompt_ids, [prompt_ids]):
+        status, answer = post_json(server, "/v1/completions", body | {"prompt": prompt})
+        assert status == 200, answer
+        assert answer["choices"][0]["text"] == expected and answer["usage"]["prompt_tokens"] == len(prompt_ids)
+    events = events_of(server, "/v1/completions", body | {"prompt": prompt_ids})
+    assert "".join(e["choices"][0]["text"] for e in events if e.get("choices")) == expected
+    vocab_size = saved[2].config.vocab_size
+    status, answer = post_json(server, "/v1/completions", body | {"prompt": [*prompt_ids, vocab_size]})
+    assert status == 400 and answer["error"]["param"] == "prompt" and str(vocab_size) in answer["error"]["message"]
 
 
 def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():

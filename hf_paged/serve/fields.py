@@ -514,12 +514,22 @@ def _check_text_is_unicode(value, where: str) -> None:
 
 
 def _check_prompt(body: dict) -> None:
+    """One prompt, as OpenAI's completions take it: a non-empty string or list of token ids, or a list of one of
+    them (whether each id is in the model's vocabulary is the handler's check, `TokenPromptsMixin`)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, str) and prompt:
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
+        prompt = prompt[0]
+    if (isinstance(prompt, str) and prompt) or is_token_ids(prompt):
         return
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str) and prompt[0]:
-        return
-    raise InvalidRequest(f"prompt must be a non-empty string (one prompt per request), got {_short(prompt)}", "prompt")
+    raise InvalidRequest(
+        "prompt must be a non-empty string or list of token ids (one prompt per request), got " + _short(prompt),
+        "prompt",
+    )
+
+
+def is_token_ids(value) -> bool:
+    """Whether a prompt is a non-empty list of token ids (integers >= 0)."""
+    return isinstance(value, list) and bool(value) and all(is_int(token) and token >= 0 for token in value)
 
 
 def _check_input(body: dict) -> None:

@@ -29,7 +29,16 @@ from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import get_response_template
 
 from ..errors import InvalidRequest, ModelNotFound
-from .fields import CHAT, COMPLETIONS, RESPONSES, check_body, is_int, normalize_input, requested_reasoning_effort
+from .fields import (
+    CHAT,
+    COMPLETIONS,
+    RESPONSES,
+    check_body,
+    is_int,
+    is_token_ids,
+    normalize_input,
+    requested_reasoning_effort,
+)
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
 from .stream import PIECE_CONTEXT, LoggedText, skipped_ids
 
@@ -73,8 +82,9 @@ class RequestOptionsMixin:
         if isinstance(body, dict):
             body = dict(body)  # the handler's copy (`_resolve_model` adds the template's variables to it)
         prompt = body.get("prompt") if isinstance(body, dict) else None
-        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and [type(p) for p in prompt] == [str]:
-            body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes a string)
+        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
+            if isinstance(prompt[0], str) or is_token_ids(prompt[0]):
+                body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes one prompt)
         response = await super().handle_request(body, request_id)
         one_call = self.endpoint == CHAT and isinstance(body, dict) and body.get("parallel_tool_calls") is False
         if not isinstance(response, StreamingResponse):
@@ -493,7 +503,41 @@ class PagedChatCompletionHandler(RequestOptionsMixin, ChoicesMixin, ChatCompleti
     endpoint = CHAT
 
 
-class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, CompletionHandler):
+class TokenPromptsMixin:
+    """A completions prompt of token ids (OpenAI's and vLLM's `prompt: [1, 2, 3]`), run as they are, without the
+    tokenizer (no special token added); put before `CompletionHandler` in the bases. A string prompt is the stock
+    handler's. An id past the model's vocabulary (its input embeddings' rows) is refused with 400 naming `prompt`."""
+
+    async def handle_request(self, body: dict, request_id: str):
+        if not isinstance(body, dict) or not is_token_ids(body.get("prompt")):
+            return await super().handle_request(body, request_id)
+        # transformers' CompletionHandler.handle_request, with the ids for its tokenization of a string.
+        self._validate_request(body)
+        model_id, model, processor = self._resolve_model(body)
+        vocab_size = model.get_input_embeddings().num_embeddings
+        prompt_ids = body["prompt"]
+        if max(prompt_ids) >= vocab_size:
+            raise InvalidRequest(
+                f"prompt holds token id {max(prompt_ids)}, past this model's vocabulary of {vocab_size} ids (0 to "
+                f"{vocab_size - 1})",
+                "prompt",
+            )
+        modality = self.model_manager.get_model_modality(model, processor=processor)
+        use_cb = self.generation_state.use_continuous_batching(model, modality)
+        gen_manager = self.generation_state.get_manager(model_id, use_cb=use_cb)
+        inputs = {"input_ids": list(prompt_ids), "attention_mask": [1] * len(prompt_ids)}
+        gen_config = self._build_generation_config(body, model.generation_config, use_cb=use_cb)
+        if use_cb:
+            gen_manager.init_cb(model, gen_config)
+        suffix = body.get("suffix")
+        if body.get("stream"):
+            return self._streaming(request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix)
+        return await self._non_streaming(
+            request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix
+        )
+
+
+class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, TokenPromptsMixin, CompletionHandler):
     """`/v1/completions`."""
 
     endpoint = COMPLETIONS
