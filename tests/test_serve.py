@@ -1503,6 +1503,41 @@ def test_a_prompt_of_token_ids_runs_as_given(server, saved):
     assert status == 400 and answer["error"]["param"] == "prompt" and str(vocab_size) in answer["error"]["message"]
 
 
+def test_several_prompts_are_answered_as_one_request(server, saved):
+    """OpenAI's list of prompts (strings or token ids): each runs as a request of its own, at once; prompt i's `n`
+    choices are choices i * n to i * n + n - 1 (vLLM's order), each generate()'s, in one body and streamed, and the
+    usage adds up every prompt's tokens. A refused prompt refuses the request naming it, and the prompts before it,
+    whose streams never started, stop at once."""
+    tokenizer = saved[1]
+    texts = ["the quick brown fox", "a paged cache keeps", "hello world"]
+    prompts = [texts[0], tokenizer(texts[1])["input_ids"], texts[2]]
+    prompt_ids = [tokenizer(text)["input_ids"] for text in texts]
+    expected = [greedy_text(saved, ids, 4) for ids in prompt_ids for _ in range(2)]
+    usage = {"prompt_tokens": sum(map(len, prompt_ids)), "completion_tokens": 4 * 6}
+    usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+    body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    status, answer = post_json(server, "/v1/completions", body)
+    assert status == 200, answer
+    assert [choice["index"] for choice in answer["choices"]] == list(range(6))
+    assert [choice["text"] for choice in answer["choices"]] == expected and answer["usage"] == usage
+    events = events_of(server, "/v1/completions", body | {"stream_options": {"include_usage": True}})
+    streamed = [""] * 6
+    for event in events:
+        for choice in event.get("choices") or []:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == expected and events[-1]["usage"] == usage
+
+    aborted = server.metrics()["hf_paged_requests_aborted_total"]
+    refused = {"prompt": [texts[0], texts[1], [5, saved[2].config.vocab_size]], "max_tokens": 500, "ignore_eos": True}
+    status, answer = post_json(server, "/v1/completions", refused | {"stream": True})
+    assert status == 400 and answer["error"]["param"] == "prompt[2]", answer
+    metrics = server.wait_idle(timeout_s=5)
+    assert metrics["hf_paged_requests_running"] == 0 and metrics["hf_paged_kv_blocks_used"] == 0
+    assert metrics["hf_paged_requests_aborted_total"] == aborted + 2
+    status, answer = post_json(server, "/v1/completions", refused | {"prompt": [texts[0], ""]})
+    assert status == 400 and answer["error"]["param"] == "prompt[1]", answer
+
+
 def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():
     """A client gone while a chunk is being sent (the app's `send` raises, the body generator is suspended at its
     yield): the response closes the generator then, so its handler cancels the Engine request without waiting for

@@ -514,17 +514,20 @@ def _check_text_is_unicode(value, where: str) -> None:
 
 
 def _check_prompt(body: dict) -> None:
-    """One prompt, as OpenAI's completions take it: a non-empty string or list of token ids, or a list of one of
-    them (whether each id is in the model's vocabulary is the handler's check, `TokenPromptsMixin`)."""
+    """The prompt, as OpenAI's completions take it: a non-empty string or list of token ids, or a list of them (the
+    handler runs each of several as a request of its own; whether each id is in the model's vocabulary is its
+    check too, `TokenPromptsMixin`)."""
     prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or is_token_ids(prompt[0])):
-        prompt = prompt[0]
-    if (isinstance(prompt, str) and prompt) or is_token_ids(prompt):
-        return
-    raise InvalidRequest(
-        "prompt must be a non-empty string or list of token ids (one prompt per request), got " + _short(prompt),
-        "prompt",
-    )
+    several = isinstance(prompt, list) and prompt and all(isinstance(one, str | list) for one in prompt)
+    prompts = prompt if several else [prompt]  # else one prompt (a string, or token ids)
+    for index, one in enumerate(prompts):
+        if not ((isinstance(one, str) and one) or is_token_ids(one)):
+            where = "prompt" if len(prompts) == 1 else f"prompt[{index}]"
+            raise InvalidRequest(
+                f"{where} must be a non-empty string or list of token ids (prompt: one of them, or a list of "
+                f"them), got {_short(one)}",
+                where,
+            )
 
 
 def is_token_ids(value) -> bool:

@@ -39,6 +39,7 @@ from .fields import (
     normalize_input,
     requested_reasoning_effort,
 )
+from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
 from .stream import PIECE_CONTEXT, LoggedText, skipped_ids
 
@@ -81,11 +82,13 @@ class RequestOptionsMixin:
     async def handle_request(self, body: dict, request_id: str):
         if isinstance(body, dict):
             body = dict(body)  # the handler's copy (`_resolve_model` adds the template's variables to it)
-        prompt = body.get("prompt") if isinstance(body, dict) else None
-        if self.endpoint == COMPLETIONS and isinstance(prompt, list) and len(prompt) == 1:
-            if isinstance(prompt[0], str) or is_token_ids(prompt[0]):
-                body["prompt"] = prompt[0]  # OpenAI's list of prompts, of one (the handler takes one prompt)
-        response = await super().handle_request(body, request_id)
+        prompts = _prompts(body) if self.endpoint == COMPLETIONS else None
+        if prompts is not None and len(prompts) == 1:
+            body["prompt"] = prompts[0]  # OpenAI's list of prompts, of one (the handler takes one prompt)
+        if prompts is not None and len(prompts) > 1:
+            response = await self._each_prompt(body, prompts, request_id)
+        else:
+            response = await super().handle_request(body, request_id)
         one_call = self.endpoint == CHAT and isinstance(body, dict) and body.get("parallel_tool_calls") is False
         if not isinstance(response, StreamingResponse):
             if one_call and isinstance(response, JSONResponse) and response.status_code == 200:
@@ -100,6 +103,48 @@ class RequestOptionsMixin:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = _ending_with_done(_usage_as_asked(chunks, include_usage))
         return ClosingStreamingResponse.like(response, chunks)
+
+    async def _each_prompt(self, body: dict, prompts: list, request_id: str):
+        """A completions request of several prompts (OpenAI's list of prompts), each run as a request of its own,
+        at once, answered as one: prompt i's choices (`n` each) are choices i * n to i * n + n - 1, as vLLM orders
+        them, and the usage adds up every prompt's tokens. A prompt that is refused refuses the request (the error
+        names it: `prompt[i]`), and the others stop."""
+        handle = super().handle_request
+        n = body.get("n") if is_int(body.get("n")) else 1  # another n is refused by the first prompt's request
+        bodies = [{**body, "prompt": prompt} for prompt in prompts]
+        if body.get("stream"):  # each returns once its Engine request is in, before any token
+            responses = []
+            with recording_submissions() as submitted:
+                try:
+                    for index, one in enumerate(bodies):
+                        responses.append(await _naming_prompt(index, handle(one, request_id)))
+                except BaseException:
+                    for stream in submitted:  # the earlier prompts' Engine requests, whose streams never started
+                        stream.cancel()
+                    raise
+            streams = [response.body_iterator for response in responses]
+            return StreamingResponse(_merged_streams(streams, n, one_prompt=False), media_type="text/event-stream")
+        tasks = [asyncio.ensure_future(_naming_prompt(i, handle(one, request_id))) for i, one in enumerate(bodies)]
+        try:
+            responses = await asyncio.gather(*tasks)
+        except BaseException:  # one prompt refused or failed, or the client left: the others stop too
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        answers = [json.loads(response.body) for response in responses]
+        merged = answers[0]
+        merged["choices"] = [
+            {**choice, "index": index * n + choice["index"]}
+            for index, answer in enumerate(answers)
+            for choice in answer["choices"]
+        ]
+        if merged.get("usage"):
+            merged["usage"] = {
+                key: sum(answer["usage"][key] for answer in answers)
+                for key in ("prompt_tokens", "completion_tokens", "total_tokens")
+            }
+        return JSONResponse(merged, media_type="application/json")
 
     def _validate_request(self, body: dict) -> None:
         check_body(body, self.endpoint)
@@ -345,10 +390,30 @@ def _samples(gen_config) -> list:
     return samples
 
 
-async def _merged_streams(streams: list):
-    """The SSE chunks of several one-choice streams as one stream: each chunk's choice gets its stream's index, and
-    the usage the streams end with comes once, summed, in a last chunk with no choices (as OpenAI's `n` streams
-    end). A client that goes away closes every stream (each aborts its Engine request)."""
+def _prompts(body) -> list | None:
+    """A completions body's prompts where it gives a list of them (strings or lists of token ids), else None (one
+    prompt, or a body the request check refuses)."""
+    prompt = body.get("prompt") if isinstance(body, dict) else None
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) or is_token_ids(p) for p in prompt):
+        return prompt
+    return None
+
+
+async def _naming_prompt(index: int, handling):
+    """`await handling`, where an error naming `prompt` names `prompt[index]`: one of several prompts."""
+    try:
+        return await handling
+    except InvalidRequest as error:
+        if error.param == "prompt":
+            error.param = f"prompt[{index}]"
+        raise
+
+
+async def _merged_streams(streams: list, choices_per_stream: int = 1, one_prompt: bool = True):
+    """The SSE chunks of several streams as one stream: stream i's choice j is choice i * `choices_per_stream` + j
+    (one-choice streams: choice i), and the usage the streams end with comes once, summed, in a last chunk with no
+    choices (as OpenAI's `n` streams end; the prompt's tokens counted once where every stream ran it,
+    `one_prompt`). A client that goes away closes every stream (each aborts its Engine request)."""
     queue: asyncio.Queue = asyncio.Queue()
     usage: dict = {}
 
@@ -377,11 +442,14 @@ async def _merged_streams(streams: list):
                     yield event + "\n\n"
                     continue
                 for choice in data["choices"]:
-                    choice["index"] = index
+                    choice["index"] = index * choices_per_stream + (choice.get("index") or 0)
                 for key, value in (data.pop("usage", None) or {}).items():
-                    if isinstance(value, int):  # token counts; the prompt is the same for every sample
-                        usage[key] = value if key == "prompt_tokens" else usage.get(key, 0) + value
+                    if isinstance(value, int):  # token counts
+                        same = one_prompt and key == "prompt_tokens"  # the samples of one prompt: counted once
+                        usage[key] = value if same else usage.get(key, 0) + value
                 last = data
+                if not data["choices"]:  # a stream's own usage chunk (one of several choices): counted above
+                    continue
                 yield f"data: {json.dumps(data)}\n\n"
         if usage and last is not None:
             usage["total_tokens"] = usage.get("prompt_tokens", 0) + usage.get("completion_tokens", 0)

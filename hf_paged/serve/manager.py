@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
+import contextvars
 import logging
 import queue
 import threading
@@ -86,6 +88,23 @@ class EngineMetrics:
     num_preemptions: int = 0  # running requests sent back to the queue to free blocks
     # Latency histograms (`LATENCIES`), seconds from the moment the server took the request.
     latencies: dict[str, Histogram] = field(default_factory=lambda: {name: Histogram() for name in LATENCIES})
+
+
+# The streams `EngineManager` makes in one asyncio task while `recording_submissions()` is open there.
+_SUBMITTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_paged_submitted", default=None)
+
+
+@contextlib.contextmanager
+def recording_submissions():
+    """Within, in the current task: every `RequestStream` the manager makes is added to the list this yields, so a
+    handler that submits several Engine requests for one HTTP request can cancel those already in when a later one
+    is refused (a stream whose response body never started has no other way to stop its Engine request)."""
+    streams: list[RequestStream] = []
+    token = _SUBMITTED.set(streams)
+    try:
+        yield streams
+    finally:
+        _SUBMITTED.reset(token)
 
 
 class EngineManager(BaseGenerateManager):
@@ -183,6 +202,9 @@ class EngineManager(BaseGenerateManager):
             generation_config=gen_config,
         )
         self._inbox.put(("add", stream))
+        submitted = _SUBMITTED.get()
+        if submitted is not None:
+            submitted.append(stream)
         return stream
 
     def _cancel(self, stream: RequestStream) -> None:
