@@ -497,7 +497,7 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"generation_config": {"max_length": 100}}, "generation_config.max_length"),
         ("/v1/chat/completions", {"generation_config": {"min_p": 0.1}}, "generation_config.min_p"),
         ("/v1/chat/completions", {"generation_config": {"no_such_setting": 1}}, "generation_config.no_such_setting"),
-        ("/v1/completions", {"echo": True}, "echo"),
+        ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
@@ -1536,6 +1536,32 @@ def test_several_prompts_are_answered_as_one_request(server, saved):
     assert metrics["hf_paged_requests_aborted_total"] == aborted + 2
     status, answer = post_json(server, "/v1/completions", refused | {"prompt": [texts[0], ""]})
     assert status == 400 and answer["error"]["param"] == "prompt[1]", answer
+
+
+def test_echo_starts_each_completion_with_its_prompt(server, saved):
+    """`echo: true`: each choice's text is its prompt's (the string, or the token ids decoded) and then generate()'s,
+    in one body and streamed, for several prompts and samples; with logprobs it is refused (the prompt tokens' log
+    probabilities are not computed)."""
+    tokenizer = saved[1]
+    texts = ["the quick brown fox", "a paged cache keeps"]
+    prompts = [texts[0], tokenizer(texts[1])["input_ids"]]
+    completions = [greedy_text(saved, tokenizer(text)["input_ids"], 3) for text in texts]
+    expected = [texts[0] + completions[0]] * 2 + [tokenizer.decode(prompts[1]) + completions[1]] * 2
+    body = {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "echo": True}
+    status, answer = post_json(server, "/v1/completions", body)
+    assert status == 200, answer
+    assert [choice["text"] for choice in answer["choices"]] == expected
+    assert answer["usage"]["completion_tokens"] <= 12
+    streamed = [""] * 4
+    for event in events_of(server, "/v1/completions", body):
+        for choice in event.get("choices") or []:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == expected
+    status, answer = post_json(server, "/v1/completions", {"prompt": texts[0], "echo": True, "max_tokens": 2})
+    assert status == 200 and answer["choices"][0]["text"].startswith(texts[0]), answer
+    for fields in ({"echo": True, "logprobs": 1}, {"echo": 1}):
+        status, answer = post_json(server, "/v1/completions", {"prompt": texts[0], "max_tokens": 2} | fields)
+        assert status == 400 and answer["error"]["param"] == "echo", answer
 
 
 def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():

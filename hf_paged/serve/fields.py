@@ -5,7 +5,7 @@ most), apply others to a `GenerationConfig` the Engine does not read (`frequency
 `logit_bias` as `sequence_bias`), and fail with a 500 and a traceback on bodies they cannot read (no `messages`, a
 message without `role`). A client is never told. So one check runs before each handler (`check_body`): the body's
 shape for its endpoint, then every field that changes the output and that the Engine does not apply, which is
-refused unless it holds its OpenAI default (the value that changes nothing: `best_of=1`, `echo=false`, ...).
+refused unless it holds its OpenAI default (the value that changes nothing: `best_of=1`, `suffix=""`, ...).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ READ_FIELDS = {
     ),
     COMPLETIONS: (
         "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
-        "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "generation_config",
+        "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "generation_config",
     ),
     RESPONSES: (
         "model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
@@ -57,7 +57,6 @@ NO_EFFECT_FIELDS = {
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
 _UNAPPLIED = {
     "best_of": ((1,), "the best of several completions"),
-    "echo": ((False,), "the prompt echoed in the completion"),
     "response_format": (({"type": "text"},), "structured output"),
     "tool_choice": (("none", "auto"), "a forced tool call"),
     "functions": (([],), "function calling"),
@@ -86,7 +85,7 @@ UNAPPLIED_FIELDS = {
             "response_format", "tool_choice", "functions", "function_call", "audio", "modalities",
             "web_search_options", "verbosity", "moderation",
         ),
-        COMPLETIONS: ("best_of", "echo", "suffix"),
+        COMPLETIONS: ("best_of", "suffix"),
         RESPONSES: (
             "tool_choice", "previous_response_id", "include", "top_logprobs", "background",
             "background_options", "conversation", "prompt", "truncation", "context_management", "access_programs",
@@ -267,6 +266,7 @@ def check_body(body: dict, endpoint: str) -> None:
         _check_chat_fields(body)
     elif endpoint == COMPLETIONS:
         _check_prompt(body)
+        _check_echo(body)
     elif endpoint == RESPONSES:
         _check_input(body)
         _check_tools(body.get("tools"), RESPONSES)
@@ -516,7 +516,7 @@ def _check_text_is_unicode(value, where: str) -> None:
 def _check_prompt(body: dict) -> None:
     """The prompt, as OpenAI's completions take it: a non-empty string or list of token ids, or a list of them (the
     handler runs each of several as a request of its own; whether each id is in the model's vocabulary is its
-    check too, `TokenPromptsMixin`)."""
+    check too, `PromptMixin`)."""
     prompt = body.get("prompt")
     several = isinstance(prompt, list) and prompt and all(isinstance(one, str | list) for one in prompt)
     prompts = prompt if several else [prompt]  # else one prompt (a string, or token ids)
@@ -528,6 +528,21 @@ def _check_prompt(body: dict) -> None:
                 f"them), got {_short(one)}",
                 where,
             )
+
+
+def _check_echo(body: dict) -> None:
+    """`echo`: the completion's text starts with the prompt's (handlers.py, `PromptMixin`). Its log probabilities
+    would start with the prompt tokens', which the Engine does not compute (it samples from each row's last token's
+    logits only), so `echo` with `logprobs` is refused."""
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidRequest(f"echo must be true or false, got {_short(echo)}", "echo")
+    if echo and body.get("logprobs") is not None:
+        raise InvalidRequest(
+            "echo with logprobs asks for the prompt tokens' log probabilities, which hf-paged serve does not compute "
+            "(only the generated tokens'); allowed with logprobs: echo false or null",
+            "echo",
+        )
 
 
 def is_token_ids(value) -> bool:

@@ -571,15 +571,26 @@ class PagedChatCompletionHandler(RequestOptionsMixin, ChoicesMixin, ChatCompleti
     endpoint = CHAT
 
 
-class TokenPromptsMixin:
-    """A completions prompt of token ids (OpenAI's and vLLM's `prompt: [1, 2, 3]`), run as they are, without the
-    tokenizer (no special token added); put before `CompletionHandler` in the bases. A string prompt is the stock
-    handler's. An id past the model's vocabulary (its input embeddings' rows) is refused with 400 naming `prompt`."""
+class PromptMixin:
+    """A completions prompt as OpenAI's and vLLM's take it (put before `CompletionHandler` in the bases): token ids
+    (`prompt: [1, 2, 3]`) run as they are, without the tokenizer (no special token added; an id past the model's
+    vocabulary, its input embeddings' rows, is refused with 400 naming `prompt`), a string is the stock handler's;
+    `echo: true` starts each choice's text with the prompt's (the string, or the ids decoded as the completion is),
+    in one body and in each choice's first streamed chunk."""
 
     async def handle_request(self, body: dict, request_id: str):
-        if not isinstance(body, dict) or not is_token_ids(body.get("prompt")):
+        if not isinstance(body, dict):
             return await super().handle_request(body, request_id)
-        # transformers' CompletionHandler.handle_request, with the ids for its tokenization of a string.
+        prompt = body.get("prompt")
+        if is_token_ids(prompt):
+            response, prompt = await self._token_prompt(body, request_id)
+        else:
+            response = await super().handle_request(body, request_id)
+        return _echoed(response, prompt) if body.get("echo") else response
+
+    async def _token_prompt(self, body: dict, request_id: str):
+        """transformers' CompletionHandler.handle_request with the ids for its tokenization of a string; with the
+        prompt's text."""
         self._validate_request(body)
         model_id, model, processor = self._resolve_model(body)
         vocab_size = model.get_input_embeddings().num_embeddings
@@ -598,14 +609,47 @@ class TokenPromptsMixin:
         if use_cb:
             gen_manager.init_cb(model, gen_config)
         suffix = body.get("suffix")
+        text = _decode(getattr(processor, "tokenizer", processor), prompt_ids) if body.get("echo") else None
         if body.get("stream"):
-            return self._streaming(request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix)
-        return await self._non_streaming(
-            request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix
-        )
+            response = self._streaming(request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix)
+        else:
+            response = await self._non_streaming(
+                request_id, model, processor, model_id, inputs, gen_config, gen_manager, suffix
+            )
+        return response, text
 
 
-class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, TokenPromptsMixin, CompletionHandler):
+def _echoed(response, prompt: str):
+    """A completions answer with `prompt` before each choice's text (`echo`): in one body, or in the first chunk of
+    each choice of a stream."""
+    if isinstance(response, JSONResponse) and response.status_code == 200:
+        answer = json.loads(response.body)
+        answer["choices"] = [{**choice, "text": prompt + choice["text"]} for choice in answer["choices"]]
+        return JSONResponse(answer, media_type="application/json")
+    if not isinstance(response, StreamingResponse):
+        return response
+    seen: set[int] = set()
+
+    def first_with_prompt(event: str, data: dict | None) -> str:
+        if data is None or not data.get("choices"):
+            return event
+        for choice in data["choices"]:
+            if choice.get("index", 0) not in seen and isinstance(choice.get("text"), str):
+                seen.add(choice.get("index", 0))
+                choice["text"] = prompt + choice["text"]
+        return f"data: {json.dumps(data)}"
+
+    async def chunks(inner):
+        try:
+            async for chunk in inner:
+                yield _each_event(chunk, first_with_prompt)
+        finally:
+            await inner.aclose()
+
+    return StreamingResponse(chunks(response.body_iterator), media_type=response.media_type)
+
+
+class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, PromptMixin, CompletionHandler):
     """`/v1/completions`."""
 
     endpoint = COMPLETIONS
