@@ -132,6 +132,9 @@ class RequestOptionsMixin:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
+        failed = [r for r in responses if not (isinstance(r, JSONResponse) and r.status_code == 200)]
+        if failed:  # a prompt's error answered in a body of its own: the request's answer
+            return failed[0]
         answers = [json.loads(response.body) for response in responses]
         merged = answers[0]
         merged["choices"] = [
