@@ -91,7 +91,8 @@ block's limit (163 KiB on sm_80, 227 KiB on sm_90), or on a variant that does no
 - Each thread's share of one K (or V) tile is 16 registers: `BLOCK_N * head_dim_tile / (32 * num_warps)` is 32
   elements for fp16/bf16 and 16 for fp32 (whose dot products run on CUDA cores in full precision), with at most
   64 tokens and at most twice the tile width (narrow heads spend their registers on the `[16, BLOCK_N]` logits).
-- 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used);
+- 4 warps up to a 64-wide tile, 8 above; 2 pipeline stages (the next tile's loads in flight while one is used; one
+  for fp32 caches at 128 wide on sm_90, where Triton 3.6's ptxas spills a register with two);
   where 3 were timed faster (`TUNED_DECODE`), each tile's block ids are read one tile ahead, so that two tiles' loads
   are in flight (`launch_config.ids_ahead`).
 - Split-K (`triton_decode.choose_num_splits`): while batch x kv heads programs leave SMs idle, each sequence is cut
@@ -193,15 +194,17 @@ PREFILL_TEXT = (
     " tile's tokens x the q heads that share the kv head, so a K/V tile read from the pool serves the whole GQA group;"
     " the GQA group, block size, window, kv_start and sinks are runtime arguments, so the kernel compiles once per "
     "(dtype, head_dim tile, softcap) and target. fp32 caches take 32 rows and 16 keys (their dots run on CUDA cores "
-    "and hold more per thread), in one stage at 64 wide on sm_90 (in two, Triton 3.6 leaves an 8-byte stack frame "
-    "there); every dtype takes one stage at 16 wide (in two, Triton 3.9 leaves one in the softcap's variants on "
-    "sm_80). 16-bit caches' variants at head_dim 64 and 128 first read the "
+    "and hold more per thread), in one stage to 32 wide and at 64 wide on sm_90 (in two, Triton 3.6's ptxas spills a "
+    "register there: an 8-byte stack frame); every dtype takes one stage at 16 wide (in two, Triton 3.9 leaves one in"
+    " the softcap's variants on sm_80). 16-bit caches' variants at head_dim 64 and 128 first read the "
     "tiles every row sees whole without a mask "
     "(`unmasked_tiles` in launch_config: 1.3-1.8x faster on an H200, bench/logs/gpu-h200-5554460), then the diagonal "
     "ones with it; the other head sizes (until measured) and fp32 caches take the masked loop only (fp32's 128-wide "
     "variant would spill with the second). On sm_90 those 16-bit variants take 128 rows, with the warps and stages "
     "timed fastest on an H200 (`PREFILL_SM90` in launch_config: one warpgroup and 2 stages at 64 wide, 1.12-1.47x the "
-    "8 warps (with 3 stages it spills); 8 warps, 64 rows a warpgroup as Hopper's `wgmma` computes them, and 3 stages "
+    "8 warps (with 3 stages it spills; the softcap's and the general addressing's, for block sizes not a power of "
+    "two, keep 8 warps: Triton 3.6 spills them over one); 8 warps, 64 rows a warpgroup as Hopper's `wgmma` computes "
+    "them, and 3 stages "
     "at 128 wide, where 64 rows over 8 warps had both warpgroups compute the same logits; "
     "bench/logs/gpu-h200-9849b1a); sm_80 keeps 64 rows, its 128-wide variant spilling with 128. The grid is "
     "one-dimensional, its query tiles in reverse and the kv heads of a tile neighbours (`heavy_first` in "

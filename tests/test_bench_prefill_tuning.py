@@ -37,12 +37,12 @@ def test_a_dry_run_times_each_configuration_against_sdpa(tmp_path, capsys):
     path = tmp_path / "prefill_tuning.json"
     assert main(["--device", "cpu", "--tiny", "--json", str(path)]) == 0
     (result,) = json.loads(path.read_text())["results"]
-    assert result["default"] == "M32 N16 w4 s2" and [c["context"] for c in result["cells"]] == ["24+0", "8+20"]
+    assert result["default"] == "M32 N16 w4 s1" and [c["context"] for c in result["cells"]] == ["24+0", "8+20"]
     # the default (in both orders) and the grid's one tile, each right (within 1e-4 of SDPA) and timed
     for cell in result["cells"]:
-        assert set(cell["times"]) == {"M32 N16 w4 s2", "M32 N16 w4 s2 ascending", "M16 N16 w4 s2"}
+        assert set(cell["times"]) == {"M32 N16 w4 s1", "M32 N16 w4 s1 ascending", "M16 N16 w4 s2"}
         assert all(isinstance(ms, float) and ms > 0 for ms in cell["times"].values())
     assert "| new+cached" in capsys.readouterr().out
     section = _tuning_section(tmp_path)
     assert "### prefill kernel" in section and "#### prefill, head_dim 32" in section
-    assert "default M32 N16 w4 s2 (us)" in section and "Best over every cell: M" in section
+    assert "default M32 N16 w4 s1 (us)" in section and "Best over every cell: M" in section

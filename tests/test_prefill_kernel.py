@@ -180,14 +180,17 @@ def test_prefill_long_chunks_with_unmasked_tiles(impl, options, monkeypatch):
     [dict(), dict(sliding_window=81, softcap=30.0, sinks=True), dict(kv_start=[3, 70])],
     ids=["plain", "window-softcap-sinks", "kv-start-off-tile"],
 )
-def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
+@pytest.mark.parametrize("block_size", [16, 12], ids=["slot-rows", "general"])
+def test_prefill_with_the_tiles_of_sm_90(options, block_size, monkeypatch):
     """The tiles 16-bit caches of head_dim 64 and 128 take on sm_90 (128 rows: 64 tokens x 2 q heads a program here,
-    over one warpgroup, or two with a softcap), run here in the interpreter: chunks past a program's tokens over 62
-    and 63 cached keys, in bf16."""
+    over one warpgroup, or two with a softcap or the general addressing of a block size not a power of two), run
+    here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
     wide = launch_config.prefill_config(64, 2, torch.bfloat16, 90)
     assert (wide.block_m, wide.block_q, wide.num_warps, wide.num_stages) == (128, 64, 4, 2)
     capped = launch_config.prefill_config(64, 2, torch.bfloat16, 90, True)  # one warpgroup spills with the softcap
     assert (capped.block_m, capped.num_warps) == (128, 8)
+    general = launch_config.prefill_config(64, 2, torch.bfloat16, 90, False, False)  # and the general addressing
+    assert (general.block_m, general.num_warps) == (128, 8)
     assert launch_config.prefill_config(128, 4, torch.float16, 90).block_m == 128
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 80).block_m == 64  # sm_80: spills with 128 rows
     assert launch_config.prefill_config(128, 4, torch.bfloat16, 120).block_m == 64  # not measured past sm_90
@@ -202,7 +205,9 @@ def test_prefill_with_the_tiles_of_sm_90(options, monkeypatch):
         monkeypatch,
         lambda config, args: dataclasses.replace(config, **{name: getattr(sm_90(args), name) for name in tiles}),
     )
-    args = make_prefill([132, 191], [70, 128], num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16)
+    args = make_prefill(
+        [132, 191], [70, 128], block_size=block_size, num_q_heads=4, num_kv_heads=2, head_dim=64, dtype=torch.bfloat16
+    )
     check_prefill("triton", args, **option_tensors(options))
 
 

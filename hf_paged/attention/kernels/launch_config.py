@@ -93,7 +93,8 @@ def decode_config(head_dim: int, dtype: torch.dtype, capability: int | None) -> 
     # Each thread holds TILE_REGISTERS registers of a K (or V) tile: 32 elements of a 16-bit cache, 16 of fp32.
     elements_per_thread = TILE_REGISTERS * 4 // dtype.itemsize
     block_n = min(MAX_BLOCK_N, 2 * pad, elements_per_thread * 32 * num_warps // pad)
-    num_stages = 2
+    # One stage for fp32 caches at 128 wide on sm_90: with two, Triton 3.6's ptxas spills a register there.
+    num_stages = 1 if dtype == torch.float32 and pad == 128 and capability is not None and capability >= 90 else 2
     # Measured on sm_90; sm_80 and later hold their shared memory (72 KiB at 128 wide), sm_75 (64 KiB) does not.
     if dtype.itemsize == 2 and pad in TUNED_DECODE and (capability is None or capability >= 80):
         block_n, num_warps, num_stages = TUNED_DECODE[pad]
@@ -163,17 +164,24 @@ PREFILL_SM90 = {
 
 @functools.cache  # asked at every launch, of a few (head_dim, group, dtype, GPU) per process
 def prefill_config(
-    head_dim: int, group: int, dtype: torch.dtype, capability: int | None, softcap: bool = False
+    head_dim: int,
+    group: int,
+    dtype: torch.dtype,
+    capability: int | None,
+    softcap: bool = False,
+    slot_rows: bool = True,
 ) -> PrefillConfig:
     """The prefill kernel's launch for K/V of `head_dim` in `dtype`, `group` q heads per kv head, on a GPU of
-    `capability` (None: interpreter), for the kernel with a logit softcap when `softcap`.
+    `capability` (None: interpreter), for the kernel with a logit softcap when `softcap`, for a pool whose blocks
+    are a power of two of consecutive cache rows when `slot_rows` (`triton_decode.slot_rows`; else the general
+    addressing, whose 64-wide sm_90 variant takes the softcap's 8 warps: over one warpgroup Triton 3.6 spills it).
 
     Why: a program's rows are `block_q` tokens x `heads` q heads, so a K/V tile read from the pool serves the whole
     GQA group (up to 16 heads; a larger group takes one program per 16, neighbours in the grid; both are runtime
     arguments, so one variant serves every group); 64 rows (128 for 16-bit caches at head_dim 64 and 128 on sm_90,
     with the warps and stages measured there: `PREFILL_SM90`), K/V tiles of 64 keys (32 at head_dim 256), 4 warps to 64
     wide and 8 from 128 (an fp32 cache, whose dots run on CUDA cores: 32 rows, 16 keys, 8 warps from 256, one
-    stage at 64 wide on sm_90), 2 stages (one at 16 wide):
+    stage to 32 wide and at 64 wide on sm_90), 2 stages (one at 16 wide):
     per thread, the accumulator, the query and one K and one V tile stay under the register file's share without
     spills (tests/test_kernel_compile.py); 16-bit caches of head_dim 64 and 128 read the tiles every row sees whole
     without a mask (`unmasked_tiles`).
@@ -182,11 +190,13 @@ def prefill_config(
     heads = min(16, 1 << (max(group, 1) - 1).bit_length())
     block_m, block_n, num_warps, num_stages = PREFILL_BLOCK_M, 64 if pad <= 128 else 32, 4 if pad <= 64 else 8, 2
     if dtype.itemsize == 2 and (pad, softcap) in PREFILL_SM90 and capability == 90:
-        block_m, num_warps, num_stages = PREFILL_SM90[pad, softcap]
+        block_m, num_warps, num_stages = PREFILL_SM90[pad, softcap or (pad == 64 and not slot_rows)]
     if dtype == torch.float32:  # CUDA-core dots hold whole operand rows per thread: half the rows, 16 keys
         block_m, block_n, num_warps = PREFILL_BLOCK_M // 2, 16, 4 if pad <= 128 else 8
-        # One stage at 64 wide on sm_90: with two, Triton 3.6 leaves an 8-byte stack frame there.
-        num_stages = 1 if pad == 64 and capability is not None and capability >= 90 else 2
+        # One stage to 32 wide, and at 64 wide on sm_90: with two, Triton 3.6's ptxas spills a register (an 8-byte
+        # stack frame) in the softcap's 32-wide variant on sm_80 and in the 64-wide variant on sm_90.
+        sm90 = capability is not None and capability >= 90
+        num_stages = 1 if pad <= 32 or (pad == 64 and sm90) else 2
     if pad == 16:
         # One stage at 16 wide, whatever the dtype: with two, Triton 3.9 leaves an 8-byte stack frame in the softcap's
         # variants on sm_80 (a size of test models; a tile of 16 keys x 16 dims has little to keep in flight).

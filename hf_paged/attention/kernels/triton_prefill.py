@@ -372,7 +372,8 @@ def paged_prefill_attention_triton(
         return out.zero_()
 
     capability = launch_config.device_capability(query.device)
-    config = launch_config.prefill_config(head_dim, group, key_cache.dtype, capability, softcap is not None)
+    slots = slot_rows(key_cache.shape, key_cache.stride(), value_cache.stride())
+    config = launch_config.prefill_config(head_dim, group, key_cache.dtype, capability, softcap is not None, slots)
     if config.unmasked_tiles and key_cache.dtype == torch.float32:
         raise ValueError("unmasked_tiles is for 16-bit caches (an fp32 cache's variant spills), got a float32 cache")
     if scale < 0 and softcap is None:
@@ -391,7 +392,6 @@ def paged_prefill_attention_triton(
         out.stride(),
     )
     ids_ahead = launch_config.ids_ahead(config.num_stages)
-    slots = slot_rows(key_cache.shape, k_strides, v_strides)
     has_kv_start = int(kv_start is not None)
     kv_start = kv_start if has_kv_start else seq_lens  # unused when has_kv_start is False
     tensors = (query, key_cache, value_cache, block_tables, cu_seqlens_q, seq_lens, kv_start, sinks, out)
