@@ -372,7 +372,8 @@ def paged_prefill_attention_triton(
         return out.zero_()
 
     capability = launch_config.device_capability(query.device)
-    slots = slot_rows(key_cache.shape, key_cache.stride(), value_cache.stride())
+    k_strides, v_strides = key_cache.stride(), value_cache.stride()
+    slots = slot_rows(key_cache.shape, k_strides, v_strides)
     config = launch_config.prefill_config(head_dim, group, key_cache.dtype, capability, softcap is not None, slots)
     if config.unmasked_tiles and key_cache.dtype == torch.float32:
         raise ValueError("unmasked_tiles is for 16-bit caches (an fp32 cache's variant spills), got a float32 cache")
@@ -385,12 +386,7 @@ def paged_prefill_attention_triton(
     # unused when USE_SINKS is False; fp32 like real sinks, so that both share one compiled variant
     sinks = sinks.to(torch.float32) if sinks is not None else unused_fp32(query.device)
     use_softcap = softcap is not None
-    q_strides, k_strides, v_strides, out_strides = (
-        query.stride(),
-        key_cache.stride(),
-        value_cache.stride(),
-        out.stride(),
-    )
+    q_strides, out_strides = query.stride(), out.stride()  # the query's after any negation above
     ids_ahead = launch_config.ids_ahead(config.num_stages)
     has_kv_start = int(kv_start is not None)
     kv_start = kv_start if has_kv_start else seq_lens  # unused when has_kv_start is False
