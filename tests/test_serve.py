@@ -1610,6 +1610,94 @@ def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():
         gc.enable()
 
 
+class _Submitted:
+    """A `RequestStream` as a response sees it: cancelled or not."""
+
+    cancelled = 0
+
+    def cancel(self):
+        self.cancelled += 1
+
+
+@pytest.mark.parametrize("spec_version", ["2.4", "2.3"])
+def test_a_response_whose_body_never_started_cancels_its_engine_requests(spec_version):
+    """A client gone before a stream's body started (its first `send` never returned; under ASGI 2.3 starlette's
+    disconnect listener ends the response before the body's task runs): the body generator runs no code, so only
+    the response can cancel the Engine requests the handler submitted."""
+    from starlette.responses import StreamingResponse
+
+    from hf_paged.serve.handlers import ClosingStreamingResponse
+
+    started = []
+
+    async def body():
+        started.append(True)
+        yield "data: 0\n\n"
+
+    async def send(message):
+        await asyncio.sleep(3600)  # the client never reads the headers
+
+    async def receive():
+        if spec_version == "2.3":
+            return {"type": "http.disconnect"}
+        await asyncio.sleep(3600)
+
+    async def cancelled_before_the_body(response):
+        task = asyncio.ensure_future(response({"type": "http", "asgi": {"spec_version": spec_version}}, receive, send))
+        await asyncio.sleep(0.05)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    streams = [_Submitted(), _Submitted()]
+    stock = StreamingResponse(body(), media_type="text/event-stream")
+    response = ClosingStreamingResponse.like(stock, body(), streams)
+    asyncio.run(cancelled_before_the_body(response))
+    assert not started
+    assert [stream.cancelled for stream in streams] == [1, 1]
+
+
+def test_a_handler_hands_its_response_every_engine_request_it_submitted():
+    """The handler records each Engine request it submits (`recording_submissions`, in the tasks it starts too): a
+    stream's response gets them all to cancel, and a handler that fails cancels those already in."""
+    from starlette.responses import StreamingResponse
+
+    from hf_paged.serve import manager
+    from hf_paged.serve.fields import CHAT
+    from hf_paged.serve.handlers import ClosingStreamingResponse, RequestOptionsMixin
+
+    async def submit() -> _Submitted:
+        stream = _Submitted()
+        manager._SUBMITTED.get().append(stream)  # as EngineManager.generate_streaming records it
+        return stream
+
+    class Stock:
+        def __init__(self, fail: bool):
+            self.fail = fail
+
+        async def handle_request(self, body, request_id):
+            self.made = [await submit(), await asyncio.ensure_future(submit())]
+            if self.fail:
+                raise RuntimeError("a later sample was refused")
+
+            async def events():
+                yield "data: {}\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+
+    class Handler(RequestOptionsMixin, Stock):
+        endpoint = CHAT
+
+    handler = Handler(False, served_model_name="m")
+    response = asyncio.run(handler.handle_request({"stream": True}, "r"))
+    assert isinstance(response, ClosingStreamingResponse) and list(response.streams) == handler.made
+    assert [stream.cancelled for stream in handler.made] == [0, 0]
+
+    failing = Handler(True, served_model_name="m")
+    with pytest.raises(RuntimeError):
+        asyncio.run(failing.handle_request({"stream": True}, "r"))
+    assert [stream.cancelled for stream in failing.made] == [1, 1]
+
+
 def test_disconnect_frees_its_blocks(server):
     before = server.wait_idle()
     # streaming: the client reads a few events and goes away

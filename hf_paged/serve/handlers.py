@@ -85,10 +85,18 @@ class RequestOptionsMixin:
         prompts = _prompts(body) if self.endpoint == COMPLETIONS else None
         if prompts is not None and len(prompts) == 1:
             body["prompt"] = prompts[0]  # OpenAI's list of prompts, of one (the handler takes one prompt)
-        if prompts is not None and len(prompts) > 1:
-            response = await self._each_prompt(body, prompts, request_id)
-        else:
-            response = await super().handle_request(body, request_id)
+        # Every Engine request submitted for this HTTP request: cancelled if the handler fails, or if its stream's
+        # response ends, the body started or not (`ClosingStreamingResponse`).
+        with recording_submissions() as submitted:
+            try:
+                if prompts is not None and len(prompts) > 1:
+                    response = await self._each_prompt(body, prompts, request_id)
+                else:
+                    response = await super().handle_request(body, request_id)
+            except BaseException:
+                for stream in submitted:
+                    stream.cancel()
+                raise
         one_call = self.endpoint == CHAT and isinstance(body, dict) and body.get("parallel_tool_calls") is False
         if not isinstance(response, StreamingResponse):
             if one_call and isinstance(response, JSONResponse) and response.status_code == 200:
@@ -102,7 +110,7 @@ class RequestOptionsMixin:
         if self.endpoint != RESPONSES and response.media_type == "text/event-stream":
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             chunks = _ending_with_done(_usage_as_asked(chunks, include_usage))
-        return ClosingStreamingResponse.like(response, chunks)
+        return ClosingStreamingResponse.like(response, chunks, submitted)
 
     async def _each_prompt(self, body: dict, prompts: list, request_id: str):
         """A completions request of several prompts (OpenAI's list of prompts), each run as a request of its own,
@@ -113,15 +121,8 @@ class RequestOptionsMixin:
         n = body.get("n") if is_int(body.get("n")) else 1  # another n is refused by the first prompt's request
         bodies = [{**body, "prompt": prompt} for prompt in prompts]
         if body.get("stream"):  # each returns once its Engine request is in, before any token
-            responses = []
-            with recording_submissions() as submitted:
-                try:
-                    for index, one in enumerate(bodies):
-                        responses.append(await _naming_prompt(index, handle(one, request_id)))
-                except BaseException:
-                    for stream in submitted:  # the earlier prompts' Engine requests, whose streams never started
-                        stream.cancel()
-                    raise
+            # a prompt refused cancels the earlier prompts' Engine requests (`handle_request`)
+            responses = [await _naming_prompt(index, handle(one, request_id)) for index, one in enumerate(bodies)]
             streams = [response.body_iterator for response in responses]
             return StreamingResponse(_merged_streams(streams, n, one_prompt=False), media_type="text/event-stream")
         tasks = [asyncio.ensure_future(_naming_prompt(i, handle(one, request_id))) for i, one in enumerate(bodies)]
@@ -548,24 +549,36 @@ async def _ending_with_done(chunks):
 
 
 class ClosingStreamingResponse(StreamingResponse):
-    """A `StreamingResponse` that closes its body iterator however the response ends. Starlette's leaves a body
-    generator that a client's disconnect interrupted in `send()` (not inside the generator) suspended at its
-    `yield`, closed only when garbage collection finds it; until then the handler's `streamer.cancel()` does not
-    run, and the Engine request goes on to its last token. Closing it raises GeneratorExit there at once."""
+    """A `StreamingResponse` that closes its body iterator and cancels its Engine requests (`streams`, each a
+    `RequestStream`) however the response ends.
+
+    Starlette's leaves a body generator that a client's disconnect interrupted in `send()` (not inside the
+    generator) suspended at its `yield`, closed only when garbage collection finds it; until then the handler's
+    `streamer.cancel()` does not run, and the Engine request goes on to its last token. Closing it raises
+    GeneratorExit there at once. A body that never started (the client gone before the response's first `send`
+    returned, or before starlette ran the body's task) runs no code when closed, so its Engine requests are cancelled
+    here; cancelling one that has finished does nothing."""
+
+    streams: tuple = ()
 
     @classmethod
-    def like(cls, response: StreamingResponse, body_iterator) -> ClosingStreamingResponse:
+    def like(cls, response: StreamingResponse, body_iterator, streams: list = ()) -> ClosingStreamingResponse:
         closing = cls(body_iterator, status_code=response.status_code, background=response.background)
         closing.media_type, closing.raw_headers = response.media_type, response.raw_headers
+        closing.streams = tuple(streams)
         return closing
 
-    async def stream_response(self, send) -> None:
+    async def __call__(self, scope, receive, send) -> None:
         try:
-            await super().stream_response(send)
+            await super().__call__(scope, receive, send)
         finally:
             close = getattr(self.body_iterator, "aclose", None)
-            if close is not None:
-                await close()
+            try:
+                if close is not None:
+                    await close()
+            finally:
+                for stream in self.streams:
+                    stream.cancel()
 
 
 class PagedChatCompletionHandler(RequestOptionsMixin, ChoicesMixin, ChatCompletionHandler):
