@@ -785,6 +785,7 @@ class Engine:
                 self.stats.decode_tokens += 1
             else:  # prompt tokens, or a preempted request's recomputation: prefill work
                 self.stats.prefill_tokens += num_tokens
+            request.prompt_logprobs.extend(results[row].prompt_logprobs)
             request.num_computed += num_tokens
             self.scheduler.cache_full_blocks(request)
             if decision is not None:  # None: a prefill chunk short of the end of its input, nothing sampled
@@ -793,7 +794,7 @@ class Engine:
                     request.first_token_time = time.perf_counter()
                 events.append((request.request_id, decision))
                 if request.params.logprobs is not None:
-                    request.logprobs.append(token_logprob(results[row][2], decision, request.params.logprobs))
+                    request.logprobs.append(token_logprob(results[row].logprobs, decision, request.params.logprobs))
         for request in [r for r in self.scheduler.running if r.error is not None or r.is_done]:
             self.scheduler.retire(request)
         self._note_finished_since(checkpoint)

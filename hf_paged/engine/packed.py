@@ -78,10 +78,31 @@ class PackedStep:
             return self._compiled_forward(rows)
         return self._eager_forward(rows)
 
-    def _eager_forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
+    def forward_with_prompt_logits(
+        self, rows: list[tuple[Request, int]], positions: dict[int, range]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows, and per row index positions of its new tokens -> ([len(rows), vocab] logits at each row's last new
+        token, [sum of the positions, vocab] logits at those positions, row by row in `positions`' order). Runs the
+        eager packed forward (not the decode runner's graphs, not the compiled forward: their logits rows are
+        fixed)."""
+        starts, start = [], 0
+        for _, num_tokens in rows:
+            starts.append(start)
+            start += num_tokens
+        kept = [
+            starts[row] + position - rows[row][0].num_computed for row, span in positions.items() for position in span
+        ]
+        logits = self._eager_forward(rows, kept)
+        return logits[: len(rows)], logits[len(rows) :]
+
+    def _eager_forward(self, rows: list[tuple[Request, int]], kept: list[int] = ()) -> torch.Tensor:
+        """The eager forward -> [len(rows) + len(kept), vocab] logits at each row's last new token, then at the
+        packed sequence's indices `kept`."""
         cache = self._step_cache(rows)
         device = self.model.device
         input_ids, logits_to_keep = cache.input_ids, cache.logits_indices
+        if kept:
+            logits_to_keep = torch.cat([logits_to_keep, torch.tensor(kept, device=logits_to_keep.device)])
         if input_ids.device != device:  # a model whose embeddings are elsewhere than the pool (device_map)
             input_ids, logits_to_keep = input_ids.to(device), logits_to_keep.to(device)
         out = self.model(

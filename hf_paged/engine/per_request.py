@@ -257,9 +257,25 @@ class PerRequestStep:
         """rows (request, new tokens) -> [len(rows), vocab] logits at each row's last new token."""
         return torch.stack([self._forward_row(request, num_tokens) for request, num_tokens in rows])
 
-    def _forward_row(self, request: Request, num_tokens: int) -> torch.Tensor:
+    def forward_with_prompt_logits(
+        self, rows: list[tuple[Request, int]], positions: dict[int, range]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows, and per row index positions of its new prompt tokens -> ([len(rows), vocab] logits at each row's
+        last new token, [sum of the positions, vocab] logits at those positions, row by row in `positions`' order)."""
+        last, kept = [], []
+        for row, (request, num_tokens) in enumerate(rows):
+            wanted = positions.get(row, range(0))
+            logits, prompt_logits, start = self._forward_row(request, num_tokens, prompt_logits=bool(wanted))
+            last.append(logits)
+            if wanted:
+                kept.append(prompt_logits[wanted.start - start : wanted.stop - start])
+        return torch.stack(last), torch.cat(kept)
+
+    def _forward_row(self, request: Request, num_tokens: int, prompt_logits: bool = False):
         """One request's next `num_tokens` tokens -> [vocab] logits at the last of them: its prompt tokens in one
-        forward, then each generated token fed back (a preempted request's recomputation) in one of its own."""
+        forward, then each generated token fed back (a preempted request's recomputation) in one of its own.
+        `prompt_logits`: -> (those logits, [prompt tokens run, vocab] logits at every prompt token run (None when
+        none ran), the position of the first of them)."""
         start, end = request.num_computed, request.num_computed + num_tokens
         states = request.states
         if self._keeps_state and start and (states is None or states.num_tokens != start):
@@ -267,23 +283,25 @@ class PerRequestStep:
             # advanced): compute the request again from its first token, over its own blocks (the same K/V again).
             start = 0
         prompt_end = min(end, len(request.prompt_ids))
+        all_logits = None
         try:
             if start < prompt_end:
-                logits = self._forward(request, start, prompt_end - start, prompt=True)
+                all_logits = self._forward(request, start, prompt_end - start, prompt=True, every=prompt_logits)
+                logits = all_logits[-1]
             for position in range(max(start, prompt_end), end):
-                logits = self._forward(request, position, 1, prompt=False)
+                logits = self._forward(request, position, 1, prompt=False)[-1]
         except BaseException:
             # Its states may have advanced part-way (the layers before the failure): never reused; its next forward
             # computes it again from its first token.
             request.states = None
             raise
-        return logits
+        return (logits, all_logits, start) if prompt_logits else logits
 
-    def _forward(self, request: Request, seq_len: int, num_tokens: int, prompt: bool) -> torch.Tensor:
-        """A forward over `num_tokens` of the request's tokens after `seq_len` cached ones -> [vocab] logits at the
-        last. A prompt chunk sees every prompt token before it, as one forward over the whole prompt does
-        (`generate()` truncates a sliding layer's cache only after it); a generated token sees what its sliding
-        layers keep after the tokens before it."""
+    def _forward(self, request: Request, seq_len: int, num_tokens: int, prompt: bool, every: bool = False):
+        """A forward over `num_tokens` of the request's tokens after `seq_len` cached ones -> [1 or, with `every`,
+        `num_tokens`, vocab] logits at the last token or at each. A prompt chunk sees every prompt token before it,
+        as one forward over the whole prompt does (`generate()` truncates a sliding layer's cache only after it); a
+        generated token sees what its sliding layers keep after the tokens before it."""
         windows = [None] * len(self._windows) if prompt else self._windows
         if self._state_config is not None and (
             seq_len == 0 or request.states is None or not request.states.keeps_state
@@ -300,12 +318,12 @@ class PerRequestStep:
             states=request.states if self._state_config is not None else None,
         )
         token_ids = request.token_ids[seq_len : seq_len + num_tokens]
-        out = run_row(self.model, token_ids, seq_len, {self._cache_keyword: cache}, last_only=True)
+        out = run_row(self.model, token_ids, seq_len, {self._cache_keyword: cache}, last_only=not every)
         if cache.num_updates == 0:  # it ran on a cache of its own
             raise never_stored(self._model_type, self._cache_keyword)
         if self._state_config is not None:
             request.states.num_tokens = seq_len + num_tokens
-        return out.logits[0, -1]
+        return out.logits[0] if every else out.logits[0, -1:]
 
 
 def run_row(model, token_ids: list[int], seq_len: int, cache: dict, last_only: bool = False):

@@ -103,7 +103,10 @@ class PrefixReuse:
 
     def _lookup_hashes(self, request: Request) -> list[bytes]:
         """The hashes a prefix lookup for `request` uses: its full blocks of tokens, one token always left to
-        compute (so a hit never covers the whole input)."""
+        compute (so a hit never covers the whole input); none while its prompt's log probabilities are still to be
+        recorded (their logits are computed, not taken)."""
+        if request.records_prompt_logprobs:
+            return []
         num_blocks = (len(request.token_ids) - 1) // self.counts.block_size
         request.extend_hashes(num_blocks, self.counts.block_size)
         return request.block_hashes[:num_blocks]

@@ -46,6 +46,8 @@ class Request:
     finish_time: float | None = None
     states: object | None = None  # a hybrid model's recurrent states between per-request forwards (RequestStates)
     logprobs: list = field(default_factory=list)  # one TokenLogprob per output token, when params.logprobs is set
+    # When params.prompt_logprobs is set: the TokenLogprob of prompt token i + 1 at entry i, once computed.
+    prompt_logprobs: list = field(default_factory=list)
 
     @functools.cached_property
     def prompt_tensor(self) -> torch.Tensor:
@@ -73,6 +75,19 @@ class Request:
         if self.error is not None:
             return "error"
         return "stop" if self.output_ids and self.params.is_stop(self.output_ids[-1]) else "length"
+
+    @property
+    def records_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log probabilities are still to be recorded (`SamplingParams.prompt_logprobs`)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    def prompt_logprob_positions(self, num_tokens: int) -> range:
+        """The positions of its next `num_tokens` tokens whose logits give a prompt log probability not recorded
+        yet: each prompt position but the last (whose logits pick the first output token)."""
+        if not self.records_prompt_logprobs:
+            return range(0)
+        start = max(self.num_computed, len(self.prompt_logprobs))
+        return range(start, max(start, min(self.num_computed + num_tokens, len(self.prompt_ids) - 1)))
 
     @property
     def max_kv_tokens(self) -> int:

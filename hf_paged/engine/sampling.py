@@ -38,6 +38,11 @@ class SamplingParams:
         logprobs (`int`, *optional*): record each generated token's log probability and the `logprobs` most likely
             tokens' (0 to 20; None records nothing) in `Request.logprobs`: the log-softmax of the logits the token is
             chosen from (after penalties and logit bias, before temperature, top-k and top-p), as OpenAI reports.
+        prompt_logprobs (`int`, *optional*): record each prompt token's log probability given the tokens before it,
+            and the `prompt_logprobs` most likely tokens' there (0 to 20; None records nothing), in
+            `Request.prompt_logprobs` (vLLM's `prompt_logprobs`; the first prompt token has none): the log-softmax of
+            the model's logits, no penalty or bias applied. Its prompt is computed whole: it takes nothing from the
+            prefix cache until they are recorded.
     """
 
     max_new_tokens: int = 16
@@ -54,6 +59,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         # numpy and other numeric scalars (np.int64, np.float32) are taken as the Python numbers they stand for
@@ -109,6 +115,12 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be an int >= 0, got {self.min_tokens!r}")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an int in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
 
     @property
     def processes_logits(self) -> bool:
@@ -142,6 +154,28 @@ def token_logprob(logprobs: torch.Tensor, token: int, k: int) -> TokenLogprob:
     top = torch.topk(logprobs, k) if k else None
     pairs = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
     return TokenLogprob(float(logprobs[token]), pairs)
+
+
+# Prompt positions whose log-softmax is taken at once: [rows, vocab] float32 on the device (64 MB at a vocabulary of
+# 128k), so that a long prompt chunk's log probabilities do not hold a float32 copy of all its logits.
+PROMPT_LOGPROB_ROWS = 128
+
+
+def prompt_token_logprobs(logits: torch.Tensor, next_ids: torch.Tensor, k: int) -> list[TokenLogprob]:
+    """logits [positions, vocab] at prompt positions (on the device) and the prompt token after each ([positions]
+    int64) -> each next token's `TokenLogprob` with the top `k`, read to the host once per slice of
+    `PROMPT_LOGPROB_ROWS` positions (the log probabilities themselves stay on the device)."""
+    entries: list[TokenLogprob] = []
+    for start in range(0, logits.shape[0], PROMPT_LOGPROB_ROWS):
+        logprobs = torch.log_softmax(logits[start : start + PROMPT_LOGPROB_ROWS].float(), dim=-1)
+        chosen = logprobs.gather(1, next_ids[start : start + PROMPT_LOGPROB_ROWS, None])[:, 0].tolist()
+        if k:
+            top = torch.topk(logprobs, k)
+            tops = [tuple(zip(ids, values)) for ids, values in zip(top.indices.tolist(), top.values.tolist())]
+        else:
+            tops = [()] * len(chosen)
+        entries += [TokenLogprob(value, top) for value, top in zip(chosen, tops)]
+    return entries
 
 
 def apply_logits_processing(logits: torch.Tensor, requests: list) -> torch.Tensor:
@@ -283,6 +317,7 @@ _SCALAR_FIELDS = (
     "repetition_penalty",
     "min_tokens",
     "logprobs",
+    "prompt_logprobs",
 )
 
 

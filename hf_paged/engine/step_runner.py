@@ -3,6 +3,9 @@
     rows ──> step.forward(rows) ──> logits processing ──> argmax, host logits, log probabilities ──> results
              (PackedStep: one forward; PerRequestStep: one a row)                   (one device read per forward)
 
+Rows whose requests record their prompt's log probabilities (`SamplingParams.prompt_logprobs`) run through
+`step.forward_with_prompt_logits`, which also keeps the logits at their prompt positions.
+
 A forward that raises is run again in halves, down to single rows, so a row whose forward raises alone is found
 and only its request fails (`Engine.step` decides what to do with the rows that failed). The per-request step runs
 each row alone already.
@@ -16,7 +19,7 @@ import torch
 
 from ..errors import UnsupportedModel
 from .request import Request
-from .sampling import SamplingParams, apply_logits_processing, sample
+from .sampling import SamplingParams, apply_logits_processing, prompt_token_logprobs, sample
 
 # A stand-in for the rows of a step that pick no token (a prefill chunk short of its input's end).
 _NO_PROCESSING = Request(-1, [], SamplingParams())
@@ -30,10 +33,26 @@ class Step(Protocol):
     def forward(self, rows: Rows) -> torch.Tensor:
         """rows -> [len(rows), vocab] logits at each row's last new token."""
 
+    def forward_with_prompt_logits(self, rows: Rows, positions: dict[int, range]) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows, and per row index the token positions (of its new tokens) whose logits are wanted too ->
+        ([len(rows), vocab] logits at each row's last new token, [sum of the positions, vocab] logits at those
+        positions, row by row in `positions`' order)."""
+
+
+class RowResult(NamedTuple):
+    """One row's result: its greedy token id, its logits on the host when it samples, its log probabilities on the
+    host when its request records them, and the `TokenLogprob`s of the prompt tokens its logits gave (its request's
+    `prompt_logprob_positions`, each for the token after its position; () when none)."""
+
+    greedy_id: int
+    logits: torch.Tensor | None
+    logprobs: torch.Tensor | None
+    prompt_logprobs: list | tuple = ()
+
 
 class StepResults(NamedTuple):
-    """Per row: (greedy token id, host logits when it samples, host log probabilities when it records them), or the
-    exception its forward raised alone. `error`: the exception of the step's first forward (None when it ran)."""
+    """Per row: its `RowResult`, or the exception its forward raised alone. `error`: the exception of the step's
+    first forward (None when it ran)."""
 
     results: dict
     error: Exception | None
@@ -86,11 +105,10 @@ class StepRunner:
             return f"request {request.request_id} failed in the model's forward: {result!r}"
         if request.num_pending > num_tokens:
             return None
-        greedy_id, logits, _ = result
         if request.params.temperature == 0.0:
-            return greedy_id
+            return result.greedy_id
         try:
-            return sample(logits, request.params, request.generator)
+            return sample(result.logits, request.params, request.generator)
         except Exception as error:  # e.g. torch.multinomial on nan or inf probabilities
             # This request fails alone; the others' rows of the step are applied as usual.
             return f"request {request.request_id} could not sample its next token: {error}"
@@ -108,10 +126,23 @@ class StepRunner:
                 self._isolate(rows, part, part_error, results)
 
     def _results(self, rows: Rows, indices) -> dict:
-        """One forward over `rows`; {index: (greedy token id, host logits or None, host log probabilities or None)},
-        keyed by `indices`."""
+        """One forward over `rows`; {index: `RowResult`}, keyed by `indices`."""
         with torch.inference_mode():
-            logits = self.forward(rows)
+            positions = {row: request.prompt_logprob_positions(n) for row, (request, n) in enumerate(rows)}
+            positions = {row: kept for row, kept in positions.items() if kept}
+            prompt_logprobs = {}
+            if positions:
+                logits, prompt_logits = self.step.forward_with_prompt_logits(rows, positions)
+                start = 0
+                for row, kept in positions.items():
+                    request = rows[row][0]
+                    next_ids = torch.tensor(request.prompt_ids[kept.start + 1 : kept.stop + 1], device=logits.device)
+                    prompt_logprobs[row] = prompt_token_logprobs(
+                        prompt_logits[start : start + len(kept)], next_ids, request.params.prompt_logprobs
+                    )
+                    start += len(kept)
+            else:
+                logits = self.forward(rows)
             # Penalties, logit bias and minimum length, for the rows that pick a token and ask for them.
             picking = [request if request.num_pending == num_tokens else None for request, num_tokens in rows]
             if any(request is not None and request.params.processes_logits for request in picking):
@@ -135,5 +166,8 @@ class StepRunner:
                 dict(zip(recording, torch.log_softmax(logits[recording].float(), dim=-1).cpu())) if recording else {}
             )
         return {
-            index: (greedy_ids[row], host_logits.get(row), host_logprobs.get(row)) for row, index in enumerate(indices)
+            index: RowResult(
+                greedy_ids[row], host_logits.get(row), host_logprobs.get(row), prompt_logprobs.get(row, ())
+            )
+            for row, index in enumerate(indices)
         }
