@@ -13,7 +13,9 @@ cannot be compiled runs eagerly from then on, and `compile_error` says why.
 
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Sequence
 
 import torch
 
@@ -85,17 +87,14 @@ class PackedStep:
         token, [sum of the positions, vocab] logits at those positions, row by row in `positions`' order). Runs the
         eager packed forward (not the decode runner's graphs, not the compiled forward: their logits rows are
         fixed)."""
-        starts, start = [], 0
-        for _, num_tokens in rows:
-            starts.append(start)
-            start += num_tokens
+        starts = list(itertools.accumulate((num_tokens for _, num_tokens in rows), initial=0))
         kept = [
             starts[row] + position - rows[row][0].num_computed for row, span in positions.items() for position in span
         ]
         logits = self._eager_forward(rows, kept)
         return logits[: len(rows)], logits[len(rows) :]
 
-    def _eager_forward(self, rows: list[tuple[Request, int]], kept: list[int] = ()) -> torch.Tensor:
+    def _eager_forward(self, rows: list[tuple[Request, int]], kept: Sequence[int] = ()) -> torch.Tensor:
         """The eager forward -> [len(rows) + len(kept), vocab] logits at each row's last new token, then at the
         packed sequence's indices `kept`."""
         cache = self._step_cache(rows)

@@ -255,7 +255,7 @@ class PerRequestStep:
 
     def forward(self, rows: list[tuple[Request, int]]) -> torch.Tensor:
         """rows (request, new tokens) -> [len(rows), vocab] logits at each row's last new token."""
-        return torch.stack([self._forward_row(request, num_tokens) for request, num_tokens in rows])
+        return torch.stack([self._forward_row(request, num_tokens)[0] for request, num_tokens in rows])
 
     def forward_with_prompt_logits(
         self, rows: list[tuple[Request, int]], positions: dict[int, range]
@@ -265,17 +265,19 @@ class PerRequestStep:
         last, kept = [], []
         for row, (request, num_tokens) in enumerate(rows):
             wanted = positions.get(row, range(0))
-            logits, prompt_logits, start = self._forward_row(request, num_tokens, prompt_logits=bool(wanted))
+            logits, prompt_logits, start = self._forward_row(request, num_tokens, every=bool(wanted))
             last.append(logits)
             if wanted:
                 kept.append(prompt_logits[wanted.start - start : wanted.stop - start])
         return torch.stack(last), torch.cat(kept)
 
-    def _forward_row(self, request: Request, num_tokens: int, prompt_logits: bool = False):
-        """One request's next `num_tokens` tokens -> [vocab] logits at the last of them: its prompt tokens in one
-        forward, then each generated token fed back (a preempted request's recomputation) in one of its own.
-        `prompt_logits`: -> (those logits, [prompt tokens run, vocab] logits at every prompt token run (None when
-        none ran), the position of the first of them)."""
+    def _forward_row(
+        self, request: Request, num_tokens: int, every: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+        """One request's next `num_tokens` tokens -> ([vocab] logits at the last of them, with `every` the
+        [prompt tokens run, vocab] logits at each prompt token it ran (else None), the position of the first token
+        it ran): its prompt tokens in one forward, then each generated token fed back (a preempted request's
+        recomputation) in one of its own."""
         start, end = request.num_computed, request.num_computed + num_tokens
         states = request.states
         if self._keeps_state and start and (states is None or states.num_tokens != start):
@@ -283,11 +285,11 @@ class PerRequestStep:
             # advanced): compute the request again from its first token, over its own blocks (the same K/V again).
             start = 0
         prompt_end = min(end, len(request.prompt_ids))
-        all_logits = None
+        prompt_logits = None
         try:
             if start < prompt_end:
-                all_logits = self._forward(request, start, prompt_end - start, prompt=True, every=prompt_logits)
-                logits = all_logits[-1]
+                prompt_logits = self._forward(request, start, prompt_end - start, prompt=True, every=every)
+                logits = prompt_logits[-1]
             for position in range(max(start, prompt_end), end):
                 logits = self._forward(request, position, 1, prompt=False)[-1]
         except BaseException:
@@ -295,7 +297,7 @@ class PerRequestStep:
             # computes it again from its first token.
             request.states = None
             raise
-        return (logits, all_logits, start) if prompt_logits else logits
+        return logits, prompt_logits if every else None, start
 
     def _forward(self, request: Request, seq_len: int, num_tokens: int, prompt: bool, every: bool = False):
         """A forward over `num_tokens` of the request's tokens after `seq_len` cached ones -> [1 or, with `every`,

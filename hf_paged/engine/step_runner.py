@@ -128,8 +128,9 @@ class StepRunner:
     def _results(self, rows: Rows, indices) -> dict:
         """One forward over `rows`; {index: `RowResult`}, keyed by `indices`."""
         with torch.inference_mode():
-            positions = {row: request.prompt_logprob_positions(n) for row, (request, n) in enumerate(rows)}
-            positions = {row: kept for row, kept in positions.items() if kept}
+            positions = {
+                row: kept for row, (request, n) in enumerate(rows) if (kept := request.prompt_logprob_positions(n))
+            }
             prompt_logprobs = {}
             if positions:
                 logits, prompt_logits = self.step.forward_with_prompt_logits(rows, positions)

@@ -97,18 +97,15 @@ _SUBMITTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("hf_pag
 @contextlib.contextmanager
 def recording_submissions():
     """Within, in the current task and the tasks it starts: every `RequestStream` the manager makes is added to the
-    list this yields (and, once it closes, to the list of a recording around it), so the handler of one HTTP request
-    can cancel every Engine request it submitted: those already in when a later one is refused, and those of a
-    response whose body never started (such a stream has no other way to stop its Engine request)."""
+    list this yields, so the handler of one HTTP request can cancel every Engine request it submitted: those already
+    in when a later one is refused, and those of a response whose body never started (such a stream has no other
+    way to stop its Engine request)."""
     streams: list[RequestStream] = []
-    outer = _SUBMITTED.get()
     token = _SUBMITTED.set(streams)
     try:
         yield streams
     finally:
         _SUBMITTED.reset(token)
-        if outer is not None:
-            outer.extend(streams)
 
 
 class EngineManager(BaseGenerateManager):
