@@ -166,6 +166,14 @@ class Server:
                 return metrics
             time.sleep(0.05)
 
+    def wait_count(self, name: str, value: float, timeout_s: float = 5) -> dict[str, float]:
+        """Metrics once the counter `name` reaches `value` (the Engine thread publishes them after it drains its
+        inbox, so a request just cancelled may not be counted yet), then once idle."""
+        deadline = time.monotonic() + timeout_s
+        while self.metrics()[name] < value and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.wait_idle(timeout_s=timeout_s)
+
     def log(self) -> str:
         with open(self.log_path) as log:
             return log.read()[-4000:]
@@ -497,7 +505,7 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"generation_config": {"max_length": 100}}, "generation_config.max_length"),
         ("/v1/chat/completions", {"generation_config": {"min_p": 0.1}}, "generation_config.min_p"),
         ("/v1/chat/completions", {"generation_config": {"no_such_setting": 1}}, "generation_config.no_such_setting"),
-        ("/v1/completions", {"echo": True, "logprobs": 0}, "echo"),
+        ("/v1/completions", {"echo": "yes"}, "echo"),
         ("/v1/completions", {"best_of": 2}, "best_of"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
@@ -1531,7 +1539,7 @@ def test_several_prompts_are_answered_as_one_request(server, saved):
     refused = {"prompt": [texts[0], texts[1], [5, saved[2].config.vocab_size]], "max_tokens": 500, "ignore_eos": True}
     status, answer = post_json(server, "/v1/completions", refused | {"stream": True})
     assert status == 400 and answer["error"]["param"] == "prompt[2]", answer
-    metrics = server.wait_idle(timeout_s=5)
+    metrics = server.wait_count("hf_paged_requests_aborted_total", aborted + 2)
     assert metrics["hf_paged_requests_running"] == 0 and metrics["hf_paged_kv_blocks_used"] == 0
     assert metrics["hf_paged_requests_aborted_total"] == aborted + 2
     status, answer = post_json(server, "/v1/completions", refused | {"prompt": [texts[0], ""]})
@@ -1540,8 +1548,7 @@ def test_several_prompts_are_answered_as_one_request(server, saved):
 
 def test_echo_starts_each_completion_with_its_prompt(server, saved):
     """`echo: true`: each choice's text is its prompt's (the string, or the token ids decoded) and then generate()'s,
-    in one body and streamed, for several prompts and samples; with logprobs it is refused (the prompt tokens' log
-    probabilities are not computed)."""
+    in one body and streamed, for several prompts and samples."""
     tokenizer = saved[1]
     texts = ["the quick brown fox", "a paged cache keeps"]
     prompts = [texts[0], tokenizer(texts[1])["input_ids"]]
@@ -1559,9 +1566,70 @@ def test_echo_starts_each_completion_with_its_prompt(server, saved):
     assert streamed == expected
     status, answer = post_json(server, "/v1/completions", {"prompt": texts[0], "echo": True, "max_tokens": 2})
     assert status == 200 and answer["choices"][0]["text"].startswith(texts[0]), answer
-    for fields in ({"echo": True, "logprobs": 1}, {"echo": 1}):
-        status, answer = post_json(server, "/v1/completions", {"prompt": texts[0], "max_tokens": 2} | fields)
-        assert status == 400 and answer["error"]["param"] == "echo", answer
+    status, answer = post_json(server, "/v1/completions", {"prompt": texts[0], "max_tokens": 2, "echo": 1})
+    assert status == 400 and answer["error"]["param"] == "echo", answer
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, saved):
+    """lm-eval's loglikelihood request (token ids, `echo: true, logprobs: 1, max_tokens: 1`): the answer's logprobs
+    start with the prompt's tokens, the first one's null, each other's the log-softmax of the saved model's logits
+    at the position before it; then the generated token's, as without echo. The tokens' texts add up to the echoed
+    text and their offsets point into it; streamed, the first chunk carries the prompt's, and the chunks add up to
+    the answer in one body. A string prompt (its tokenization's ids) and a second prompt get theirs too."""
+    _, tokenizer, model = saved
+    text = "the quick brown fox jumps over"
+    prompt = tokenizer(text)["input_ids"]
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 1, "temperature": 0}
+    status, answer = post_json(server, "/v1/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(prompt) + 1
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    with torch.inference_mode():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    expected = torch.log_softmax(logits, dim=-1)
+    scored = [expected[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+    assert logprobs["token_logprobs"][1 : len(prompt)] == pytest.approx(scored, abs=1e-3)
+    best = [expected[i - 1].max().item() for i in range(1, len(prompt))]
+    assert [max(top.values()) for top in logprobs["top_logprobs"][1:]] == pytest.approx(
+        best + [logprobs["token_logprobs"][-1]], abs=1e-3
+    )
+    assert all(len(top) == 1 for top in logprobs["top_logprobs"][1:])
+    assert "".join(logprobs["tokens"]) == choice["text"]
+    assert choice["text"].startswith(tokenizer.decode(prompt, skip_special_tokens=True))
+    assert all(choice["text"][o:].startswith(t) for o, t in zip(logprobs["text_offset"], logprobs["tokens"]))
+    assert logprobs["text_offset"] == [sum(map(len, logprobs["tokens"][:i])) for i in range(len(prompt) + 1)]
+    status, plain = post_json(server, "/v1/completions", body | {"echo": False})
+    assert status == 200, plain
+    assert plain["choices"][0]["logprobs"]["tokens"] == logprobs["tokens"][-1:]
+    assert plain["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(logprobs["token_logprobs"][-1:])
+    chunks = [c["choices"][0] for c in events_of(server, "/v1/completions", body | {"max_tokens": 3}) if c["choices"]]
+    status, longer = post_json(server, "/v1/completions", body | {"max_tokens": 3})
+    assert status == 200, longer
+    pieces = [chunk["logprobs"] for chunk in chunks if chunk.get("logprobs")]
+    assert len(pieces[0]["tokens"]) > len(prompt)  # the prompt's, with the first generated token's
+    for field in ("tokens", "text_offset"):
+        assert [v for piece in pieces for v in piece[field]] == longer["choices"][0]["logprobs"][field]
+    streamed = [v for piece in pieces for v in piece["token_logprobs"]]
+    assert streamed[0] is None
+    assert streamed[1:] == pytest.approx(longer["choices"][0]["logprobs"]["token_logprobs"][1:], abs=1e-5)
+    assert "".join(chunk["text"] for chunk in chunks) == longer["choices"][0]["text"]
+    status, both = post_json(server, "/v1/completions", body | {"prompt": [text, prompt[2:]], "logprobs": 0})
+    assert status == 200, both
+    for choice, ids in zip(both["choices"], (prompt, prompt[2:])):  # the string's ids are its tokenization's
+        assert len(choice["logprobs"]["tokens"]) == len(ids) + 1 and choice["logprobs"]["top_logprobs"][1] == {}
+        assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
+    assert both["choices"][0]["logprobs"]["token_logprobs"][1:-1] == pytest.approx(scored, abs=1e-3)
+    # lm-eval's is_greedy: a continuation the model would have generated scores each token as its top one, exactly
+    with torch.inference_mode():
+        greedy = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :].tolist()
+    status, scoring = post_json(server, "/v1/completions", body | {"prompt": prompt + greedy})
+    assert status == 200, scoring
+    scores = scoring["choices"][0]["logprobs"]
+    context = slice(len(prompt), len(prompt) + len(greedy))
+    assert [max(top.values()) for top in scores["top_logprobs"][context]] == scores["token_logprobs"][context]
+    assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
 
 
 def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():

@@ -531,18 +531,11 @@ def _check_prompt(body: dict) -> None:
 
 
 def _check_echo(body: dict) -> None:
-    """`echo`: the completion's text starts with the prompt's (handlers.py, `PromptMixin`). Its log probabilities
-    would start with the prompt tokens', which the Engine does not compute (it samples from each row's last token's
-    logits only), so `echo` with `logprobs` is refused."""
+    """`echo`: the completion's text starts with the prompt's (handlers.py, `PromptMixin`), and with `logprobs` its
+    log probabilities start with the prompt tokens' (the Engine's `prompt_logprobs`; the first token's null)."""
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
         raise InvalidRequest(f"echo must be true or false, got {_short(echo)}", "echo")
-    if echo and body.get("logprobs") is not None:
-        raise InvalidRequest(
-            "echo with logprobs asks for the prompt tokens' log probabilities, which hf-paged serve does not compute "
-            "(only the generated tokens'); allowed with logprobs: echo false or null",
-            "echo",
-        )
 
 
 def is_token_ids(value) -> bool:

@@ -326,28 +326,42 @@ def _logprob_rows(tokenizer, generated):
     token decoded alone loses the space a SentencePiece tokenizer spells inside it, or the space a word-level decoder
     puts between words. A special token the answer skips adds nothing."""
     records = generated.logprobs[: len(generated)]
-    token_ids = list(generated[: len(records)])
-    previous = list(getattr(generated, "previous", ()))
     text_end = getattr(generated, "text_end", None)
     # A stop string cut the answer: each token's text up to its end.
     room = None if text_end is None else text_end - getattr(generated, "text_offset", 0)
+    return _rows(tokenizer, list(generated[: len(records)]), records, getattr(generated, "previous", ()), room)
+
+
+def _prompt_rows(tokenizer, generated):
+    """The rows (as `_logprob_rows`') of the prompt an answer echoes with log probabilities, when it carries them
+    (`GeneratedIds.prompt_logprobs`): its first token's TokenLogprob and alternatives None (nothing comes before
+    it)."""
+    if getattr(generated, "prompt_logprobs", None) is None:
+        return []
+    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None)
+
+
+def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | None) -> list:
+    """`_logprob_rows` of `token_ids` (with their TokenLogprobs `records`, None for one without) after the tokens
+    `previous`, their texts cut after `room` characters (None: not cut)."""
     skipped = skipped_ids(tokenizer)
     # The last PIECE_CONTEXT tokens before each that the answer's decode keeps (a run of special tokens, which it
     # skips, would leave no context, and a word-level decoder's space before the next word would be lost).
     context = [token for token in previous if token not in skipped][-PIECE_CONTEXT:]
+    final_index = len(token_ids) - 1 if room is not None else None
     rows = []
     for index, (token_id, record) in enumerate(zip(token_ids, records)):
         if index and token_ids[index - 1] not in skipped:
             context = [*context[1 - PIECE_CONTEXT :], token_ids[index - 1]]
         text = _decode(tokenizer, context)
-        final = text_end is not None and index == len(token_ids) - 1
-        piece = _added(text, _decode(tokenizer, context + [token_id]), final)
+        piece = _added(text, _decode(tokenizer, context + [token_id]), final=index == final_index)
         if piece is None:
             piece = _decode(tokenizer, [token_id])
         if room is not None:
             piece = piece[: max(room, 0)]
             room -= len(piece)
-        rows.append((piece, record, [(_alternative(tokenizer, context, text, t), lp) for t, lp in record.top]))
+        top = None if record is None else [(_alternative(tokenizer, context, text, t), lp) for t, lp in record.top]
+        rows.append((piece, record, top))
     return rows
 
 
@@ -367,15 +381,19 @@ def _chat_logprobs(tokenizer, generated) -> dict:
 
 def _completion_logprobs(tokenizer, generated) -> dict:
     """OpenAI's completions `logprobs` object: the generated tokens' texts (adding up to the completion), log
-    probabilities, top alternatives ({text: log probability}) and character offsets in the completion."""
-    rows = _logprob_rows(tokenizer, generated)
-    tokens = [piece for piece, _, _ in rows]
+    probabilities, top alternatives ({text: log probability}) and character offsets in the completion. An answer
+    that echoes its prompt starts with the prompt's tokens (the first one's log probability and alternatives null),
+    its offsets counted from the prompt's start."""
+    prompt, rows = _prompt_rows(tokenizer, generated), _logprob_rows(tokenizer, generated)
     offset = getattr(generated, "text_offset", 0)
+    pieces = [piece for piece, _, _ in rows]
+    prompt_offsets = itertools.accumulate((len(piece) for piece, _, _ in prompt), initial=0)
+    offsets = itertools.accumulate((len(piece) for piece in pieces), initial=offset)
     return {
-        "tokens": tokens,
-        "token_logprobs": [record.logprob for _, record, _ in rows],
-        "top_logprobs": [dict(top) for _, _, top in rows],
-        "text_offset": list(itertools.accumulate((len(token) for token in tokens), initial=offset))[: len(tokens)],
+        "tokens": [piece for piece, _, _ in prompt] + pieces,
+        "token_logprobs": [None if record is None else record.logprob for _, record, _ in prompt + rows],
+        "top_logprobs": [None if top is None else dict(top) for _, _, top in prompt + rows],
+        "text_offset": list(prompt_offsets)[: len(prompt)] + list(offsets)[: len(pieces)],
     }
 
 

@@ -151,8 +151,11 @@ class EngineManager(BaseGenerateManager):
         generated = GeneratedIds(
             stream.token_ids,
             stream.logprobs[: len(stream.token_ids)],
-            text_end=len(text),
+            text_offset=stream.echo_chars,
+            text_end=stream.echo_chars + len(text),
             finish_reason=stream.finish_reason,
+            prompt_ids=stream.prompt_ids if stream.prompt_logprobs is not None else (),
+            prompt_logprobs=stream.prompt_logprobs,
         )
         return text, len(stream.prompt_ids), generated
 
@@ -295,13 +298,18 @@ class EngineManager(BaseGenerateManager):
             logprobs = (
                 request.logprobs[start : start + len(new_tokens)] if request.params.logprobs is not None else None
             )
+            # the prompt tokens' (all recorded once it has a token), with its first tokens, when it records them
+            records_prompt = request.params.prompt_logprobs is not None and start == 0
+            prompt_logprobs = list(request.prompt_logprobs) if records_prompt else None
             self._observe(stream, request, len(new_tokens), now)
             stream.num_sent += len(new_tokens)
             self._counts["generation_tokens"] += len(new_tokens)
             if not (new_tokens or request.finished):
                 continue
             error = request.error if request.finish_reason == "error" else None
-            self._post(stream, new_tokens, request.finished, error, False, logprobs, request.finish_reason)
+            self._post(
+                stream, new_tokens, request.finished, error, False, logprobs, request.finish_reason, prompt_logprobs
+            )
             if request.finished:
                 del self._live[request_id]
                 self._counts["num_failed" if error else "num_finished"] += 1
@@ -331,10 +339,11 @@ class EngineManager(BaseGenerateManager):
         invalid: bool,
         logprobs: list | None = None,
         finish_reason: str | None = None,
+        prompt_logprobs: list | None = None,
     ):
         try:
             stream.result.get_loop().call_soon_threadsafe(
-                stream.deliver, tokens, finished, error, invalid, logprobs, finish_reason
+                stream.deliver, tokens, finished, error, invalid, logprobs, finish_reason, prompt_logprobs
             )
         except RuntimeError:  # the event loop has closed: the server is shutting down
             pass

@@ -31,6 +31,9 @@ class RequestOptions:
     seed: int | None = None
     n: int = 1  # choices: parallel samples of the prompt, each an Engine request (sample i seeded with seed + i)
     logprobs: int | None = None  # None: none; k: each token's log probability and the top k (SamplingParams)
+    # Completions' echo with logprobs: the prompt tokens' log probabilities and top k too (SamplingParams'
+    # prompt_logprobs), which the answer's logprobs start with.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -173,10 +176,12 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
     stops = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
         raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
+    logprobs = _logprobs(body, chat)
     return RequestOptions(
         seed=seed,
         n=n,
-        logprobs=_logprobs(body, chat),
+        logprobs=logprobs,
+        prompt_logprobs=logprobs if not chat and body.get("echo") is True else None,
         ignore_eos=ignore_eos,
         max_tokens_given=max_tokens_field is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),
@@ -250,6 +255,7 @@ def engine_sampling(generation_config) -> dict:
         "logit_bias": options.logit_bias,
         "min_tokens": options.min_tokens,
         "logprobs": options.logprobs,
+        "prompt_logprobs": options.prompt_logprobs,
     }
 
 

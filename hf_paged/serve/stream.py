@@ -39,7 +39,12 @@ class GeneratedIds(list):
     (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`); once
     the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a stop string). A
     whole answer's also carry why it ended (`finish_reason`: the Engine's "stop" or "length", "stop" for a stop
-    string)."""
+    string).
+
+    An answer that echoes its prompt with log probabilities (completions' `echo` with `logprobs`) starts with the
+    prompt's tokens (`prompt_ids`) and their `TokenLogprob`s (`prompt_logprobs`, entry i prompt token i + 1's: the
+    first has none), carried by the whole answer or its first streamed piece; its offsets then count the prompt's
+    text (its ids decoded) before the generated text."""
 
     def __init__(
         self,
@@ -49,12 +54,15 @@ class GeneratedIds(list):
         text_offset: int = 0,
         text_end: int | None = None,
         finish_reason: str | None = None,
+        prompt_ids=(),
+        prompt_logprobs: list | None = None,
     ):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
         self.finish_reason = finish_reason
         self.previous, self.text_offset = list(previous), text_offset
         self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
+        self.prompt_ids, self.prompt_logprobs = list(prompt_ids), prompt_logprobs
 
 
 class LoggedText(str):
@@ -107,6 +115,9 @@ class RequestStream:
         self.result: asyncio.Future = loop.create_future()
         self.token_ids: list[int] = []
         self.logprobs: list = []  # the TokenLogprobs of the tokens delivered (when the request asked for them)
+        # The prompt tokens' TokenLogprobs (entry i: token i + 1's), delivered with the first tokens, when the request
+        # records them (`sampling["prompt_logprobs"]`: an answer that echoes its prompt with log probabilities).
+        self.prompt_logprobs: list | None = None
         self.total_tokens = 0
         # When the server took the request, and (Engine thread only) its queue time and last token's time.
         self.created = time.perf_counter()
@@ -131,6 +142,9 @@ class RequestStream:
         self._skipped: frozenset[int] | None = None
         # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
+        # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
+        self.echo_chars = len(decode(prompt_ids)) if sampling.get("prompt_logprobs") is not None else 0
+        self._prompt_sent = False  # its TokenLogprobs went out with the first piece (stream)
         self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
         self._closed = False
@@ -154,14 +168,18 @@ class RequestStream:
         invalid: bool = False,
         logprobs: list | None = None,
         finish_reason: str | None = None,
+        prompt_logprobs: list | None = None,
     ) -> None:
         """New tokens of the request, whether it has finished (`finish_reason`: the Engine's), and why it failed
         (`invalid`: it could never run); `logprobs`: their TokenLogprobs, when the request records them (a stream
-        sends each with the first piece of text emitted at or after its token)."""
+        sends each with the first piece of text emitted at or after its token); `prompt_logprobs`: the prompt
+        tokens', with its first tokens, when it records them."""
         if self._closed:
             return
         if finished:
             self.finish_reason = finish_reason
+        if prompt_logprobs is not None:
+            self.prompt_logprobs = prompt_logprobs
         if logprobs is not None:
             self.logprobs.extend(logprobs)
             if self.streaming:
@@ -260,12 +278,16 @@ class RequestStream:
         self._unsent_logprobs = ([], [])
         # Where their text starts in the answer: the length of the text of the tokens before them, which were every
         # token delivered at the last call (a piece goes out after its tokens are decoded).
+        first = not self._prompt_sent and self.prompt_logprobs is not None
+        self._prompt_sent = self._prompt_sent or first
         generated = GeneratedIds(
             token_ids,
             logprobs,
             previous=self._context,
-            text_offset=self._logged_chars,
-            text_end=self._text_end,
+            text_offset=self.echo_chars + self._logged_chars,
+            text_end=None if self._text_end is None else self.echo_chars + self._text_end,
+            prompt_ids=self.prompt_ids if first else (),
+            prompt_logprobs=self.prompt_logprobs if first else None,
         )
         if self._skipped is None:
             self._skipped = skipped_ids(self._tokenizer)
