@@ -1632,6 +1632,37 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, saved):
     assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
 
 
+def test_max_tokens_0_with_echo_answers_the_prompt_alone(server, saved):
+    """`max_tokens: 0` with `echo` (OpenAI's way to score a prompt): the answer is the prompt, with its tokens' log
+    probabilities when asked (those of the answer with one token more, without that token), 0 completion tokens,
+    finish reason "length", in one body and streamed; without echo, 0 is refused naming max_tokens."""
+    tokenizer = saved[1]
+    prompt = tokenizer("a paged cache keeps the keys")["input_ids"]
+    body = {"prompt": prompt, "echo": True, "logprobs": 2, "max_tokens": 0, "temperature": 0}
+    status, answer = post_json(server, "/v1/completions", body)
+    assert status == 200, answer
+    status, longer = post_json(server, "/v1/completions", body | {"max_tokens": 1})
+    assert status == 200, longer
+    text = tokenizer.decode(prompt, skip_special_tokens=True)
+    choice, logprobs = answer["choices"][0], answer["choices"][0]["logprobs"]
+    assert choice["text"] == text and choice["finish_reason"] == "length"
+    assert answer["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": 0, "total_tokens": len(prompt)}
+    expected = {field: values[: len(prompt)] for field, values in longer["choices"][0]["logprobs"].items()}
+    assert logprobs["tokens"] == expected["tokens"] and logprobs["text_offset"] == expected["text_offset"]
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    assert logprobs["token_logprobs"][1:] == pytest.approx(expected["token_logprobs"][1:], abs=1e-5)
+    chunks = [c["choices"][0] for c in events_of(server, "/v1/completions", body) if c["choices"]]
+    assert "".join(chunk["text"] for chunk in chunks) == text and chunks[-1]["finish_reason"] == "length"
+    pieces = [chunk["logprobs"] for chunk in chunks if chunk.get("logprobs")]
+    assert len(pieces) == 1 and pieces[0]["tokens"] == logprobs["tokens"]
+    status, plain = post_json(server, "/v1/completions", {"prompt": prompt, "echo": True, "max_tokens": 0})
+    assert status == 200 and plain["choices"][0]["text"] == text and "logprobs" not in plain["choices"][0], plain
+    assert plain["usage"]["completion_tokens"] == 0
+    status, refused = post_json(server, "/v1/completions", {"prompt": prompt, "max_tokens": 0})
+    assert status == 400 and refused["error"]["param"] == "max_tokens" and "echo" in refused["error"]["message"]
+    assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+
+
 def test_a_disconnect_while_a_chunk_is_sent_closes_the_stream_at_once():
     """A client gone while a chunk is being sent (the app's `send` raises, the body generator is suspended at its
     yield): the response closes the generator then, so its handler cancels the Engine request without waiting for

@@ -180,10 +180,13 @@ class EngineManager(BaseGenerateManager):
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions(max_tokens_given=True)
         # (A request's generation_config without max_new_tokens leaves None: the room left, as without max_tokens.)
         requested = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
+        if options.prompt_only:  # its Engine request generates one token, which the stream leaves out
+            requested = 1
         max_new_tokens = self.limits.max_new_tokens(
             len(prompt_ids), int(requested), options.max_tokens_given, options.prompt_field, options.max_tokens_field
         )
-        gen_config.max_new_tokens = max_new_tokens  # the handler reads it back for the finish reason
+        # the handler reads it back for the finish reason
+        gen_config.max_new_tokens = 0 if options.prompt_only else max_new_tokens
         sampling = engine_sampling(gen_config)
         if (error := self.engine.limits.logit_bias_error(sampling["logit_bias"])) is not None:  # before a stream starts
             raise InvalidRequest(error, "logit_bias")
@@ -204,6 +207,7 @@ class EngineManager(BaseGenerateManager):
             streaming=streaming,
             on_cancel=self._cancel,
             generation_config=gen_config,
+            prompt_only=options.prompt_only,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

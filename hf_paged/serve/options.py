@@ -34,6 +34,9 @@ class RequestOptions:
     # Completions' echo with logprobs: the prompt tokens' log probabilities and top k too (SamplingParams'
     # prompt_logprobs), which the answer's logprobs start with.
     prompt_logprobs: int | None = None
+    # Completions' max_tokens 0 with echo: the answer is the prompt alone (scored, with logprobs); its Engine request
+    # generates one token, which the answer leaves out.
+    prompt_only: bool = False
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -126,9 +129,13 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
                 f"range; the largest seed for n={n} is {2**64 - n}",
                 seed_field,
             ) from None
+    echo = not chat and body.get("echo") is True
     for name in MAX_TOKENS_FIELDS:
         value = _int(body, name)
-        if value is not None and value < 1:
+        if value == 0 and name == "max_tokens" and not chat:
+            if not echo:
+                raise InvalidRequest("max_tokens must be >= 1, or 0 with echo: true (the prompt alone), got 0", name)
+        elif value is not None and value < 1:
             raise InvalidRequest(f"{name} must be >= 1, got {value}", name)
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
@@ -181,7 +188,8 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         seed=seed,
         n=n,
         logprobs=logprobs,
-        prompt_logprobs=logprobs if not chat and body.get("echo") is True else None,
+        prompt_logprobs=logprobs if echo else None,
+        prompt_only=echo and body.get("max_tokens") == 0,
         ignore_eos=ignore_eos,
         max_tokens_given=max_tokens_field is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),

@@ -90,6 +90,9 @@ class RequestStream:
         the token count alone ("length" once `max_new_tokens` tokens came); a request that a stop token, eos or stop
         string ended on its last allowed token raises the config's `max_new_tokens` past that count when it ends, so
         its answer says "stop", as the Engine does.
+    prompt_only (`bool`): the answer is the prompt alone (completions' `max_tokens` 0 with `echo`): the tokens the
+        Engine request generates are left out, and it ends with "length" (with the prompt's log probabilities, when
+        it records them).
     """
 
     def __init__(
@@ -106,11 +109,12 @@ class RequestStream:
         streaming: bool,
         on_cancel: Callable[[RequestStream], None],
         generation_config=None,
+        prompt_only: bool = False,
     ):
         from tokenizers.decoders import DecodeStream
 
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
-        self.streaming = streaming
+        self.streaming, self.prompt_only = streaming, prompt_only
         self.queue: asyncio.Queue = asyncio.Queue()
         self.result: asyncio.Future = loop.create_future()
         self.token_ids: list[int] = []
@@ -176,6 +180,9 @@ class RequestStream:
         tokens', with its first tokens, when it records them."""
         if self._closed:
             return
+        if self.prompt_only:
+            token_ids, logprobs = [], None if logprobs is None else []
+            finish_reason = "length"
         if finished:
             self.finish_reason = finish_reason
         if prompt_logprobs is not None:
@@ -257,7 +264,8 @@ class RequestStream:
             self._text_end = len(self._sent) + len(self._pending)
         self._emit(self._pending)
         self._pending = ""
-        if self._unsent_logprobs[0] and self._parser is None:  # tokens whose text was empty: a chunk of their own
+        if (self._unsent_logprobs[0] or self._prompt_unsent) and self._parser is None:
+            # tokens whose text was empty (or only the prompt's, answered alone): a chunk of their own
             self.queue.put_nowait(self._logged(""))
         if self._parser is not None:
             try:
@@ -273,13 +281,13 @@ class RequestStream:
     def _logged(self, text: str) -> str:
         """`text`, carrying the log probabilities of the tokens not sent yet (`LoggedText`) when there are some."""
         token_ids, logprobs = self._unsent_logprobs
-        if not token_ids:
+        if not (token_ids or self._prompt_unsent):
             return text
         self._unsent_logprobs = ([], [])
         # Where their text starts in the answer: the length of the text of the tokens before them, which were every
         # token delivered at the last call (a piece goes out after its tokens are decoded).
-        first = not self._prompt_sent and self.prompt_logprobs is not None
-        self._prompt_sent = self._prompt_sent or first
+        first = self._prompt_unsent
+        self._prompt_sent = True
         generated = GeneratedIds(
             token_ids,
             logprobs,
@@ -294,6 +302,11 @@ class RequestStream:
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
         return LoggedText(text, generated, self._tokenizer)
+
+    @property
+    def _prompt_unsent(self) -> bool:
+        """Whether the prompt's log probabilities have come and are still to go out (stream)."""
+        return self.prompt_logprobs is not None and not self._prompt_sent
 
     def _fail(self, error: str, invalid: bool) -> None:
         self._closed = True
