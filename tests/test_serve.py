@@ -1413,6 +1413,22 @@ def token_pieces(tokenizer, token_ids: list[int], previous: list[int] = (), ende
     return [piece for piece, _, _ in _logprob_rows(tokenizer, generated)]
 
 
+def test_logprob_texts_are_decoded_in_one_call_as_the_answer_is():
+    """The tokens' texts are decoded in one call of the Rust tokenizer, except for a tokenizer that cleans up
+    spaces after it (transformers' `clean_up_tokenization_spaces`, a WordPiece-era setting): decoded as its answer
+    is, one by one."""
+    from hf_paged.serve.handlers import _decode_all
+
+    tokenizer = make_tokenizer()
+    sequences = [tokenizer(text, add_special_tokens=False)["input_ids"] for text in SENTENCES[3:5]] + [[2, 5, 3]]
+    expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    assert _decode_all(tokenizer, sequences) == _decode_all(tokenizer._tokenizer, sequences) == expected
+    tokenizer.clean_up_tokenization_spaces = True
+    cleaned = [tokenizer.decode(ids, skip_special_tokens=True) for ids in sequences]
+    assert cleaned != expected  # " ," and " ?" lose their spaces
+    assert _decode_all(tokenizer, sequences) == cleaned
+
+
 def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
     leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special

@@ -312,11 +312,13 @@ def _unfinished_cut(text: str) -> str:
     return text[:-1] if text.endswith(REPLACEMENT) else text
 
 
-def _alternative(tokenizer, context: list[int], text: str, token_id: int) -> str:
-    """The text `token_id` would have added after `context` (decoded: `text`), or its own spelling where that is
-    nothing (a special token), so alternatives stay apart."""
-    piece = _added(text, _decode(tokenizer, context + [token_id]), final=True)
-    return piece or tokenizer.decode([token_id], skip_special_tokens=False)
+def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:
+    """`_decode` of each sequence, in one call of the Rust tokenizer's `decode_batch` where that decodes as
+    `_decode` does (a `tokenizers.Tokenizer`, or a transformers tokenizer that cleans up no spaces after it)."""
+    backend = getattr(tokenizer, "_tokenizer", tokenizer)
+    if hasattr(backend, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return backend.decode_batch(sequences, skip_special_tokens=True)
+    return [_decode(tokenizer, sequence) for sequence in sequences]
 
 
 def _logprob_rows(tokenizer, generated):
@@ -348,21 +350,42 @@ def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | 
     # The last PIECE_CONTEXT tokens before each that the answer's decode keeps (a run of special tokens, which it
     # skips, would leave no context, and a word-level decoder's space before the next word would be lost).
     context = [token for token in previous if token not in skipped][-PIECE_CONTEXT:]
-    final_index = len(token_ids) - 1 if room is not None else None
-    rows = []
-    for index, (token_id, record) in enumerate(zip(token_ids, records)):
+    contexts = []
+    for index in range(min(len(token_ids), len(records))):
         if index and token_ids[index - 1] not in skipped:
             context = [*context[1 - PIECE_CONTEXT :], token_ids[index - 1]]
-        text = _decode(tokenizer, context)
-        piece = _added(text, _decode(tokenizer, context + [token_id]), final=index == final_index)
+        contexts.append(context)
+    n = len(contexts)
+    # Each context decoded, then with its token, then with each alternative: in one call.
+    alternatives = [(i, t) for i, record in enumerate(records[:n]) if record is not None for t, _ in record.top]
+    texts = _decode_all(
+        tokenizer,
+        contexts + [c + [t] for c, t in zip(contexts, token_ids)] + [contexts[i] + [t] for i, t in alternatives],
+    )
+    before, with_token, with_alternative = texts[:n], texts[n : 2 * n], iter(texts[2 * n :])
+    final_index = n - 1 if room is not None else None
+    rows = []
+    for index, (token_id, record) in enumerate(zip(token_ids, records)):
+        piece = _added(before[index], with_token[index], final=index == final_index)
         if piece is None:
             piece = _decode(tokenizer, [token_id])
         if room is not None:
             piece = piece[: max(room, 0)]
             room -= len(piece)
-        top = None if record is None else [(_alternative(tokenizer, context, text, t), lp) for t, lp in record.top]
+        top = None
+        if record is not None:
+            # the text each alternative would have added, or its own spelling where that is nothing (a special
+            # token), so alternatives stay apart
+            top = [
+                (_added(before[index], next(with_alternative), final=True) or _spelling(tokenizer, t), lp)
+                for t, lp in record.top
+            ]
         rows.append((piece, record, top))
     return rows
+
+
+def _spelling(tokenizer, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
 def _token_entry(text: str, logprob: float) -> dict:
