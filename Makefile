@@ -41,7 +41,7 @@ bench: setup $(VENV)/.plot-installed
 bench-full: setup $(VENV)/.plot-installed
 	$(PY) -m bench --full --out .
 
-# Hot-path microbenchmarks for real (allocator, cache update, decode attention reference).
+# Hot-path microbenchmarks for real (allocator, cache update, decode attention reference, an echoed prompt's logprobs).
 microbench: setup
 	$(PY) -m pytest -q tests/test_bench_hotpaths.py tests/test_bench_kernels.py --benchmark-only --benchmark-sort=name --benchmark-columns=min,median,mean,rounds
 

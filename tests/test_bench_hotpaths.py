@@ -247,3 +247,23 @@ def test_default_model_linears_three_rows(benchmark, default_model_linears, line
     outputs = benchmark(all_layers)
     last = default_model_linears[-1]  # the LM head
     torch.testing.assert_close(outputs[-1], inputs[512] @ last.weight.T, rtol=1e-4, atol=1e-4)
+
+
+def test_echoed_prompt_logprobs(benchmark):
+    """The completions `logprobs` of a 2,048-token prompt echoed with its top alternative (lm-eval's loglikelihood
+    request): every token's text, decoded after the tokens before it, in one call of the Rust tokenizer."""
+    import random
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import GeneratedIds
+    from tests.test_serve import make_tokenizer
+
+    tokenizer, rng = make_tokenizer(), random.Random(0)
+    prompt = [rng.randrange(4, len(tokenizer)) for _ in range(2048)]
+    records = [TokenLogprob(-1.0, ((5, -0.5),))] * len(prompt)
+    generated = GeneratedIds([7], records[:1], prompt_ids=prompt, prompt_logprobs=records[1:])
+    logprobs = benchmark(_completion_logprobs, tokenizer, generated)
+    assert len(logprobs["tokens"]) == len(prompt) + 1 and logprobs["token_logprobs"][0] is None
+    echoed = tokenizer.decode(prompt, skip_special_tokens=True) + tokenizer.decode([7])  # the prompt, then the answer
+    assert "".join(logprobs["tokens"]) == echoed
