@@ -1,6 +1,7 @@
 """pytest-benchmark microbenchmarks of the hot paths: allocator operations, PagedCache.update, and the engine's
 per-step work outside the model (admission's lookahead, a packed step's bookkeeping and K/V stores), and the
-benchmark model's linear layers on a decode step (stock against weight-major, bench/linear.py).
+benchmark model's linear layers on a decode step (stock against weight-major, bench/linear.py), and the logprobs
+object of an echoed prompt that the server builds.
 
 CI runs these once each with --benchmark-disable (a smoke test); `make microbench` times them for real.
 Each still asserts its result, so a broken hot path fails here too.
