@@ -131,6 +131,11 @@ def test_the_steps_tensors_come_from_one_copy_per_dtype_each_on_16_bytes(monkeyp
     assert group.slots.tolist() == [5, 10, 21, 24, 25, 26, 27, 28, 29, 36, 37, 38, 39, 40]
     with pytest.raises(ValueError, match=r"token_ids needs one id per new token \(14\), got 2"):
         StepCache(pool, [tables], [5, 2, 9, 0, 4], [1, 1, 1, 6, 5], token_ids=[1, 2])
+    # prompt positions whose logits are kept too (prompt_logprobs) come after the rows', in the same copy
+    kept = StepCache(
+        pool, [tables], [5, 2, 9, 0, 4], [1, 1, 1, 6, 5], token_ids=list(range(1, 15)), extra_logits=[3, 9]
+    )
+    assert kept.logits_indices.tolist() == [0, 1, 2, 8, 13, 3, 9] and kept.logits_indices.data_ptr() % 16 == 0
 
 
 def test_to_device_gives_each_list_its_own_aligned_tensor():

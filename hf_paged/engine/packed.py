@@ -97,11 +97,9 @@ class PackedStep:
     def _eager_forward(self, rows: list[tuple[Request, int]], kept: Sequence[int] = ()) -> torch.Tensor:
         """The eager forward -> [len(rows) + len(kept), vocab] logits at each row's last new token, then at the
         packed sequence's indices `kept`."""
-        cache = self._step_cache(rows)
+        cache = self._step_cache(rows, extra_logits=kept)
         device = self.model.device
         input_ids, logits_to_keep = cache.input_ids, cache.logits_indices
-        if kept:
-            logits_to_keep = torch.cat([logits_to_keep, torch.tensor(kept, device=logits_to_keep.device)])
         if input_ids.device != device:  # a model whose embeddings are elsewhere than the pool (device_map)
             input_ids, logits_to_keep = input_ids.to(device), logits_to_keep.to(device)
         out = self.model(
@@ -147,8 +145,11 @@ class PackedStep:
         self.num_compiled_steps += 1
         return out.logits[0, : len(rows)]
 
-    def _step_cache(self, rows: list[tuple[Request, int]], num_logits: int | None = None) -> StepCache:
-        """The step's `StepCache`: the rows' new tokens, positions, slots and tables on the device."""
+    def _step_cache(
+        self, rows: list[tuple[Request, int]], num_logits: int | None = None, extra_logits: Sequence[int] = ()
+    ) -> StepCache:
+        """The step's `StepCache`: the rows' new tokens, positions, slots and tables on the device (`extra_logits`:
+        as `StepCache`'s)."""
         groups = range(self.pool.num_groups)
         token_ids = [
             token
@@ -165,4 +166,5 @@ class PackedStep:
             model_type=self.model_type,
             token_ids=token_ids,
             num_logits=num_logits,
+            extra_logits=extra_logits,
         )

@@ -28,6 +28,7 @@ The blocks must already be allocated (the scheduler does it); a `StepCache` neve
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -95,6 +96,8 @@ class StepCache(Cache):
             ([1, num_tokens]) then holds them on the pool's device, copied with the step's other inputs.
         num_logits (`int`, *optional*): `logits_indices` holds this many entries, the rows' then the last row's
             again (a compiled forward's logits of a fixed number of rows); default one per row.
+        extra_logits (`Sequence[int]`, *optional*): indices in the packed sequence whose logits are kept after the
+            rows' (prompt positions whose log probabilities are recorded); default none.
 
     Every tensor of the step (positions, slots, lengths, tables, the input ids and the rows' last-token indices)
     reaches the device in one host-to-device copy per dtype that the host does not wait on
@@ -114,6 +117,7 @@ class StepCache(Cache):
         model_type: str | None = None,
         token_ids: list[int] | None = None,
         num_logits: int | None = None,
+        extra_logits: Sequence[int] = (),
     ):
         num_rows = len(seq_lens)
         if len(block_tables) != pool.num_groups:
@@ -147,7 +151,7 @@ class StepCache(Cache):
         self.seq_lens, self.q_lens = list(seq_lens), list(q_lens)
         self.starts = list(itertools.accumulate(q_lens[:-1], initial=0))
         self._store_backend = store_backend(pool.device)  # resolved once for the step's layers
-        self._groups = self._group_steps(block_tables, first_blocks, token_ids, num_logits)
+        self._groups = self._group_steps(block_tables, first_blocks, token_ids, num_logits, extra_logits)
         self._workspace = workspace_for(pool) if workspace is None else workspace
         # (group, first row, end row) -> (their block ids, row after row; rows; keys of the longest)
         self._row_blocks: dict[tuple[int, int, int], tuple[torch.Tensor, int, int]] = {}
@@ -159,6 +163,7 @@ class StepCache(Cache):
         first_blocks: list[list[int]],
         token_ids: list[int] | None,
         num_logits: int | None,
+        extra_logits: Sequence[int],
     ) -> list[GroupStep]:
         # Slots, lengths and padded tables are worked out on the host and sent in one copy per dtype: a decode step
         # adds one token per row, and a few Python ints cost less than a chain of tiny tensor ops.
@@ -171,6 +176,7 @@ class StepCache(Cache):
         logits_indices = self.last_token_indices
         if num_logits is not None:
             logits_indices += logits_indices[-1:] * (num_logits - len(logits_indices))
+        logits_indices += extra_logits
         longs = [positions, token_ids or [], logits_indices]
         ints = [list(itertools.accumulate(q_lens[num_decode:], initial=0))]  # the prefill chunks' cu_seqlens
         hosts = []
