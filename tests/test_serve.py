@@ -506,7 +506,10 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"generation_config": {"min_p": 0.1}}, "generation_config.min_p"),
         ("/v1/chat/completions", {"generation_config": {"no_such_setting": 1}}, "generation_config.no_such_setting"),
         ("/v1/completions", {"echo": "yes"}, "echo"),
-        ("/v1/completions", {"best_of": 2}, "best_of"),
+        ("/v1/completions", {"best_of": 2, "n": 3}, "best_of"),
+        ("/v1/completions", {"best_of": 129}, "best_of"),
+        ("/v1/completions", {"best_of": 2, "stream": True}, "best_of"),
+        ("/v1/completions", {"best_of": 2, "seed": 2**64 - 1}, "seed"),
         ("/v1/completions", {"logprobs": 6}, "logprobs"),
         ("/v1/completions", {"n": 1.5}, "n"),
         ("/v1/completions", {"suffix": " END"}, "suffix"),
@@ -698,6 +701,47 @@ def test_streamed_logprobs_equal_the_answer_in_one_body(server, path):
         assert [text[o:] for o in expected["text_offset"]] == [
             "".join(expected["tokens"][i:]) for i in range(len(expected["tokens"]))
         ]
+
+
+def test_best_of_answers_the_n_samples_of_the_highest_mean_logprob(server):
+    """Completions' `best_of=4, n=2`: four samples (sample i seeded with seed + i, as n=4 draws them), answered by the
+    two of the highest mean log probability per token, best first; usage counts all four; logprobs shown only when
+    asked; best_of = n streams as n does."""
+    body = {"prompt": "a paged cache", "max_tokens": 6, "temperature": 1.0, "seed": 11}
+    status, drawn = post_json(server, "/v1/completions", body | {"n": 4, "logprobs": 0})
+    assert status == 200, drawn
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["tokens"]) for c in drawn["choices"]]
+    order = sorted(range(4), key=lambda index: -means[index])
+    status, answer = post_json(server, "/v1/completions", body | {"n": 2, "best_of": 4})
+    assert status == 200, answer
+    assert [c["index"] for c in answer["choices"]] == [0, 1]
+    assert [c["text"] for c in answer["choices"]] == [drawn["choices"][i]["text"] for i in order[:2]]
+    assert all("logprobs" not in c or c["logprobs"] is None for c in answer["choices"])
+    assert answer["usage"]["completion_tokens"] == drawn["usage"]["completion_tokens"]
+    status, shown = post_json(server, "/v1/completions", body | {"best_of": 4, "logprobs": 1})
+    assert status == 200 and len(shown["choices"]) == 1, shown
+    assert shown["choices"][0]["text"] == drawn["choices"][order[0]]["text"]
+    assert shown["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(
+        drawn["choices"][order[0]]["logprobs"]["token_logprobs"], abs=1e-5
+    )
+    streamed = [""] * 2
+    for event in events_of(server, "/v1/completions", body | {"n": 2, "best_of": 2}):
+        for choice in event.get("choices") or []:
+            streamed[choice["index"]] += choice["text"]
+    assert streamed == [c["text"] for c in drawn["choices"][:2]]
+    assert server.wait_idle()["hf_paged_kv_blocks_used"] == 0
+
+
+def test_the_fields_the_server_applies_are_not_logged_as_ignored():
+    """transformers' completions handler logs `best_of`, `echo`, `logprobs`, `n`, ... as unsupported fields it
+    ignores; the server applies them, so its handlers log only those it takes and leaves alone (`user`)."""
+    from transformers.cli.serving.completion import CompletionHandler
+
+    from hf_paged.serve.handlers import PagedCompletionHandler
+
+    assert {"best_of", "echo", "logprobs", "n"} <= CompletionHandler._unused_fields
+    logged = PagedCompletionHandler.__new__(PagedCompletionHandler)._unused_fields
+    assert "user" in logged and not logged & {"best_of", "echo", "logprobs", "n", "presence_penalty", "stream_options"}
 
 
 def test_n_choices_stream_interleaved_with_their_index(server, saved):

@@ -5,7 +5,7 @@ most), apply others to a `GenerationConfig` the Engine does not read (`frequency
 `logit_bias` as `sequence_bias`), and fail with a 500 and a traceback on bodies they cannot read (no `messages`, a
 message without `role`). A client is never told. So one check runs before each handler (`check_body`): the body's
 shape for its endpoint, then every field that changes the output and that the Engine does not apply, which is
-refused unless it holds its OpenAI default (the value that changes nothing: `best_of=1`, `suffix=""`, ...).
+refused unless it holds its OpenAI default (the value that changes nothing: `suffix=""`, `top_logprobs=0`, ...).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ READ_FIELDS = {
     ),
     COMPLETIONS: (
         "model", "prompt", "stream", "stream_options", "max_tokens", "temperature", "top_p", "stop", "seed", "n",
-        "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "generation_config",
+        "logprobs", "presence_penalty", "frequency_penalty", "logit_bias", "echo", "best_of", "generation_config",
     ),
     RESPONSES: (
         "model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
@@ -56,7 +56,6 @@ NO_EFFECT_FIELDS = {
 }  # fmt: skip
 # field -> (the values that change nothing, what it asks for). A field holding another value is refused.
 _UNAPPLIED = {
-    "best_of": ((1,), "the best of several completions"),
     "response_format": (({"type": "text"},), "structured output"),
     "tool_choice": (("none", "auto"), "a forced tool call"),
     "functions": (([],), "function calling"),
@@ -85,7 +84,7 @@ UNAPPLIED_FIELDS = {
             "response_format", "tool_choice", "functions", "function_call", "audio", "modalities",
             "web_search_options", "verbosity", "moderation",
         ),
-        COMPLETIONS: ("best_of", "suffix"),
+        COMPLETIONS: ("suffix",),
         RESPONSES: (
             "tool_choice", "previous_response_id", "include", "top_logprobs", "background",
             "background_options", "conversation", "prompt", "truncation", "context_management", "access_programs",

@@ -32,6 +32,7 @@ from ..errors import InvalidRequest, ModelNotFound
 from .fields import (
     CHAT,
     COMPLETIONS,
+    READ_FIELDS,
     RESPONSES,
     check_body,
     is_int,
@@ -150,6 +151,11 @@ class RequestOptionsMixin:
             }
         return JSONResponse(merged, media_type="application/json")
 
+    @property
+    def _unused_fields(self) -> set[str]:
+        """The fields transformers' handler logs as ignored, less those the server applies (`echo`, `n`, ...)."""
+        return set(super()._unused_fields) - set(READ_FIELDS[self.endpoint])
+
     def _validate_request(self, body: dict) -> None:
         check_body(body, self.endpoint)
         super()._validate_request({key: value for key, value in body.items() if key not in EXTENSION_FIELDS})
@@ -204,7 +210,8 @@ class ChoicesMixin:
     """`n` > 1 for chat and completions (put before the transformers handler in the bases): the request's `n`
     samples, each an Engine request of its own (the Engine shares the prompt's blocks among them: parallel samples
     wait for the blocks the first one computes, then reuse them), merged into one answer whose choice i is sample i,
-    seeded with seed + i."""
+    seeded with seed + i. Completions' `best_of` draws that many samples (seeded so) and answers the `n` of the
+    highest mean log probability per token, best first, its usage counting every sample's tokens."""
 
     async def _non_streaming(
         self, request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs
@@ -216,7 +223,7 @@ class ChoicesMixin:
         if len(samples) == 1 and top is None:
             return await run(request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs)
 
-        async def one(config) -> dict:
+        async def one(config) -> tuple[dict, float]:
             recorder = _Recorder(gen_manager)
             response = await run(request_id, model, processor, model_id, inputs, config, recorder, *args, **kwargs)
             body = json.loads(response.body)
@@ -224,19 +231,22 @@ class ChoicesMixin:
                 tokenizer = getattr(processor, "tokenizer", processor)
                 describe = _chat_logprobs if self.endpoint == CHAT else _completion_logprobs
                 body["choices"][0]["logprobs"] = describe(tokenizer, recorder.generated)
-            return body
+            return body, _mean_logprob(recorder.generated) if len(samples) > options.n else 0.0
 
         tasks = [asyncio.ensure_future(one(config)) for config in samples]
         try:
-            bodies = await asyncio.gather(*tasks)
+            ranked = await asyncio.gather(*tasks)
         except BaseException:  # one sample failed, or the client left: the others' Engine requests stop too
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise
-        merged = bodies[0]
-        merged["choices"] = [{**body["choices"][0], "index": index} for index, body in enumerate(bodies)]
-        if merged.get("usage"):
+        bodies = [body for body, _ in ranked]
+        # best_of: the n samples of the highest mean log probability per token, best first (all of them for n)
+        best = sorted(range(len(ranked)), key=lambda index: -ranked[index][1])[: options.n]
+        merged = dict(bodies[0])
+        merged["choices"] = [{**bodies[sample]["choices"][0], "index": index} for index, sample in enumerate(best)]
+        if merged.get("usage"):  # every sample's tokens, as each was generated
             completion_tokens = sum(body["usage"]["completion_tokens"] for body in bodies)
             merged["usage"] = {
                 **merged["usage"],
@@ -421,18 +431,27 @@ def _completion_logprobs(tokenizer, generated) -> dict:
 
 
 def _samples(gen_config) -> list:
-    """One generation config per choice of the request: itself for n = 1, else copies whose options carry n = 1 and
-    the seed of their sample."""
+    """One generation config per sample of the request (its `best_of`, else its `n`): itself for one, else copies
+    whose options carry one sample and its seed; samples ranked for best_of record their tokens' log probabilities
+    (the answer shows them only where the request asked)."""
     options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
-    if options is None or options.n == 1:
+    if options is None or options.best_of == options.n == 1:
         return [gen_config]
+    logprobs = options.logprobs if options.best_of == options.n or options.logprobs is not None else 0
     samples = []
-    for index in range(options.n):
+    for index in range(options.best_of):
         config = copy.deepcopy(gen_config)
         seed = None if options.seed is None else options.seed + index
-        setattr(config, OPTIONS_ATTRIBUTE, dataclasses.replace(options, n=1, seed=seed))
+        one = dataclasses.replace(options, n=1, best_of=1, seed=seed, logprobs=logprobs)
+        setattr(config, OPTIONS_ATTRIBUTE, one)
         samples.append(config)
     return samples
+
+
+def _mean_logprob(generated) -> float:
+    """The mean log probability per token of an answer's tokens (best_of ranks samples by it; 0 for none)."""
+    records = generated.logprobs[: len(generated)]
+    return sum(record.logprob for record in records) / len(records) if records else 0.0
 
 
 def _prompts(body) -> list | None:

@@ -30,6 +30,8 @@ MAX_CHOICES = 128  # OpenAI's limit on `n`
 class RequestOptions:
     seed: int | None = None
     n: int = 1  # choices: parallel samples of the prompt, each an Engine request (sample i seeded with seed + i)
+    # Completions' best_of: samples drawn (n of them answered, those of the highest mean log probability per token).
+    best_of: int = 1
     logprobs: int | None = None  # None: none; k: each token's log probability and the top k (SamplingParams)
     # Completions' echo with logprobs: the prompt tokens' log probabilities and top k too (SamplingParams'
     # prompt_logprobs), which the answer's logprobs start with.
@@ -111,6 +113,16 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
     n = n or 1
+    best_of = None if chat else _int(body, "best_of")
+    if best_of is not None and not n <= best_of <= MAX_CHOICES:
+        raise InvalidRequest(f"best_of must be an integer in [n, {MAX_CHOICES}] (n is {n}), got {best_of}", "best_of")
+    best_of = best_of or n
+    if best_of > n and body.get("stream"):
+        raise InvalidRequest(
+            f"best_of above n is answered in one body (the best are known once every sample has ended), so it "
+            f"cannot be streamed; allowed with stream: best_of null or {n} (n)",
+            "best_of",
+        )
     seed = _int(body, "seed")
     generation = _generation_config(body)
     seed_field = "seed"
@@ -121,12 +133,13 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
             check_seed(seed)
         except ValueError as error:
             raise InvalidRequest(str(error), seed_field) from None
+        samples, count = ("n", n) if best_of == n else ("best_of", best_of)
         try:
-            check_seed(seed + n - 1)  # sample i is seeded with seed + i
+            check_seed(seed + count - 1)  # sample i is seeded with seed + i
         except ValueError:
             raise InvalidRequest(
-                f"seed {seed} with n={n}: sample i is seeded with seed + i, and seed + {n - 1} is past the 64-bit "
-                f"range; the largest seed for n={n} is {2**64 - n}",
+                f"seed {seed} with {samples}={count}: sample i is seeded with seed + i, and seed + {count - 1} is past "
+                f"the 64-bit range; the largest seed for {samples}={count} is {2**64 - count}",
                 seed_field,
             ) from None
     echo = not chat and body.get("echo") is True
@@ -187,6 +200,7 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
     return RequestOptions(
         seed=seed,
         n=n,
+        best_of=best_of,
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
         prompt_only=echo and body.get("max_tokens") == 0,
