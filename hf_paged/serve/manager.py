@@ -302,14 +302,14 @@ class EngineManager(BaseGenerateManager):
             logprobs = (
                 request.logprobs[start : start + len(new_tokens)] if request.params.logprobs is not None else None
             )
-            # the prompt tokens' (all recorded once it has a token), with its first tokens, when it records them
-            records_prompt = request.params.prompt_logprobs is not None and start == 0
-            prompt_logprobs = list(request.prompt_logprobs) if records_prompt else None
             self._observe(stream, request, len(new_tokens), now)
             stream.num_sent += len(new_tokens)
             self._counts["generation_tokens"] += len(new_tokens)
             if not (new_tokens or request.finished):
                 continue
+            # the prompt tokens' (all recorded once it has a token), with its first tokens, when it records them
+            records_prompt = request.params.prompt_logprobs is not None and start == 0
+            prompt_logprobs = list(request.prompt_logprobs) if records_prompt else None
             error = request.error if request.finish_reason == "error" else None
             self._post(
                 stream, new_tokens, request.finished, error, False, logprobs, request.finish_reason, prompt_logprobs
