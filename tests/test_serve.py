@@ -1473,6 +1473,65 @@ def test_logprob_texts_are_decoded_in_one_call_as_the_answer_is():
     assert _decode_all(tokenizer, sequences) == cleaned
 
 
+def test_logprob_texts_decode_one_by_one_for_a_tokenizer_that_decodes_its_own_way():
+    """A tokenizer class that overrides `_decode` (as CPM's does) decodes the texts itself; a BPE tokenizer that sets
+    `clean_up_tokenization_spaces` (which transformers skips for BPE) decodes them in one call."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    from hf_paged.serve.handlers import _batch_decodes_alike, _decode_all
+
+    class Joined(PreTrainedTokenizerFast):
+        def _decode(self, *args, **kwargs):
+            return super()._decode(*args, **kwargs).replace(" ", "")
+
+    joined = Joined(tokenizer_object=make_tokenizer()._tokenizer)
+    sequences = [joined(text, add_special_tokens=False)["input_ids"] for text in SENTENCES[:2]]
+    assert not _batch_decodes_alike(joined)
+    assert _decode_all(joined, sequences) == [joined.decode(ids, skip_special_tokens=True) for ids in sequences]
+    assert " " not in _decode_all(joined, sequences)[0]
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Whitespace()
+    bpe.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=80, show_progress=False))
+    cleaning = PreTrainedTokenizerFast(tokenizer_object=bpe, clean_up_tokenization_spaces=True)
+    sequences = [cleaning(text)["input_ids"] for text in SENTENCES[3:5]]
+    assert _batch_decodes_alike(cleaning)
+    assert _decode_all(cleaning, sequences) == [cleaning.decode(ids, skip_special_tokens=True) for ids in sequences]
+
+
+def test_an_echoed_prompt_that_ends_inside_a_character_keeps_its_last_text():
+    """Token ids that end inside a UTF-8 character (byte-level BPE): the echoed text (the ids decoded) ends with
+    U+FFFD, and so does the prompt's last token's text, so the texts add up to the answer and the generated tokens'
+    offsets point at theirs."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import GeneratedIds
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(["plain words"], trainers.BpeTrainer(vocab_size=280, initial_alphabet=alphabet))
+    ids = tokenizer.encode("café au lait").ids
+    cut = next(i for i in range(1, len(ids)) if tokenizer.decode(ids[:i]).endswith("\ufffd"))
+    prompt, new = ids[:cut], ids[cut : cut + 3]
+    echo, completion = tokenizer.decode(prompt), tokenizer.decode(new)
+    record = TokenLogprob(-1.0, ())
+    generated = GeneratedIds(
+        new,
+        [record] * len(new),
+        text_offset=len(echo),
+        text_end=len(echo) + len(completion),
+        prompt_ids=prompt,
+        prompt_logprobs=[record] * (len(prompt) - 1),
+    )
+    logprobs = _completion_logprobs(tokenizer, generated)
+    text = echo + completion
+    assert "".join(logprobs["tokens"]) == text and logprobs["tokens"][len(prompt) - 1].endswith("\ufffd")
+    assert all(text[o:].startswith(t) for o, t in zip(logprobs["text_offset"], logprobs["tokens"]))
+
+
 def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
     leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special
@@ -1681,6 +1740,16 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, saved):
         assert len(choice["logprobs"]["tokens"]) == len(ids) + 1 and choice["logprobs"]["top_logprobs"][1] == {}
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
     assert both["choices"][0]["logprobs"]["token_logprobs"][1:-1] == pytest.approx(scored, abs=1e-3)
+    # a string that its ids do not decode back to (a special token's text in it): the answer starts with the string,
+    # and the generated tokens' offsets point into it
+    status, special = post_json(server, "/v1/completions", body | {"prompt": "<s> " + text, "max_tokens": 2})
+    assert status == 200 and special["choices"][0]["text"].startswith("<s> " + text), special
+    generated = special["choices"][0]["logprobs"]
+    assert all(
+        special["choices"][0]["text"][offset:].startswith(token)
+        for offset, token in zip(generated["text_offset"][-2:], generated["tokens"][-2:])
+    )
+    assert generated["text_offset"][-2] == len("<s> " + text)
     # lm-eval's is_greedy: a continuation the model would have generated scores each token as its top one, exactly
     with torch.inference_mode():
         greedy = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :].tolist()
@@ -1973,6 +2042,12 @@ def test_an_api_key_a_served_name_and_a_length_limit(saved):
         assert too_long.status_code == 400 and too_long.json()["error"]["param"] == "max_tokens"
         unbounded = client.post("/v1/completions", json={"model": "tiny", "prompt": "hello"}, headers=key)
         assert unbounded.json()["usage"]["total_tokens"] <= 12
+        # a prompt of every position: scored alone (max_tokens 0 with echo), never generated after
+        full = {"model": "tiny", "prompt": [5, 6, 7] * 4, "echo": True, "logprobs": 1, "max_tokens": 0}
+        scored = client.post("/v1/completions", json=full, headers=key)
+        assert scored.status_code == 200 and len(scored.json()["choices"][0]["logprobs"]["tokens"]) == 12
+        past = client.post("/v1/completions", json=full | {"max_tokens": 1}, headers=key)
+        assert past.status_code == 400 and past.json()["error"]["param"] == "prompt"
     finally:
         manager.stop()
 

@@ -23,10 +23,13 @@ import json
 import re
 
 from starlette.responses import JSONResponse, StreamingResponse
+from tokenizers import Tokenizer
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
 from transformers.cli.serving.utils import get_response_template
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 from ..errors import InvalidRequest, ModelNotFound
 from .fields import (
@@ -324,11 +327,30 @@ def _unfinished_cut(text: str) -> str:
 
 def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:
     """`_decode` of each sequence, in one call of the Rust tokenizer's `decode_batch` where that decodes as
-    `_decode` does (a `tokenizers.Tokenizer`, or a transformers tokenizer that cleans up no spaces after it)."""
-    backend = getattr(tokenizer, "_tokenizer", tokenizer)
-    if hasattr(backend, "decode_batch") and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+    `_decode` does (`_batch_decodes_alike`), else one by one."""
+    if _batch_decodes_alike(tokenizer):
+        backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
         return backend.decode_batch(sequences, skip_special_tokens=True)
     return [_decode(tokenizer, sequence) for sequence in sequences]
+
+
+def _batch_decodes_alike(tokenizer) -> bool:
+    """Whether the Rust tokenizer decodes as `_decode` does: a `tokenizers.Tokenizer`, or a transformers tokenizer
+    whose class decodes with it unchanged (not one that overrides `decode` or `_decode`, as CPM's does) and cleans
+    up no spaces after it (`clean_up_tokenization_spaces`, which transformers skips for a BPE model unless forced)."""
+    if isinstance(tokenizer, Tokenizer):
+        return True
+    kind = type(tokenizer)
+    if not (
+        isinstance(tokenizer, TokenizersBackend)
+        and kind._decode is TokenizersBackend._decode
+        and kind.decode is PreTrainedTokenizerBase.decode
+    ):
+        return False
+    if not tokenizer.clean_up_tokenization_spaces:
+        return True
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    return type(tokenizer.backend_tokenizer.model).__name__ == "BPE" and not forced
 
 
 def _logprob_rows(tokenizer, generated):
@@ -350,12 +372,13 @@ def _prompt_rows(tokenizer, generated):
     it)."""
     if getattr(generated, "prompt_logprobs", None) is None:
         return []
-    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None)
+    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None, ended=True)
 
 
-def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | None) -> list:
+def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | None, ended: bool = False) -> list:
     """`_logprob_rows` of `token_ids` (with their TokenLogprobs `records`, None for one without) after the tokens
-    `previous`, their texts cut after `room` characters (None: not cut)."""
+    `previous`, their texts cut after `room` characters (None: not cut); the last keeps what its decode ends with
+    where the text ends with them (`ended`, or cut: a U+FFFD where they end inside a character)."""
     skipped = skipped_ids(tokenizer)
     # The last PIECE_CONTEXT tokens before each that the answer's decode keeps (a run of special tokens, which it
     # skips, would leave no context, and a word-level decoder's space before the next word would be lost).
@@ -373,7 +396,7 @@ def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | 
         contexts + [c + [t] for c, t in zip(contexts, token_ids)] + [contexts[i] + [t] for i, t in alternatives],
     )
     before, with_token, with_alternative = texts[:n], texts[n : 2 * n], iter(texts[2 * n :])
-    final_index = n - 1 if room is not None else None
+    final_index = n - 1 if room is not None or ended else None
     rows = []
     for index, (token_id, record) in enumerate(zip(token_ids, records)):
         piece = _added(before[index], with_token[index], final=index == final_index)

@@ -36,16 +36,24 @@ class RequestLimits:
         return cls(positions, engine.max_pool_tokens, engine.pool.num_blocks, engine.pool.block_size)
 
     def max_new_tokens(
-        self, num_prompt_tokens: int, max_new_tokens: int, given: bool, param: str, max_tokens_field: str = "max_tokens"
+        self,
+        num_prompt_tokens: int,
+        max_new_tokens: int,
+        given: bool,
+        param: str,
+        max_tokens_field: str = "max_tokens",
+        prompt_only: bool = False,
     ) -> int:
         """The tokens a request with this prompt may generate: `max_new_tokens` when `given`, else all the room left
         before the model's position limit and what the pool holds of one request (`max_new_tokens` where neither
-        limits it). Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room."""
+        limits it). Raises `InvalidRequest` for a prompt that leaves no room, or a `given` count above the room.
+        `prompt_only`: the answer is the prompt alone (max_tokens 0 with echo), which may fill every position: 1, the
+        token its Engine request samples from the last prompt position's logits and never feeds back."""
         if num_prompt_tokens == 0:
             raise InvalidRequest("the prompt is empty: a request needs at least one prompt token", param)
         rooms = []
         if self.max_model_len is not None:
-            if num_prompt_tokens >= self.max_model_len:
+            if num_prompt_tokens + (not prompt_only) > self.max_model_len:  # room for one generated token
                 raise InvalidRequest(
                     f"the prompt has {num_prompt_tokens} tokens; this model's limit is {self.max_model_len} "
                     "positions (max_position_embeddings), prompt and generated tokens together",
@@ -64,6 +72,8 @@ class RequestLimits:
             rooms.append(
                 (self.max_kv_tokens - num_prompt_tokens + 1, f"the {self.max_kv_tokens} tokens the pool holds")
             )
+        if prompt_only:
+            return 1
         if not rooms:
             return max_new_tokens
         room, limit = min(rooms)

@@ -180,10 +180,14 @@ class EngineManager(BaseGenerateManager):
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None) or RequestOptions(max_tokens_given=True)
         # (A request's generation_config without max_new_tokens leaves None: the room left, as without max_tokens.)
         requested = gen_config.max_new_tokens if gen_config.max_new_tokens is not None else DEFAULT_MAX_NEW_TOKENS
-        if options.prompt_only:  # its Engine request generates one token, which the stream leaves out
-            requested = 1
+        # A prompt answered alone: its Engine request generates one token, which the stream leaves out.
         max_new_tokens = self.limits.max_new_tokens(
-            len(prompt_ids), int(requested), options.max_tokens_given, options.prompt_field, options.max_tokens_field
+            len(prompt_ids),
+            int(requested),
+            options.max_tokens_given,
+            options.prompt_field,
+            options.max_tokens_field,
+            prompt_only=options.prompt_only,
         )
         # the handler reads it back for the finish reason
         gen_config.max_new_tokens = 0 if options.prompt_only else max_new_tokens
@@ -195,19 +199,28 @@ class EngineManager(BaseGenerateManager):
         except ValueError as error:
             raise InvalidRequest(str(error)) from error
         tokenizer = getattr(processor, "tokenizer", processor)
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        echo_chars = 0  # the text an answer with its prompt's log probabilities starts with (echo)
+        if options.prompt_logprobs is not None:
+            echoed = options.echoed_prompt
+            echo_chars = len(echoed) if echoed is not None else len(decode(prompt_ids))
         stream = RequestStream(
             loop=asyncio.get_running_loop(),
             prompt_ids=prompt_ids,
             max_new_tokens=max_new_tokens,
             sampling=sampling,
             tokenizer=tokenizer._tokenizer,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            decode=decode,
             stop_strings=stop_strings(gen_config),
             response_parser=response_parser,
             streaming=streaming,
             on_cancel=self._cancel,
             generation_config=gen_config,
             prompt_only=options.prompt_only,
+            echo_chars=echo_chars,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

@@ -36,6 +36,7 @@ class RequestOptions:
     # Completions' echo with logprobs: the prompt tokens' log probabilities and top k too (SamplingParams'
     # prompt_logprobs), which the answer's logprobs start with.
     prompt_logprobs: int | None = None
+    echoed_prompt: str | None = None  # a string prompt the answer starts with (echo); token ids are decoded instead
     # Completions' max_tokens 0 with echo: the answer is the prompt alone (scored, with logprobs); its Engine request
     # generates one token, which the answer leaves out.
     prompt_only: bool = False
@@ -203,6 +204,7 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         best_of=best_of,
         logprobs=logprobs,
         prompt_logprobs=logprobs if echo else None,
+        echoed_prompt=body["prompt"] if echo and isinstance(body.get("prompt"), str) else None,
         prompt_only=echo and body.get("max_tokens") == 0,
         ignore_eos=ignore_eos,
         max_tokens_given=max_tokens_field is not None,

@@ -90,6 +90,8 @@ class RequestStream:
         the token count alone ("length" once `max_new_tokens` tokens came); a request that a stop token, eos or stop
         string ended on its last allowed token raises the config's `max_new_tokens` past that count when it ends, so
         its answer says "stop", as the Engine does.
+    echo_chars (`int`): the length of the prompt's text an answer with its prompt's log probabilities starts with
+        (echo), which the offsets of its tokens' texts count.
     prompt_only (`bool`): the answer is the prompt alone (completions' `max_tokens` 0 with `echo`): the tokens the
         Engine request generates are left out, and it ends with "length" (with the prompt's log probabilities, when
         it records them).
@@ -110,6 +112,7 @@ class RequestStream:
         on_cancel: Callable[[RequestStream], None],
         generation_config=None,
         prompt_only: bool = False,
+        echo_chars: int = 0,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -147,7 +150,7 @@ class RequestStream:
         # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
         # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
-        self.echo_chars = len(decode(prompt_ids)) if sampling.get("prompt_logprobs") is not None else 0
+        self.echo_chars = echo_chars
         self._prompt_sent = False  # its TokenLogprobs went out with the first piece (stream)
         self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
