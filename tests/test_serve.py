@@ -497,6 +497,7 @@ def tool_call(arguments) -> dict:
         ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),
         ("/v1/chat/completions", {"presence_penalty": 2.5}, "presence_penalty"),
         ("/v1/chat/completions", {"logit_bias": {"5": 1000}}, "logit_bias"),
+        ("/v1/completions", {"logit_bias": {"9" * 4301: 1}}, "logit_bias"),
         ("/v1/chat/completions", {"min_tokens": -1}, "min_tokens"),
         ("/v1/chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/chat/completions", {"tool_choice": "required"}, "tool_choice"),
@@ -1663,6 +1664,9 @@ def test_several_prompts_are_answered_as_one_request(server, saved):
     assert metrics["hf_paged_requests_aborted_total"] == aborted + 2
     status, answer = post_json(server, "/v1/completions", refused | {"prompt": [texts[0], ""]})
     assert status == 400 and answer["error"]["param"] == "prompt[1]", answer
+    status, answer = post_json(server, "/v1/completions", {"prompt": ["", "a"], "max_tokens": 2})
+    assert status == 400 and answer["error"]["param"] == "prompt[0]", answer
+    assert answer["error"]["message"].startswith("prompt[0] must be a non-empty string"), answer
 
 
 def test_echo_starts_each_completion_with_its_prompt(server, saved):

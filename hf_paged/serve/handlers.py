@@ -487,12 +487,15 @@ def _prompts(body) -> list | None:
 
 
 async def _naming_prompt(index: int, handling):
-    """`await handling`, where an error naming `prompt` names `prompt[index]`: one of several prompts."""
+    """`await handling`, where an error naming `prompt` names `prompt[index]`, in its param and its message's
+    words: one of several prompts."""
     try:
         return await handling
     except InvalidRequest as error:
         if error.param == "prompt":
             error.param = f"prompt[{index}]"
+            error.message = re.sub(r"\bprompt\b(?!\[)", error.param, error.message, count=1)
+            error.args = (error.message,)
         raise
 
 

@@ -235,8 +235,11 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
         raise InvalidRequest(f"logit_bias must map token ids to biases, got {value!r}", "logit_bias")
     pairs = []
     for token, bias in value.items():
-        if not (isinstance(token, str) and token.isascii() and token.isdigit()):  # int() would take " 5" or "5_0"
-            raise InvalidRequest(f"logit_bias keys must be token ids (digits), got {token!r}", "logit_bias")
+        # int() would take " 5" or "5_0", and refuses more than 4300 digits
+        if not (isinstance(token, str) and token.isascii() and token.isdigit() and len(token) <= 20):
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids (up to 20 digits), got {token[:40]!r}", "logit_bias"
+            )
         token_id = int(token)
         valid = isinstance(bias, int | float) and not isinstance(bias, bool) and -100 <= bias <= 100
         if token_id < 0 or not valid:
