@@ -1744,16 +1744,23 @@ def test_echo_with_logprobs_scores_the_prompt_as_lm_eval_asks(server, saved):
         assert len(choice["logprobs"]["tokens"]) == len(ids) + 1 and choice["logprobs"]["top_logprobs"][1] == {}
         assert "".join(choice["logprobs"]["tokens"]) == choice["text"]
     assert both["choices"][0]["logprobs"]["token_logprobs"][1:-1] == pytest.approx(scored, abs=1e-3)
-    # a string that its ids do not decode back to (a special token's text in it): the answer starts with the string,
-    # and the generated tokens' offsets point into it
-    status, special = post_json(server, "/v1/completions", body | {"prompt": "<s> " + text, "max_tokens": 2})
-    assert status == 200 and special["choices"][0]["text"].startswith("<s> " + text), special
-    generated = special["choices"][0]["logprobs"]
-    assert all(
-        special["choices"][0]["text"][offset:].startswith(token)
-        for offset, token in zip(generated["text_offset"][-2:], generated["tokens"][-2:])
-    )
-    assert generated["text_offset"][-2] == len("<s> " + text)
+    # strings that their ids do not decode back to (a special token's text, spaces, an unknown word): the answer
+    # starts with the string, its tokens' texts are the spans of it they cover, and every offset points at its text
+    for string in ("<s> " + text, "the  quick,brown", "zzz unknownword fox "):
+        for stream in (False, True):
+            request = body | {"prompt": string, "max_tokens": 2}
+            if stream:
+                chunks = [c["choices"][0] for c in events_of(server, "/v1/completions", request) if c["choices"]]
+                answer = "".join(chunk["text"] for chunk in chunks)
+                pieces = [chunk["logprobs"] for chunk in chunks if chunk.get("logprobs")]
+                scored = {field: [v for piece in pieces for v in piece[field]] for field in ("tokens", "text_offset")}
+            else:
+                status, one = post_json(server, "/v1/completions", request)
+                assert status == 200, one
+                answer, scored = one["choices"][0]["text"], one["choices"][0]["logprobs"]
+            assert answer.startswith(string) and "".join(scored["tokens"]) == answer, (string, scored)
+            assert all(answer[o:].startswith(t) for o, t in zip(scored["text_offset"], scored["tokens"]))
+            assert len(scored["tokens"]) == len(tokenizer(string)["input_ids"]) + 2
     # lm-eval's is_greedy: a continuation the model would have generated scores each token as its top one, exactly
     with torch.inference_mode():
         greedy = model.generate(torch.tensor([prompt]), max_new_tokens=3, do_sample=False)[0, len(prompt) :].tolist()

@@ -372,13 +372,44 @@ def _prompt_rows(tokenizer, generated):
     it)."""
     if getattr(generated, "prompt_logprobs", None) is None:
         return []
-    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None, ended=True)
+    text = getattr(generated, "prompt_text", None)
+    pieces = None if text is None else _string_pieces(tokenizer, text, generated.prompt_ids)
+    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None, True, pieces)
 
 
-def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | None, ended: bool = False) -> list:
+def _string_pieces(tokenizer, text: str, token_ids: list[int]) -> list[str] | None:
+    """The pieces of a string prompt that its tokens cover, from the tokenizer's offsets: token i's runs from the
+    end of token i - 1's span to the end of its own (the first from the start, the last to the end), so they add up
+    to the string as given, spaces and a special token's text included (its ids decoded would lose them). None where
+    the Rust tokenizer's encoding of the string is not `token_ids`."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    if not isinstance(backend, Tokenizer):
+        return None
+    encoding = backend.encode(text, add_special_tokens=True)
+    if encoding.ids != list(token_ids):
+        encoding = backend.encode(text, add_special_tokens=False)
+        if encoding.ids != list(token_ids):
+            return None
+    bounds = [0]
+    for _, end in encoding.offsets[:-1]:
+        bounds.append(min(max(bounds[-1], end), len(text)))
+    bounds.append(len(text))
+    return [text[start:end] for start, end in itertools.pairwise(bounds)]
+
+
+def _rows(
+    tokenizer,
+    token_ids: list[int],
+    records: list,
+    previous,
+    room: int | None,
+    ended: bool = False,
+    pieces: list[str] | None = None,
+) -> list:
     """`_logprob_rows` of `token_ids` (with their TokenLogprobs `records`, None for one without) after the tokens
     `previous`, their texts cut after `room` characters (None: not cut); the last keeps what its decode ends with
-    where the text ends with them (`ended`, or cut: a U+FFFD where they end inside a character)."""
+    where the text ends with them (`ended`, or cut: a U+FFFD where they end inside a character). `pieces`: the
+    tokens' texts where they are known (a string prompt's), else decoded."""
     skipped = skipped_ids(tokenizer)
     # The last PIECE_CONTEXT tokens before each that the answer's decode keeps (a run of special tokens, which it
     # skips, would leave no context, and a word-level decoder's space before the next word would be lost).
@@ -399,7 +430,10 @@ def _rows(tokenizer, token_ids: list[int], records: list, previous, room: int | 
     final_index = n - 1 if room is not None or ended else None
     rows = []
     for index, (token_id, record) in enumerate(zip(token_ids, records)):
-        piece = _added(before[index], with_token[index], final=index == final_index)
+        if pieces is not None:
+            piece = pieces[index]
+        else:
+            piece = _added(before[index], with_token[index], final=index == final_index)
         if piece is None:
             piece = _decode(tokenizer, [token_id])
         if room is not None:

@@ -156,6 +156,7 @@ class EngineManager(BaseGenerateManager):
             finish_reason=stream.finish_reason,
             prompt_ids=stream.prompt_ids if stream.prompt_logprobs is not None else (),
             prompt_logprobs=stream.prompt_logprobs,
+            prompt_text=stream.echoed_prompt,
         )
         return text, len(stream.prompt_ids), generated
 
@@ -203,10 +204,6 @@ class EngineManager(BaseGenerateManager):
         def decode(ids: list[int]) -> str:
             return tokenizer.decode(ids, skip_special_tokens=True)
 
-        echo_chars = 0  # the text an answer with its prompt's log probabilities starts with (echo)
-        if options.prompt_logprobs is not None:
-            echoed = options.echoed_prompt
-            echo_chars = len(echoed) if echoed is not None else len(decode(prompt_ids))
         stream = RequestStream(
             loop=asyncio.get_running_loop(),
             prompt_ids=prompt_ids,
@@ -220,7 +217,7 @@ class EngineManager(BaseGenerateManager):
             on_cancel=self._cancel,
             generation_config=gen_config,
             prompt_only=options.prompt_only,
-            echo_chars=echo_chars,
+            echoed_prompt=options.echoed_prompt,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

@@ -43,8 +43,9 @@ class GeneratedIds(list):
 
     An answer that echoes its prompt with log probabilities (completions' `echo` with `logprobs`) starts with the
     prompt's tokens (`prompt_ids`) and their `TokenLogprob`s (`prompt_logprobs`, entry i prompt token i + 1's: the
-    first has none), carried by the whole answer or its first streamed piece; its offsets then count the prompt's
-    text (its ids decoded) before the generated text."""
+    first has none), carried by the whole answer or its first streamed piece, with the string the answer starts
+    with when the prompt was one (`prompt_text`); its offsets then count the prompt's text (that string, else its ids
+    decoded) before the generated text."""
 
     def __init__(
         self,
@@ -56,6 +57,7 @@ class GeneratedIds(list):
         finish_reason: str | None = None,
         prompt_ids=(),
         prompt_logprobs: list | None = None,
+        prompt_text: str | None = None,
     ):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
@@ -63,6 +65,7 @@ class GeneratedIds(list):
         self.previous, self.text_offset = list(previous), text_offset
         self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
         self.prompt_ids, self.prompt_logprobs = list(prompt_ids), prompt_logprobs
+        self.prompt_text = prompt_text  # the string prompt the answer starts with (else its ids decoded)
 
 
 class LoggedText(str):
@@ -90,8 +93,8 @@ class RequestStream:
         the token count alone ("length" once `max_new_tokens` tokens came); a request that a stop token, eos or stop
         string ended on its last allowed token raises the config's `max_new_tokens` past that count when it ends, so
         its answer says "stop", as the Engine does.
-    echo_chars (`int`): the length of the prompt's text an answer with its prompt's log probabilities starts with
-        (echo), which the offsets of its tokens' texts count.
+    echoed_prompt (`str`, *optional*): the string prompt an answer with its prompt's log probabilities starts with
+        (echo; token ids are decoded instead), whose length the offsets of its tokens' texts count.
     prompt_only (`bool`): the answer is the prompt alone (completions' `max_tokens` 0 with `echo`): the tokens the
         Engine request generates are left out, and it ends with "length" (with the prompt's log probabilities, when
         it records them).
@@ -112,7 +115,7 @@ class RequestStream:
         on_cancel: Callable[[RequestStream], None],
         generation_config=None,
         prompt_only: bool = False,
-        echo_chars: int = 0,
+        echoed_prompt: str | None = None,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -150,7 +153,9 @@ class RequestStream:
         # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
         # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
-        self.echo_chars = echo_chars
+        self.echoed_prompt, self.echo_chars = echoed_prompt, 0
+        if sampling.get("prompt_logprobs") is not None:
+            self.echo_chars = len(echoed_prompt if echoed_prompt is not None else decode(prompt_ids))
         self._prompt_sent = False  # its TokenLogprobs went out with the first piece (stream)
         self._text_end: int | None = None  # the answer's length, once it has ended
         self._sent = ""  # text sent so far (plain text streams)
@@ -299,6 +304,7 @@ class RequestStream:
             text_end=None if self._text_end is None else self.echo_chars + self._text_end,
             prompt_ids=self.prompt_ids if first else (),
             prompt_logprobs=self.prompt_logprobs if first else None,
+            prompt_text=self.echoed_prompt if first else None,
         )
         if self._skipped is None:
             self._skipped = skipped_ids(self._tokenizer)
