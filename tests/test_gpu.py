@@ -317,3 +317,39 @@ def test_an_asynchronous_launch_does_not_sync(monkeypatch):
     )
     assert checked and not errors and [len(tokens) for tokens in sampled] == new_tokens
     assert all(0 <= token < engine.model.config.vocab_size for tokens in sampled for token in tokens)
+
+
+def test_engine_prompt_logprobs_on_cuda_are_one_forwards_log_softmax(monkeypatch):
+    """`prompt_logprobs` on CUDA (the Triton kernels, decode graphs on by default): rows that record them run the
+    eager packed forward, in chunks beside decode rows, and record the log-softmax of one forward over the prompt;
+    every row's tokens are those of a run without them."""
+    monkeypatch.delenv("HF_PAGED_ATTENTION_BACKEND", raising=False)
+    generator = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 128, (n,), generator=generator).tolist() for n in (37, 5, 21)]
+    model = tiny_model("llama", PAGED_ATTENTION, device="cuda")
+    pool = BlockPool.for_model(model, num_blocks=48, block_size=16)
+    engine = Engine(model, pool, max_num_seqs=3, max_num_batched_tokens=16)
+    plain = engine.generate(prompts, max_new_tokens=6, ignore_eos=True)
+    request_ids = [
+        engine.add_request(prompt, max_new_tokens=6, ignore_eos=True, **({} if i == 1 else {"prompt_logprobs": 2}))
+        for i, prompt in enumerate(prompts)
+    ]
+    while engine.has_unfinished():
+        engine.step()
+    finished = {request.request_id: request for request in engine.pop_finished()}
+    reference = tiny_model("llama", "sdpa", device="cuda")
+    for index, request_id in enumerate(request_ids):
+        request = finished[request_id]
+        assert request.output_ids == plain[index]
+        if index == 1:
+            assert request.prompt_logprobs == []
+            continue
+        prompt = request.prompt_ids
+        with torch.inference_mode():
+            logits = reference(torch.tensor([prompt], device="cuda")).logits[0, :-1].float()
+        expected = torch.log_softmax(logits, dim=-1).cpu()
+        scored = [expected[i, prompt[i + 1]].item() for i in range(len(prompt) - 1)]
+        assert [entry.logprob for entry in request.prompt_logprobs] == pytest.approx(scored, abs=1e-3)
+        best = torch.topk(expected, 2).indices.tolist()
+        assert [[token for token, _ in entry.top] for entry in request.prompt_logprobs] == best
+    assert pool.num_used_blocks == 0
