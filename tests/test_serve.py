@@ -1533,6 +1533,59 @@ def test_an_echoed_prompt_that_ends_inside_a_character_keeps_its_last_text():
     assert all(text[o:].startswith(t) for o, t in zip(logprobs["text_offset"], logprobs["tokens"]))
 
 
+def test_a_string_prompts_token_texts_are_those_of_its_ids():
+    """Byte-level BPE spells an emoji or a CJK character in several tokens, all of one span of the string: the
+    string's pieces give the character to the token that completes it, as its ids decoded do, so a prompt has the
+    same token texts sent as a string or as ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import GeneratedIds
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokenizer.train_from_iterator(SENTENCES, trainers.BpeTrainer(vocab_size=300, initial_alphabet=alphabet))
+    record = TokenLogprob(-1.0, ())
+    for text in ("a😀 the quick", "好 天气 fox", "the  quick"):
+        ids = tokenizer.encode(text).ids
+        tokens = {}
+        for prompt_text in (text, None):
+            generated = GeneratedIds([], [], prompt_ids=ids, prompt_logprobs=[record] * (len(ids) - 1))
+            generated.prompt_text = prompt_text
+            tokens[prompt_text] = _completion_logprobs(tokenizer, generated)["tokens"]
+        assert tokens[text] == tokens[None] and "".join(tokens[text]) == text, tokens
+
+
+def test_logprob_texts_of_byte_fallback_tokens_add_up():
+    """A ByteFallback decoder (Llama 2, Mistral, Gemma: a character outside the vocabulary as <0x..> byte tokens)
+    ends a decode inside a character with one U+FFFD per byte: the texts give the character to the token that
+    completes it, and add up to the answer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import GeneratedIds
+
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}}  # byte tokens: plain vocabulary entries
+    for piece in ("\u2581", "t", "h", "e", "f", "o", "x", "\u2581t", "\u2581th", "\u2581the"):
+        vocab.setdefault(piece, len(vocab))
+    merges = [("\u2581", "t"), ("\u2581t", "h"), ("\u2581th", "e")]
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    tokenizer.add_special_tokens(["<unk>"])
+    ids = tokenizer.encode("😀 the fox").ids
+    assert len([i for i in ids if tokenizer.id_to_token(i).startswith("<0x")]) == 4  # the emoji's bytes
+    generated = GeneratedIds(ids, [TokenLogprob(-1.0, ())] * len(ids))
+    tokens = _completion_logprobs(tokenizer, generated)["tokens"]
+    assert "".join(tokens) == tokenizer.decode(ids) and tokens[:5] == ["", "", "", "", "😀"], tokens  # "▁", 4 bytes
+
+
 def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
     leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special

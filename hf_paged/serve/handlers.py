@@ -322,7 +322,8 @@ def _added(text: str, longer: str, final: bool) -> str:
 def _unfinished_cut(text: str) -> str:
     """`text` without the one U+FFFD a decode ends with where its last bytes begin a character (a lossy UTF-8 decode
     gives one for an unfinished sequence; any U+FFFD before it is the answer's)."""
-    return text[:-1] if text.endswith(REPLACEMENT) else text
+    cut = len(text[-3:]) - len(text[-3:].rstrip(REPLACEMENT))  # up to 3: the bytes an unfinished character has
+    return text[: len(text) - cut]  # a ByteFallback decoder spells each unfinished byte as one
 
 
 def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:
@@ -390,9 +391,18 @@ def _string_pieces(tokenizer, text: str, token_ids: list[int]) -> list[str] | No
         encoding = backend.encode(text, add_special_tokens=False)
         if encoding.ids != list(token_ids):
             return None
+    # A token's piece ends where its span ends or the next token of the string starts, whichever is first: of the
+    # tokens sharing one span (a character's bytes, a prepended "▁") the last one gets it, as `_added` gives a
+    # character to the token that completes it. A post-processor's token (sequence id None) spans nothing.
+    offsets, sequences = encoding.offsets, encoding.sequence_ids
+    next_starts, following = [len(text)] * len(offsets), len(text)
+    for index in reversed(range(len(offsets))):
+        next_starts[index] = following
+        if sequences[index] is not None:
+            following = offsets[index][0]
     bounds = [0]
-    for _, end in encoding.offsets[:-1]:
-        bounds.append(min(max(bounds[-1], end), len(text)))
+    for (_, end), next_start in zip(offsets[:-1], next_starts):
+        bounds.append(min(max(bounds[-1], min(end, next_start)), len(text)))
     bounds.append(len(text))
     return [text[start:end] for start, end in itertools.pairwise(bounds)]
 
