@@ -1586,6 +1586,51 @@ def test_logprob_texts_of_byte_fallback_tokens_add_up():
     assert "".join(tokens) == tokenizer.decode(ids) and tokens[:5] == ["", "", "", "", "😀"], tokens  # "▁", 4 bytes
 
 
+def test_streamed_logprob_texts_are_spelled_as_the_answer_in_one_body():
+    """A WordPiece tokenizer whose transformers wrapper cleans up spaces after its Rust decoder (" ," -> ","): the
+    streamed pieces' token texts are spelled with the handler's tokenizer, as the answer in one body and its echoed
+    prompt are, so they add up to the echoed text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import RequestStream
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]", "[CLS]", "[SEP]"])
+    wordpiece.train_from_iterator(["hello , world . it ' s nice !"] * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    prompt, new = tokenizer("hello , world .")["input_ids"], tokenizer("nice !", add_special_tokens=False)["input_ids"]
+    echo = tokenizer.decode(prompt, skip_special_tokens=True)
+    assert echo != wordpiece.decode(prompt)  # the clean-up changes it
+    loop = asyncio.new_event_loop()
+    try:
+        stream = RequestStream(
+            loop=loop,
+            prompt_ids=prompt,
+            max_new_tokens=8,
+            sampling={"logprobs": 0, "prompt_logprobs": 0},
+            tokenizer=wordpiece,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            stop_strings=(),
+            streaming=True,
+            on_cancel=lambda stream: None,
+            logprob_tokenizer=tokenizer,
+        )
+        record = TokenLogprob(-1.0, ())
+        stream.deliver(new, True, logprobs=[record] * len(new), prompt_logprobs=[record] * (len(prompt) - 1))
+        first = stream.queue.get_nowait()
+    finally:
+        loop.close()
+    tokens = _completion_logprobs(first.tokenizer, first.generated)["tokens"]
+    assert "".join(tokens[: len(prompt)]) == echo, tokens
+
+
 def test_logprob_tokens_add_up_to_the_text_with_a_sentencepiece_tokenizer():
     """Metaspace (SentencePiece's spelling, as Llama 2, Mistral and Gemma tokenize): a token decoded alone loses its
     leading space; decoded after the tokens before it, each token's text adds up to the answer, a skipped special

@@ -218,6 +218,7 @@ class EngineManager(BaseGenerateManager):
             generation_config=gen_config,
             prompt_only=options.prompt_only,
             echoed_prompt=options.echoed_prompt,
+            logprob_tokenizer=tokenizer,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

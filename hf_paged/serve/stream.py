@@ -84,6 +84,9 @@ class RequestStream:
     prompt_ids (`list[int]`), max_new_tokens (`int`), sampling (`dict`): what the Engine runs
         (`Engine.add_request(prompt_ids, max_new_tokens, **sampling)`).
     tokenizer: the Rust tokenizer (`tokenizers.Tokenizer`), for incremental decoding.
+    logprob_tokenizer (*optional*): the tokenizer the streamed log probabilities' token texts are spelled with (the
+        handler's, which decodes the answer in one body: a transformers tokenizer may clean up spaces after the
+        Rust one); default `tokenizer`.
     decode (`Callable[[list[int]], str]`): the whole-output decode a non-streaming answer uses (the handler's).
     stop_strings (`tuple[str, ...]`): text that ends the request; neither it nor what follows is sent.
     response_parser (*optional*): transformers' `ResponseParser` for streaming, as the handler built it.
@@ -116,6 +119,7 @@ class RequestStream:
         generation_config=None,
         prompt_only: bool = False,
         echoed_prompt: str | None = None,
+        logprob_tokenizer=None,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -140,6 +144,7 @@ class RequestStream:
         self.finish_reason: str | None = None  # the Engine's ("stop", "length"), "stop" for a stop string
         self._generation_config = generation_config
         self._tokenizer, self._decode = tokenizer, decode
+        self._logprob_tokenizer = tokenizer if logprob_tokenizer is None else logprob_tokenizer
         self._decoder = DecodeStream([], skip_special_tokens=response_parser is None)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
@@ -310,7 +315,7 @@ class RequestStream:
             self._skipped = skipped_ids(self._tokenizer)
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
-        return LoggedText(text, generated, self._tokenizer)
+        return LoggedText(text, generated, self._logprob_tokenizer)
 
     @property
     def _prompt_unsent(self) -> bool:
