@@ -320,8 +320,9 @@ def _added(text: str, longer: str, final: bool) -> str:
 
 
 def _unfinished_cut(text: str) -> str:
-    """`text` without the one U+FFFD a decode ends with where its last bytes begin a character (a lossy UTF-8 decode
-    gives one for an unfinished sequence; any U+FFFD before it is the answer's)."""
+    """`text` without the U+FFFD a decode ends with where its last bytes begin a character: one from a lossy UTF-8
+    decode of an unfinished sequence, up to three from a ByteFallback decoder, one per byte (any before them are the
+    answer's)."""
     cut = len(text[-3:]) - len(text[-3:].rstrip(REPLACEMENT))  # up to 3: the bytes an unfinished character has
     return text[: len(text) - cut]  # a ByteFallback decoder spells each unfinished byte as one
 
@@ -375,14 +376,16 @@ def _prompt_rows(tokenizer, generated):
         return []
     text = getattr(generated, "prompt_text", None)
     pieces = None if text is None else _string_pieces(tokenizer, text, generated.prompt_ids)
-    return _rows(tokenizer, generated.prompt_ids, [None, *generated.prompt_logprobs], (), None, True, pieces)
+    records = [None, *generated.prompt_logprobs]
+    return _rows(tokenizer, generated.prompt_ids, records, (), None, ended=True, pieces=pieces)
 
 
 def _string_pieces(tokenizer, text: str, token_ids: list[int]) -> list[str] | None:
-    """The pieces of a string prompt that its tokens cover, from the tokenizer's offsets: token i's runs from the
-    end of token i - 1's span to the end of its own (the first from the start, the last to the end), so they add up
-    to the string as given, spaces and a special token's text included (its ids decoded would lose them). None where
-    the Rust tokenizer's encoding of the string is not `token_ids`."""
+    """The pieces of a string prompt that its tokens cover, from the tokenizer's offsets: token i's runs from where
+    token i - 1's ends to the end of its own span or the start of the next token's, whichever is first (the first
+    from the string's start, the last to its end), so they add up to the string as given, spaces and a special
+    token's text included (its ids decoded would lose them). None where the Rust tokenizer's encoding of the string
+    is not `token_ids`."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     if not isinstance(backend, Tokenizer):
         return None
@@ -430,13 +433,12 @@ def _rows(
             context = [*context[1 - PIECE_CONTEXT :], token_ids[index - 1]]
         contexts.append(context)
     n = len(contexts)
-    # Each context decoded, then with its token, then with each alternative: in one call.
+    # Each context decoded, then with its token (unless its text is known), then with each alternative: in one call.
+    with_tokens = [] if pieces is not None else [c + [t] for c, t in zip(contexts, token_ids)]
     alternatives = [(i, t) for i, record in enumerate(records[:n]) if record is not None for t, _ in record.top]
-    texts = _decode_all(
-        tokenizer,
-        contexts + [c + [t] for c, t in zip(contexts, token_ids)] + [contexts[i] + [t] for i, t in alternatives],
-    )
-    before, with_token, with_alternative = texts[:n], texts[n : 2 * n], iter(texts[2 * n :])
+    texts = _decode_all(tokenizer, contexts + with_tokens + [contexts[i] + [t] for i, t in alternatives])
+    before, with_token = texts[:n], texts[n : n + len(with_tokens)]
+    with_alternative = iter(texts[n + len(with_tokens) :])
     final_index = n - 1 if room is not None or ended else None
     rows = []
     for index, (token_id, record) in enumerate(zip(token_ids, records)):

@@ -154,9 +154,7 @@ class EngineManager(BaseGenerateManager):
             text_offset=stream.echo_chars,
             text_end=stream.echo_chars + len(text),
             finish_reason=stream.finish_reason,
-            prompt_ids=stream.prompt_ids if stream.prompt_logprobs is not None else (),
-            prompt_logprobs=stream.prompt_logprobs,
-            prompt_text=stream.echoed_prompt,
+            **stream.prompt_fields(),
         )
         return text, len(stream.prompt_ids), generated
 

@@ -307,15 +307,20 @@ class RequestStream:
             previous=self._context,
             text_offset=self.echo_chars + self._logged_chars,
             text_end=None if self._text_end is None else self.echo_chars + self._text_end,
-            prompt_ids=self.prompt_ids if first else (),
-            prompt_logprobs=self.prompt_logprobs if first else None,
-            prompt_text=self.echoed_prompt if first else None,
+            **(self.prompt_fields() if first else {}),
         )
         if self._skipped is None:
             self._skipped = skipped_ids(self._tokenizer)
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
         return LoggedText(text, generated, self._logprob_tokenizer)
+
+    def prompt_fields(self) -> dict:
+        """The `GeneratedIds` keywords of the prompt an answer echoes with its log probabilities, once they have come
+        (none before, or where the request records none)."""
+        if self.prompt_logprobs is None:
+            return {}
+        return dict(prompt_ids=self.prompt_ids, prompt_logprobs=self.prompt_logprobs, prompt_text=self.echoed_prompt)
 
     @property
     def _prompt_unsent(self) -> bool:
