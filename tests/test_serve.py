@@ -237,6 +237,21 @@ def server(saved, tmp_path_factory, request):
 
 
 def greedy_text(saved, prompt_ids: list[int], max_new_tokens: int) -> str:
+    """generate()'s greedy tokens decoded alone (a chat answer's text)."""
+    return saved[1].decode(greedy_ids(saved, prompt_ids, max_new_tokens), skip_special_tokens=True)
+
+
+def greedy_completion(saved, prompt_ids: list[int], max_new_tokens: int) -> str:
+    """generate()'s greedy tokens as a completion's text: what they add to the prompt's text, the two decoded together
+    (the word-level decoder's space before the first word included)."""
+    tokenizer = saved[1]
+    before = tokenizer.decode(prompt_ids, skip_special_tokens=True)
+    text = tokenizer.decode([*prompt_ids, *greedy_ids(saved, prompt_ids, max_new_tokens)], skip_special_tokens=True)
+    assert text.startswith(before)
+    return text[len(before) :]
+
+
+def greedy_ids(saved, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     _, tokenizer, model = saved
     num_threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the server runs beside this process: one thread each keeps a small machine responsive
@@ -247,7 +262,7 @@ def greedy_text(saved, prompt_ids: list[int], max_new_tokens: int) -> str:
             )
     finally:
         torch.set_num_threads(num_threads)
-    return tokenizer.decode(output[0, len(prompt_ids) :], skip_special_tokens=True)
+    return output[0, len(prompt_ids) :].tolist()
 
 
 def chat_ids(saved, messages: list[dict]) -> list[int]:
@@ -304,7 +319,7 @@ def test_metrics_and_health(server):
 
 def test_greedy_completion_equals_generate(server, saved):
     prompt = "the quick brown fox jumps over"
-    expected = greedy_text(saved, saved[1](prompt)["input_ids"], 12)
+    expected = greedy_completion(saved, saved[1](prompt)["input_ids"], 12)
     response = server.client.completions.create(model=server.model_dir, prompt=prompt, max_tokens=12, temperature=0)
     assert response.choices[0].text == expected
     assert response.choices[0].finish_reason == "length" and response.usage.completion_tokens == 12
@@ -581,7 +596,7 @@ def test_n_choices_are_parallel_samples_that_hold_the_prompt_once(server, saved)
         return response
 
     response = asyncio.run(run())
-    expected = greedy_text(saved, prompt_ids, new_tokens)
+    expected = greedy_completion(saved, prompt_ids, new_tokens)
     assert [choice.index for choice in response.choices] == [0, 1, 2, 3]
     assert all(choice.text == expected and choice.finish_reason == "length" for choice in response.choices)
     assert response.usage.completion_tokens == 4 * new_tokens and response.usage.prompt_tokens == len(prompt_ids)
@@ -873,6 +888,128 @@ def test_a_chat_template_reading_a_reasoning_effort_gets_the_requests(saved, tmp
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "reasoning_effort"
     finally:
         manager.stop()
+
+
+def sentencepiece_tokenizer() -> PreTrainedTokenizerFast:
+    """SentencePiece's spelling as Llama 2 and Mistral tokenize (Metaspace, a decoder that strips the first space):
+    a word's token spells its leading space ("▁fox"), which a decode of that token alone drops."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    spm = Tokenizer(models.BPE(unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    trainer = trainers.BpeTrainer(special_tokens=["<unk>", "<s>", "</s>"], vocab_size=200, show_progress=False)
+    spm.train_from_iterator(SENTENCES * 3, trainer)
+    bos = ("<s>", spm.token_to_id("<s>"))
+    spm.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[bos])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def test_a_completion_continues_its_prompts_text_with_a_sentencepiece_tokenizer(tmp_path):
+    """OpenAI's and vLLM's completions: the text continues the prompt's, so a SentencePiece token's leading space is
+    kept (" fox" after "the quick brown", where the token decoded alone gives "fox"): the prompt's text and the
+    answer's add up to the two decoded together, in one body, streamed, echoed and in the log probabilities' texts
+    and offsets. A chat answer is decoded alone, as transformers' server decodes it."""
+    from fastapi.testclient import TestClient
+
+    from hf_paged.serve.app import ServeConfig, build_app
+
+    tokenizer = sentencepiece_tokenizer()
+    fox = tokenizer.convert_tokens_to_ids("\u2581fox")
+    assert fox != tokenizer.unk_token_id and tokenizer.decode([fox]) == "fox"
+    tokenizer.save_pretrained(tmp_path)
+    make_model(len(tokenizer)).save_pretrained(tmp_path)
+    prompt = "the quick brown"
+    prompt_ids = tokenizer(prompt)["input_ids"]
+    assert prompt_ids[0] == tokenizer.bos_token_id  # a special token the decode skips
+    # every token is "▁fox": the answer is generate()'s with the bias, whatever the weights
+    body = {"prompt": prompt, "max_tokens": 3, "temperature": 0, "logit_bias": {str(fox): 100}, "ignore_eos": True}
+    expected = tokenizer.decode([*prompt_ids, fox, fox, fox], skip_special_tokens=True)[len(prompt) :]
+    assert expected == " fox fox fox"
+    app, manager = build_app(
+        ServeConfig(model=str(tmp_path), max_memory=str(NUM_BLOCKS * BYTES_PER_BLOCK), dtype="float32")
+    )
+    try:
+        client = TestClient(app)
+        for fields in ({}, {"prompt": prompt_ids}):  # a string, or its token ids
+            answer = client.post("/v1/completions", json=body | fields).json()
+            assert answer["choices"][0]["text"] == expected, answer
+            events = client.post("/v1/completions", json=body | fields | {"stream": True}).text.split("\n\n")
+            chunks = [json.loads(event.removeprefix("data: ")) for event in events if event.startswith("data: {")]
+            assert "".join(chunk["choices"][0]["text"] for chunk in chunks if chunk["choices"]) == expected
+        echoed = client.post("/v1/completions", json=body | {"echo": True, "logprobs": 0}).json()["choices"][0]
+        assert echoed["text"] == prompt + expected
+        logprobs = echoed["logprobs"]
+        assert logprobs["tokens"][-3:] == [" fox"] * 3 and "".join(logprobs["tokens"]) == echoed["text"]
+        assert logprobs["text_offset"][-3:] == [len(prompt), len(prompt) + 4, len(prompt) + 8]
+        streamed = client.post("/v1/completions", json=body | {"logprobs": 0, "stream": True}).text.split("\n\n")
+        tokens = [
+            token
+            for event in streamed
+            if event.startswith("data: {")
+            for choice in json.loads(event.removeprefix("data: "))["choices"]
+            for token in (choice.get("logprobs") or {}).get("tokens", [])  # (the last chunk has none)
+        ]
+        assert tokens == [" fox"] * 3
+        chat = {key: value for key, value in body.items() if key != "prompt"}
+        chat["messages"] = [{"role": "user", "content": prompt}]
+        answer = client.post("/v1/chat/completions", json=chat).json()
+        assert answer["choices"][0]["message"]["content"] == "fox fox fox", answer
+    finally:
+        manager.stop()
+
+
+def test_a_completion_after_a_prompt_cut_inside_a_character_is_decoded_alone():
+    """Token ids that end inside a UTF-8 character (a ByteFallback tokenizer's byte tokens) give no text to continue:
+    the completion's text is its tokens decoded alone, in one body and streamed, with log probabilities that add up
+    to it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import RequestStream
+
+    vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}, "\u2581the": 257, "\u2581fox": 258}
+    spm = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    spm.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    spm.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
+    emoji = [1 + byte for byte in "😀".encode()]
+    prompt, generated = [257, *emoji[:2]], [*emoji[2:], 258]  # the emoji's last two bytes complete it
+    assert spm.decode(prompt).endswith("\ufffd")
+    texts = {}
+    loop = asyncio.new_event_loop()
+    try:
+        for streaming in (False, True):
+            stream = RequestStream(
+                loop=loop,
+                prompt_ids=prompt,
+                max_new_tokens=3,
+                sampling={"logprobs": 0},
+                tokenizer=spm,
+                decode=spm.decode,
+                stop_strings=(),
+                streaming=streaming,
+                on_cancel=lambda stream: None,
+                continues_prompt=True,
+            )
+            record = TokenLogprob(-1.0, ())
+            stream.deliver(generated, True, logprobs=[record] * len(generated), finish_reason="length")
+            if streaming:
+                pieces = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+                texts[streaming] = "".join(piece for piece in pieces if piece is not None)
+                tokens = [t for piece in pieces[:-1] for t in _completion_logprobs(spm, piece.generated)["tokens"]]
+                assert "".join(tokens) == texts[streaming]
+            else:
+                texts[streaming] = loop.run_until_complete(stream.result)
+    finally:
+        loop.close()
+    assert texts[False] == texts[True] == spm.decode(generated), texts
 
 
 def events_of(server, path: str, body: dict) -> list[dict]:
@@ -1346,7 +1483,7 @@ def test_streams_end_with_done(server):
 
 def test_ignore_eos_and_stop(server, saved):
     prompt = "the quick brown fox jumps over"
-    full = greedy_text(saved, saved[1](prompt)["input_ids"], 12)
+    full = greedy_completion(saved, saved[1](prompt)["input_ids"], 12)
     stop = full.split()[3]
     response = server.client.completions.create(
         model=server.model_dir,
@@ -1383,12 +1520,13 @@ def test_a_stop_string_before_min_tokens_does_not_count(server, saved):
     """vLLM's rule: no stop string ends a request before `min_tokens` tokens; the answer in one body is cut where the
     stream was, at the first stop string that ends after them."""
     prompt = "the quick brown fox"
-    full = greedy_text(saved, saved[1](prompt)["input_ids"], 8)
+    full = greedy_completion(saved, saved[1](prompt)["input_ids"], 8)
     first = full.split()[0]
     body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": first, "min_tokens": 2}
     answer, streamed, _ = answer_and_stream(server, body)
-    rest = full[len(first) :]
-    expected = full[: len(first) + rest.index(first)] if first in rest else full
+    end = full.index(first) + len(first)  # the first word's end: the first token's text
+    rest = full[end:]
+    expected = full[: end + rest.index(first)] if first in rest else full
     assert answer["choices"][0]["text"] == streamed == expected
 
 
@@ -1397,7 +1535,7 @@ def test_a_stop_on_the_last_allowed_token_finishes_with_stop(server, saved):
     its last allowed token is still "stop", as the Engine's reason, in one body and streamed."""
     _, tokenizer, _ = saved
     prompt = "the quick brown fox"
-    full_ids = tokenizer(greedy_text(saved, tokenizer(prompt)["input_ids"], 5), add_special_tokens=False)["input_ids"]
+    full_ids = greedy_ids(saved, tokenizer(prompt)["input_ids"], 5)
     last = tokenizer.decode(full_ids[4:5])
     if last in tokenizer.decode(full_ids[:4]):
         pytest.skip("the fifth token's text comes earlier too")
@@ -1716,7 +1854,7 @@ def test_a_prompt_of_token_ids_runs_as_given(server, saved):
     without the tokenizer, in one body and streamed, and the answer is generate()'s on them; an id past the model's
     vocabulary is refused naming prompt."""
     prompt_ids = saved[1]("the quick brown fox")["input_ids"]
-    expected = greedy_text(saved, prompt_ids, 5)
+    expected = greedy_completion(saved, prompt_ids, 5)
     body = {"max_tokens": 5, "temperature": 0}
     for prompt in (prompt_ids, [prompt_ids]):
         status, answer = post_json(server, "/v1/completions", body | {"prompt": prompt})
@@ -1738,7 +1876,7 @@ def test_several_prompts_are_answered_as_one_request(server, saved):
     texts = ["the quick brown fox", "a paged cache keeps", "hello world"]
     prompts = [texts[0], tokenizer(texts[1])["input_ids"], texts[2]]
     prompt_ids = [tokenizer(text)["input_ids"] for text in texts]
-    expected = [greedy_text(saved, ids, 4) for ids in prompt_ids for _ in range(2)]
+    expected = [greedy_completion(saved, ids, 4) for ids in prompt_ids for _ in range(2)]
     usage = {"prompt_tokens": sum(map(len, prompt_ids)), "completion_tokens": 4 * 6}
     usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
     body = {"prompt": prompts, "n": 2, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
@@ -1773,7 +1911,7 @@ def test_echo_starts_each_completion_with_its_prompt(server, saved):
     tokenizer = saved[1]
     texts = ["the quick brown fox", "a paged cache keeps"]
     prompts = [texts[0], tokenizer(texts[1])["input_ids"]]
-    completions = [greedy_text(saved, tokenizer(text)["input_ids"], 3) for text in texts]
+    completions = [greedy_completion(saved, tokenizer(text)["input_ids"], 3) for text in texts]
     expected = [texts[0] + completions[0]] * 2 + [tokenizer.decode(prompts[1]) + completions[1]] * 2
     body = {"prompt": prompts, "n": 2, "max_tokens": 3, "temperature": 0, "echo": True}
     status, answer = post_json(server, "/v1/completions", body)

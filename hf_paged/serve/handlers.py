@@ -45,7 +45,7 @@ from .fields import (
 )
 from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
-from .stream import PIECE_CONTEXT, LoggedText, skipped_ids
+from .stream import PIECE_CONTEXT, REPLACEMENT, LoggedText, skipped_ids
 
 DONE = "data: [DONE]\n\n"
 
@@ -304,10 +304,6 @@ class _Recorder:
 
 def _decode(tokenizer, token_ids: list[int]) -> str:
     return tokenizer.decode(token_ids, skip_special_tokens=True)  # as the answer's text is decoded
-
-
-# What a decode ends with where its last token ends inside a UTF-8 character.
-REPLACEMENT = "\ufffd"
 
 
 def _added(text: str, longer: str, final: bool) -> str:

@@ -151,6 +151,7 @@ class EngineManager(BaseGenerateManager):
         generated = GeneratedIds(
             stream.token_ids,
             stream.logprobs[: len(stream.token_ids)],
+            previous=stream.text_after,
             text_offset=stream.echo_chars,
             text_end=stream.echo_chars + len(text),
             finish_reason=stream.finish_reason,
@@ -217,6 +218,7 @@ class EngineManager(BaseGenerateManager):
             prompt_only=options.prompt_only,
             echoed_prompt=options.echoed_prompt,
             logprob_tokenizer=tokenizer,
+            continues_prompt=options.continues_prompt,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

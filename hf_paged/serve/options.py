@@ -40,6 +40,10 @@ class RequestOptions:
     # Completions' max_tokens 0 with echo: the answer is the prompt alone (scored, with logprobs); its Engine request
     # generates one token, which the answer leaves out.
     prompt_only: bool = False
+    # Completions: the answer's text continues the prompt's, decoded after its last tokens (a SentencePiece token's
+    # leading space, which a decode of the generated tokens alone drops, is kept, as OpenAI's and vLLM's completions
+    # give it); a chat answer's text is decoded alone, as transformers' server decodes it.
+    continues_prompt: bool = False
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -206,6 +210,7 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         prompt_logprobs=logprobs if echo else None,
         echoed_prompt=body["prompt"] if echo and isinstance(body.get("prompt"), str) else None,
         prompt_only=echo and body.get("max_tokens") == 0,
+        continues_prompt=not chat,
         ignore_eos=ignore_eos,
         max_tokens_given=max_tokens_field is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),

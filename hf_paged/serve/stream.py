@@ -23,6 +23,8 @@ from ..errors import InvalidRequest
 
 # Tokens before a piece that its decode is taken after: enough for a tokenizer's merges and spaces at the boundary.
 PIECE_CONTEXT = 8
+# What a decode ends with where its last token ends inside a UTF-8 character.
+REPLACEMENT = "\ufffd"
 
 
 def skipped_ids(tokenizer) -> frozenset[int]:
@@ -35,11 +37,12 @@ def skipped_ids(tokenizer) -> frozenset[int]:
 
 class GeneratedIds(list):
     """Generated token ids (what transformers' handlers take), with the `TokenLogprob` of each when the request asked
-    for log probabilities (`logprobs`, else empty). A streamed piece's also carry the request's tokens before them
-    (`previous`, which their text is decoded after) and where their text starts in the answer (`text_offset`); once
-    the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a stop string). A
-    whole answer's also carry why it ended (`finish_reason`: the Engine's "stop" or "length", "stop" for a stop
-    string).
+    for log probabilities (`logprobs`, else empty), and the tokens before them that their text is decoded after
+    (`previous`: a streamed piece's, the request's tokens before it; an answer that continues its prompt's text, the
+    prompt's last ones, see `RequestStream`). A streamed piece's also carry where their text starts in the answer
+    (`text_offset`); once the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a
+    stop string). A whole answer's also carry why it ended (`finish_reason`: the Engine's "stop" or "length", "stop"
+    for a stop string).
 
     An answer that echoes its prompt with log probabilities (completions' `echo` with `logprobs`) starts with the
     prompt's tokens (`prompt_ids`) and their `TokenLogprob`s (`prompt_logprobs`, entry i prompt token i + 1's: the
@@ -101,6 +104,12 @@ class RequestStream:
     prompt_only (`bool`): the answer is the prompt alone (completions' `max_tokens` 0 with `echo`): the tokens the
         Engine request generates are left out, and it ends with "length" (with the prompt's log probabilities, when
         it records them).
+    continues_prompt (`bool`): the text continues the prompt's (completions): it is decoded after the prompt's last
+        `PIECE_CONTEXT` tokens that the decode keeps, so a token that spells its leading space inside it
+        (SentencePiece's "▁Paris") or a word-level decoder's space before a word keeps it, as in the prompt and its
+        answer decoded together (OpenAI's and vLLM's completions: " Paris" after "The capital of France is").
+        Decoded alone, the first token would lose it. Not where those tokens' text ends inside a character (token
+        ids cut in one): the text is then decoded alone.
     """
 
     def __init__(
@@ -120,6 +129,7 @@ class RequestStream:
         prompt_only: bool = False,
         echoed_prompt: str | None = None,
         logprob_tokenizer=None,
+        continues_prompt: bool = False,
     ):
         from tokenizers.decoders import DecodeStream
 
@@ -145,16 +155,25 @@ class RequestStream:
         self._generation_config = generation_config
         self._tokenizer, self._decode = tokenizer, decode
         self._logprob_tokenizer = tokenizer if logprob_tokenizer is None else logprob_tokenizer
-        self._decoder = DecodeStream([], skip_special_tokens=response_parser is None)
+        self._skipped = skipped_ids(self._logprob_tokenizer)
+        # The prompt's last tokens the text is decoded after (continues_prompt), and their text.
+        self.text_after: list[int] = []
+        self._text_before = ""
+        if continues_prompt:
+            self.text_after = [t for t in prompt_ids if t not in self._skipped][-PIECE_CONTEXT:]
+            self._text_before = decode(self.text_after) if self.text_after else ""
+            if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
+                self.text_after, self._text_before = [], ""
+        self._decoder = DecodeStream(self.text_after, skip_special_tokens=response_parser is None)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
-        # tokens it skips), which the next ones' texts are decoded after (stream).
-        self._context: list[int] = []
-        self._skipped: frozenset[int] | None = None
+        # tokens it skips), which the next ones' texts are decoded after (stream); first the prompt's the text
+        # continues.
+        self._context: list[int] = list(self.text_after)
         # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
         # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
@@ -251,13 +270,23 @@ class RequestStream:
     def _final_text(self) -> str:
         """The whole output decoded at once, cut where a stop string ended the request: at the first one that ends
         after the text of its first `min_tokens` tokens (before them none counts, as `deliver` checks them)."""
-        text = self._decode(self.token_ids)
+        text = self.decode_text(self.token_ids)
         if not self.stopped:
             return text
         min_tokens = self.sampling.get("min_tokens", 0)
-        allowed = len(self._decode(self.token_ids[:min_tokens])) if min_tokens else 0
+        allowed = len(self.decode_text(self.token_ids[:min_tokens])) if min_tokens else 0
         positions = [i for i in (text.find(stop, max(allowed - len(stop) + 1, 0)) for stop in self._stops) if i >= 0]
         return text[: min(positions)] if positions else text
+
+    def decode_text(self, token_ids: list[int]) -> str:
+        """The text of generated `token_ids` as the answer has it: decoded whole, after the prompt's last tokens where
+        it continues the prompt (`continues_prompt`; alone where that decode does not start with theirs)."""
+        if not self.text_after:
+            return self._decode(token_ids)
+        text = self._decode([*self.text_after, *token_ids])
+        if text.startswith(self._text_before):
+            return text[len(self._text_before) :]
+        return self._decode(token_ids)
 
     def _finish(self) -> None:
         self._closed = True
@@ -309,8 +338,6 @@ class RequestStream:
             text_end=None if self._text_end is None else self.echo_chars + self._text_end,
             **(self.prompt_fields() if first else {}),
         )
-        if self._skipped is None:
-            self._skipped = skipped_ids(self._tokenizer)
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
         return LoggedText(text, generated, self._logprob_tokenizer)
