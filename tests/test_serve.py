@@ -530,7 +530,10 @@ def tool_call(arguments) -> dict:
         ("/v1/completions", {"n": 1.5}, "n"),
         ("/v1/completions", {"suffix": " END"}, "suffix"),
         ("/v1/chat/completions", {"web_search_options": {}}, "web_search_options"),
-        ("/v1/responses", {"include": ["message.output_text.logprobs"]}, "include"),
+        ("/v1/responses", {"include": ["reasoning.encrypted_content"]}, "include"),
+        ("/v1/responses", {"include": ["message.output_text.logprobs", "no.such.output"]}, "include"),
+        ("/v1/responses", {"include": "message.output_text.logprobs"}, "include"),
+        ("/v1/responses", {"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
         ("/v1/responses", {"tools": [{"type": "web_search"}]}, "tools[0]"),
         ("/v1/chat/completions", {"foo": 1}, "foo"),
         ("/v1/completions", {"messages": []}, "messages"),
@@ -963,15 +966,10 @@ def test_a_completion_continues_its_prompts_text_with_a_sentencepiece_tokenizer(
         manager.stop()
 
 
-def test_a_completion_after_a_prompt_cut_inside_a_character_is_decoded_alone():
-    """Token ids that end inside a UTF-8 character (a ByteFallback tokenizer's byte tokens) give no text to continue:
-    the completion's text is its tokens decoded alone, in one body and streamed, with log probabilities that add up
-    to it."""
+def byte_fallback_tokenizer():
+    """SentencePiece's ByteFallback spelling (Llama 2, Mistral): a character outside the vocabulary is its UTF-8 bytes
+    as tokens <0x00> to <0xFF>, which the decoder joins in runs."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    from hf_paged.engine.sampling import TokenLogprob
-    from hf_paged.serve.handlers import _completion_logprobs
-    from hf_paged.serve.stream import RequestStream
 
     vocab = {"<unk>": 0, **{f"<0x{i:02X}>": 1 + i for i in range(256)}, "\u2581the": 257, "\u2581fox": 258}
     spm = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
@@ -979,37 +977,128 @@ def test_a_completion_after_a_prompt_cut_inside_a_character_is_decoded_alone():
     spm.decoder = decoders.Sequence(
         [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
     )
-    emoji = [1 + byte for byte in "😀".encode()]
-    prompt, generated = [257, *emoji[:2]], [*emoji[2:], 258]  # the emoji's last two bytes complete it
-    assert spm.decode(prompt).endswith("\ufffd")
-    texts = {}
+    return spm
+
+
+def continued_texts(tokenizer, handler_tokenizer, prompt: list[int], generated: list[int]):
+    """A completion's (text, token texts) of `generated` after `prompt`, in one body and streamed one token a step."""
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _completion_logprobs
+    from hf_paged.serve.stream import GeneratedIds, RequestStream
+
+    answers = []
     loop = asyncio.new_event_loop()
     try:
         for streaming in (False, True):
             stream = RequestStream(
                 loop=loop,
                 prompt_ids=prompt,
-                max_new_tokens=3,
+                max_new_tokens=len(generated),
                 sampling={"logprobs": 0},
-                tokenizer=spm,
-                decode=spm.decode,
+                tokenizer=tokenizer,
+                decode=lambda ids: handler_tokenizer.decode(ids, skip_special_tokens=True),
                 stop_strings=(),
                 streaming=streaming,
                 on_cancel=lambda stream: None,
+                logprob_tokenizer=handler_tokenizer,
                 continues_prompt=True,
             )
-            record = TokenLogprob(-1.0, ())
-            stream.deliver(generated, True, logprobs=[record] * len(generated), finish_reason="length")
+            for index, token in enumerate(generated):
+                stream.deliver([token], index == len(generated) - 1, logprobs=[TokenLogprob(-1.0, ())])
             if streaming:
-                pieces = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
-                texts[streaming] = "".join(piece for piece in pieces if piece is not None)
-                tokens = [t for piece in pieces[:-1] for t in _completion_logprobs(spm, piece.generated)["tokens"]]
-                assert "".join(tokens) == texts[streaming]
+                pieces = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())][:-1]
+                rows = [_completion_logprobs(piece.tokenizer, piece.generated)["tokens"] for piece in pieces]
+                tokens = [token for piece_tokens in rows for token in piece_tokens]
+                answers.append(("".join(pieces), tokens))
             else:
-                texts[streaming] = loop.run_until_complete(stream.result)
+                text = loop.run_until_complete(stream.result)
+                generated_ids = GeneratedIds(stream.token_ids, stream.logprobs, previous=stream.text_after)
+                answers.append((text, _completion_logprobs(handler_tokenizer, generated_ids)["tokens"]))
     finally:
         loop.close()
-    assert texts[False] == texts[True] == spm.decode(generated), texts
+    return answers
+
+
+def test_a_completion_after_byte_tokens_continues_the_text_before_them():
+    """ByteFallback prompts: token ids cut inside a character give no text to continue (the completion is decoded
+    alone); a prompt ending in the bytes of a whole character (a newline's <0x0A>) is continued after the tokens
+    before them (the decoder joins a run of bytes, so the answer's would change how those decode); a byte that begins
+    no character after the prompt's does not stop the stream. In one body and streamed alike, the token texts adding
+    up to the text."""
+    spm = byte_fallback_tokenizer()
+    byte = {i: 1 + i for i in range(256)}
+    the, fox = 257, 258
+    cut = [the, *(byte[b] for b in "😀".encode()[:2])]
+    cases = [
+        (cut, [*(byte[b] for b in "😀".encode()[2:]), fox], None),  # decoded alone
+        ([the, byte[0x0A]], [*(byte[b] for b in "😃".encode()), fox], ["", "", "", "😃", " fox"]),
+        ([byte[0x0A]], [byte[0xF9], fox], None),
+    ]
+    assert spm.decode(cut).endswith("\ufffd")
+    for prompt, generated, expected in cases:
+        (text, tokens), (streamed, streamed_tokens) = continued_texts(spm, spm, prompt, generated)
+        assert text == streamed and tokens == streamed_tokens and "".join(tokens) == text, (prompt, text, streamed)
+        if expected is None:  # no text before the answer's: its ids decoded alone
+            assert text == spm.decode(generated), text
+        else:
+            assert tokens == expected
+
+
+def test_a_stop_string_inside_the_min_tokens_text_does_not_count_however_the_tokens_come():
+    """vLLM's rule, as the answer in one body applies it: a stop string counts only where it ends after the text of
+    the first `min_tokens` tokens, also when the Engine delivers several tokens at once to a stream."""
+    from hf_paged.serve.stream import RequestStream
+
+    tokenizer = make_tokenizer()
+    generated = tokenizer("world quick dog world", add_special_tokens=False)["input_ids"]
+    texts = []
+    loop = asyncio.new_event_loop()
+    try:
+        for streaming, groups in ((False, [1, 1, 1, 1]), (True, [1, 1, 1, 1]), (True, [3, 1]), (True, [4])):
+            stream = RequestStream(
+                loop=loop,
+                prompt_ids=[tokenizer.bos_token_id],
+                max_new_tokens=len(generated),
+                sampling={"min_tokens": 1},
+                tokenizer=tokenizer._tokenizer,
+                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                stop_strings=("wor",),
+                streaming=streaming,
+                on_cancel=lambda stream: None,
+            )
+            start = 0
+            for size in groups:
+                stream.deliver(generated[start : start + size], start + size == len(generated))
+                start += size
+            if streaming:
+                texts.append("".join(stream.queue.get_nowait() for _ in range(stream.queue.qsize() - 1)))
+            else:
+                texts.append(loop.run_until_complete(stream.result))
+            assert stream.stopped
+    finally:
+        loop.close()
+    assert texts == ["world quick dog "] * 4, texts
+
+
+def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
+    """A transformers tokenizer that cleans up spaces after its decoder (WordPiece's " '" -> "'") would join the
+    completion to the prompt's last word in one body and not in the stream (the Rust decoder does not clean up): its
+    completions are decoded alone, the same in one body and streamed."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"])
+    wordpiece.train_from_iterator(["hello ' quote world"] * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    prompt, generated = wordpiece.encode("hello").ids, wordpiece.encode("' quote").ids
+    assert tokenizer.decode(prompt + generated) == "hello'quote"  # cleaned up
+    (text, tokens), (streamed, streamed_tokens) = continued_texts(wordpiece, tokenizer, prompt, generated)
+    assert text == streamed == tokenizer.decode(generated) == "' quote" and tokens == streamed_tokens == ["'", " quote"]
 
 
 def events_of(server, path: str, body: dict) -> list[dict]:
@@ -1026,6 +1115,101 @@ def events_of(server, path: str, body: dict) -> list[dict]:
 def response_text(response: dict) -> str:
     """A Responses API body's output text (what the openai client's `output_text` gives)."""
     return "".join(part["text"] for item in response["output"] if item["type"] == "message" for part in item["content"])
+
+
+def test_responses_log_probabilities_are_the_message_texts(server, saved):
+    """The Responses API's `include: ["message.output_text.logprobs"]` with `top_logprobs`: the message's
+    `output_text` part carries each token's text (adding up to the part's), log probability, UTF-8 bytes and top
+    alternatives, the same as chat's for the same messages; streamed, each `response.output_text.delta` carries
+    those of its own text's tokens, and the done events and the last response all of them; top_logprobs without
+    the include is refused naming it."""
+    messages = [{"role": "user", "content": "hello world , what is a block table ?"}]
+    body = {
+        "input": messages[0]["content"],
+        "max_output_tokens": 6,
+        "temperature": 0,
+        "ignore_eos": True,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    }
+    status, response = post_json(server, "/v1/responses", body)
+    assert status == 200, response
+    part = response["output"][0]["content"][0]
+    entries = part["logprobs"]
+    assert len(entries) == 6 and "".join(entry["token"] for entry in entries) == part["text"]
+    assert all(entry["bytes"] == list(entry["token"].encode()) and len(entry["top_logprobs"]) == 2 for entry in entries)
+    chat = {"messages": messages, "max_tokens": 6, "temperature": 0, "ignore_eos": True, "logprobs": True}
+    status, answer = post_json(server, "/v1/chat/completions", chat | {"top_logprobs": 2})
+    assert status == 200, answer
+    assert entries == answer["choices"][0]["logprobs"]["content"]  # the same model, tokens and alternatives
+
+    events = events_of(server, "/v1/responses", body)
+    deltas = [event for event in events if event["type"] == "response.output_text.delta"]
+    assert deltas and all("".join(e["token"] for e in delta["logprobs"]) == delta["delta"] for delta in deltas)
+    without_bytes = [
+        {
+            "token": e["token"],
+            "logprob": e["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in e["top_logprobs"]],
+        }
+        for e in entries
+    ]
+    streamed = [e for delta in deltas for e in delta["logprobs"]]
+    # a token whose text is empty (a special token) after the last delta comes in the done events only
+    assert streamed == without_bytes[: len(streamed)] and all(e["token"] == "" for e in without_bytes[len(streamed) :])
+    done = next(event for event in events if event["type"] == "response.output_text.done")
+    assert done["logprobs"] == entries
+    last = events[-1]["response"]
+    assert last["output"][0]["content"][0]["logprobs"] == entries
+    status, plain = post_json(server, "/v1/responses", {key: v for key, v in body.items() if key != "top_logprobs"})
+    assert status == 200 and [e["top_logprobs"] for e in plain["output"][0]["content"][0]["logprobs"]] == [[]] * 6
+    status, error = post_json(server, "/v1/responses", {key: v for key, v in body.items() if key != "include"})
+    assert status == 400 and error["error"]["param"] == "top_logprobs", error
+
+
+def test_responses_log_probabilities_leave_out_the_reasoning_tokens():
+    """A parsed answer (Qwen 3's response template: reasoning in <think> ... </think>, then the message): the
+    message text's log probabilities are those of its own tokens, streamed (each content piece's, none for the
+    reasoning or its markers) and in one body (the tokens whose text makes up the parsed content)."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, ResponseParser
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _logprob_rows, _rows_of_text
+    from hf_paged.serve.stream import GeneratedIds, RequestStream
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
+    ids = tokenizer.encode("<think> the lazy dog </think> the quick brown fox", add_special_tokens=False)
+    records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
+    content = [-6.0, -7.0, -8.0, -9.0]  # the last four tokens': " the quick brown fox"
+    loop = asyncio.new_event_loop()
+    try:
+        stream = RequestStream(
+            loop=loop,
+            prompt_ids=[tokenizer.bos_token_id],
+            max_new_tokens=len(ids),
+            sampling={"logprobs": 0},
+            tokenizer=tokenizer._tokenizer,
+            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+            stop_strings=(),
+            response_parser=ResponseParser(template, prefix=""),
+            streaming=True,
+            on_cancel=lambda stream: None,
+            logprob_tokenizer=tokenizer,
+            content_logprobs=True,
+        )
+        for index, token in enumerate(ids):
+            stream.deliver([token], index == len(ids) - 1, logprobs=[records[index]])
+        items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    finally:
+        loop.close()
+    pieces = [item for item in items if type(item) is str]  # content (reasoning comes as ReasoningText)
+    assert "".join(pieces).strip() == "the quick brown fox"
+    queued = list(stream.content_logprobs_queue)
+    assert len(queued) == len(pieces) and [r.logprob for piece in queued for r in piece.logprobs] == content
+    rows = _logprob_rows(tokenizer, GeneratedIds(ids, records))
+    assert [record.logprob for _, record, _ in _rows_of_text(rows, "the quick brown fox")] == content
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(server, saved):

@@ -15,7 +15,7 @@ import json
 import math
 
 from ..errors import InvalidRequest
-from .options import EXTENSION_FIELDS
+from .options import EXTENSION_FIELDS, OUTPUT_TEXT_LOGPROBS
 
 CHAT, COMPLETIONS, RESPONSES = "chat.completions", "completions", "responses"
 
@@ -37,7 +37,8 @@ READ_FIELDS = {
     ),
     RESPONSES: (
         "model", "input", "instructions", "stream", "stream_options", "max_output_tokens", "temperature", "top_p",
-        "seed", "tools", "parallel_tool_calls", "max_tool_calls", "reasoning", "text", "generation_config",
+        "seed", "tools", "parallel_tool_calls", "max_tool_calls", "reasoning", "text", "include", "top_logprobs",
+        "generation_config",
     ),
 }  # fmt: skip
 # The request's bookkeeping at OpenAI (metadata, user, safety_identifier, store, service_tier), its prompt cache's
@@ -67,8 +68,6 @@ _UNAPPLIED = {
     "web_search_options": ((), "a web search"),
     "verbosity": (("medium",), "answers longer or shorter than the model's own"),
     "moderation": ((), "moderation of the input and output"),
-    "include": (([],), "extra output items"),
-    "top_logprobs": ((0,), "log probabilities of the most likely tokens"),
     "background": ((False,), "a response run in the background, fetched later"),
     "background_options": (({},), "a response run in the background, fetched later"),
     "conversation": ((), "a stored conversation's items before the input"),
@@ -86,7 +85,7 @@ UNAPPLIED_FIELDS = {
         ),
         COMPLETIONS: ("suffix",),
         RESPONSES: (
-            "tool_choice", "previous_response_id", "include", "top_logprobs", "background",
+            "tool_choice", "previous_response_id", "background",
             "background_options", "conversation", "prompt", "truncation", "context_management", "access_programs",
             "moderation",
         ),
@@ -269,6 +268,7 @@ def check_body(body: dict, endpoint: str) -> None:
     elif endpoint == RESPONSES:
         _check_input(body)
         _check_tools(body.get("tools"), RESPONSES)
+        _check_include(body.get("include"))
     _check_stream_fields(body)
     _check_tool_limits(body)
     _check_reasoning(body)
@@ -283,6 +283,34 @@ def check_body(body: dict, endpoint: str) -> None:
             name,
         )
     _check_generation_config(body.get("generation_config"))
+
+
+# The Responses API's `include` values (OpenAI's), and what each asks for; the server gives the message text's log
+# probabilities (options.OUTPUT_TEXT_LOGPROBS) and refuses the others.
+INCLUDE_ASKS_FOR = {
+    "file_search_call.results": "a file search's results",
+    "web_search_call.results": "a web search's results",
+    "web_search_call.action.sources": "a web search's sources",
+    "message.input_image.image_url": "the input images' URLs",
+    "computer_call_output.output.image_url": "a computer call's screenshots",
+    "code_interpreter_call.outputs": "a code interpreter's outputs",
+    "reasoning.encrypted_content": "the reasoning, encrypted, to send back in a later request",
+}
+
+
+def _check_include(include) -> None:
+    """The Responses API's `include`: a list of OpenAI's values, of which the server gives
+    "message.output_text.logprobs" (the others are refused, naming `include`)."""
+    if include is None:
+        return
+    if not isinstance(include, list) or not all(isinstance(value, str) for value in include):
+        raise InvalidRequest(f"include must be a list of strings, got {_short(include)}", "include")
+    for value in include:
+        if value == OUTPUT_TEXT_LOGPROBS:
+            continue
+        asked = INCLUDE_ASKS_FOR.get(value)
+        what = f"asks for {asked}, which hf-paged serve does not give" if asked else "is not one of OpenAI's values"
+        raise InvalidRequest(f'include value {_short(value)} {what}; allowed: ["{OUTPUT_TEXT_LOGPROBS}"]', "include")
 
 
 def _is_neutral(value, neutral: tuple) -> bool:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
+import difflib
 import itertools
 import json
 import re
@@ -45,7 +46,7 @@ from .fields import (
 )
 from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
-from .stream import PIECE_CONTEXT, REPLACEMENT, LoggedText, skipped_ids
+from .stream import PIECE_CONTEXT, REPLACEMENT, GeneratedIds, LoggedText, cleans_up_spaces, overlaps, skipped_ids
 
 DONE = "data: [DONE]\n\n"
 
@@ -164,7 +165,7 @@ class RequestOptionsMixin:
         super()._validate_request({key: value for key, value in body.items() if key not in EXTENSION_FIELDS})
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
-        options = read_options(body, chat=self.endpoint != COMPLETIONS)
+        options = read_options(body, chat=self.endpoint != COMPLETIONS, responses=self.endpoint == RESPONSES)
         # Without "seed": the handler would reseed torch's global generator, which every unseeded request shares.
         handler_body = {key: value for key, value in body.items() if key != "seed"}
         if isinstance(handler_body.get("generation_config"), dict):  # the handler reads it as JSON text
@@ -345,10 +346,7 @@ def _batch_decodes_alike(tokenizer) -> bool:
         and kind.decode is PreTrainedTokenizerBase.decode
     ):
         return False
-    if not tokenizer.clean_up_tokenization_spaces:
-        return True
-    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
-    return type(tokenizer.backend_tokenizer.model).__name__ == "BPE" and not forced
+    return not cleans_up_spaces(tokenizer)
 
 
 def _logprob_rows(tokenizer, generated):
@@ -801,7 +799,9 @@ class PagedCompletionHandler(RequestOptionsMixin, ChoicesMixin, PromptMixin, Com
 
 class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
     """`/v1/responses`. A request that does not set `stream` gets one JSON response, as OpenAI's API says (the
-    stock handler streams it)."""
+    stock handler streams it). `include: ["message.output_text.logprobs"]` (with `top_logprobs`, 0-20) gives the
+    message text's log probabilities: its `output_text` part's `logprobs` (OpenAI's entries: `token`, `logprob`,
+    `bytes`, `top_logprobs`), and streamed each `response.output_text.delta`'s, of the tokens its text came from."""
 
     endpoint = RESPONSES
     _normalize_input = staticmethod(normalize_input)
@@ -817,6 +817,10 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
             request_id, model, processor, model_id, body, inputs, gen_config, recorder, **kw
         )
         answer = _as_requested(json.loads(response.body), body)
+        options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
+        if options is not None and options.logprobs is not None:
+            rows = _logprob_rows(getattr(processor, "tokenizer", processor), recorder.generated)
+            answer["output"] = [_with_logprobs(item, rows) for item in answer.get("output") or []]
         return JSONResponse(_incomplete(answer) if recorder.generated.finish_reason == "length" else answer)
 
     def _streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
@@ -879,6 +883,55 @@ def _incomplete_item(item: dict) -> dict:
     return {**item, "status": "incomplete"} if item.get("type") == "message" else item
 
 
+def _with_logprobs(item: dict, rows: list, given: bool = False) -> dict:
+    """A Responses API output item with its `output_text` parts' log probabilities (a message's): of the `rows`
+    (`_logprob_rows`' of the answer) whose text makes up the part's (`_rows_of_text`), or all of `rows` where they
+    are the ones the part's text was streamed with (`given`)."""
+    if not isinstance(item, dict) or item.get("type") != "message" or not isinstance(item.get("content"), list):
+        return item
+    return {**item, "content": [_part_with_logprobs(part, rows, given) for part in item["content"]]}
+
+
+def _part_with_logprobs(part, rows: list, given: bool = False):
+    if not isinstance(part, dict) or part.get("type") != "output_text":
+        return part
+    kept = rows if given else _rows_of_text(rows, part.get("text") or "")
+    return {**part, "logprobs": [_response_logprob(row) for row in kept]}
+
+
+def _rows_of_text(rows: list, text: str) -> list:
+    """The rows (`_logprob_rows`': their texts add up to the answer) whose text makes up `text`, a part of the answer
+    as a parser cut it (the message's content without its reasoning, tool calls and their markers): those whose text
+    overlaps where `text` is in the answer (its last occurrence; else the answer's characters matched to it)."""
+    answer = "".join(piece for piece, _, _ in rows)
+    if text == answer:
+        return rows
+    at = answer.rfind(text) if text else -1
+    if at >= 0:
+        parts = [(at, at + len(text))]
+    else:
+        matcher = difflib.SequenceMatcher(None, answer, text, autojunk=False)
+        parts = [(start, start + size) for start, _, size in matcher.get_matching_blocks() if size]
+    kept, start = [], 0
+    for row in rows:
+        end = start + len(row[0])
+        if any(overlaps(start, end, first, last) for first, last in parts):
+            kept.append(row)
+        start = end
+    return kept
+
+
+def _response_logprob(row, with_bytes: bool = True) -> dict:
+    """A Responses API log probability entry of a row (`_logprob_rows`'): an `output_text` part's, with each text's
+    UTF-8 `bytes`, or a `response.output_text.delta`'s, without."""
+
+    def entry(text: str, logprob: float) -> dict:
+        return _token_entry(text, logprob) if with_bytes else {"token": text, "logprob": logprob}
+
+    piece, record, top = row
+    return {**entry(piece, record.logprob), "top_logprobs": [entry(text, lp) for text, lp in top]}
+
+
 async def _response_events(chunks, recorder: _Recorder, body: dict):
     """A Responses API stream, each event's `response` with the request's settings (`_as_requested`); where
     max_output_tokens cut the request, its message's `response.output_item.done` says "incomplete" and it ends with
@@ -889,11 +942,14 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     the items dropped before that index."""
     one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
     dropped_events, dropped_indices = 0, []  # the events dropped so far; the output indices of the items dropped
+    given = []  # the log probability rows the message's text deltas have carried (content_logprobs)
 
     def as_asked(event: str, data: dict | None) -> str:
         nonlocal calls, dropped_events
         if data is None:
             return event
+        if recorder.stream is not None and recorder.stream.content_logprobs:
+            data = with_logprobs(data, recorder.stream)
         item = data.get("item")
         if one_call and data.get("type") == "response.output_item.added" and _is_function_call(item):
             calls += 1
@@ -918,6 +974,30 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
             elif data.get("type") == "response.output_item.done":
                 data = {**data, "item": _incomplete_item(data["item"])}
         return f"data: {json.dumps(data)}"
+
+    def with_logprobs(data: dict, stream) -> dict:
+        """The event with the message text's log probabilities: a delta's, those of the tokens its text came from
+        (the stream's `content_logprobs_queue`, one entry per delta, in order); the text's, part's, item's and
+        response's once done, all the deltas'."""
+        kind = data.get("type")
+        if kind == "response.output_text.delta":
+            queued = stream.content_logprobs_queue
+            rows = _logprob_rows(stream.logprob_tokenizer, queued.popleft() if queued else GeneratedIds([]))
+            given.extend(rows)
+            return {**data, "logprobs": [_response_logprob(row, with_bytes=False) for row in rows]}
+        if kind == "response.output_text.done":
+            while stream.content_logprobs_queue:  # tokens after the last delta's, with empty text
+                given.extend(_logprob_rows(stream.logprob_tokenizer, stream.content_logprobs_queue.popleft()))
+            return {**data, "logprobs": [_response_logprob(row) for row in given]}
+        if kind in ("response.content_part.added", "response.content_part.done"):
+            return {**data, "part": _part_with_logprobs(data.get("part"), given, given=True)}
+        if kind in ("response.output_item.added", "response.output_item.done"):
+            return {**data, "item": _with_logprobs(data.get("item"), given, given=True)}
+        response = data.get("response")
+        if isinstance(response, dict) and isinstance(response.get("output"), list):
+            output = [_with_logprobs(item, given, given=True) for item in response["output"]]
+            return {**data, "response": {**response, "output": output}}
+        return data
 
     try:
         async for chunk in chunks:

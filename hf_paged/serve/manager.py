@@ -219,6 +219,7 @@ class EngineManager(BaseGenerateManager):
             echoed_prompt=options.echoed_prompt,
             logprob_tokenizer=tokenizer,
             continues_prompt=options.continues_prompt,
+            content_logprobs=options.content_logprobs,
         )
         self._inbox.put(("add", stream))
         submitted = _SUBMITTED.get()

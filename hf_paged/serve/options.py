@@ -44,6 +44,9 @@ class RequestOptions:
     # leading space, which a decode of the generated tokens alone drops, is kept, as OpenAI's and vLLM's completions
     # give it); a chat answer's text is decoded alone, as transformers' server decodes it.
     continues_prompt: bool = False
+    # The Responses API: the log probabilities go with the message text's pieces (each `response.output_text.delta`
+    # the tokens its text came from), not with the answer's tokens in order.
+    content_logprobs: bool = False
     ignore_eos: bool = False
     max_tokens_given: bool = False  # the request named its max_tokens (else the server fits it to the prompt)
     prompt_field: str | None = None  # where the prompt is in the request, for errors about its length
@@ -80,18 +83,27 @@ def _int(body: dict, name: str) -> int | None:
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit on /v1/completions' logprobs
 
 
-def _logprobs(body: dict, chat: bool) -> int | None:
+# The Responses API's `include` value that asks for the message text's log probabilities.
+OUTPUT_TEXT_LOGPROBS = "message.output_text.logprobs"
+
+
+def _logprobs(body: dict, chat: bool, responses: bool = False) -> int | None:
     """How many top log probabilities per token the request asks for (None: no log probabilities): chat's
-    `logprobs` (true / false) and `top_logprobs` (0-20), completions' `logprobs` (0-5)."""
+    `logprobs` (true / false) and `top_logprobs` (0-20), completions' `logprobs` (0-5), the Responses API's
+    `include: ["message.output_text.logprobs"]` and `top_logprobs` (0-20)."""
     if chat:
-        wanted = body.get("logprobs")
-        if wanted is not None and not isinstance(wanted, bool):
-            raise InvalidRequest(f"logprobs must be true or false, got {wanted!r}", "logprobs")
+        if responses:  # fields.check_body has checked `include`
+            wanted = OUTPUT_TEXT_LOGPROBS in (body.get("include") or ())
+            asked_by = f'include: ["{OUTPUT_TEXT_LOGPROBS}"]'
+        else:
+            wanted, asked_by = body.get("logprobs"), "logprobs: true"
+            if wanted is not None and not isinstance(wanted, bool):
+                raise InvalidRequest(f"logprobs must be true or false, got {wanted!r}", "logprobs")
         top = _int(body, "top_logprobs")
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
             raise InvalidRequest(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
         if top and not wanted:
-            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+            raise InvalidRequest(f"top_logprobs needs {asked_by}", "top_logprobs")
         count = (top or 0) if wanted else None
     else:
         count = _int(body, "logprobs")
@@ -102,9 +114,10 @@ def _logprobs(body: dict, chat: bool) -> int | None:
     return count
 
 
-def read_options(body: dict, chat: bool = True) -> RequestOptions:
+def read_options(body: dict, chat: bool = True, responses: bool = False) -> RequestOptions:
     """Check a request body's sampling fields; raise `InvalidRequest` naming the first bad one and its allowed
-    values. `chat`: a chat body (else a completions one), for the fields the two spell differently (logprobs)."""
+    values. `chat`: a chat or Responses API body (else a completions one), `responses`: a Responses API one, for the
+    fields they spell differently (logprobs)."""
     temperature = _number(body, "temperature")
     if temperature is not None and temperature < 0:
         raise InvalidRequest(f"temperature must be >= 0 (0 is greedy), got {temperature}", "temperature")
@@ -201,7 +214,7 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
     stops = [stop] if isinstance(stop, str) else stop
     if stop is not None and (not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops)):
         raise InvalidRequest(f"stop must be a non-empty string or a list of them, got {stop!r}", "stop")
-    logprobs = _logprobs(body, chat)
+    logprobs = _logprobs(body, chat, responses)
     return RequestOptions(
         seed=seed,
         n=n,
@@ -211,6 +224,7 @@ def read_options(body: dict, chat: bool = True) -> RequestOptions:
         echoed_prompt=body["prompt"] if echo and isinstance(body.get("prompt"), str) else None,
         prompt_only=echo and body.get("max_tokens") == 0,
         continues_prompt=not chat,
+        content_logprobs=responses,
         ignore_eos=ignore_eos,
         max_tokens_given=max_tokens_field is not None,
         prompt_field=next((name for name in ("messages", "prompt", "input") if name in body), None),

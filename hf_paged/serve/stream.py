@@ -14,10 +14,13 @@ what follows are never sent).
 from __future__ import annotations
 
 import asyncio
+import collections
+import re
 import time
 from collections.abc import Callable
 
-from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
+from tokenizers.decoders import DecodeStream
+from transformers.cli.serving.utils import ReasoningText, _StreamError, response_events_to_chunks
 
 from ..errors import InvalidRequest
 
@@ -25,6 +28,25 @@ from ..errors import InvalidRequest
 PIECE_CONTEXT = 8
 # What a decode ends with where its last token ends inside a UTF-8 character.
 REPLACEMENT = "\ufffd"
+# A ByteFallback tokenizer's byte token (SentencePiece's spelling of a byte outside its vocabulary).
+BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
+
+
+def overlaps(start: int, end: int, first: int, last: int) -> bool:
+    """Whether a token whose text is [start, end) of a text belongs to the part [first, last) of it: its text overlaps
+    the part, or it adds no text (a byte that begins a character, a special token skipped) where the part starts or
+    inside it."""
+    return (start < last and end > first) if start < end else first <= start < last or start == first == last
+
+
+def cleans_up_spaces(tokenizer) -> bool:
+    """Whether a transformers tokenizer's decode cleans up spaces after its Rust decoder's (" ," -> ",",
+    `clean_up_tokenization_spaces`; transformers skips it for a BPE model unless forced)."""
+    if not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return False
+    forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return forced or backend is None or type(backend.model).__name__ != "BPE"
 
 
 def skipped_ids(tokenizer) -> frozenset[int]:
@@ -110,6 +132,12 @@ class RequestStream:
         answer decoded together (OpenAI's and vLLM's completions: " Paris" after "The capital of France is").
         Decoded alone, the first token would lose it. Not where those tokens' text ends inside a character (token
         ids cut in one): the text is then decoded alone.
+    content_logprobs (`bool`): a stream (the Responses API's) whose log probabilities go with its content pieces:
+        each content piece (a `response.output_text.delta`: what the parser gives as content, or every piece without
+        a parser) takes the tokens whose text overlaps where the piece is in the text fed to the parser
+        (`content_logprobs_queue`, one `GeneratedIds` per piece, in order; without a parser, one more at the end for
+        the tokens after the last piece, whose text is empty); the tokens of reasoning, tool calls and the markers
+        around them go with none.
     """
 
     def __init__(
@@ -130,9 +158,8 @@ class RequestStream:
         echoed_prompt: str | None = None,
         logprob_tokenizer=None,
         continues_prompt: bool = False,
+        content_logprobs: bool = False,
     ):
-        from tokenizers.decoders import DecodeStream
-
         self.prompt_ids, self.max_new_tokens, self.sampling = prompt_ids, max_new_tokens, sampling
         self.streaming, self.prompt_only = streaming, prompt_only
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -154,20 +181,27 @@ class RequestStream:
         self.finish_reason: str | None = None  # the Engine's ("stop", "length"), "stop" for a stop string
         self._generation_config = generation_config
         self._tokenizer, self._decode = tokenizer, decode
-        self._logprob_tokenizer = tokenizer if logprob_tokenizer is None else logprob_tokenizer
-        self._skipped = skipped_ids(self._logprob_tokenizer)
+        self.logprob_tokenizer = tokenizer if logprob_tokenizer is None else logprob_tokenizer
+        self._skipped = skipped_ids(self.logprob_tokenizer)
         # The prompt's last tokens the text is decoded after (continues_prompt), and their text.
         self.text_after: list[int] = []
         self._text_before = ""
-        if continues_prompt:
-            self.text_after = [t for t in prompt_ids if t not in self._skipped][-PIECE_CONTEXT:]
+        if continues_prompt and not cleans_up_spaces(self.logprob_tokenizer):
+            self.text_after = self._text_context(prompt_ids)
             self._text_before = decode(self.text_after) if self.text_after else ""
             if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
                 self.text_after, self._text_before = [], ""
-        self._decoder = DecodeStream(self.text_after, skip_special_tokens=response_parser is None)
+        self._skip_special = response_parser is None
+        self._decoder = DecodeStream(self.text_after, skip_special_tokens=self._skip_special)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
+        # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order);
+        # the text fed to the parser, how far its pieces have been placed in it, the decoded text's length after each
+        # token, and the first token no piece has taken.
+        self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
+        self.content_logprobs_queue: collections.deque[GeneratedIds] = collections.deque()
+        self._fed, self._placed, self._token_ends, self._next_token = "", 0, [], 0
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
@@ -176,6 +210,7 @@ class RequestStream:
         self._context: list[int] = list(self.text_after)
         # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
         self._decoded_chars = self._logged_chars = 0
+        self._min_chars = 0  # the length of the text of the first min_tokens tokens (a stop string ends after it)
         # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
         self.echoed_prompt, self.echo_chars = echoed_prompt, 0
         if sampling.get("prompt_logprobs") is not None:
@@ -186,8 +221,28 @@ class RequestStream:
         self._closed = False
         self._on_cancel = on_cancel
         if self._parser is not None:
-            for item in response_events_to_chunks(self._parser.initial_events):
-                self.queue.put_nowait(item)
+            self._queue_parsed(self._parser.initial_events)
+
+    def _text_context(self, prompt_ids: list[int]) -> list[int]:
+        """The prompt's last `PIECE_CONTEXT` tokens that the decode keeps, up to its last byte token (a ByteFallback
+        tokenizer's `<0x0A>`: its decoder joins the bytes of a run, so bytes the answer starts with would change how
+        the prompt's last ones decode)."""
+        kept = [t for t in prompt_ids if t not in self._skipped][-PIECE_CONTEXT:]
+        while kept and BYTE_TOKEN.fullmatch(self._tokenizer.id_to_token(kept[-1]) or ""):
+            kept.pop()
+        return kept
+
+    def _step(self, token_id: int) -> str:
+        """The text `token_id` adds to the stream's (the incremental decoder's; "" while a character is unfinished).
+        A decode the decoder cannot continue (a ByteFallback run of bytes that begin no character changes the text
+        before it) starts a decoder of its own after the tokens so far, and adds what the answer's decode of them
+        ends with past the text decoded so far (the whole answer, decoded at its end, settles what the stream ends
+        with)."""
+        try:
+            return self._decoder.step(self._tokenizer, token_id) or ""
+        except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
+            self._decoder = DecodeStream([], skip_special_tokens=self._skip_special)
+            return ""
 
     def cancel(self) -> None:
         """The client went away: stop the Engine request (its blocks go back to the pool)."""
@@ -221,16 +276,20 @@ class RequestStream:
             self.prompt_logprobs = prompt_logprobs
         if logprobs is not None:
             self.logprobs.extend(logprobs)
-            if self.streaming:
+            if self.streaming and not self.content_logprobs:
                 self._unsent_logprobs[0].extend(token_ids[: len(logprobs)])
                 self._unsent_logprobs[1].extend(logprobs)
         for token_id in token_ids:
             self.token_ids.append(token_id)
             self.total_tokens += 1
             if self.streaming or self._stops:
-                piece = self._decoder.step(self._tokenizer, token_id) or ""
+                piece = self._step(token_id)
                 self._pending += piece
                 self._decoded_chars += len(piece)
+                if self.content_logprobs:
+                    self._token_ends.append(self._decoded_chars)
+                if len(self.token_ids) == self.sampling.get("min_tokens", 0):
+                    self._min_chars = self._decoded_chars
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
             if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
                 self.stopped, self.finish_reason = True, "stop"
@@ -251,8 +310,17 @@ class RequestStream:
             self._pending = self._pending[cut:]
 
     def _cut_at_stop(self) -> bool:
-        """Whether a stop string has appeared in the text not sent yet; the text from it on is dropped."""
-        positions = [i for i in (self._pending.find(stop) for stop in self._stops) if i >= 0]
+        """Whether a stop string has appeared in the text not sent yet, ending after the text of the first
+        `min_tokens` tokens (as `_final_text` finds it, however the tokens came); the text from it on is dropped."""
+        pending_start = self._decoded_chars - len(self._pending)  # where the text not sent yet starts
+        positions = [
+            i
+            for i in (
+                self._pending.find(stop, max(self._min_chars - pending_start - len(stop) + 1, 0))
+                for stop in self._stops
+            )
+            if i >= 0
+        ]
         if positions:
             self._pending = self._pending[: min(positions)]
         return bool(positions)
@@ -261,11 +329,51 @@ class RequestStream:
         if not text:
             return
         if self._parser is None:
-            self.queue.put_nowait(self._logged(text))
+            if self.content_logprobs:  # no parser: every piece is the message's content
+                self._fed += text
+                self._place(text, content=True)
+            self.queue.put_nowait(text if self.content_logprobs else self._logged(text))
             self._sent += text
         else:
-            for item in response_events_to_chunks(self._parser.feed(text)):
-                self.queue.put_nowait(item)
+            self._fed += text
+            self._queue_parsed(self._parser.feed(text))
+
+    def _queue_parsed(self, events: list) -> None:
+        """The parser's `events` as queue items; with `content_logprobs`, each content piece's tokens queued beside."""
+        for item in response_events_to_chunks(events):
+            if self.content_logprobs and isinstance(item, str):
+                self._place(item, content=not isinstance(item, ReasoningText))
+            self.queue.put_nowait(item)
+
+    def _place(self, piece: str, content: bool) -> None:
+        """Find a parsed piece of text in the text fed to the parser, after the pieces before it; a content piece
+        takes the tokens not taken yet whose text overlaps it there (none where the parser changed the text)."""
+        start = self._fed.find(piece, self._placed)
+        taken = []
+        if start >= 0:
+            end = self._placed = start + len(piece)
+            # A token whose text runs on past a piece of reasoning is left to the content after it.
+            while self._next_token < len(self._token_ends):
+                index = self._next_token
+                token_start, token_end = self._token_ends[index - 1] if index else 0, self._token_ends[index]
+                if token_start >= end or (not content and token_end > end):
+                    break
+                if content and overlaps(token_start, token_end, start, end) and index < len(self.logprobs):
+                    taken.append(index)
+                self._next_token += 1
+        if content:
+            self._queue_content(taken, taken[0] if taken else self._next_token)
+
+    def _queue_content(self, indices: list[int], first: int) -> None:
+        """Queue a content piece's tokens (`indices` of the tokens delivered, from token `first` on), with the tokens
+        before them that their texts are decoded after."""
+        self.content_logprobs_queue.append(
+            GeneratedIds(
+                [self.token_ids[i] for i in indices],
+                [self.logprobs[i] for i in indices],
+                previous=self.token_ids[max(first - 4 * PIECE_CONTEXT, 0) : first],
+            )
+        )
 
     def _final_text(self) -> str:
         """The whole output decoded at once, cut where a stop string ended the request: at the first one that ends
@@ -306,6 +414,9 @@ class RequestStream:
             self._text_end = len(self._sent) + len(self._pending)
         self._emit(self._pending)
         self._pending = ""
+        if self.content_logprobs and self._parser is None and self._next_token < len(self.logprobs):
+            # tokens after the last piece whose text is empty (a special token): the message's too, with no delta
+            self._queue_content(list(range(self._next_token, len(self.logprobs))), self._next_token)
         if (self._unsent_logprobs[0] or self._prompt_unsent) and self._parser is None:
             # tokens whose text was empty (or only the prompt's, answered alone): a chunk of their own
             self.queue.put_nowait(self._logged(""))
@@ -314,9 +425,9 @@ class RequestStream:
                 _message, events = self._parser.finalize()
             except (ValueError, RuntimeError):  # stopped inside a structured region (a tool call cut by max_tokens)
                 events = []
-            for item in response_events_to_chunks(events):
-                self.queue.put_nowait(item)
-            if self._unsent_logprobs[0]:  # a parsed stream's pieces are not its tokens': all of them at the end
+            self._queue_parsed(events)
+            if self._unsent_logprobs[0] and not self.content_logprobs:
+                # a parsed stream's pieces are not its tokens': all of them at the end
                 self.queue.put_nowait(self._logged(""))
         self.queue.put_nowait(None)
 
@@ -340,7 +451,7 @@ class RequestStream:
         )
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
-        return LoggedText(text, generated, self._logprob_tokenizer)
+        return LoggedText(text, generated, self.logprob_tokenizer)
 
     def prompt_fields(self) -> dict:
         """The `GeneratedIds` keywords of the prompt an answer echoes with its log probabilities, once they have come
