@@ -1080,6 +1080,53 @@ def test_a_stop_string_inside_the_min_tokens_text_does_not_count_however_the_tok
     assert texts == ["world quick dog "] * 4, texts
 
 
+def test_a_decode_that_fails_ends_its_request_with_an_error():
+    """A tokenizer or parser that raises on a request's tokens ends that request with an error (the stream's error
+    event, the answer's exception) and stops its Engine request, instead of leaving its handler waiting."""
+    from transformers.cli.serving.utils import _StreamError
+
+    from hf_paged.serve.stream import RequestStream
+
+    class Broken:
+        initial_events = []
+
+        @staticmethod
+        def feed(text):
+            raise ValueError("no parse")
+
+    tokenizer = make_tokenizer()
+    words = tokenizer("the quick fox", add_special_tokens=False)["input_ids"]
+    loop = asyncio.new_event_loop()
+    try:
+        for streaming in (True, False):
+            cancelled = []
+            stream = RequestStream(
+                loop=loop,
+                prompt_ids=[tokenizer.bos_token_id],
+                max_new_tokens=8,
+                sampling={},
+                tokenizer=tokenizer._tokenizer,
+                decode=tokenizer.decode if streaming else Broken.feed,
+                stop_strings=(),
+                response_parser=Broken() if streaming else None,
+                streaming=streaming,
+                on_cancel=cancelled.append,
+            )
+            stream.deliver(words[:1], False)
+            if not streaming:
+                stream.deliver(words[1:], True)  # its one-body decode raises
+                with pytest.raises(RuntimeError, match="could not be decoded.*no parse"):
+                    loop.run_until_complete(stream.result)
+                assert cancelled == []  # it had finished
+            else:
+                error = stream.queue.get_nowait()
+                assert isinstance(error, _StreamError) and "no parse" in error.msg and cancelled == [stream]
+                stream.deliver(words[1:], True)  # later tokens are dropped
+                assert stream.queue.empty()
+    finally:
+        loop.close()
+
+
 def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
     """A transformers tokenizer that cleans up spaces after its decoder (WordPiece's " '" -> "'") would join the
     completion to the prompt's last word in one body and not in the stream (the Rust decoder does not clean up): its

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 import re
 import time
 from collections.abc import Callable
@@ -23,6 +24,8 @@ from tokenizers.decoders import DecodeStream
 from transformers.cli.serving.utils import ReasoningText, _StreamError, response_events_to_chunks
 
 from ..errors import InvalidRequest
+
+logger = logging.getLogger(__name__)
 
 # Tokens before a piece that its decode is taken after: enough for a tokenizer's merges and spaces at the boundary.
 PIECE_CONTEXT = 8
@@ -264,7 +267,30 @@ class RequestStream:
         """New tokens of the request, whether it has finished (`finish_reason`: the Engine's), and why it failed
         (`invalid`: it could never run); `logprobs`: their TokenLogprobs, when the request records them (a stream
         sends each with the first piece of text emitted at or after its token); `prompt_logprobs`: the prompt
-        tokens', with its first tokens, when it records them."""
+        tokens', with its first tokens, when it records them.
+
+        A failure to decode or parse them (a tokenizer's or parser's exception) ends the request with an error, in
+        its stream or its result, and stops its Engine request: the handler never waits on a request that cannot
+        go on."""
+        try:
+            self._receive(token_ids, finished, error, invalid, logprobs, finish_reason, prompt_logprobs)
+        except Exception as failure:
+            logger.exception("a request's tokens could not be decoded")
+            running = not (finished or self._closed)
+            self._fail(f"the answer could not be decoded: {failure!r}", invalid=False)
+            if running:
+                self._on_cancel(self)
+
+    def _receive(
+        self,
+        token_ids: list[int],
+        finished: bool,
+        error: str | None,
+        invalid: bool,
+        logprobs: list | None,
+        finish_reason: str | None,
+        prompt_logprobs: list | None,
+    ) -> None:
         if self._closed:
             return
         if self.prompt_only:
