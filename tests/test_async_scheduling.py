@@ -321,6 +321,51 @@ def test_sample_batch_draws_each_token_with_its_probability(device):
     assert torch.allclose(frequencies, expected, atol=0.015), frequencies
 
 
+def test_min_p_keeps_the_tokens_transformers_min_p_warper_keeps():
+    """min_p, on the device (`sample_batch`) and on the host (`sample`, a seeded request's), draws each token with the
+    probability transformers' warpers give it (temperature, top-k, top-p, then `MinPLogitsWarper`), beside top-k
+    and top-p and alone; min_p 1 is the greedy limit."""
+    from transformers.generation.logits_process import (
+        MinPLogitsWarper,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    from hf_paged.engine.sampling import sample
+
+    logits = torch.log(torch.tensor([0.05, 0.1, 0.15, 0.3, 0.4]))
+    params = [
+        SamplingParams(temperature=1.0, min_p=0.6),
+        SamplingParams(temperature=0.5, min_p=0.3),
+        SamplingParams(temperature=1.0, top_p=0.95, min_p=0.3),
+        SamplingParams(temperature=1.5, top_k=3, min_p=0.7),
+        SamplingParams(temperature=1.0, min_p=1.0),
+    ]
+    expected = []
+    for p in params:
+        scores = TemperatureLogitsWarper(p.temperature)(None, logits[None].clone())
+        if p.top_k:
+            scores = TopKLogitsWarper(p.top_k)(None, scores)
+        if p.top_p < 1.0:
+            scores = TopPLogitsWarper(p.top_p)(None, scores)
+        expected.append(MinPLogitsWarper(p.min_p)(None, scores).softmax(-1)[0])
+    expected = torch.stack(expected)
+    assert (expected > 0).sum(-1).tolist() == [2, 2, 3, 2, 1]  # each filter drops tokens here
+
+    draws = 20_000
+    torch.manual_seed(0)
+    tokens = sample_batch(logits.repeat(len(params) * draws, 1), params * draws).view(draws, len(params))
+    frequencies = torch.stack([torch.bincount(tokens[:, row], minlength=5) for row in range(len(params))]) / draws
+    assert torch.allclose(frequencies, expected, atol=0.015), frequencies
+    generator = torch.Generator().manual_seed(0)
+    host = torch.tensor([[sample(logits, p, generator) for p in params] for _ in range(3000)])
+    host_frequencies = torch.stack([torch.bincount(host[:, row], minlength=5) for row in range(len(params))]) / 3000
+    assert torch.allclose(host_frequencies, expected, atol=0.03), host_frequencies
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingParams(min_p=1.5)
+
+
 def test_sample_batch_applies_top_p_only_to_the_rows_that_ask_for_it(monkeypatch):
     """A row without top-p keeps its least likely token beside a row with top-p (float32 sums of its probabilities
     reach 1.0 long before its last token). The race is rigged so that the last token wins wherever it can."""

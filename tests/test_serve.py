@@ -448,6 +448,20 @@ def test_seeds_reproduce_per_request(server):
     assert sample(8) != alone
 
 
+def test_min_p_keeps_the_tokens_as_likely_as_the_most_likely_times_it(server, saved):
+    """vLLM's `min_p` (and transformers' `generation_config.min_p`): min_p 1 keeps only the most likely token, so
+    sampling at temperature 1 gives the greedy answer; without it the samples differ from it."""
+    prompt = "the quick brown fox jumps over"
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+    expected = greedy_completion(saved, saved[1](prompt)["input_ids"], 12)
+    for fields in ({"min_p": 1.0}, {"generation_config": {"min_p": 1.0}}):
+        for seed in (1, 2):
+            status, answer = post_json(server, "/v1/completions", body | fields | {"seed": seed})
+            assert status == 200 and answer["choices"][0]["text"] == expected, (fields, answer)
+    texts = {post_json(server, "/v1/completions", body | {"seed": seed})[1]["choices"][0]["text"] for seed in (1, 2)}
+    assert texts != {expected}
+
+
 @pytest.mark.parametrize(
     "kwargs, status, words",
     [
@@ -456,6 +470,8 @@ def test_seeds_reproduce_per_request(server):
         ({"top_p": 1.5}, 400, "top_p"),
         ({"top_p": 0}, 400, "top_p"),
         ({"extra_body": {"top_k": -3}}, 400, "top_k"),
+        ({"extra_body": {"min_p": 1.5}}, 400, "min_p"),
+        ({"extra_body": {"generation_config": {"min_p": -0.1}}}, 400, "generation_config.min_p"),
         ({"extra_body": {"ignore_eos": "yes"}}, 400, "ignore_eos"),
         ({"max_tokens": 0}, 400, "max_tokens"),
         ({"max_tokens": -4}, 400, "max_tokens"),
@@ -519,7 +535,7 @@ def tool_call(arguments) -> dict:
         ("/v1/chat/completions", {"generation_config": '{"num_beams": 4}'}, "generation_config.num_beams"),
         ("/v1/chat/completions", {"generation_config": '{"length_penalty": 2.0}'}, "generation_config.length_penalty"),
         ("/v1/chat/completions", {"generation_config": {"max_length": 100}}, "generation_config.max_length"),
-        ("/v1/chat/completions", {"generation_config": {"min_p": 0.1}}, "generation_config.min_p"),
+        ("/v1/chat/completions", {"generation_config": {"typical_p": 0.5}}, "generation_config.typical_p"),
         ("/v1/chat/completions", {"generation_config": {"no_such_setting": 1}}, "generation_config.no_such_setting"),
         ("/v1/completions", {"echo": "yes"}, "echo"),
         ("/v1/completions", {"best_of": 2, "n": 3}, "best_of"),

@@ -271,7 +271,7 @@ class Engine:
 
     # ------------------------------------------------------------------ API
     def add_request(self, prompt_ids: Sequence[int], max_new_tokens: int = 16, **sampling) -> int:
-        """Queue a request; returns its id. `sampling`: SamplingParams fields (temperature, top_k, top_p, seed,
+        """Queue a request; returns its id. `sampling`: SamplingParams fields (temperature, top_k, top_p, min_p, seed,
         stop_token_ids, ignore_eos, eos_token_id; eos defaults to the model's generation config).
 
         Raises `TypeError` for a misspelled keyword or a prompt that is not token ids, `ValueError` for bad values:

@@ -26,6 +26,9 @@ class SamplingParams:
             subtracting their maximum, so a tiny temperature tends to greedy instead of overflowing).
         top_k (`int`, defaults to 0): keep the k most likely tokens (0: all).
         top_p (`float`, defaults to 1.0): keep the smallest set whose probability reaches top_p.
+        min_p (`float`, defaults to 0.0): keep the tokens whose probability is at least min_p times the most likely
+            one's (0 to 1; 0 keeps all), as transformers' `MinPLogitsWarper` after top-k and top-p (vLLM applies it
+            before them, which differs only with top_p below 1: top-p's mass is then counted over fewer tokens).
         seed (`int`, *optional*): seeds this request's own generator, so its samples do not depend on the batch.
         eos_token_id (`int`, *optional*), stop_token_ids (`tuple[int, ...]`): generating one of these ends the
             request (the token is kept), unless `ignore_eos` (which only ignores `eos_token_id`).
@@ -49,6 +52,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     eos_token_id: int | None = None
     stop_token_ids: tuple[int, ...] = ()
@@ -81,6 +85,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (an int; 0 keeps every token), got {self.top_k!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_number(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 keeps every token), got {self.min_p!r}")
         if self.seed is not None and (not _is_int(self.seed) or not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]):
             raise ValueError(
                 f"seed must be None or a 64-bit int, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}], got {self.seed!r}"
@@ -251,17 +257,20 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = cumulative - sorted_logits.softmax(-1) >= params.top_p
         drop[0] = False  # a top_p below float32's smallest number compares as 0
         logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if params.min_p > 0.0:
+        # probability below min_p times the largest's: a logit below the largest's (0 here) plus log(min_p)
+        logits = logits.masked_fill(logits < math.log(params.min_p), float("-inf"))
     probs = logits.softmax(-1)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
 def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """logits [rows, vocab] -> [rows] token ids (int64, on the logits' device), each row picked as `sample` picks it:
-    argmax for greedy rows; for the others temperature, top-k and top-p, then one draw, all rows at once and without
-    reading anything on the host (an exponential race, `argmax(probs / E)` with `E ~ Exp(1)`, which draws each token
-    with its probability). Draws come from the device's global generator: for requests without a seed. A sampled row
-    whose probabilities are no distribution (its logits all -inf, or with nan or +inf: `sample` raises there) gets
-    -1."""
+    argmax for greedy rows; for the others temperature, top-k, top-p and min-p, then one draw, all rows at once and
+    without reading anything on the host (an exponential race, `argmax(probs / E)` with `E ~ Exp(1)`, which draws
+    each token with its probability). Draws come from the device's global generator: for requests without a seed. A
+    sampled row whose probabilities are no distribution (its logits all -inf, or with nan or +inf: `sample` raises
+    there) gets -1."""
     greedy = logits.argmax(-1)
     sampled_rows = [row for row, p in enumerate(params) if p.temperature > 0.0]
     if not sampled_rows:
@@ -295,6 +304,9 @@ def sample_batch(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Te
         drop = probs.cumsum(-1) - probs >= thresholds
         drop[:, 0] = False  # as in `sample`
         x = x.masked_fill(torch.zeros_like(drop).scatter(1, order, drop), float("-inf"))
+    if any(p.min_p > 0.0 for p in picked):  # as in `sample`: each row's largest logit is 0 here
+        floors = column([math.log(p.min_p) if p.min_p > 0.0 else -math.inf for p in picked], torch.float32)
+        x = x.masked_fill(x < floors, float("-inf"))
     probs = x.softmax(-1)
     draws = (probs / torch.empty_like(probs).exponential_()).argmax(-1)
     draws = draws.masked_fill(probs.isnan().any(-1), -1)
@@ -310,6 +322,7 @@ _SCALAR_FIELDS = (
     "temperature",
     "top_k",
     "top_p",
+    "min_p",
     "seed",
     "eos_token_id",
     "presence_penalty",

@@ -127,6 +127,7 @@ APPLIED_GENERATION_VALUES = {
     "temperature": (lambda v: _is_number(v) and v >= 0, "a number >= 0"),
     "top_p": (lambda v: _is_number(v) and 0 < v <= 1, "a number in (0, 1]"),
     "top_k": (lambda v: is_int(v) and v >= 0, "an integer >= 0"),
+    "min_p": (lambda v: _is_number(v) and 0 <= v <= 1, "a number in [0, 1]"),
     "do_sample": (lambda v: isinstance(v, bool), "true or false"),
     "eos_token_id": (
         lambda v: is_int(v) or (isinstance(v, list) and all(map(is_int, v))),

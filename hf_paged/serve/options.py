@@ -17,7 +17,7 @@ from ..engine.sampling import MAX_LOGPROBS
 from ..errors import InvalidRequest
 
 # Request fields beyond the OpenAI schema that the server accepts (vLLM's names).
-EXTENSION_FIELDS = ("top_k", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids")
+EXTENSION_FIELDS = ("top_k", "min_p", "ignore_eos", "repetition_penalty", "min_tokens", "stop_token_ids")
 MAX_TOKENS_FIELDS = ("max_completion_tokens", "max_tokens", "max_output_tokens")
 # The GenerationConfig attribute `RequestOptions` rides on from the handler to the manager.
 OPTIONS_ATTRIBUTE = "hf_paged_options"
@@ -127,6 +127,9 @@ def read_options(body: dict, chat: bool = True, responses: bool = False) -> Requ
     top_k = _int(body, "top_k")
     if top_k is not None and top_k < -1:
         raise InvalidRequest(f"top_k must be >= -1 (-1 and 0 keep every token), got {top_k}", "top_k")
+    min_p = _number(body, "min_p")
+    if min_p is not None and not 0.0 <= min_p <= 1.0:
+        raise InvalidRequest(f"min_p must be in [0, 1] (0 keeps every token), got {min_p}", "min_p")
     n = _int(body, "n")
     if n is not None and not 1 <= n <= MAX_CHOICES:
         raise InvalidRequest(f"n must be an integer in [1, {MAX_CHOICES}], got {n}", "n")
@@ -271,11 +274,13 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
 
 def apply_options(generation_config, body: dict, options: RequestOptions) -> None:
     """Complete the handler's `GenerationConfig` with what it leaves out: a temperature above 0 samples (the
-    handler only turns sampling off at 0), top_k, and the options themselves."""
+    handler only turns sampling off at 0), top_k, min_p, and the options themselves."""
     if body.get("temperature") is not None:
         generation_config.do_sample = body["temperature"] > 0
     if body.get("top_k") is not None:
         generation_config.top_k = max(body["top_k"], 0)
+    if body.get("min_p") is not None:
+        generation_config.min_p = float(body["min_p"])
     setattr(generation_config, OPTIONS_ATTRIBUTE, options)
 
 
@@ -291,6 +296,7 @@ def engine_sampling(generation_config) -> dict:
         "temperature": float(temperature) if sampling else 0.0,
         "top_k": int(generation_config.top_k or 0) if sampling else 0,
         "top_p": float(generation_config.top_p or 1.0) if sampling else 1.0,
+        "min_p": float(generation_config.min_p or 0.0) if sampling else 0.0,
         "seed": options.seed,
         "eos_token_id": eos_ids[0] if eos_ids else None,
         "stop_token_ids": (() if options.ignore_eos else tuple(eos_ids[1:])) + options.stop_token_ids,
