@@ -1505,6 +1505,40 @@ def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_ne
     assert status == 400 and "text model" in answer["error"]["message"]
 
 
+def test_the_models_repetition_penalty_and_min_new_tokens_apply_unless_the_request_sets_them():
+    """A model whose generation config sets `repetition_penalty` (Qwen2.5's 1.05) or `min_new_tokens`: its requests
+    get them, as generate() with that config and vLLM's defaults from it do, unless the request sets its own (its
+    field, or a `generation_config`, which replaces the model's whole); a setting the Engine does not apply is one
+    the server warns of when it starts."""
+    import types
+
+    from transformers import GenerationConfig
+
+    from hf_paged.serve.handlers import PagedChatCompletionHandler
+    from hf_paged.serve.options import engine_sampling
+
+    state = types.SimpleNamespace(_compile=False)
+    handler = PagedChatCompletionHandler(model_manager=None, generation_state=state, served_model_name="m")
+    model_config = GenerationConfig(repetition_penalty=1.05, min_new_tokens=2, eos_token_id=3)
+    base = {"messages": [{"role": "user", "content": "hi"}]}
+
+    def sampling(body):
+        return engine_sampling(handler._build_generation_config(base | body, model_config))
+
+    assert (sampling({})["repetition_penalty"], sampling({})["min_tokens"]) == (1.05, 2)
+    assert sampling({"repetition_penalty": 1.0})["repetition_penalty"] == 1.0
+    assert sampling({"frequency_penalty": 0.5})["repetition_penalty"] == 1.05  # OpenAI's penalty is another one
+    assert sampling({"min_tokens": 0})["min_tokens"] == 0
+    replaced = sampling({"generation_config": {"temperature": 0.5}})
+    assert (replaced["repetition_penalty"], replaced["min_tokens"]) == (1.0, 0)
+    # what the server warns of at start: a setting of the model's the requests would not get
+    from hf_paged.serve.fields import unapplied_generation_settings
+
+    assert unapplied_generation_settings(model_config) == {}
+    beams = GenerationConfig(num_beams=4, no_repeat_ngram_size=3, top_k=20, min_p=0.05, pad_token_id=0)
+    assert unapplied_generation_settings(beams) == {"num_beams": 4, "no_repeat_ngram_size": 3}
+
+
 @pytest.mark.parametrize(
     "path, body, param",
     [

@@ -58,11 +58,16 @@ def build_app(config: ServeConfig):
     from transformers.cli.serving.transcription import TranscriptionHandler
 
     from .disconnect import DisconnectGuard
+    from .fields import unapplied_generation_settings
     from .handlers import PagedChatCompletionHandler, PagedCompletionHandler, PagedResponseHandler
     from .state import PagedGenerationState
 
     model_manager = ModelManager(device=config.device, dtype=config.dtype, force_model=config.model)
     model, _processor = model_manager.load_model_and_processor(model_manager.process_model_name(config.model))
+    unapplied = unapplied_generation_settings(model.generation_config)
+    if unapplied:
+        settings = ", ".join(f"{key}={value!r}" for key, value in unapplied.items())
+        logger.warning("the model's generation config sets %s, which hf-paged serve does not apply", settings)
     pool = BlockPool.for_model(
         model, max_memory=config.max_memory, block_size=config.block_size, enable_prefix_caching=True
     )

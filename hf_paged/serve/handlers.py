@@ -45,7 +45,7 @@ from .fields import (
     requested_reasoning_effort,
 )
 from .manager import recording_submissions
-from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options
+from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
 from .stream import PIECE_CONTEXT, REPLACEMENT, GeneratedIds, LoggedText, cleans_up_spaces, overlaps, skipped_ids
 
 DONE = "data: [DONE]\n\n"
@@ -166,6 +166,7 @@ class RequestOptionsMixin:
 
     def _build_generation_config(self, body: dict, model_generation_config, use_cb: bool = False):
         options = read_options(body, chat=self.endpoint != COMPLETIONS, responses=self.endpoint == RESPONSES)
+        options = with_model_defaults(options, body, model_generation_config)
         # Without "seed": the handler would reseed torch's global generator, which every unseeded request shares.
         handler_body = {key: value for key, value in body.items() if key != "seed"}
         if isinstance(handler_body.get("generation_config"), dict):  # the handler reads it as JSON text

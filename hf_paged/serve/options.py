@@ -8,6 +8,7 @@ what that config has no field for (the request's own seed, `ignore_eos`, whether
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -270,6 +271,22 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
             )
         pairs.append((token_id, float(bias)))
     return tuple(pairs)
+
+
+def with_model_defaults(options: RequestOptions, body: dict, model_generation_config) -> RequestOptions:
+    """`options` with the model's generation config's `repetition_penalty` and `min_new_tokens` where the request sets
+    neither (its own field, or its `generation_config`, which replaces the model's whole as transformers' handlers
+    take it): what `generate()` with the model's config applies, and vLLM with the model's generation config."""
+    if body.get("generation_config") is not None:
+        return options
+    defaults = {}
+    penalty = getattr(model_generation_config, "repetition_penalty", None)
+    if body.get("repetition_penalty") is None and penalty is not None:
+        defaults["repetition_penalty"] = float(penalty)
+    min_new_tokens = getattr(model_generation_config, "min_new_tokens", None)
+    if body.get("min_tokens") is None and min_new_tokens:
+        defaults["min_tokens"] = int(min_new_tokens)
+    return dataclasses.replace(options, **defaults) if defaults else options
 
 
 def apply_options(generation_config, body: dict, options: RequestOptions) -> None:
