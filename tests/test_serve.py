@@ -1230,22 +1230,33 @@ def test_responses_log_probabilities_are_the_message_texts(server, saved):
     assert status == 400 and error["error"]["param"] == "top_logprobs", error
 
 
-def test_responses_log_probabilities_leave_out_the_reasoning_tokens():
-    """A parsed answer (Qwen 3's response template: reasoning in <think> ... </think>, then the message): the
-    message text's log probabilities are those of its own tokens, streamed (each content piece's, none for the
-    reasoning or its markers) and in one body (the tokens whose text makes up the parsed content)."""
+LOOKUP_CALL = '{"name": "lookup", "arguments": {"key": "Paris"}}'
+
+
+@pytest.mark.parametrize(
+    "answer, content",
+    [
+        ("<think> the lazy dog </think> the quick brown fox", [5, 6, 7, 8]),
+        (f"Paris <tool_call> {LOOKUP_CALL} </tool_call>", [0]),  # the call's arguments repeat the content
+        (f"<tool_call> {LOOKUP_CALL} </tool_call> Paris", [3]),
+        (f"<tool_call> {LOOKUP_CALL} </tool_call>", []),
+    ],
+)
+def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, content):
+    """A parsed answer (Qwen 3's response template: reasoning in <think> ... </think>, tool calls in <tool_call> ...
+    </tool_call>): the message text's log probabilities are those of its own tokens, streamed (each content piece's)
+    and in one body (the parser run over the tokens as a stream would feed it), none of the reasoning's, the tool
+    calls' (whose arguments may repeat the content's text) or their markers'."""
     from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, ResponseParser
 
     from hf_paged.engine.sampling import TokenLogprob
-    from hf_paged.serve.handlers import _logprob_rows, _rows_of_text
-    from hf_paged.serve.stream import GeneratedIds, RequestStream
+    from hf_paged.serve.stream import RequestStream, parsed_content_tokens
 
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, "Paris"])
     template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
-    ids = tokenizer.encode("<think> the lazy dog </think> the quick brown fox", add_special_tokens=False)
+    ids = tokenizer.encode(answer, add_special_tokens=False)
     records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
-    content = [-6.0, -7.0, -8.0, -9.0]  # the last four tokens': " the quick brown fox"
     loop = asyncio.new_event_loop()
     try:
         stream = RequestStream(
@@ -1268,11 +1279,10 @@ def test_responses_log_probabilities_leave_out_the_reasoning_tokens():
     finally:
         loop.close()
     pieces = [item for item in items if type(item) is str]  # content (reasoning comes as ReasoningText)
-    assert "".join(pieces).strip() == "the quick brown fox"
     queued = list(stream.content_logprobs_queue)
-    assert len(queued) == len(pieces) and [r.logprob for piece in queued for r in piece.logprobs] == content
-    rows = _logprob_rows(tokenizer, GeneratedIds(ids, records))
-    assert [record.logprob for _, record, _ in _rows_of_text(rows, "the quick brown fox")] == content
+    assert len(queued) == len(pieces)
+    assert [r.logprob for piece in queued for r in piece.logprobs] == [records[i].logprob for i in content]
+    assert parsed_content_tokens(tokenizer, ResponseParser(template, prefix=""), ids) == content
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(server, saved):

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import dataclasses
-import difflib
 import itertools
 import json
 import re
@@ -28,7 +27,7 @@ from tokenizers import Tokenizer
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
-from transformers.cli.serving.utils import get_response_template
+from transformers.cli.serving.utils import build_response_parser, get_response_template
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -46,7 +45,15 @@ from .fields import (
 )
 from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
-from .stream import PIECE_CONTEXT, REPLACEMENT, GeneratedIds, LoggedText, cleans_up_spaces, overlaps, skipped_ids
+from .stream import (
+    PIECE_CONTEXT,
+    REPLACEMENT,
+    GeneratedIds,
+    LoggedText,
+    cleans_up_spaces,
+    parsed_content_tokens,
+    skipped_ids,
+)
 
 DONE = "data: [DONE]\n\n"
 
@@ -820,8 +827,13 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
         answer = _as_requested(json.loads(response.body), body)
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
         if options is not None and options.logprobs is not None:
-            rows = _logprob_rows(getattr(processor, "tokenizer", processor), recorder.generated)
-            answer["output"] = [_with_logprobs(item, rows) for item in answer.get("output") or []]
+            tokenizer = getattr(processor, "tokenizer", processor)
+            rows = _logprob_rows(tokenizer, recorder.generated)
+            parser = build_response_parser(processor, model, inputs["input_ids"], tools=kw.get("tools"))
+            if parser is not None:  # the tokens of the content the parser finds, as a stream would place them
+                kept = set(parsed_content_tokens(tokenizer, parser, list(recorder.generated)))
+                rows = [row for index, row in enumerate(rows) if index in kept]
+            answer["output"] = _with_logprobs(answer.get("output") or [], [rows])
         return JSONResponse(_incomplete(answer) if recorder.generated.finish_reason == "length" else answer)
 
     def _streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
@@ -884,42 +896,30 @@ def _incomplete_item(item: dict) -> dict:
     return {**item, "status": "incomplete"} if item.get("type") == "message" else item
 
 
-def _with_logprobs(item: dict, rows: list, given: bool = False) -> dict:
-    """A Responses API output item with its `output_text` parts' log probabilities (a message's): of the `rows`
-    (`_logprob_rows`' of the answer) whose text makes up the part's (`_rows_of_text`), or all of `rows` where they
-    are the ones the part's text was streamed with (`given`)."""
-    if not isinstance(item, dict) or item.get("type") != "message" or not isinstance(item.get("content"), list):
-        return item
-    return {**item, "content": [_part_with_logprobs(part, rows, given) for part in item["content"]]}
+def _with_logprobs(output: list, parts_rows: list[list]) -> list:
+    """A Responses API output's message items with their `output_text` parts' log probabilities: part i's the rows
+    (`_logprob_rows`') of `parts_rows[i]`, the last one's for the parts after (an answer whose message closed and
+    opened again around a tool call streams two)."""
+    rows = iter(parts_rows)
+    current = []
+    items = []
+    for item in output:
+        if isinstance(item, dict) and item.get("type") == "message" and isinstance(item.get("content"), list):
+            content = []
+            for part in item["content"]:
+                if isinstance(part, dict) and part.get("type") == "output_text":
+                    current = next(rows, current)
+                    part = _part_with_logprobs(part, current)
+                content.append(part)
+            item = {**item, "content": content}
+        items.append(item)
+    return items
 
 
-def _part_with_logprobs(part, rows: list, given: bool = False):
+def _part_with_logprobs(part, rows: list):
     if not isinstance(part, dict) or part.get("type") != "output_text":
         return part
-    kept = rows if given else _rows_of_text(rows, part.get("text") or "")
-    return {**part, "logprobs": [_response_logprob(row) for row in kept]}
-
-
-def _rows_of_text(rows: list, text: str) -> list:
-    """The rows (`_logprob_rows`': their texts add up to the answer) whose text makes up `text`, a part of the answer
-    as a parser cut it (the message's content without its reasoning, tool calls and their markers): those whose text
-    overlaps where `text` is in the answer (its last occurrence; else the answer's characters matched to it)."""
-    answer = "".join(piece for piece, _, _ in rows)
-    if text == answer:
-        return rows
-    at = answer.rfind(text) if text else -1
-    if at >= 0:
-        parts = [(at, at + len(text))]
-    else:
-        matcher = difflib.SequenceMatcher(None, answer, text, autojunk=False)
-        parts = [(start, start + size) for start, _, size in matcher.get_matching_blocks() if size]
-    kept, start = [], 0
-    for row in rows:
-        end = start + len(row[0])
-        if any(overlaps(start, end, first, last) for first, last in parts):
-            kept.append(row)
-        start = end
-    return kept
+    return {**part, "logprobs": [_response_logprob(row) for row in rows]}
 
 
 def _response_logprob(row, with_bytes: bool = True) -> dict:
@@ -943,7 +943,7 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     the items dropped before that index."""
     one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
     dropped_events, dropped_indices = 0, []  # the events dropped so far; the output indices of the items dropped
-    given = []  # the log probability rows the message's text deltas have carried (content_logprobs)
+    parts_rows = [[]]  # per output_text part streamed, the log probability rows its deltas carried (content_logprobs)
 
     def as_asked(event: str, data: dict | None) -> str:
         nonlocal calls, dropped_events
@@ -980,7 +980,7 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
         """The event with the message text's log probabilities: a delta's, those of the tokens its text came from
         (the stream's `content_logprobs_queue`, one entry per delta, in order); the text's, part's, item's and
         response's once done, all the deltas'."""
-        kind = data.get("type")
+        kind, given = data.get("type"), parts_rows[-1]
         if kind == "response.output_text.delta":
             queued = stream.content_logprobs_queue
             rows = _logprob_rows(stream.logprob_tokenizer, queued.popleft() if queued else GeneratedIds([]))
@@ -990,14 +990,18 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
             while stream.content_logprobs_queue:  # tokens after the last delta's, with empty text
                 given.extend(_logprob_rows(stream.logprob_tokenizer, stream.content_logprobs_queue.popleft()))
             return {**data, "logprobs": [_response_logprob(row) for row in given]}
-        if kind in ("response.content_part.added", "response.content_part.done"):
-            return {**data, "part": _part_with_logprobs(data.get("part"), given, given=True)}
+        if kind == "response.content_part.added":  # a part of its own: its deltas' rows from here on
+            if given:
+                parts_rows.append([])
+            return {**data, "part": _part_with_logprobs(data.get("part"), [])}
+        if kind == "response.content_part.done":
+            return {**data, "part": _part_with_logprobs(data.get("part"), given)}
         if kind in ("response.output_item.added", "response.output_item.done"):
-            return {**data, "item": _with_logprobs(data.get("item"), given, given=True)}
+            rows = [] if kind.endswith("added") else given
+            return {**data, "item": _with_logprobs([data.get("item")], [rows])[0]}
         response = data.get("response")
         if isinstance(response, dict) and isinstance(response.get("output"), list):
-            output = [_with_logprobs(item, given, given=True) for item in response["output"]]
-            return {**data, "response": {**response, "output": output}}
+            return {**data, "response": {**response, "output": _with_logprobs(response["output"], parts_rows)}}
         return data
 
     try:

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from tokenizers.decoders import DecodeStream
-from transformers.cli.serving.utils import ReasoningText, _StreamError, response_events_to_chunks
+from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
 
 from ..errors import InvalidRequest
 
@@ -94,6 +94,71 @@ class GeneratedIds(list):
         self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
         self.prompt_ids, self.prompt_logprobs = list(prompt_ids), prompt_logprobs
         self.prompt_text = prompt_text  # the string prompt the answer starts with (else its ids decoded)
+
+
+class ContentTokens:
+    """Which tokens' text makes up the message content a response parser finds in an answer: the tokens' texts are
+    spans of the text fed to the parser (`fed`; `token_ends`: its length after each token), and each piece the
+    parser gives (its `region_chunk` events: content, reasoning, a tool call's raw text) is found there after the
+    pieces before it (the markers between them are never given). A content piece takes the tokens not taken yet
+    whose text overlaps it; a token whose text runs on past another piece is left to the content after it."""
+
+    def __init__(self):
+        self.fed = ""
+        self.token_ends: list[int] = []
+        self.next_token = 0  # the first token no piece has passed
+        self._placed = 0  # where the last piece found ends in `fed`
+
+    def parsed(self, events: list) -> list[list[int]]:
+        """The tokens of each content piece among the parser's `events` (one list per piece that
+        `response_events_to_chunks` makes a content item of), the other pieces passed over."""
+        pieces = []
+        for event in events:
+            text = event.get("text") if event.get("type") == "region_chunk" else None
+            if not text:
+                continue
+            content = event.get("field") == "content" and not event.get("dirty")
+            taken = self.place(text, content)
+            if content:
+                pieces.append(taken)
+        return pieces
+
+    def place(self, piece: str, content: bool) -> list[int]:
+        """Find `piece` in the text fed, after the pieces before it; a content piece's tokens (none where the parser
+        changed the text, so that it is not found)."""
+        start = self.fed.find(piece, self._placed)
+        taken = []
+        if start < 0:
+            return taken
+        end = self._placed = start + len(piece)
+        while self.next_token < len(self.token_ends):
+            index = self.next_token
+            token_start, token_end = self.token_ends[index - 1] if index else 0, self.token_ends[index]
+            if token_start >= end or (not content and token_end > end):
+                break
+            if content and overlaps(token_start, token_end, start, end):
+                taken.append(index)
+            self.next_token += 1
+        return taken
+
+
+def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[int]:
+    """The indices of the tokens of `token_ids` whose text makes up the content `parser` (a fresh
+    `ResponseParser`) finds in them, as a stream of them would place them (`ContentTokens`): the one-body answer's."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+    decoder, content = DecodeStream([], skip_special_tokens=False), ContentTokens()  # as the parser reads them
+    for token_id in token_ids:
+        try:
+            content.fed += decoder.step(backend, token_id) or ""
+        except Exception:  # see RequestStream._step
+            decoder = DecodeStream([], skip_special_tokens=False)
+        content.token_ends.append(len(content.fed))
+    events = parser.feed(content.fed)
+    try:
+        events += parser.finalize()[1]
+    except (ValueError, RuntimeError):  # an answer cut inside a structured region
+        pass
+    return [index for piece in content.parsed(events) for index in piece]
 
 
 class LoggedText(str):
@@ -199,12 +264,11 @@ class RequestStream:
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
-        # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order);
-        # the text fed to the parser, how far its pieces have been placed in it, the decoded text's length after each
-        # token, and the first token no piece has taken.
+        # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order),
+        # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
         self.content_logprobs_queue: collections.deque[GeneratedIds] = collections.deque()
-        self._fed, self._placed, self._token_ends, self._next_token = "", 0, [], 0
+        self._content = ContentTokens()
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
@@ -313,7 +377,7 @@ class RequestStream:
                 self._pending += piece
                 self._decoded_chars += len(piece)
                 if self.content_logprobs:
-                    self._token_ends.append(self._decoded_chars)
+                    self._content.token_ends.append(self._decoded_chars)
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
                     self._min_chars = self._decoded_chars
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
@@ -356,43 +420,27 @@ class RequestStream:
             return
         if self._parser is None:
             if self.content_logprobs:  # no parser: every piece is the message's content
-                self._fed += text
-                self._place(text, content=True)
+                self._content.fed += text
+                self._queue_content(self._content.place(text, content=True))
             self.queue.put_nowait(text if self.content_logprobs else self._logged(text))
             self._sent += text
         else:
-            self._fed += text
+            self._content.fed += text
             self._queue_parsed(self._parser.feed(text))
 
     def _queue_parsed(self, events: list) -> None:
         """The parser's `events` as queue items; with `content_logprobs`, each content piece's tokens queued beside."""
+        if self.content_logprobs:
+            for taken in self._content.parsed(events):
+                self._queue_content(taken)
         for item in response_events_to_chunks(events):
-            if self.content_logprobs and isinstance(item, str):
-                self._place(item, content=not isinstance(item, ReasoningText))
             self.queue.put_nowait(item)
 
-    def _place(self, piece: str, content: bool) -> None:
-        """Find a parsed piece of text in the text fed to the parser, after the pieces before it; a content piece
-        takes the tokens not taken yet whose text overlaps it there (none where the parser changed the text)."""
-        start = self._fed.find(piece, self._placed)
-        taken = []
-        if start >= 0:
-            end = self._placed = start + len(piece)
-            # A token whose text runs on past a piece of reasoning is left to the content after it.
-            while self._next_token < len(self._token_ends):
-                index = self._next_token
-                token_start, token_end = self._token_ends[index - 1] if index else 0, self._token_ends[index]
-                if token_start >= end or (not content and token_end > end):
-                    break
-                if content and overlaps(token_start, token_end, start, end) and index < len(self.logprobs):
-                    taken.append(index)
-                self._next_token += 1
-        if content:
-            self._queue_content(taken, taken[0] if taken else self._next_token)
-
-    def _queue_content(self, indices: list[int], first: int) -> None:
-        """Queue a content piece's tokens (`indices` of the tokens delivered, from token `first` on), with the tokens
-        before them that their texts are decoded after."""
+    def _queue_content(self, indices: list[int]) -> None:
+        """Queue a content piece's tokens (`indices` of the tokens delivered), with the tokens before them that their
+        texts are decoded after."""
+        indices = [index for index in indices if index < len(self.logprobs)]
+        first = indices[0] if indices else self._content.next_token
         self.content_logprobs_queue.append(
             GeneratedIds(
                 [self.token_ids[i] for i in indices],
@@ -440,9 +488,9 @@ class RequestStream:
             self._text_end = len(self._sent) + len(self._pending)
         self._emit(self._pending)
         self._pending = ""
-        if self.content_logprobs and self._parser is None and self._next_token < len(self.logprobs):
+        if self.content_logprobs and self._parser is None and self._content.next_token < len(self.logprobs):
             # tokens after the last piece whose text is empty (a special token): the message's too, with no delta
-            self._queue_content(list(range(self._next_token, len(self.logprobs))), self._next_token)
+            self._queue_content(list(range(self._content.next_token, len(self.logprobs))))
         if (self._unsent_logprobs[0] or self._prompt_unsent) and self._parser is None:
             # tokens whose text was empty (or only the prompt's, answered alone): a chunk of their own
             self.queue.put_nowait(self._logged(""))
