@@ -1282,7 +1282,27 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     queued = list(stream.content_logprobs_queue)
     assert len(queued) == len(pieces)
     assert [r.logprob for piece in queued for r in piece.logprobs] == [records[i].logprob for i in content]
-    assert parsed_content_tokens(tokenizer, ResponseParser(template, prefix=""), ids) == content
+    regions = parsed_content_tokens(tokenizer, ResponseParser(template, prefix=""), ids)
+    assert [index for indices, _ in regions for index in indices] == content
+
+
+def test_one_body_responses_log_probabilities_are_those_of_its_parsed_text():
+    """transformers' one-body parse keeps the last content region of an answer that writes content, a tool call,
+    then content again, and strips the content: the message's log probabilities are then that region's tokens,
+    without the whitespace-only tokens at its ends (the "\n\n" after a reasoning's close), so they add up to the
+    message's text."""
+    from hf_paged.serve.handlers import _answered_content, _stripped
+
+    def answer(text: str) -> dict:
+        return {"output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
+
+    regions = [([0], "Hi"), ([4, 5], " after call")]
+    assert _answered_content(regions, answer("after call")) == [4, 5]
+    assert _answered_content(regions, answer("Hi after call")) == [0, 4, 5]
+    assert _answered_content(regions[:1], answer("Hi")) == [0]
+    rows = [("\n\n", None, []), ("Checking", None, []), (" Paris", None, []), (" ", None, [])]
+    assert [piece for piece, _, _ in _stripped(rows, "Checking Paris")] == ["Checking", " Paris"]
+    assert _stripped(rows, "\n\nChecking Paris ") == rows
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(server, saved):

@@ -831,9 +831,10 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
             rows = _logprob_rows(tokenizer, recorder.generated)
             parser = build_response_parser(processor, model, inputs["input_ids"], tools=kw.get("tools"))
             if parser is not None:  # the tokens of the content the parser finds, as a stream would place them
-                kept = set(parsed_content_tokens(tokenizer, parser, list(recorder.generated)))
-                rows = [row for index, row in enumerate(rows) if index in kept]
-            answer["output"] = _with_logprobs(answer.get("output") or [], [rows])
+                regions = parsed_content_tokens(tokenizer, parser, list(recorder.generated))
+                kept = set(_answered_content(regions, answer))
+                rows = _stripped([row for index, row in enumerate(rows) if index in kept], _message_text(answer))
+            answer["output"] = _with_logprobs(answer.get("output") or [], rows)
         return JSONResponse(_incomplete(answer) if recorder.generated.finish_reason == "length" else answer)
 
     def _streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
@@ -896,24 +897,48 @@ def _incomplete_item(item: dict) -> dict:
     return {**item, "status": "incomplete"} if item.get("type") == "message" else item
 
 
-def _with_logprobs(output: list, parts_rows: list[list]) -> list:
-    """A Responses API output's message items with their `output_text` parts' log probabilities: part i's the rows
-    (`_logprob_rows`') of `parts_rows[i]`, the last one's for the parts after (an answer whose message closed and
-    opened again around a tool call streams two)."""
-    rows = iter(parts_rows)
-    current = []
-    items = []
-    for item in output:
-        if isinstance(item, dict) and item.get("type") == "message" and isinstance(item.get("content"), list):
-            content = []
-            for part in item["content"]:
-                if isinstance(part, dict) and part.get("type") == "output_text":
-                    current = next(rows, current)
-                    part = _part_with_logprobs(part, current)
-                content.append(part)
-            item = {**item, "content": content}
-        items.append(item)
-    return items
+def _answered_content(regions: list[tuple[list[int], str]], answer: dict) -> list[int]:
+    """The tokens of the content regions (`parsed_content_tokens`') that a one-body response's message text is: all
+    of them, or the last one's where the text is that region's alone (transformers' parse of a content, a tool call,
+    then content again keeps the last)."""
+    text, whole = _message_text(answer).strip(), "".join(region_text for _, region_text in regions).strip()
+    if len(regions) > 1 and regions[-1][1].strip() == text != whole:
+        return regions[-1][0]
+    return [index for indices, _ in regions for index in indices]
+
+
+def _message_text(answer: dict) -> str:
+    """A Responses API body's message text (its output_text parts')."""
+    return "".join(
+        part.get("text") or ""
+        for item in answer.get("output") or []
+        if item.get("type") == "message"
+        for part in item.get("content") or []
+        if part.get("type") == "output_text"
+    )
+
+
+def _stripped(rows: list, text: str) -> list:
+    """`rows` without those of whitespace alone at either end where `text` has none there (transformers strips a
+    parsed content: the "\n\n" after a reasoning's close)."""
+    start, end = 0, len(rows)
+    while start < end and rows[start][0].isspace() and not text[:1].isspace():
+        start += 1
+    while end > start and rows[end - 1][0].isspace() and not text[-1:].isspace():
+        end -= 1
+    return rows[start:end]
+
+
+def _with_logprobs(output: list, rows: list) -> list:
+    """A Responses API output's message items with their `output_text` parts' log probabilities, the `rows`
+    (`_logprob_rows`') of the message's text (a message closed and opened again around a tool call holds the whole
+    text again, as transformers' stream builder gives it)."""
+    return [
+        {**item, "content": [_part_with_logprobs(part, rows) for part in item["content"]]}
+        if isinstance(item, dict) and item.get("type") == "message" and isinstance(item.get("content"), list)
+        else item
+        for item in output
+    ]
 
 
 def _part_with_logprobs(part, rows: list):
@@ -943,7 +968,7 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     the items dropped before that index."""
     one_call, calls, dropped = body.get("parallel_tool_calls") is False, 0, set()
     dropped_events, dropped_indices = 0, []  # the events dropped so far; the output indices of the items dropped
-    parts_rows = [[]]  # per output_text part streamed, the log probability rows its deltas carried (content_logprobs)
+    given = []  # the log probability rows the message's text deltas have carried (content_logprobs)
 
     def as_asked(event: str, data: dict | None) -> str:
         nonlocal calls, dropped_events
@@ -979,29 +1004,26 @@ async def _response_events(chunks, recorder: _Recorder, body: dict):
     def with_logprobs(data: dict, stream) -> dict:
         """The event with the message text's log probabilities: a delta's, those of the tokens its text came from
         (the stream's `content_logprobs_queue`, one entry per delta, in order); the text's, part's, item's and
-        response's once done, all the deltas'."""
-        kind, given = data.get("type"), parts_rows[-1]
+        response's once done, all the deltas' so far (and the stream's tail, tokens of no text after them)."""
+        kind = data.get("type")
         if kind == "response.output_text.delta":
             queued = stream.content_logprobs_queue
             rows = _logprob_rows(stream.logprob_tokenizer, queued.popleft() if queued else GeneratedIds([]))
             given.extend(rows)
             return {**data, "logprobs": [_response_logprob(row, with_bytes=False) for row in rows]}
         if kind == "response.output_text.done":
-            while stream.content_logprobs_queue:  # tokens after the last delta's, with empty text
-                given.extend(_logprob_rows(stream.logprob_tokenizer, stream.content_logprobs_queue.popleft()))
+            if stream.content_logprobs_tail is not None:  # tokens after the last delta's, with empty text
+                given.extend(_logprob_rows(stream.logprob_tokenizer, stream.content_logprobs_tail))
+                stream.content_logprobs_tail = None
             return {**data, "logprobs": [_response_logprob(row) for row in given]}
-        if kind == "response.content_part.added":  # a part of its own: its deltas' rows from here on
-            if given:
-                parts_rows.append([])
-            return {**data, "part": _part_with_logprobs(data.get("part"), [])}
-        if kind == "response.content_part.done":
-            return {**data, "part": _part_with_logprobs(data.get("part"), given)}
+        if kind in ("response.content_part.added", "response.content_part.done"):  # an added part has no text yet
+            return {**data, "part": _part_with_logprobs(data.get("part"), given if kind.endswith("done") else [])}
         if kind in ("response.output_item.added", "response.output_item.done"):
-            rows = [] if kind.endswith("added") else given
-            return {**data, "item": _with_logprobs([data.get("item")], [rows])[0]}
+            rows = given if kind.endswith("done") else []
+            return {**data, "item": _with_logprobs([data.get("item")], rows)[0]}
         response = data.get("response")
         if isinstance(response, dict) and isinstance(response.get("output"), list):
-            return {**data, "response": {**response, "output": _with_logprobs(response["output"], parts_rows)}}
+            return {**data, "response": {**response, "output": _with_logprobs(response["output"], given)}}
         return data
 
     try:

@@ -142,9 +142,10 @@ class ContentTokens:
         return taken
 
 
-def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[int]:
-    """The indices of the tokens of `token_ids` whose text makes up the content `parser` (a fresh
-    `ResponseParser`) finds in them, as a stream of them would place them (`ContentTokens`): the one-body answer's."""
+def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple[list[int], str]]:
+    """Per content region `parser` (a fresh `ResponseParser`) finds in `token_ids` (content, then a tool call, then
+    content again: two), the indices of the tokens whose text makes it up, as a stream of them would place them
+    (`ContentTokens`), and its text: the one-body answer's."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     decoder, content = DecodeStream([], skip_special_tokens=False), ContentTokens()  # as the parser reads them
     for token_id in token_ids:
@@ -158,7 +159,16 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[int]:
         events += parser.finalize()[1]
     except (ValueError, RuntimeError):  # an answer cut inside a structured region
         pass
-    return [index for piece in content.parsed(events) for index in piece]
+    regions: list[tuple[list[int], str]] = []
+    for event in events:
+        if event.get("field") != "content":
+            continue
+        if event.get("type") == "region_open" or not regions:
+            regions.append(([], ""))
+        if event.get("type") == "region_chunk" and event.get("text"):
+            indices, text = regions[-1]
+            regions[-1] = (indices + content.parsed([event])[0], text + event["text"])
+    return regions
 
 
 class LoggedText(str):
@@ -203,9 +213,9 @@ class RequestStream:
     content_logprobs (`bool`): a stream (the Responses API's) whose log probabilities go with its content pieces:
         each content piece (a `response.output_text.delta`: what the parser gives as content, or every piece without
         a parser) takes the tokens whose text overlaps where the piece is in the text fed to the parser
-        (`content_logprobs_queue`, one `GeneratedIds` per piece, in order; without a parser, one more at the end for
-        the tokens after the last piece, whose text is empty); the tokens of reasoning, tool calls and the markers
-        around them go with none.
+        (`content_logprobs_queue`, one `GeneratedIds` per piece, in order; without a parser, the tokens after the last
+        piece, whose text is empty, in `content_logprobs_tail` once it has ended); the tokens of reasoning, tool calls
+        and the markers around them go with none.
     """
 
     def __init__(
@@ -268,6 +278,7 @@ class RequestStream:
         # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
         self.content_logprobs_queue: collections.deque[GeneratedIds] = collections.deque()
+        self.content_logprobs_tail: GeneratedIds | None = None  # without a parser: the tokens after the last piece
         self._content = ContentTokens()
         self._pending = ""  # decoded text not sent yet
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
@@ -491,6 +502,7 @@ class RequestStream:
         if self.content_logprobs and self._parser is None and self._content.next_token < len(self.logprobs):
             # tokens after the last piece whose text is empty (a special token): the message's too, with no delta
             self._queue_content(list(range(self._content.next_token, len(self.logprobs))))
+            self.content_logprobs_tail = self.content_logprobs_queue.pop()
         if (self._unsent_logprobs[0] or self._prompt_unsent) and self._parser is None:
             # tokens whose text was empty (or only the prompt's, answered alone): a chunk of their own
             self.queue.put_nowait(self._logged(""))
