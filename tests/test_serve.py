@@ -982,6 +982,25 @@ def test_a_completion_continues_its_prompts_text_with_a_sentencepiece_tokenizer(
         manager.stop()
 
 
+def request_stream(loop, tokenizer, prompt_ids: list[int], handler=None, **options):
+    """A `RequestStream` outside a server: `tokenizer` the Rust tokenizer it decodes with incrementally, `handler` the
+    handler's (default `tokenizer`) that decodes the whole answer and spells log probabilities; `options` the
+    stream's other keywords (defaults: a stream, no sampling options, no stop string, 64 tokens at most)."""
+    from hf_paged.serve.stream import RequestStream
+
+    handler = tokenizer if handler is None else handler
+    keywords = dict(
+        max_new_tokens=64,
+        sampling={},
+        decode=lambda ids: handler.decode(ids, skip_special_tokens=True),
+        stop_strings=(),
+        streaming=True,
+        on_cancel=lambda stream: None,
+        logprob_tokenizer=handler,
+    )
+    return RequestStream(loop=loop, prompt_ids=prompt_ids, tokenizer=tokenizer, **(keywords | options))
+
+
 def byte_fallback_tokenizer():
     """SentencePiece's ByteFallback spelling (Llama 2, Mistral): a character outside the vocabulary is its UTF-8 bytes
     as tokens <0x00> to <0xFF>, which the decoder joins in runs."""
@@ -1000,23 +1019,19 @@ def continued_texts(tokenizer, handler_tokenizer, prompt: list[int], generated: 
     """A completion's (text, token texts) of `generated` after `prompt`, in one body and streamed one token a step."""
     from hf_paged.engine.sampling import TokenLogprob
     from hf_paged.serve.handlers import _completion_logprobs
-    from hf_paged.serve.stream import GeneratedIds, RequestStream
+    from hf_paged.serve.stream import GeneratedIds
 
     answers = []
     loop = asyncio.new_event_loop()
     try:
         for streaming in (False, True):
-            stream = RequestStream(
-                loop=loop,
-                prompt_ids=prompt,
-                max_new_tokens=len(generated),
+            stream = request_stream(
+                loop,
+                tokenizer,
+                prompt,
+                handler_tokenizer,
                 sampling={"logprobs": 0},
-                tokenizer=tokenizer,
-                decode=lambda ids: handler_tokenizer.decode(ids, skip_special_tokens=True),
-                stop_strings=(),
                 streaming=streaming,
-                on_cancel=lambda stream: None,
-                logprob_tokenizer=handler_tokenizer,
                 continues_prompt=True,
             )
             for index, token in enumerate(generated):
@@ -1063,7 +1078,6 @@ def test_a_completion_after_byte_tokens_continues_the_text_before_them():
 def test_a_stop_string_inside_the_min_tokens_text_does_not_count_however_the_tokens_come():
     """vLLM's rule, as the answer in one body applies it: a stop string counts only where it ends after the text of
     the first `min_tokens` tokens, also when the Engine delivers several tokens at once to a stream."""
-    from hf_paged.serve.stream import RequestStream
 
     tokenizer = make_tokenizer()
     generated = tokenizer("world quick dog world", add_special_tokens=False)["input_ids"]
@@ -1071,16 +1085,14 @@ def test_a_stop_string_inside_the_min_tokens_text_does_not_count_however_the_tok
     loop = asyncio.new_event_loop()
     try:
         for streaming, groups in ((False, [1, 1, 1, 1]), (True, [1, 1, 1, 1]), (True, [3, 1]), (True, [4])):
-            stream = RequestStream(
-                loop=loop,
-                prompt_ids=[tokenizer.bos_token_id],
-                max_new_tokens=len(generated),
+            stream = request_stream(
+                loop,
+                tokenizer._tokenizer,
+                [tokenizer.bos_token_id],
+                tokenizer,
                 sampling={"min_tokens": 1},
-                tokenizer=tokenizer._tokenizer,
-                decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 stop_strings=("wor",),
                 streaming=streaming,
-                on_cancel=lambda stream: None,
             )
             start = 0
             for size in groups:
@@ -1101,8 +1113,6 @@ def test_a_decode_that_fails_ends_its_request_with_an_error():
     event, the answer's exception) and stops its Engine request, instead of leaving its handler waiting."""
     from transformers.cli.serving.utils import _StreamError
 
-    from hf_paged.serve.stream import RequestStream
-
     class Broken:
         initial_events = []
 
@@ -1116,14 +1126,12 @@ def test_a_decode_that_fails_ends_its_request_with_an_error():
     try:
         for streaming in (True, False):
             cancelled = []
-            stream = RequestStream(
-                loop=loop,
-                prompt_ids=[tokenizer.bos_token_id],
-                max_new_tokens=8,
-                sampling={},
-                tokenizer=tokenizer._tokenizer,
+            stream = request_stream(
+                loop,
+                tokenizer._tokenizer,
+                [tokenizer.bos_token_id],
+                tokenizer,
                 decode=tokenizer.decode if streaming else Broken.feed,
-                stop_strings=(),
                 response_parser=Broken() if streaming else None,
                 streaming=streaming,
                 on_cancel=cancelled.append,
@@ -1250,7 +1258,7 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, ResponseParser
 
     from hf_paged.engine.sampling import TokenLogprob
-    from hf_paged.serve.stream import RequestStream, parsed_content_tokens
+    from hf_paged.serve.stream import parsed_content_tokens
 
     tokenizer = make_tokenizer()
     tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, "Paris"])
@@ -1259,18 +1267,13 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
     loop = asyncio.new_event_loop()
     try:
-        stream = RequestStream(
-            loop=loop,
-            prompt_ids=[tokenizer.bos_token_id],
-            max_new_tokens=len(ids),
+        stream = request_stream(
+            loop,
+            tokenizer._tokenizer,
+            [tokenizer.bos_token_id],
+            tokenizer,
             sampling={"logprobs": 0},
-            tokenizer=tokenizer._tokenizer,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            stop_strings=(),
             response_parser=ResponseParser(template, prefix=""),
-            streaming=True,
-            on_cancel=lambda stream: None,
-            logprob_tokenizer=tokenizer,
             content_logprobs=True,
         )
         for index, token in enumerate(ids):
@@ -1745,8 +1748,6 @@ def test_a_stream_ending_inside_a_character_ends_as_the_whole_decode():
     end sends what the whole decode shows for it, so streamed and non-streamed text end alike."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-    from hf_paged.serve.stream import RequestStream
-
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -1756,17 +1757,7 @@ def test_a_stream_ending_inside_a_character_ends_as_the_whole_decode():
     whole = tokenizer.decode(token_ids)
     loop = asyncio.new_event_loop()
     try:
-        stream = RequestStream(
-            loop=loop,
-            prompt_ids=[1],
-            max_new_tokens=8,
-            sampling={},
-            tokenizer=tokenizer,
-            decode=tokenizer.decode,
-            stop_strings=(),
-            streaming=True,
-            on_cancel=lambda stream: None,
-        )
+        stream = request_stream(loop, tokenizer, [1], decode=tokenizer.decode)
         stream.deliver(token_ids, finished=True)
         pieces = []
         while (piece := stream.queue.get_nowait()) is not None:
@@ -2043,7 +2034,6 @@ def test_streamed_logprob_texts_are_spelled_as_the_answer_in_one_body():
 
     from hf_paged.engine.sampling import TokenLogprob
     from hf_paged.serve.handlers import _completion_logprobs
-    from hf_paged.serve.stream import RequestStream
 
     wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
     wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
@@ -2059,18 +2049,7 @@ def test_streamed_logprob_texts_are_spelled_as_the_answer_in_one_body():
     assert echo != wordpiece.decode(prompt)  # the clean-up changes it
     loop = asyncio.new_event_loop()
     try:
-        stream = RequestStream(
-            loop=loop,
-            prompt_ids=prompt,
-            max_new_tokens=8,
-            sampling={"logprobs": 0, "prompt_logprobs": 0},
-            tokenizer=wordpiece,
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-            stop_strings=(),
-            streaming=True,
-            on_cancel=lambda stream: None,
-            logprob_tokenizer=tokenizer,
-        )
+        stream = request_stream(loop, wordpiece, prompt, tokenizer, sampling={"logprobs": 0, "prompt_logprobs": 0})
         record = TokenLogprob(-1.0, ())
         stream.deliver(new, True, logprobs=[record] * len(new), prompt_logprobs=[record] * (len(prompt) - 1))
         first = stream.queue.get_nowait()
