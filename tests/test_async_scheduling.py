@@ -338,7 +338,7 @@ def test_min_p_keeps_the_tokens_transformers_min_p_warper_keeps():
     params = [
         SamplingParams(temperature=1.0, min_p=0.6),
         SamplingParams(temperature=0.5, min_p=0.3),
-        SamplingParams(temperature=1.0, top_p=0.95, min_p=0.3),
+        SamplingParams(temperature=1.0, top_p=0.75, min_p=0.3),  # 3 tokens; min_p before top-p (vLLM's) keeps 2
         SamplingParams(temperature=1.5, top_k=3, min_p=0.7),
         SamplingParams(temperature=1.0, min_p=1.0),
     ]

@@ -1065,6 +1065,10 @@ def test_a_completion_after_byte_tokens_continues_the_text_before_them():
         ([the, byte[0x0A]], [*(byte[b] for b in "😃".encode()), fox], ["", "", "", "😃", " fox"]),
         ([byte[0x0A]], [byte[0xF9], fox], None),
     ]
+    # bytes that begin no character in the answer (tokenizers' incremental decoder refuses them): the text after
+    # them still comes, from the whole answer's decode
+    (_, _), (streamed, _) = continued_texts(spm, spm, [the], [byte[0x41], byte[0xE2], fox, fox])
+    assert streamed.endswith(" fox fox"), streamed
     assert spm.decode(cut).endswith("\ufffd")
     for prompt, generated, expected in cases:
         (text, tokens), (streamed, streamed_tokens) = continued_texts(spm, spm, prompt, generated)
@@ -1147,8 +1151,45 @@ def test_a_decode_that_fails_ends_its_request_with_an_error():
                 assert isinstance(error, _StreamError) and "no parse" in error.msg and cancelled == [stream]
                 stream.deliver(words[1:], True)  # later tokens are dropped
                 assert stream.queue.empty()
+        # a failure in the answer's end, where a stop string ended it while its Engine request runs on
+        for streaming in (True, False):
+            cancelled = []
+            stream = request_stream(
+                loop, tokenizer._tokenizer, [tokenizer.bos_token_id], tokenizer, decode=Broken.feed,
+                stop_strings=("quick",), streaming=streaming, on_cancel=cancelled.append,
+            )  # fmt: skip
+            stream.deliver(words, False)
+            assert cancelled == [stream] and stream._closed
     finally:
         loop.close()
+
+
+def test_a_stop_string_completed_after_min_tokens_ends_the_answer_in_one_body_and_streamed():
+    """The first `min_tokens` tokens end inside a character that the next ones complete (a ByteFallback "€" over
+    three byte tokens): a stop string made of that character ends after them, so it counts, in one body as in the
+    stream, and neither sends it."""
+    spm = byte_fallback_tokenizer()
+    handler = PreTrainedTokenizerFast(tokenizer_object=spm, unk_token="<unk>")
+    euro = [spm.token_to_id(f"<0x{byte:02X}>") for byte in "€".encode()]
+    generated = [spm.token_to_id("\u2581fox"), *euro, spm.token_to_id("\u2581the")]
+    texts = []
+    loop = asyncio.new_event_loop()
+    try:
+        for streaming in (False, True):
+            stream = request_stream(
+                loop, spm, [spm.token_to_id("\u2581the")], handler, sampling={"min_tokens": 2}, stop_strings=("€",),
+                streaming=streaming,
+            )  # fmt: skip
+            for index, token in enumerate(generated):
+                stream.deliver([token], index == len(generated) - 1)
+            if streaming:
+                texts.append("".join(item for item in iter(stream.queue.get_nowait, None)))
+            else:
+                texts.append(loop.run_until_complete(stream.result))
+            assert stream.stopped and len(stream.token_ids) == 4
+    finally:
+        loop.close()
+    assert texts == ["fox", "fox"], texts
 
 
 def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
@@ -1568,7 +1609,7 @@ def test_the_models_repetition_penalty_and_min_new_tokens_apply_unless_the_reque
     from hf_paged.serve.fields import unapplied_generation_settings
 
     assert unapplied_generation_settings(model_config) == {}
-    beams = GenerationConfig(num_beams=4, no_repeat_ngram_size=3, top_k=20, min_p=0.05, pad_token_id=0)
+    beams = GenerationConfig(num_beams=4, no_repeat_ngram_size=3, top_k=20, min_p=0.05, pad_token_id=0, max_length=4096)
     assert unapplied_generation_settings(beams) == {"num_beams": 4, "no_repeat_ngram_size": 3}
 
 

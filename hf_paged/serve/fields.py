@@ -217,14 +217,24 @@ def generation_defaults() -> dict:
     return GenerationConfig().to_dict()
 
 
+# A model's settings that its requests' max_new_tokens overrides (transformers' handlers give every request one).
+STARTUP_NEUTRAL = ("max_length",)
+
+
 def unapplied_generation_settings(generation_config) -> dict:
     """A model's generation config's settings that its requests would not get: those the Engine does not apply
     (`APPLIED_GENERATION_KEYS`; `repetition_penalty` and `min_new_tokens` apply as the requests' defaults, see
-    options.with_model_defaults) at a value other than the one that changes nothing, key -> value."""
+    options.with_model_defaults; `max_length` is `STARTUP_NEUTRAL`) at a value other than the one that changes
+    nothing, key -> value."""
     defaults = generation_defaults()
     unapplied = {}
     for key, value in generation_config.to_dict().items():
-        if key in APPLIED_GENERATION_KEYS or key in NEUTRAL_GENERATION_KEYS or key not in defaults:
+        if (
+            key in APPLIED_GENERATION_KEYS
+            or key in NEUTRAL_GENERATION_KEYS
+            or key in STARTUP_NEUTRAL
+            or key not in defaults
+        ):
             continue
         if value in (defaults[key], *([GENERATION_DEFAULTS[key]] if key in GENERATION_DEFAULTS else [])):
             continue

@@ -47,12 +47,12 @@ from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
 from .stream import (
     PIECE_CONTEXT,
-    REPLACEMENT,
     GeneratedIds,
     LoggedText,
     cleans_up_spaces,
     parsed_content_tokens,
     skipped_ids,
+    unfinished_cut,
 )
 
 DONE = "data: [DONE]\n\n"
@@ -320,16 +320,8 @@ def _added(text: str, longer: str, final: bool) -> str:
     bytes span several tokens is added whole by the token that completes it (a token ending inside one adds ""), so
     the tokens' texts add up to the answer; the answer's last token keeps what it ends with (`final`). None where
     `longer` does not continue `text` (a decoder that changed the text before)."""
-    before, after = _unfinished_cut(text), longer if final else _unfinished_cut(longer)
+    before, after = unfinished_cut(text), longer if final else unfinished_cut(longer)
     return after[len(before) :] if after.startswith(before) else None
-
-
-def _unfinished_cut(text: str) -> str:
-    """`text` without the U+FFFD a decode ends with where its last bytes begin a character: one from a lossy UTF-8
-    decode of an unfinished sequence, up to three from a ByteFallback decoder, one per byte (any before them are the
-    answer's)."""
-    cut = len(text[-3:]) - len(text[-3:].rstrip(REPLACEMENT))  # up to 3: the bytes an unfinished character has
-    return text[: len(text) - cut]  # a ByteFallback decoder spells each unfinished byte as one
 
 
 def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:

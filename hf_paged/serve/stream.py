@@ -42,6 +42,14 @@ def overlaps(start: int, end: int, first: int, last: int) -> bool:
     return (start < last and end > first) if start < end else first <= start < last or start == first == last
 
 
+def unfinished_cut(text: str) -> str:
+    """`text` without the U+FFFD a decode ends with where its last bytes begin a character: one from a lossy UTF-8
+    decode of an unfinished sequence, up to three from a ByteFallback decoder, one per byte (any before them are the
+    answer's)."""
+    cut = len(text[-3:]) - len(text[-3:].rstrip(REPLACEMENT))  # up to 3: the bytes an unfinished character has
+    return text[: len(text) - cut]  # a ByteFallback decoder spells each unfinished byte as one
+
+
 def cleans_up_spaces(tokenizer) -> bool:
     """Whether a transformers tokenizer's decode cleans up spaces after its Rust decoder's (" ," -> ",",
     `clean_up_tokenization_spaces`; transformers skips it for a BPE model unless forced)."""
@@ -148,11 +156,15 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple
     (`ContentTokens`), and its text: the one-body answer's."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     decoder, content = DecodeStream([], skip_special_tokens=False), ContentTokens()  # as the parser reads them
-    for token_id in token_ids:
-        try:
-            content.fed += decoder.step(backend, token_id) or ""
-        except Exception:  # see RequestStream._step
-            decoder = DecodeStream([], skip_special_tokens=False)
+    for index, token_id in enumerate(token_ids):
+        if decoder is not None:
+            try:
+                content.fed += decoder.step(backend, token_id) or ""
+            except Exception:  # as RequestStream._step: the whole decode from here on
+                decoder = None
+        if decoder is None:
+            text = unfinished_cut(backend.decode(token_ids[: index + 1], skip_special_tokens=False))
+            content.fed += text[len(content.fed) :]
         content.token_ends.append(len(content.fed))
     events = parser.feed(content.fed)
     try:
@@ -269,8 +281,8 @@ class RequestStream:
             self._text_before = decode(self.text_after) if self.text_after else ""
             if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
                 self.text_after, self._text_before = [], ""
-        self._skip_special = response_parser is None
-        self._decoder = DecodeStream(self.text_after, skip_special_tokens=self._skip_special)
+        self._decoder = DecodeStream(self.text_after, skip_special_tokens=response_parser is None)
+        self._whole_chars: int | None = None  # once the decoder has failed: the text's length so far (`_step`)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
@@ -311,16 +323,19 @@ class RequestStream:
         return kept
 
     def _step(self, token_id: int) -> str:
-        """The text `token_id` adds to the stream's (the incremental decoder's; "" while a character is unfinished).
-        A decode the decoder cannot continue (a ByteFallback run of bytes that begin no character changes the text
-        before it) starts a decoder of its own after the tokens so far, and adds what the answer's decode of them
-        ends with past the text decoded so far (the whole answer, decoded at its end, settles what the stream ends
-        with)."""
-        try:
-            return self._decoder.step(self._tokenizer, token_id) or ""
-        except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered")
-            self._decoder = DecodeStream([], skip_special_tokens=self._skip_special)
-            return ""
+        """The text `token_id` (the last of `token_ids`) adds to the stream's: the incremental decoder's ("" while a
+        character is unfinished). Once the decoder cannot continue (a ByteFallback run of bytes that begin no
+        character changes the text before it, which tokenizers refuses), each token adds what the whole answer's
+        decode (`decode_text`, without an unfinished character at its end) has grown past the text so far."""
+        if self._whole_chars is None:
+            try:
+                return self._decoder.step(self._tokenizer, token_id) or ""
+            except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered while decoding")
+                self._whole_chars = self._decoded_chars
+        text = unfinished_cut(self.decode_text(self.token_ids))
+        piece = text[self._whole_chars :]
+        self._whole_chars = max(self._whole_chars, len(text))
+        return piece
 
     def cancel(self) -> None:
         """The client went away: stop the Engine request (its blocks go back to the pool)."""
@@ -347,11 +362,11 @@ class RequestStream:
         A failure to decode or parse them (a tokenizer's or parser's exception) ends the request with an error, in
         its stream or its result, and stops its Engine request: the handler never waits on a request that cannot
         go on."""
+        running = not (finished or self._closed)  # its Engine request runs on
         try:
             self._receive(token_ids, finished, error, invalid, logprobs, finish_reason, prompt_logprobs)
         except Exception as failure:
             logger.exception("a request's tokens could not be decoded")
-            running = not (finished or self._closed)
             self._fail(f"the answer could not be decoded: {failure!r}", invalid=False)
             if running:
                 self._on_cancel(self)
@@ -467,7 +482,8 @@ class RequestStream:
         if not self.stopped:
             return text
         min_tokens = self.sampling.get("min_tokens", 0)
-        allowed = len(self.decode_text(self.token_ids[:min_tokens])) if min_tokens else 0
+        # the text of the first min_tokens tokens, without a character the next ones complete (as `_min_chars`)
+        allowed = len(unfinished_cut(self.decode_text(self.token_ids[:min_tokens]))) if min_tokens else 0
         positions = [i for i in (text.find(stop, max(allowed - len(stop) + 1, 0)) for stop in self._stops) if i >= 0]
         return text[: min(positions)] if positions else text
 
