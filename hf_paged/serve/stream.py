@@ -152,11 +152,26 @@ class ContentTokens:
 
 def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple[list[int], str]]:
     """Per content region `parser` (a fresh `ResponseParser`) finds in `token_ids` (content, then a tool call, then
-    content again: two), the indices of the tokens whose text makes it up, as a stream of them would place them
-    (`ContentTokens`), and its text: the one-body answer's."""
+    content again: two), the indices of the tokens whose text makes it up, and its text: the one-body answer's. The
+    tokens' texts are fed to the parser one token at a time and its pieces placed among them (`ContentTokens`), as
+    a stream of them is."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     decoder, content = DecodeStream([], skip_special_tokens=False), ContentTokens()  # as the parser reads them
+    regions: list[tuple[list[int], str]] = []
+
+    def place(events: list) -> None:
+        for event in events:
+            if event.get("field") != "content":
+                content.parsed([event])  # reasoning, a tool call's text: passed over
+                continue
+            if event.get("type") == "region_open" or not regions:
+                regions.append(([], ""))
+            if event.get("type") == "region_chunk" and event.get("text"):
+                indices, text = regions[-1]
+                regions[-1] = (indices + content.parsed([event])[0], text + event["text"])
+
     for index, token_id in enumerate(token_ids):
+        start = len(content.fed)
         if decoder is not None:
             try:
                 content.fed += decoder.step(backend, token_id) or ""
@@ -166,20 +181,14 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple
             text = unfinished_cut(backend.decode(token_ids[: index + 1], skip_special_tokens=False))
             content.fed += text[len(content.fed) :]
         content.token_ends.append(len(content.fed))
-    events = parser.feed(content.fed)
+        try:
+            place(parser.feed(content.fed[start:]))
+        except (ValueError, RuntimeError):  # a structured region it cannot read (a tool call's JSON): no more
+            return regions
     try:
-        events += parser.finalize()[1]
+        place(parser.finalize()[1])
     except (ValueError, RuntimeError):  # an answer cut inside a structured region
         pass
-    regions: list[tuple[list[int], str]] = []
-    for event in events:
-        if event.get("field") != "content":
-            continue
-        if event.get("type") == "region_open" or not regions:
-            regions.append(([], ""))
-        if event.get("type") == "region_chunk" and event.get("text"):
-            indices, text = regions[-1]
-            regions[-1] = (indices + content.parsed([event])[0], text + event["text"])
     return regions
 
 
