@@ -983,11 +983,14 @@ def test_a_completion_continues_its_prompts_text_with_a_sentencepiece_tokenizer(
 
 
 def request_stream(loop, tokenizer, prompt_ids: list[int], handler=None, **options):
-    """A `RequestStream` outside a server: `tokenizer` the Rust tokenizer it decodes with incrementally, `handler` the
-    handler's (default `tokenizer`) that decodes the whole answer and spells log probabilities; `options` the
-    stream's other keywords (defaults: a stream, no sampling options, no stop string, 64 tokens at most)."""
+    """A `RequestStream` outside a server: `tokenizer` the Rust tokenizer it decodes with incrementally (a transformers
+    tokenizer: its Rust one, and itself the handler's), `handler` the handler's (default `tokenizer`) that decodes the
+    whole answer and spells log probabilities; `options` the stream's other keywords (defaults: a stream, no sampling
+    options, no stop string, 64 tokens at most)."""
     from hf_paged.serve.stream import RequestStream
 
+    if handler is None and isinstance(tokenizer, PreTrainedTokenizerFast):
+        tokenizer, handler = tokenizer.backend_tokenizer, tokenizer
     handler = tokenizer if handler is None else handler
     keywords = dict(
         max_new_tokens=64,
@@ -1091,9 +1094,8 @@ def test_a_stop_string_inside_the_min_tokens_text_does_not_count_however_the_tok
         for streaming, groups in ((False, [1, 1, 1, 1]), (True, [1, 1, 1, 1]), (True, [3, 1]), (True, [4])):
             stream = request_stream(
                 loop,
-                tokenizer._tokenizer,
-                [tokenizer.bos_token_id],
                 tokenizer,
+                [tokenizer.bos_token_id],
                 sampling={"min_tokens": 1},
                 stop_strings=("wor",),
                 streaming=streaming,
@@ -1132,9 +1134,8 @@ def test_a_decode_that_fails_ends_its_request_with_an_error():
             cancelled = []
             stream = request_stream(
                 loop,
-                tokenizer._tokenizer,
-                [tokenizer.bos_token_id],
                 tokenizer,
+                [tokenizer.bos_token_id],
                 decode=tokenizer.decode if streaming else Broken.feed,
                 response_parser=Broken() if streaming else None,
                 streaming=streaming,
@@ -1155,7 +1156,7 @@ def test_a_decode_that_fails_ends_its_request_with_an_error():
         for streaming in (True, False):
             cancelled = []
             stream = request_stream(
-                loop, tokenizer._tokenizer, [tokenizer.bos_token_id], tokenizer, decode=Broken.feed,
+                loop, tokenizer, [tokenizer.bos_token_id], decode=Broken.feed,
                 stop_strings=("quick",), streaming=streaming, on_cancel=cancelled.append,
             )  # fmt: skip
             stream.deliver(words, False)
@@ -1310,9 +1311,8 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     try:
         stream = request_stream(
             loop,
-            tokenizer._tokenizer,
-            [tokenizer.bos_token_id],
             tokenizer,
+            [tokenizer.bos_token_id],
             sampling={"logprobs": 0},
             response_parser=ResponseParser(template, prefix=""),
             content_logprobs=True,

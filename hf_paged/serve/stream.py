@@ -104,6 +104,33 @@ class GeneratedIds(list):
         self.prompt_text = prompt_text  # the string prompt the answer starts with (else its ids decoded)
 
 
+class IncrementalText:
+    """The text each token adds to an answer's: tokenizers' `DecodeStream` after the tokens `prefix` ("" while a
+    character is unfinished), and once it cannot continue (a ByteFallback run of bytes that begin no character changes
+    the text before it, which tokenizers refuses) what the whole answer's decode (`whole`, of every token so far,
+    without an unfinished character at its end) has grown past the text so far. `chars`: the text's length so far."""
+
+    def __init__(self, tokenizer, prefix: list[int], skip_special_tokens: bool, whole: Callable[[list[int]], str]):
+        self._tokenizer, self._whole = tokenizer, whole
+        self._decoder: DecodeStream | None = DecodeStream(prefix, skip_special_tokens=skip_special_tokens)
+        self.chars = 0
+
+    def step(self, token_ids: list[int]) -> str:
+        """The text the last of `token_ids` (every token of the answer so far) adds."""
+        if self._decoder is not None:
+            try:
+                piece = self._decoder.step(self._tokenizer, token_ids[-1]) or ""
+            except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered while decoding")
+                self._decoder = None
+            else:
+                self.chars += len(piece)
+                return piece
+        text = unfinished_cut(self._whole(token_ids))
+        piece = text[self.chars :]
+        self.chars = max(self.chars, len(text))
+        return piece
+
+
 class ContentTokens:
     """Which tokens' text makes up the message content a response parser finds in an answer: the tokens' texts are
     spans of the text fed to the parser (`fed`; `token_ends`: its length after each token), and each piece the
@@ -156,33 +183,26 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple
     tokens' texts are fed to the parser one token at a time and its pieces placed among them (`ContentTokens`), as
     a stream of them is."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    decoder, content = DecodeStream([], skip_special_tokens=False), ContentTokens()  # as the parser reads them
-    regions: list[tuple[list[int], str]] = []
+    content, regions = ContentTokens(), []  # the tokens' texts as the parser reads them: special tokens kept
+    text = IncrementalText(backend, [], False, lambda ids: backend.decode(ids, skip_special_tokens=False))
 
     def place(events: list) -> None:
         for event in events:
+            pieces = content.parsed([event])  # a content piece's tokens; reasoning, a tool call's text passed over
             if event.get("field") != "content":
-                content.parsed([event])  # reasoning, a tool call's text: passed over
                 continue
             if event.get("type") == "region_open" or not regions:
                 regions.append(([], ""))
-            if event.get("type") == "region_chunk" and event.get("text"):
-                indices, text = regions[-1]
-                regions[-1] = (indices + content.parsed([event])[0], text + event["text"])
+            if pieces:
+                indices, region_text = regions[-1]
+                regions[-1] = (indices + pieces[0], region_text + event["text"])
 
-    for index, token_id in enumerate(token_ids):
-        start = len(content.fed)
-        if decoder is not None:
-            try:
-                content.fed += decoder.step(backend, token_id) or ""
-            except Exception:  # as RequestStream._step: the whole decode from here on
-                decoder = None
-        if decoder is None:
-            text = unfinished_cut(backend.decode(token_ids[: index + 1], skip_special_tokens=False))
-            content.fed += text[len(content.fed) :]
+    for index in range(len(token_ids)):
+        piece = text.step(token_ids[: index + 1])
+        content.fed += piece
         content.token_ends.append(len(content.fed))
         try:
-            place(parser.feed(content.fed[start:]))
+            place(parser.feed(piece))
         except (ValueError, RuntimeError):  # a structured region it cannot read (a tool call's JSON): no more
             return regions
     try:
@@ -290,8 +310,7 @@ class RequestStream:
             self._text_before = decode(self.text_after) if self.text_after else ""
             if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
                 self.text_after, self._text_before = [], ""
-        self._decoder = DecodeStream(self.text_after, skip_special_tokens=response_parser is None)
-        self._whole_chars: int | None = None  # once the decoder has failed: the text's length so far (`_step`)
+        self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser = response_parser
@@ -307,8 +326,8 @@ class RequestStream:
         # tokens it skips), which the next ones' texts are decoded after (stream); first the prompt's the text
         # continues.
         self._context: list[int] = list(self.text_after)
-        # The length of the text decoded so far, and of the text of the tokens whose TokenLogprobs went out (stream).
-        self._decoded_chars = self._logged_chars = 0
+        # The length of the text of the tokens whose TokenLogprobs went out (stream; `_decoded_chars`: of all so far).
+        self._logged_chars = 0
         self._min_chars = 0  # the length of the text of the first min_tokens tokens (a stop string ends after it)
         # The echoed prompt's text, before the generated text in the answer (the offsets of its tokens count it).
         self.echoed_prompt, self.echo_chars = echoed_prompt, 0
@@ -331,20 +350,10 @@ class RequestStream:
             kept.pop()
         return kept
 
-    def _step(self, token_id: int) -> str:
-        """The text `token_id` (the last of `token_ids`) adds to the stream's: the incremental decoder's ("" while a
-        character is unfinished). Once the decoder cannot continue (a ByteFallback run of bytes that begin no
-        character changes the text before it, which tokenizers refuses), each token adds what the whole answer's
-        decode (`decode_text`, without an unfinished character at its end) has grown past the text so far."""
-        if self._whole_chars is None:
-            try:
-                return self._decoder.step(self._tokenizer, token_id) or ""
-            except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered while decoding")
-                self._whole_chars = self._decoded_chars
-        text = unfinished_cut(self.decode_text(self.token_ids))
-        piece = text[self._whole_chars :]
-        self._whole_chars = max(self._whole_chars, len(text))
-        return piece
+    @property
+    def _decoded_chars(self) -> int:
+        """The length of the text decoded so far (stream, or a request with stop strings)."""
+        return self._text.chars
 
     def cancel(self) -> None:
         """The client went away: stop the Engine request (its blocks go back to the pool)."""
@@ -408,9 +417,8 @@ class RequestStream:
             self.token_ids.append(token_id)
             self.total_tokens += 1
             if self.streaming or self._stops:
-                piece = self._step(token_id)
+                piece = self._text.step(self.token_ids)
                 self._pending += piece
-                self._decoded_chars += len(piece)
                 if self.content_logprobs:
                     self._content.token_ends.append(self._decoded_chars)
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
