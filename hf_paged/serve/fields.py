@@ -217,6 +217,12 @@ def generation_defaults() -> dict:
     return GenerationConfig().to_dict()
 
 
+def neutral_generation_values(key: str) -> list:
+    """The values of a `GenerationConfig` setting that change nothing: `GenerationConfig()`'s, and the one it fills in
+    later where it leaves it unset (`GENERATION_DEFAULTS`)."""
+    return [generation_defaults()[key], *([GENERATION_DEFAULTS[key]] if key in GENERATION_DEFAULTS else [])]
+
+
 # A model's settings that its requests' max_new_tokens overrides (transformers' handlers give every request one).
 STARTUP_NEUTRAL = ("max_length",)
 
@@ -236,7 +242,7 @@ def unapplied_generation_settings(generation_config) -> dict:
             or key not in defaults
         ):
             continue
-        if value in (defaults[key], *([GENERATION_DEFAULTS[key]] if key in GENERATION_DEFAULTS else [])):
+        if value in neutral_generation_values(key):
             continue
         unapplied[key] = value
     return unapplied
@@ -675,7 +681,7 @@ def _check_generation_config(value) -> None:
                 "field)",
                 f"generation_config.{key}",
             )
-        neutral = [defaults[key], *([GENERATION_DEFAULTS[key]] if key in GENERATION_DEFAULTS else [])]
+        neutral = neutral_generation_values(key)
         if setting in neutral:
             continue
         raise InvalidRequest(
