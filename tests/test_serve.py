@@ -1330,6 +1330,53 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     assert [index for indices, _ in regions for index in indices] == content
 
 
+def test_a_parsed_chat_stream_sends_each_tokens_log_probability_with_the_text_it_brings():
+    """A chat answer the response parser reads (Qwen 3's template): each `reasoning_content` and `content` chunk
+    carries the log probabilities of the tokens delivered since the last chunk of text (so the reasoning's come with
+    the reasoning, not all at the end), a tool call's tokens go with the next text or the last chunk's empty
+    content, and over the stream every token's comes once, in order, as the answer in one body has them."""
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, ReasoningText, ResponseParser, ToolCall
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import PagedChatCompletionHandler
+    from hf_paged.serve.stream import LoggedText
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, "Paris"])
+    template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
+    answer = f"<think> hello there </think> Paris <tool_call> {LOOKUP_CALL} </tool_call>"
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
+    loop = asyncio.new_event_loop()
+    try:
+        stream = request_stream(
+            loop,
+            tokenizer,
+            [tokenizer.bos_token_id],
+            sampling={"logprobs": 0},
+            response_parser=ResponseParser(template, prefix=""),
+        )
+        for index, token in enumerate(ids):
+            stream.deliver([token], index == len(ids) - 1, logprobs=[records[index]])
+        items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    finally:
+        loop.close()
+    assert items[-1] is None and any(isinstance(item, ToolCall) for item in items)
+    logged = [item for item in items if isinstance(item, LoggedText)]
+    assert [r.logprob for item in logged for r in item.generated.logprobs] == [r.logprob for r in records]
+    reasoning = [item for item in logged if isinstance(item, ReasoningText)]
+    assert reasoning and "".join(reasoning).strip().startswith("hello")
+    first_content = next(item for item in logged if not isinstance(item, ReasoningText) and item)
+    assert first_content.generated.logprobs[-1] is records[ids.index(tokenizer.convert_tokens_to_ids("Paris"))]
+    assert logged[-1] == "" and len(logged[-1].generated.logprobs) > 1  # the tool call's tokens, at the end
+
+    handler = object.__new__(PagedChatCompletionHandler)
+    chunk = json.loads(handler._build_chunk_sse("id", model="m", reasoning_content=reasoning[0]).removeprefix("data: "))
+    entries = chunk["choices"][0]["logprobs"]["content"]
+    assert [entry["logprob"] for entry in entries] == [r.logprob for r in reasoning[0].generated.logprobs]
+    assert chunk["choices"][0]["delta"]["reasoning_content"] == reasoning[0]
+
+
 def test_one_body_responses_log_probabilities_are_those_of_its_parsed_text():
     """transformers' one-body parse keeps the last content region of an answer that writes content, a tool call,
     then content again, and strips the content: the message's log probabilities are then that region's tokens,

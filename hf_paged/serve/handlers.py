@@ -271,7 +271,7 @@ class ChoicesMixin:
         """transformers' chunk, with the log probabilities its piece of text carries (a `LoggedText`: a request that
         asked for them) in its choice's `logprobs`."""
         sse = super()._build_chunk_sse(*args, **kwargs)
-        piece = kwargs.get("content", kwargs.get("text"))
+        piece = kwargs.get("content", kwargs.get("text", kwargs.get("reasoning_content")))
         if not isinstance(piece, LoggedText):
             return sse
         data = json.loads(sse.removeprefix("data: "))

@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable
 
 from tokenizers.decoders import DecodeStream
-from transformers.cli.serving.utils import _StreamError, response_events_to_chunks
+from transformers.cli.serving.utils import ReasoningText, _StreamError, response_events_to_chunks
 
 from ..errors import InvalidRequest
 
@@ -220,6 +220,11 @@ class LoggedText(str):
         piece = super().__new__(cls, text)
         piece.generated, piece.tokenizer = generated, tokenizer
         return piece
+
+
+class LoggedReasoningText(LoggedText, ReasoningText):
+    """A streamed piece of reasoning text (a chat answer's `reasoning_content`) carrying the log probabilities of
+    the tokens it brings, as `LoggedText`."""
 
 
 class RequestStream:
@@ -476,7 +481,15 @@ class RequestStream:
         if self.content_logprobs:
             for taken in self._content.parsed(events):
                 self._queue_content(taken)
+        logged = self.content_logprobs  # with content_logprobs the handler reads the queue beside, not the items
         for item in response_events_to_chunks(events):
+            if not logged and isinstance(item, str) and (self._unsent_logprobs[0] or self._prompt_unsent):
+                # the first text piece since the last one carries the tokens delivered until now (a tool call's
+                # tokens go with the next piece of text, or the stream's last chunk)
+                item, logged = (
+                    self._logged(item, LoggedReasoningText if isinstance(item, ReasoningText) else LoggedText),
+                    True,
+                )
             self.queue.put_nowait(item)
 
     def _queue_content(self, indices: list[int]) -> None:
@@ -546,12 +559,13 @@ class RequestStream:
                 events = []
             self._queue_parsed(events)
             if self._unsent_logprobs[0] and not self.content_logprobs:
-                # a parsed stream's pieces are not its tokens': all of them at the end
+                # tokens after the last piece of text (a tool call, the answer's end markers): a chunk of their own
                 self.queue.put_nowait(self._logged(""))
         self.queue.put_nowait(None)
 
-    def _logged(self, text: str) -> str:
-        """`text`, carrying the log probabilities of the tokens not sent yet (`LoggedText`) when there are some."""
+    def _logged(self, text: str, kind: type[LoggedText] = LoggedText) -> str:
+        """`text`, carrying the log probabilities of the tokens not sent yet (a `kind`: `LoggedText`, or
+        `LoggedReasoningText` for a parsed answer's reasoning) when there are some."""
         token_ids, logprobs = self._unsent_logprobs
         if not (token_ids or self._prompt_unsent):
             return text
@@ -570,7 +584,7 @@ class RequestStream:
         )
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
         self._logged_chars = self._decoded_chars
-        return LoggedText(text, generated, self.logprob_tokenizer)
+        return kind(text, generated, self.logprob_tokenizer)
 
     def prompt_fields(self) -> dict:
         """The `GeneratedIds` keywords of the prompt an answer echoes with its log probabilities, once they have come
