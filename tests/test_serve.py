@@ -1482,6 +1482,158 @@ def test_tool_choice_none_leaves_a_tool_call_in_the_text(server, saved):
     assert status == 200 and response["tool_choice"] == "none" and response["tools"] == [LOOKUP_TOOL_ITEM], response
 
 
+BAD_CALL = '{"name": "lookup", "arguments": {bad'  # a tool call that is no JSON
+
+
+def parsed_tokenizer() -> PreTrainedTokenizerFast:
+    """The test tokenizer with Qwen 3's response template (reasoning in <think> ... </think>, tool calls in
+    <tool_call> ... </tool_call>), anchored at the test chat template's generation prompt, and those markers and two
+    tool calls' texts as tokens."""
+    import copy as copying
+
+    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
+
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, BAD_CALL])
+    template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
+    # where the answer starts in the prompt's text: CHAT_TEMPLATE's generation prompt (Qwen's <|im_start|>assistant)
+    tokenizer.response_template = {**copying.deepcopy(template), "start_anchor": "assistant :"}
+    return tokenizer
+
+
+def parsed_stream_items(tokenizer, answer: str, **options) -> tuple[list, object]:
+    """The queue items of `answer`'s tokens streamed one at a time through a `RequestStream` with the tokenizer's
+    response parser and its fallback without tool calls, as the server builds them; and the stream."""
+    import types
+
+    from transformers.cli.serving.utils import build_response_parser
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.parsing import unparsed_tool_calls_parser
+
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
+    prompt = []  # a parser's prefix without Qwen 3's anchor would be read as the answer's start
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    loop = asyncio.new_event_loop()
+    try:
+        stream = request_stream(
+            loop,
+            tokenizer,
+            prompt,
+            response_parser=build_response_parser(tokenizer, model, prompt),
+            unparsed_parser=unparsed_tool_calls_parser(tokenizer, model, prompt),
+            **options,
+        )
+        for index, token in enumerate(ids):
+            logprobs = None if "sampling" not in options else [TokenLogprob(-1.0 - index, ())]
+            stream.deliver([token], index == len(ids) - 1, logprobs=logprobs)
+        return [stream.queue.get_nowait() for _ in range(stream.queue.qsize())], stream
+    finally:
+        loop.close()
+
+
+def test_a_tool_call_that_is_no_json_stays_in_the_streamed_content():
+    """As vLLM's tool parsers read it: a tool call the response parser cannot read (no JSON) leaves the stream going
+    on with its text in the content, after the reasoning and content already sent and without repeating them, then
+    the text after it; the content is the one-body answer's read without tool calls. A tool call read before it
+    stays a tool call (the content goes on from the text after it). Without the fallback the stream ends with an
+    error."""
+    import types
+
+    from transformers.cli.serving.utils import ReasoningText, ToolCall, _StreamError, parse_assistant_message
+
+    from hf_paged.serve.parsing import without_tool_calls
+
+    tokenizer = parsed_tokenizer()
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
+    answer = f"the quick <tool_call> {BAD_CALL} </tool_call> the fox"
+    items, _ = parsed_stream_items(tokenizer, answer)
+    assert items[-1] is None and not any(isinstance(item, (ToolCall, _StreamError)) for item in items)
+    content = "".join(item for item in items if type(item) is str)
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    one_body = parse_assistant_message(without_tool_calls(tokenizer, model), model, ids, [])
+    assert content.strip() == one_body[0] == f"the quick <tool_call> {BAD_CALL} </tool_call> the fox"
+    with pytest.raises(ValueError):
+        parse_assistant_message(tokenizer, model, ids, [])
+
+    items, _ = parsed_stream_items(tokenizer, f"<think> the fox </think> the quick <tool_call> {BAD_CALL}")
+    assert "".join(item for item in items if isinstance(item, ReasoningText)).strip() == "the fox"
+    assert "".join(item for item in items if type(item) is str).strip() == f"the quick <tool_call> {BAD_CALL}"
+
+    items, _ = parsed_stream_items(tokenizer, f"the <tool_call> {LOOKUP_CALL} </tool_call> fox <tool_call> {BAD_CALL}")
+    assert [(c.name, c.arguments) for c in items if isinstance(c, ToolCall)] == [("lookup", '{"key": "Paris"}')]
+    assert " ".join("".join(item for item in items if type(item) is str).split()) == f"the fox <tool_call> {BAD_CALL}"
+
+    loop = asyncio.new_event_loop()
+    try:  # the parser alone: the stream ends with the parser's error
+        stream = request_stream(loop, tokenizer, [2], response_parser=_parser_of(tokenizer))
+        for token in ids:
+            stream.deliver([token], False)
+        assert any(isinstance(item, _StreamError) for item in list(stream.queue._queue))
+    finally:
+        loop.close()
+
+
+def _parser_of(tokenizer):
+    from transformers.cli.serving.utils import ResponseParser
+
+    return ResponseParser(tokenizer.response_template, prefix="")
+
+
+def test_the_log_probabilities_of_a_tool_call_read_as_content_go_with_it():
+    """The Responses API's streamed log probabilities (`content_logprobs`) of an answer whose tool call is read as
+    content: the call's tokens are the content's too, so every token's comes with a content piece; and a chat
+    stream's (each chunk's) add up to every token once."""
+    from hf_paged.serve.stream import LoggedText
+
+    tokenizer = parsed_tokenizer()
+    answer = f"the quick <tool_call> {BAD_CALL} </tool_call> the fox"
+    count = len(tokenizer.encode(answer, add_special_tokens=False))
+    _, stream = parsed_stream_items(tokenizer, answer, sampling={"logprobs": 0}, content_logprobs=True)
+    queued = [r.logprob for piece in stream.content_logprobs_queue for r in piece.logprobs]
+    assert queued == [-1.0 - index for index in range(count)]
+    items, _ = parsed_stream_items(tokenizer, answer, sampling={"logprobs": 0})
+    logged = [r.logprob for item in items if isinstance(item, LoggedText) for r in item.generated.logprobs]
+    assert logged == [-1.0 - index for index in range(count)]
+
+
+@pytest.fixture(scope="module")
+def parsed_server(tmp_path_factory, request):
+    """(server, tokenizer) of a model whose tokenizer reads answers with Qwen 3's response template
+    (`parsed_tokenizer`)."""
+    model_dir = tmp_path_factory.mktemp("parsed_model")
+    tokenizer = parsed_tokenizer()
+    tokenizer.save_pretrained(model_dir)
+    make_model(len(tokenizer)).save_pretrained(model_dir)
+    log_path = str(tmp_path_factory.mktemp("parsed_log") / "server.log")
+    arguments = ["--max-memory", str(NUM_BLOCKS * BYTES_PER_BLOCK), "--max-num-seqs", "8"]
+    server, process = start_server(str(model_dir), log_path, arguments)
+    request.addfinalizer(lambda: stop_server(process))
+    return server, tokenizer
+
+
+def test_an_answer_cut_inside_a_tool_call_keeps_its_text_over_http(parsed_server):
+    """A model that writes a tool call `max_tokens` cuts (here logit_bias keeps it writing <tool_call>): the
+    response parser cannot read the call, and the answer is its text as content, with no tool call and finish reason
+    "length" (as vLLM's tool parsers answer), in one body (where it was a server error) and streamed (the same
+    content, where the call's text was dropped)."""
+    server, tokenizer = parsed_server
+    opener = tokenizer.convert_tokens_to_ids("<tool_call>")
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"messages": messages, "max_tokens": 4, "temperature": 0, "logit_bias": {str(opener): 100}}
+    status, answer = post_json(server, "/v1/chat/completions", body)
+    assert status == 200, answer
+    choice = answer["choices"][0]
+    assert choice["message"]["content"].split() == ["<tool_call>"] * 4 and not choice["message"].get("tool_calls")
+    assert choice["finish_reason"] == "length"
+    streamed = events_of(server, "/v1/chat/completions", body)
+    assert not any("error" in event for event in streamed), streamed
+    deltas = [event["choices"][0]["delta"] for event in streamed if event.get("choices")]
+    assert "".join(delta.get("content") or "" for delta in deltas).strip() == choice["message"]["content"]
+    assert not any(delta.get("tool_calls") for delta in deltas)
+    assert streamed[-1]["choices"][0]["finish_reason"] == "length"
+
+
 def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
     """Chat's `parallel_tool_calls: false`, as vLLM holds it: an answer keeps each choice's first tool call, in one
     body and streamed (where each call comes whole in a chunk of its own, index >= 1 for the later ones)."""

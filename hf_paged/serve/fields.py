@@ -478,7 +478,7 @@ def _is_function_tool(tool, endpoint: str) -> bool:
 
 def _check_tool_limits(body: dict) -> None:
     """`parallel_tool_calls` (true by default) limits the tool calls of an answer: `false` keeps an answer's first
-    tool call (handlers.py, as vLLM does); `tool_choice="none"` parses none (handlers.py, `without_tool_calls`). The
+    tool call (handlers.py, as vLLM does); `tool_choice="none"` parses none (parsing.py, `without_tool_calls`). The
     Responses API's `max_tool_calls` limits calls of OpenAI's built-in tools, which the server refuses
     (`_check_tools`): with function tools it changes nothing."""
     parallel = body.get("parallel_tool_calls")

@@ -20,6 +20,7 @@ import copy
 import dataclasses
 import itertools
 import json
+import logging
 import re
 
 from starlette.responses import JSONResponse, StreamingResponse
@@ -27,7 +28,7 @@ from tokenizers import Tokenizer
 from transformers.cli.serving.chat_completion import ChatCompletionHandler
 from transformers.cli.serving.completion import CompletionHandler
 from transformers.cli.serving.response import ResponseHandler
-from transformers.cli.serving.utils import build_response_parser, get_response_template
+from transformers.cli.serving.utils import build_response_parser
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
@@ -45,6 +46,7 @@ from .fields import (
 )
 from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
+from .parsing import without_tool_calls
 from .stream import (
     PIECE_CONTEXT,
     GeneratedIds,
@@ -54,6 +56,8 @@ from .stream import (
     skipped_ids,
     unfinished_cut,
 )
+
+logger = logging.getLogger(__name__)
 
 DONE = "data: [DONE]\n\n"
 
@@ -189,28 +193,6 @@ class RequestOptionsMixin:
 TEMPLATE_REASONING_EFFORT = "reasoning_effort"
 
 
-def without_tool_calls(processor, model):
-    """The processor an answer to `tool_choice: "none"` is read with: its tool calls are not parsed, so a tool call
-    the model writes stays in the answer's text, as vLLM leaves it without a tool parser (OpenAI's model writes none).
-
-    transformers' handlers parse an answer with the tokenizer's response template (or the one for the model's type);
-    this is a shallow copy of the processor (and of its tokenizer: the same vocabulary and backend) whose template
-    lacks the `tool_calls` field, or `processor` itself where its template parses no tool calls. The tools stay in
-    the prompt, as OpenAI keeps them in the model's context."""
-    template = get_response_template(processor, model)
-    if template is None or "tool_calls" not in template.get("fields", {}):
-        return processor
-    unparsed = copy.deepcopy(template)
-    del unparsed["fields"]["tool_calls"]
-    tokenizer = copy.copy(getattr(processor, "tokenizer", processor))
-    tokenizer.response_template = unparsed
-    if getattr(processor, "tokenizer", processor) is processor:
-        return tokenizer
-    processor = copy.copy(processor)
-    processor.tokenizer = tokenizer
-    return processor
-
-
 def _template_reads(processor, variable: str) -> bool:
     """Whether the processor's chat template (or one of its named templates) names `variable`."""
     template = getattr(processor, "chat_template", None)
@@ -231,9 +213,19 @@ class ChoicesMixin:
         samples = _samples(gen_config)
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
         top = None if options is None else options.logprobs
-        run = super()._non_streaming
+        super_run = super()._non_streaming
+
+        async def run(request_id, model, processor, model_id, inputs, config, recorder, *args, **kwargs):
+            def answer(reader, manager):
+                return super_run(request_id, model, reader, model_id, inputs, config, manager, *args, **kwargs)
+
+            if self.endpoint != CHAT:  # completions parse nothing
+                return await answer(processor, recorder)
+            return (await read_unparsed_on_failure(processor, model, recorder, answer))[0]
+
         if len(samples) == 1 and top is None:
-            return await run(request_id, model, processor, model_id, inputs, gen_config, gen_manager, *args, **kwargs)
+            recorder = _Recorder(gen_manager)
+            return await run(request_id, model, processor, model_id, inputs, gen_config, recorder, *args, **kwargs)
 
         async def one(config) -> tuple[dict, float]:
             recorder = _Recorder(gen_manager)
@@ -293,15 +285,18 @@ class ChoicesMixin:
 
 class _Recorder:
     """The generation manager as a handler sees it, keeping what the request it runs generated: its ids, with their
-    log probabilities and finish reason (`generated`), or its stream (`stream`, a `RequestStream`)."""
+    log probabilities and finish reason (`generated`), or its stream (`stream`, a `RequestStream`). Asked again for
+    a request's answer in one body (`answer`: the text, the prompt's length and `generated`), it gives the same
+    answer without generating (the answer read again: `read_unparsed_on_failure`)."""
 
     def __init__(self, manager):
-        self._manager, self.generated, self.stream = manager, None, None
+        self._manager, self.generated, self.stream, self.answer = manager, None, None, None
 
     async def generate_non_streaming(self, *args, **kwargs):
-        text, prompt_length, generated = await self._manager.generate_non_streaming(*args, **kwargs)
-        self.generated = generated
-        return text, prompt_length, generated
+        if self.answer is None:
+            self.answer = await self._manager.generate_non_streaming(*args, **kwargs)
+        self.generated = self.answer[2]
+        return self.answer
 
     def generate_streaming(self, *args, **kwargs):
         queue, self.stream = self._manager.generate_streaming(*args, **kwargs)
@@ -309,6 +304,22 @@ class _Recorder:
 
     def __getattr__(self, name: str):
         return getattr(self._manager, name)
+
+
+async def read_unparsed_on_failure(processor, model, recorder: _Recorder, answer):
+    """`(await answer(processor, recorder), processor)`: a transformers handler's answer in one body, of the request
+    `recorder` runs, and the processor it was read with. Where the answer's tool calls cannot be read (the
+    response parser's ValueError after the request generated: a call that is no JSON, or one `max_tokens` cut), the
+    same tokens are answered again with `without_tool_calls(processor, model)`: the call's text stays in the message
+    content, with no tool call, as vLLM's tool parsers leave it (`parsing`)."""
+    try:
+        return await answer(processor, recorder), processor
+    except ValueError:
+        unparsed = without_tool_calls(processor, model)
+        if recorder.answer is None or unparsed is processor:  # not the parse of a tool call that failed
+            raise
+        logger.warning("an answer's tool call could not be parsed; its text stays in the answer's content")
+        return await answer(unparsed, recorder), unparsed
 
 
 def _decode(tokenizer, token_ids: list[int]) -> str:
@@ -813,9 +824,13 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
 
     async def _non_streaming(self, request_id, model, processor, model_id, body, inputs, gen_config, gen_manager, **kw):
         recorder = _Recorder(gen_manager)
-        response = await super()._non_streaming(
-            request_id, model, processor, model_id, body, inputs, gen_config, recorder, **kw
-        )
+
+        def answer(reader, manager):
+            return super(PagedResponseHandler, self)._non_streaming(
+                request_id, model, reader, model_id, body, inputs, gen_config, manager, **kw
+            )
+
+        response, processor = await read_unparsed_on_failure(processor, model, recorder, answer)
         answer = _as_requested(json.loads(response.body), body)
         options = getattr(gen_config, OPTIONS_ATTRIBUTE, None)
         if options is not None and options.logprobs is not None:

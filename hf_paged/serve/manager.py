@@ -31,6 +31,7 @@ from ..engine import Engine, SamplingParams
 from ..errors import InvalidRequest
 from .limits import RequestLimits
 from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_strings
+from .parsing import unparsed_tool_calls_parser
 from .stream import GeneratedIds, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -138,7 +139,13 @@ class EngineManager(BaseGenerateManager):
         """Nothing to do: the Engine was built with the server."""
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
-        stream = self._submit(processor, inputs, gen_config, streaming=True, response_parser=response_parser)
+        # A tool call the parser cannot read: the answer is read on without tool calls (`parsing`).
+        unparsed = None
+        if response_parser is not None:
+            unparsed = unparsed_tool_calls_parser(processor, model, inputs["input_ids"])
+        stream = self._submit(
+            processor, inputs, gen_config, streaming=True, response_parser=response_parser, unparsed_parser=unparsed
+        )
         return stream.queue, stream
 
     async def generate_non_streaming(self, model, processor, inputs, gen_config, request_id):
@@ -168,7 +175,9 @@ class EngineManager(BaseGenerateManager):
         return self._thread.is_alive() and self._error is None
 
     # Called on the event loop:
-    def _submit(self, processor, inputs, gen_config, *, streaming: bool, response_parser=None) -> RequestStream:
+    def _submit(
+        self, processor, inputs, gen_config, *, streaming: bool, response_parser=None, unparsed_parser=None
+    ) -> RequestStream:
         if not self.is_alive():
             raise CBWorkerDeadError(f"the hf-paged Engine thread has stopped: {self._error!r}")
         prompt_ids = inputs["input_ids"]
@@ -212,6 +221,7 @@ class EngineManager(BaseGenerateManager):
             decode=decode,
             stop_strings=stop_strings(gen_config),
             response_parser=response_parser,
+            unparsed_parser=unparsed_parser,
             streaming=streaming,
             on_cancel=self._cancel,
             generation_config=gen_config,

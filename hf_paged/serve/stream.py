@@ -143,6 +143,13 @@ class ContentTokens:
         self.token_ends: list[int] = []
         self.next_token = 0  # the first token no piece has passed
         self._placed = 0  # where the last piece found ends in `fed`
+        self._clean = (0, 0)  # (_placed, next_token) after the last piece that was not a tool call's raw text
+
+    def rewind(self) -> str:
+        """Go back to just after the last piece that was not a tool call's raw text, and the text fed since: the
+        answer is read again without its tool calls (`parsing`), and the text from there on is content."""
+        self._placed, self.next_token = self._clean
+        return self.fed[self._placed :]
 
     def parsed(self, events: list) -> list[list[int]]:
         """The tokens of each content piece among the parser's `events` (one list per piece that
@@ -154,6 +161,8 @@ class ContentTokens:
                 continue
             content = event.get("field") == "content" and not event.get("dirty")
             taken = self.place(text, content)
+            if not event.get("dirty"):
+                self._clean = (self._placed, self.next_token)
             if content:
                 pieces.append(taken)
         return pieces
@@ -239,6 +248,12 @@ class RequestStream:
     decode (`Callable[[list[int]], str]`): the whole-output decode a non-streaming answer uses (the handler's).
     stop_strings (`tuple[str, ...]`): text that ends the request; neither it nor what follows is sent.
     response_parser (*optional*): transformers' `ResponseParser` for streaming, as the handler built it.
+    unparsed_parser (`Callable[[], ResponseParser]`, *optional*): builds the parser the answer is read with once
+        `response_parser` cannot read a tool call in it (no JSON, or cut by `max_new_tokens`): one whose template
+        parses no tool calls (`parsing.unparsed_tool_calls_parser`). The text fed so far is read again, and what it
+        gives past the reasoning and content already sent goes on as reasoning and content: the call's text stays in
+        the content, as in the answer in one body. Without it such an answer ends with an error (or, cut inside the
+        call, without its text).
     streaming (`bool`): queue text pieces (True) or resolve `result` with the generated ids (False).
     on_cancel (`Callable[[RequestStream], None]`): stops the Engine request (a client gone, a stop string seen).
     generation_config (*optional*): the handler's config of the request. The handlers name the finish reason from
@@ -275,6 +290,7 @@ class RequestStream:
         decode: Callable[[list[int]], str],
         stop_strings: tuple[str, ...],
         response_parser=None,
+        unparsed_parser: Callable[[], object] | None = None,
         streaming: bool,
         on_cancel: Callable[[RequestStream], None],
         generation_config=None,
@@ -318,7 +334,8 @@ class RequestStream:
         self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
-        self._parser = response_parser
+        self._parser, self._unparsed_parser = response_parser, unparsed_parser
+        self._parsed_sent = {"reasoning": "", "content": ""}  # the parsed reasoning and content queued so far
         # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order),
         # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
@@ -474,15 +491,52 @@ class RequestStream:
             self._sent += text
         else:
             self._content.fed += text
-            self._queue_parsed(self._parser.feed(text))
+            self._queue_parsed(self._parsed(text))
+
+    def _parsed(self, text: str | None) -> list:
+        """The parser's events for `text` (None: the answer's end). Where it cannot read a tool call, the text fed so
+        far is read again by `unparsed_parser`'s parser, which reads the rest: the events are then the reasoning and
+        content that reading gives past those queued already (`_continued`)."""
+        try:
+            return self._parser.feed(text) if text is not None else self._parser.finalize()[1]
+        except ValueError:
+            if self._unparsed_parser is None:
+                raise
+            parser, self._unparsed_parser = self._unparsed_parser(), None
+            if parser is None:
+                raise
+            logger.warning("an answer's tool call could not be parsed; its text stays in the answer's content")
+            self._parser = parser
+            events = [*parser.initial_events, *parser.feed(self._content.fed)]
+            if text is None:
+                events += parser.finalize()[1]
+            return self._continued(events, self._content.rewind())
+
+    def _continued(self, events: list, unread: str) -> list:
+        """`region_chunk` events of the reasoning and the content in `events` past what was queued already: the text
+        of each kind that goes on from it, or, where the content does not (a tool call sent before, whose text is
+        content now), the text fed since the last piece that was not a tool call's (`unread`)."""
+        read = {"reasoning": "", "content": ""}
+        for item in response_events_to_chunks(events):
+            read["reasoning" if isinstance(item, ReasoningText) else "content"] += item
+        continued = []
+        for kind, field in (("reasoning", "reasoning_content"), ("content", "content")):
+            sent, text = self._parsed_sent[kind], read[kind]
+            rest = text[len(sent) :] if text.startswith(sent) else unread if kind == "content" else ""
+            if rest:
+                continued.append({"type": "region_chunk", "field": field, "text": rest, "dirty": False})
+        return continued
 
     def _queue_parsed(self, events: list) -> None:
         """The parser's `events` as queue items; with `content_logprobs`, each content piece's tokens queued beside."""
+        placed = self._content.parsed(events)  # where the pieces are in the text fed (`_parsed` reads on from there)
         if self.content_logprobs:
-            for taken in self._content.parsed(events):
+            for taken in placed:
                 self._queue_content(taken)
         logged = self.content_logprobs  # with content_logprobs the handler reads the queue beside, not the items
         for item in response_events_to_chunks(events):
+            if isinstance(item, str):
+                self._parsed_sent["reasoning" if isinstance(item, ReasoningText) else "content"] += item
             if not logged and isinstance(item, str) and (self._unsent_logprobs[0] or self._prompt_unsent):
                 # the first text piece since the last one carries the tokens delivered until now (a tool call's
                 # tokens go with the next piece of text, or the stream's last chunk)
@@ -554,7 +608,7 @@ class RequestStream:
             self.queue.put_nowait(self._logged(""))
         if self._parser is not None:
             try:
-                _message, events = self._parser.finalize()
+                events = self._parsed(None)
             except (ValueError, RuntimeError):  # stopped inside a structured region (a tool call cut by max_tokens)
                 events = []
             self._queue_parsed(events)
