@@ -1634,6 +1634,45 @@ def test_an_answer_cut_inside_a_tool_call_keeps_its_text_over_http(parsed_server
     assert streamed[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_a_response_whose_tool_call_is_no_json_answers_its_text_with_its_log_probabilities():
+    """The Responses API in one body, over an answer whose tool call is no JSON: the message is its text (the call's
+    included), with no function call, and with `include: ["message.output_text.logprobs"]` the log probabilities of
+    the tokens making up that text, the call's included; the answer is generated once."""
+    import types
+
+    from transformers import GenerationConfig
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import PagedResponseHandler
+    from hf_paged.serve.options import OPTIONS_ATTRIBUTE, RequestOptions
+    from hf_paged.serve.stream import GeneratedIds
+
+    tokenizer = parsed_tokenizer()
+    ids = tokenizer.encode(f"the quick <tool_call> {BAD_CALL} </tool_call>", add_special_tokens=False)
+    records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
+    calls = []
+
+    class Manager:
+        async def generate_non_streaming(self, *args, **kwargs):
+            calls.append(args)
+            generated = GeneratedIds(ids, records, finish_reason="stop")
+            return tokenizer.decode(ids, skip_special_tokens=True), 3, generated
+
+    config = GenerationConfig(max_new_tokens=16)
+    setattr(config, OPTIONS_ATTRIBUTE, RequestOptions(logprobs=0, content_logprobs=True))
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
+    handler = object.__new__(PagedResponseHandler)
+    body = {"input": "hello there", "include": ["message.output_text.logprobs"]}
+    answer = asyncio.run(
+        handler._non_streaming("id", model, tokenizer, "m", body, {"input_ids": []}, config, Manager())
+    )
+    response = json.loads(answer.body)
+    assert len(calls) == 1 and [item["type"] for item in response["output"]] == ["message"]
+    part = response["output"][0]["content"][0]
+    assert part["text"] == f"the quick <tool_call> {BAD_CALL} </tool_call>"
+    assert [entry["logprob"] for entry in part["logprobs"]] == [record.logprob for record in records]
+
+
 def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
     """Chat's `parallel_tool_calls: false`, as vLLM holds it: an answer keeps each choice's first tool call, in one
     body and streamed (where each call comes whole in a chunk of its own, index >= 1 for the later ones)."""
