@@ -1501,15 +1501,16 @@ def parsed_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def parsed_stream_items(tokenizer, answer: str, **options) -> tuple[list, object]:
-    """The queue items of `answer`'s tokens streamed one at a time through a `RequestStream` with the tokenizer's
-    response parser and its fallback without tool calls, as the server builds them; and the stream."""
+def parsed_stream_items(tokenizer, answer: str, sizes=(1,), **options) -> tuple[list, object]:
+    """The queue items of `answer`'s tokens streamed (`sizes[i % len(sizes)]` tokens at the i-th delivery) through a
+    `RequestStream` with the tokenizer's response parser and its fallback without tool calls, as the server builds
+    them, with the log probability -1 - i for token i where `options` has a `sampling`; and the stream."""
     import types
 
     from transformers.cli.serving.utils import build_response_parser
 
     from hf_paged.engine.sampling import TokenLogprob
-    from hf_paged.serve.parsing import unparsed_tool_calls_parser
+    from hf_paged.serve.parsing import tool_call_fallback
 
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
     prompt = []  # a parser's prefix without Qwen 3's anchor would be read as the answer's start
@@ -1521,12 +1522,15 @@ def parsed_stream_items(tokenizer, answer: str, **options) -> tuple[list, object
             tokenizer,
             prompt,
             response_parser=build_response_parser(tokenizer, model, prompt),
-            unparsed_parser=unparsed_tool_calls_parser(tokenizer, model, prompt),
+            tool_call_fallback=tool_call_fallback(tokenizer, model, prompt),
             **options,
         )
-        for index, token in enumerate(ids):
-            logprobs = None if "sampling" not in options else [TokenLogprob(-1.0 - index, ())]
-            stream.deliver([token], index == len(ids) - 1, logprobs=logprobs)
+        start, delivery = 0, 0
+        while start < len(ids):
+            end = min(start + sizes[delivery % len(sizes)], len(ids))
+            logprobs = None if "sampling" not in options else [TokenLogprob(-1.0 - i, ()) for i in range(start, end)]
+            stream.deliver(ids[start:end], end == len(ids), logprobs=logprobs)
+            start, delivery = end, delivery + 1
         return [stream.queue.get_nowait() for _ in range(stream.queue.qsize())], stream
     finally:
         loop.close()
@@ -1572,6 +1576,77 @@ def test_a_tool_call_that_is_no_json_stays_in_the_streamed_content():
         assert any(isinstance(item, _StreamError) for item in list(stream.queue._queue))
     finally:
         loop.close()
+
+
+def test_a_stream_reads_on_past_tool_calls_it_cannot_read_in_random_answers():
+    """Random answers of words, reasoning, tool calls that are JSON, that are not, and cut ones, and stray markers,
+    delivered one to several tokens at a time: the stream never errs, sends each word once (as content or
+    reasoning), never sends a tool call both as a call and as content, and with no call sent is the whole text read
+    at once (with tool calls, or without where they cannot be read); a chat stream's log probabilities are every
+    token's once, in order; the Responses API's go with the content deltas, one entry each, each token at most once,
+    a word's token with the delta that has the word."""
+    import random
+
+    from transformers.cli.serving.utils import (
+        ReasoningText,
+        ResponseParser,
+        ToolCall,
+        _StreamError,
+        response_events_to_chunks,
+    )
+
+    from hf_paged.serve.stream import LoggedText
+
+    tokenizer = parsed_tokenizer()
+    unparsed = {**tokenizer.response_template, "fields": dict(tokenizer.response_template["fields"])}
+    del unparsed["fields"]["tool_calls"]
+
+    def read_at_once(text: str) -> tuple[str, str]:
+        for template in (tokenizer.response_template, unparsed):
+            parser = ResponseParser(template, prefix="")
+            try:
+                items = response_events_to_chunks(parser.feed(text) + parser.finalize()[1])
+            except ValueError:
+                continue
+            kinds = [(isinstance(item, ReasoningText), item) for item in items if isinstance(item, str)]
+            return "".join(t for r, t in kinds if not r), "".join(t for r, t in kinds if r)
+        raise AssertionError(text)
+
+    words = ["quick", "brown", "fox", "jumps", "over", "lazy", "dog", "paged", "cache", "keeps", "keys", "values"]
+    segments = [["W"], ["<think>", "W", "</think>"], ["<tool_call>", LOOKUP_CALL, "</tool_call>"]]
+    segments += [["<tool_call>", BAD_CALL, "</tool_call>"], ["<tool_call>", BAD_CALL], ["<tool_call>", LOOKUP_CALL]]
+    markers = ["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, BAD_CALL]
+    rng = random.Random(0)
+    for _ in range(300):
+        left, parts = iter(rng.sample(words, len(words))), []
+        for _ in range(rng.randint(1, 6)):
+            segment = [rng.choice(markers)] if rng.random() < 0.25 else rng.choice(segments)
+            parts += [next(left) if part == "W" else part for part in segment]
+        answer = " ".join(parts)
+        ids = tokenizer.encode(answer, add_special_tokens=False)
+        sizes = rng.choice([[1], [2], [3], [len(ids)], [rng.randint(1, 4) for _ in range(5)]])
+        items, _ = parsed_stream_items(tokenizer, answer, sizes, sampling={"logprobs": 0})
+        assert not any(isinstance(item, _StreamError) for item in items), answer
+        content = "".join(item for item in items if isinstance(item, str) and not isinstance(item, ReasoningText))
+        reasoning = "".join(item for item in items if isinstance(item, ReasoningText))
+        logged = [r.logprob for item in items if isinstance(item, LoggedText) for r in item.generated.logprobs]
+        assert logged == [-1.0 - i for i in range(len(ids))], (answer, sizes)
+        for word in set(parts) & set(words):
+            assert (content.split() + reasoning.split()).count(word) == 1, (answer, sizes, content, reasoning)
+        calls = [item for item in items if isinstance(item, ToolCall)]
+        assert content.count(LOOKUP_CALL) + len(calls) <= answer.count(LOOKUP_CALL), (answer, sizes, content)
+        if not calls:
+            assert [t.split() for t in (content, reasoning)] == [t.split() for t in read_at_once(answer)], answer
+
+        items, stream = parsed_stream_items(tokenizer, answer, sizes, sampling={"logprobs": 0}, content_logprobs=True)
+        deltas = [item for item in items if isinstance(item, str) and not isinstance(item, ReasoningText)]
+        assert len(stream.content_logprobs_queue) == len(deltas), (answer, sizes)
+        taken = [[round(-r.logprob - 1) for r in piece.logprobs] for piece in stream.content_logprobs_queue]
+        flat = [index for piece in taken for index in piece]
+        assert flat == sorted(set(flat)), (answer, sizes, taken)
+        for delta, indices in zip(deltas, taken):
+            for word in set(delta.split()) & set(words):
+                assert tokenizer.convert_tokens_to_ids(word) in [ids[i] for i in indices], (answer, sizes, delta)
 
 
 def _parser_of(tokenizer):

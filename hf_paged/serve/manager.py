@@ -31,7 +31,7 @@ from ..engine import Engine, SamplingParams
 from ..errors import InvalidRequest
 from .limits import RequestLimits
 from .options import OPTIONS_ATTRIBUTE, RequestOptions, engine_sampling, stop_strings
-from .parsing import unparsed_tool_calls_parser
+from .parsing import tool_call_fallback
 from .stream import GeneratedIds, RequestStream
 
 logger = logging.getLogger(__name__)
@@ -140,11 +140,11 @@ class EngineManager(BaseGenerateManager):
 
     def generate_streaming(self, model, processor, inputs, gen_config, request_id, response_parser=None):
         # A tool call the parser cannot read: the answer is read on without tool calls (`parsing`).
-        unparsed = None
+        fallback = None
         if response_parser is not None:
-            unparsed = unparsed_tool_calls_parser(processor, model, inputs["input_ids"])
+            fallback = tool_call_fallback(processor, model, inputs["input_ids"])
         stream = self._submit(
-            processor, inputs, gen_config, streaming=True, response_parser=response_parser, unparsed_parser=unparsed
+            processor, inputs, gen_config, streaming=True, response_parser=response_parser, fallback=fallback
         )
         return stream.queue, stream
 
@@ -176,7 +176,7 @@ class EngineManager(BaseGenerateManager):
 
     # Called on the event loop:
     def _submit(
-        self, processor, inputs, gen_config, *, streaming: bool, response_parser=None, unparsed_parser=None
+        self, processor, inputs, gen_config, *, streaming: bool, response_parser=None, fallback=None
     ) -> RequestStream:
         if not self.is_alive():
             raise CBWorkerDeadError(f"the hf-paged Engine thread has stopped: {self._error!r}")
@@ -221,7 +221,7 @@ class EngineManager(BaseGenerateManager):
             decode=decode,
             stop_strings=stop_strings(gen_config),
             response_parser=response_parser,
-            unparsed_parser=unparsed_parser,
+            tool_call_fallback=fallback,
             streaming=streaming,
             on_cancel=self._cancel,
             generation_config=gen_config,

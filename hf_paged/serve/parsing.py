@@ -4,13 +4,16 @@ read when its tool calls cannot be.
 A model may write a tool call that is no JSON (small models often do, and `max_tokens` may cut one). transformers'
 parser then raises, which would fail the whole answer. As vLLM's tool parsers do, the answer is read again without
 its tool calls (`without_tool_calls`): the call's text stays in the message content, with no tool call and finish
-reason "stop" or "length", in one body and streamed (where the content streamed so far is continued, not repeated).
+reason "stop" or "length", in one body and streamed (`ToolCallFallback`: the text after the last tool call read is
+read again, and the content streamed so far is continued, not repeated).
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from transformers.cli.serving.utils import build_response_parser, get_response_template
 
@@ -37,11 +40,30 @@ def without_tool_calls(processor, model):
     return processor
 
 
-def unparsed_tool_calls_parser(processor, model, input_ids) -> Callable[[], object] | None:
-    """What builds the streaming parser an answer is read with once its tool calls cannot be (a `ResponseParser` of
-    `without_tool_calls(processor, model)`'s template, with the prompt `input_ids` as its prefix); None where the
-    processor's template parses no tool calls (nothing is left to fall back to)."""
+@dataclass(frozen=True)
+class ToolCallFallback:
+    """How a stream reads on once its parser cannot read a tool call (`RequestStream(tool_call_fallback=)`).
+
+    Args:
+        parser (`Callable[[bool], ResponseParser]`): a streaming parser of `without_tool_calls`' template, given
+            `from_start` (True: it reads the answer from its start, the prompt its prefix; False: the text after a
+            tool call read, with no prefix).
+        call_close (`re.Pattern`, *optional*): a tool call's close marker in the template (`close` or
+            `close_pattern`), which the text after a call starts after; None where the template names none."""
+
+    parser: Callable[[bool], object]
+    call_close: re.Pattern | None
+
+
+def tool_call_fallback(processor, model, input_ids) -> ToolCallFallback | None:
+    """The `ToolCallFallback` of an answer to the prompt `input_ids` that `processor` reads; None where its template
+    parses no tool calls (nothing is left to fall back to)."""
     unparsed = without_tool_calls(processor, model)
     if unparsed is processor:
         return None
-    return lambda: build_response_parser(unparsed, model, input_ids)
+    field = get_response_template(processor, model)["fields"]["tool_calls"]
+    close = field.get("close_pattern") or (re.escape(field["close"]) if field.get("close") else None)
+    return ToolCallFallback(
+        parser=lambda from_start: build_response_parser(unparsed, model, input_ids if from_start else []),
+        call_close=re.compile(close) if close else None,
+    )

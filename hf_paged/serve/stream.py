@@ -145,11 +145,20 @@ class ContentTokens:
         self._placed = 0  # where the last piece found ends in `fed`
         self._clean = (0, 0)  # (_placed, next_token) after the last piece that was not a tool call's raw text
 
-    def rewind(self) -> str:
-        """Go back to just after the last piece that was not a tool call's raw text, and the text fed since: the
-        answer is read again without its tool calls (`parsing`), and the text from there on is content."""
+    @property
+    def placed(self) -> int:
+        """Where the last piece found ends in the text fed."""
+        return self._placed
+
+    def rewind(self, start: int) -> None:
+        """Go back to just after the last piece that was not a tool call's raw text, or to `start` in the text fed
+        where that is later (the text after the last tool call read): the answer is read again from there without
+        its tool calls (`parsing`), and a tool call's text is content."""
         self._placed, self.next_token = self._clean
-        return self.fed[self._placed :]
+        if start > self._placed:
+            self._placed = start
+            while self.next_token < len(self.token_ends) and self.token_ends[self.next_token] <= start:
+                self.next_token += 1
 
     def parsed(self, events: list) -> list[list[int]]:
         """The tokens of each content piece among the parser's `events` (one list per piece that
@@ -221,6 +230,32 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple
     return regions
 
 
+def _past(sent: str, text: str) -> tuple[str, str]:
+    """`text` (a piece of a reading of an answer) past the part of it that `sent` (the text of its kind sent so far
+    from another reading) covers, and what of `sent` is left: where one continues the other, else matched without
+    whitespace (a parser holds whitespace back at other places when it reads the text in other pieces); from where
+    they differ, `text` is new."""
+    if sent.startswith(text):
+        return "", sent[len(text) :]
+    if text.startswith(sent):
+        return text[len(sent) :], ""
+    i = j = 0
+    while i < len(text) and j < len(sent):
+        if sent[j].isspace():
+            j += 1
+        elif text[i].isspace():
+            i += 1
+        elif text[i] == sent[j]:
+            i, j = i + 1, j + 1
+        else:
+            return text[i:], ""
+    while j < len(sent) and sent[j].isspace():  # whitespace sent at the end: the same text's, where it has some
+        j += 1
+        if i < len(text) and text[i].isspace():
+            i += 1
+    return text[i:], sent[j:]
+
+
 class LoggedText(str):
     """A streamed piece of text carrying the log probabilities of the tokens it brings (`generated`, a
     `GeneratedIds`), and the tokenizer that spells them; the handler adds them to the piece's chunk."""
@@ -248,12 +283,12 @@ class RequestStream:
     decode (`Callable[[list[int]], str]`): the whole-output decode a non-streaming answer uses (the handler's).
     stop_strings (`tuple[str, ...]`): text that ends the request; neither it nor what follows is sent.
     response_parser (*optional*): transformers' `ResponseParser` for streaming, as the handler built it.
-    unparsed_parser (`Callable[[], ResponseParser]`, *optional*): builds the parser the answer is read with once
-        `response_parser` cannot read a tool call in it (no JSON, or cut by `max_new_tokens`): one whose template
-        parses no tool calls (`parsing.unparsed_tool_calls_parser`). The text fed so far is read again, and what it
-        gives past the reasoning and content already sent goes on as reasoning and content: the call's text stays in
-        the content, as in the answer in one body. Without it such an answer ends with an error (or, cut inside the
-        call, without its text).
+    tool_call_fallback (`parsing.ToolCallFallback`, *optional*): how the answer is read on once `response_parser`
+        cannot read a tool call in it (no JSON, or cut by `max_new_tokens`): the text fed so far (from the answer's
+        start, or from the end of the last tool call read: its close marker) is read again by a parser whose template
+        parses no tool calls, and what that gives past the reasoning and content already sent goes on, in its order.
+        The call's text stays in the content, as in the answer in one body (where the tool calls before it are
+        content too). Without it such an answer ends with an error (or, cut inside the call, without its text).
     streaming (`bool`): queue text pieces (True) or resolve `result` with the generated ids (False).
     on_cancel (`Callable[[RequestStream], None]`): stops the Engine request (a client gone, a stop string seen).
     generation_config (*optional*): the handler's config of the request. The handlers name the finish reason from
@@ -290,7 +325,7 @@ class RequestStream:
         decode: Callable[[list[int]], str],
         stop_strings: tuple[str, ...],
         response_parser=None,
-        unparsed_parser: Callable[[], object] | None = None,
+        tool_call_fallback=None,
         streaming: bool,
         on_cancel: Callable[[RequestStream], None],
         generation_config=None,
@@ -334,8 +369,11 @@ class RequestStream:
         self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
-        self._parser, self._unparsed_parser = response_parser, unparsed_parser
-        self._parsed_sent = {"reasoning": "", "content": ""}  # the parsed reasoning and content queued so far
+        self._parser, self._fallback = response_parser, tool_call_fallback
+        # The parsed reasoning and content queued since the last tool call read, and where in the text fed the text
+        # after that call starts (after its close marker; 0 before one): where `_parsed` reads again from.
+        self._parsed_sent = {"reasoning": "", "content": ""}
+        self._after_call = 0
         # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order),
         # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
@@ -494,57 +532,64 @@ class RequestStream:
             self._queue_parsed(self._parsed(text))
 
     def _parsed(self, text: str | None) -> list:
-        """The parser's events for `text` (None: the answer's end). Where it cannot read a tool call, the text fed so
-        far is read again by `unparsed_parser`'s parser, which reads the rest: the events are then the reasoning and
-        content that reading gives past those queued already (`_continued`)."""
+        """The parser's events for `text` (None: the answer's end). Where it cannot read a tool call, the text fed
+        since the last tool call it read (all of it before one) is read again by `tool_call_fallback`'s parser, which
+        reads the rest: the events are then the reasoning and content that reading gives past those queued since
+        (`_continued`)."""
         try:
             return self._parser.feed(text) if text is not None else self._parser.finalize()[1]
         except ValueError:
-            if self._unparsed_parser is None:
+            if self._fallback is None:
                 raise
-            parser, self._unparsed_parser = self._unparsed_parser(), None
-            if parser is None:
-                raise
+            parser, self._fallback = self._fallback.parser(self._after_call == 0), None
             logger.warning("an answer's tool call could not be parsed; its text stays in the answer's content")
             self._parser = parser
-            events = [*parser.initial_events, *parser.feed(self._content.fed)]
+            events = [*parser.initial_events, *parser.feed(self._content.fed[self._after_call :])]
             if text is None:
                 events += parser.finalize()[1]
-            return self._continued(events, self._content.rewind())
+            self._content.rewind(self._after_call)
+            return self._continued(events)
 
-    def _continued(self, events: list, unread: str) -> list:
-        """`region_chunk` events of the reasoning and the content in `events` past what was queued already: the text
-        of each kind that goes on from it, or, where the content does not (a tool call sent before, whose text is
-        content now), the text fed since the last piece that was not a tool call's (`unread`)."""
-        read = {"reasoning": "", "content": ""}
+    def _continued(self, events: list) -> list:
+        """`region_chunk` events of the reasoning and the content of `events`, in their order, without the text of
+        each kind queued already (`_parsed_sent`, which they go on from; `_past`)."""
+        sent, continued = dict(self._parsed_sent), []
         for item in response_events_to_chunks(events):
-            read["reasoning" if isinstance(item, ReasoningText) else "content"] += item
-        continued = []
-        for kind, field in (("reasoning", "reasoning_content"), ("content", "content")):
-            sent, text = self._parsed_sent[kind], read[kind]
-            rest = text[len(sent) :] if text.startswith(sent) else unread if kind == "content" else ""
+            if not isinstance(item, str):
+                continue
+            kind = "reasoning" if isinstance(item, ReasoningText) else "content"
+            rest, sent[kind] = _past(sent[kind], item)
             if rest:
+                field = "reasoning_content" if kind == "reasoning" else "content"
                 continued.append({"type": "region_chunk", "field": field, "text": rest, "dirty": False})
         return continued
 
     def _queue_parsed(self, events: list) -> None:
         """The parser's `events` as queue items; with `content_logprobs`, each content piece's tokens queued beside."""
-        placed = self._content.parsed(events)  # where the pieces are in the text fed (`_parsed` reads on from there)
-        if self.content_logprobs:
-            for taken in placed:
-                self._queue_content(taken)
         logged = self.content_logprobs  # with content_logprobs the handler reads the queue beside, not the items
-        for item in response_events_to_chunks(events):
-            if isinstance(item, str):
-                self._parsed_sent["reasoning" if isinstance(item, ReasoningText) else "content"] += item
-            if not logged and isinstance(item, str) and (self._unsent_logprobs[0] or self._prompt_unsent):
-                # the first text piece since the last one carries the tokens delivered until now (a tool call's
-                # tokens go with the next piece of text, or the stream's last chunk)
-                item, logged = (
-                    self._logged(item, LoggedReasoningText if isinstance(item, ReasoningText) else LoggedText),
-                    True,
-                )
-            self.queue.put_nowait(item)
+        for event in events:
+            for taken in self._content.parsed([event]):  # where each piece is in the text fed (`_parsed` reads on)
+                if self.content_logprobs:
+                    self._queue_content(taken)
+            if event.get("type") == "region_close" and event.get("field") == "tool_calls":
+                self._read_call()
+            for item in response_events_to_chunks([event]):
+                if isinstance(item, str):
+                    self._parsed_sent["reasoning" if isinstance(item, ReasoningText) else "content"] += item
+                if not logged and isinstance(item, str) and (self._unsent_logprobs[0] or self._prompt_unsent):
+                    # the first text piece since the last one carries the tokens delivered until now (a tool call's
+                    # tokens go with the next piece of text, or the stream's last chunk)
+                    kind = LoggedReasoningText if isinstance(item, ReasoningText) else LoggedText
+                    item, logged = self._logged(item, kind), True
+                self.queue.put_nowait(item)
+
+    def _read_call(self) -> None:
+        """A tool call read: the text after it (from its close marker's end, after its text placed in the text fed)
+        is where `_parsed` would read again from, and nothing after it has been sent."""
+        self._parsed_sent = {"reasoning": "", "content": ""}
+        fed, close = self._content.fed, self._fallback.call_close if self._fallback is not None else None
+        found = close.search(fed, self._content.placed) if close is not None else None
+        self._after_call = found.end() if found else len(fed)
 
     def _queue_content(self, indices: list[int]) -> None:
         """Queue a content piece's tokens (`indices` of the tokens delivered), with the tokens before them that their
