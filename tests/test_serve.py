@@ -1748,6 +1748,34 @@ def test_a_response_whose_tool_call_is_no_json_answers_its_text_with_its_log_pro
     assert [entry["logprob"] for entry in part["logprobs"]] == [record.logprob for record in records]
 
 
+def test_a_parsed_answer_cut_at_a_stop_string_is_cut_in_one_body_as_streamed(parsed_server):
+    """An answer the response parser reads, cut at a stop string: in one body (chat and the Responses API) its
+    content ends where the stop string starts, as streamed (transformers' handlers parse the answer's ids, whose
+    decode runs past it)."""
+    server, _tokenizer = parsed_server
+    messages = [{"role": "user", "content": "quick keeps"}]
+    body = {"messages": messages, "max_tokens": 12, "temperature": 0}
+    status, whole = post_json(server, "/v1/chat/completions", body)
+    assert status == 200, whole
+    text = whole["choices"][0]["message"]["content"]
+    words = text.split()
+    assert len(set(words)) > 2, text  # enough to cut inside
+    stop = next(word for word in words[1:] if word != words[0])
+    expected = text[: text.index(stop)].strip()
+    status, cut = post_json(server, "/v1/chat/completions", body | {"stop": [stop]})
+    assert status == 200, cut
+    assert cut["choices"][0]["message"]["content"] == expected and cut["choices"][0]["finish_reason"] == "stop"
+    streamed = events_of(server, "/v1/chat/completions", body | {"stop": [stop]})
+    deltas = [event["choices"][0]["delta"] for event in streamed if event.get("choices")]
+    assert "".join(delta.get("content") or "" for delta in deltas).strip() == expected
+
+    request = {"input": "quick keeps", "max_output_tokens": 12, "temperature": 0}
+    config = json.dumps({"stop_strings": [stop], "max_new_tokens": 12})
+    status, response = post_json(server, "/v1/responses", request | {"generation_config": config})
+    assert status == 200, response
+    assert response_text(response) == expected
+
+
 def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():
     """Chat's `parallel_tool_calls: false`, as vLLM holds it: an answer keeps each choice's first tool call, in one
     body and streamed (where each call comes whole in a chunk of its own, index >= 1 for the later ones)."""

@@ -46,7 +46,7 @@ from .fields import (
 )
 from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
-from .parsing import without_tool_calls
+from .parsing import reading_cut_answers, without_tool_calls
 from .stream import (
     PIECE_CONTEXT,
     GeneratedIds,
@@ -308,18 +308,19 @@ class _Recorder:
 
 async def read_unparsed_on_failure(processor, model, recorder: _Recorder, answer):
     """`(await answer(processor, recorder), processor)`: a transformers handler's answer in one body, of the request
-    `recorder` runs, and the processor it was read with. Where the answer's tool calls cannot be read (the
+    `recorder` runs, and the processor it was read with; an answer a stop string cut is read as cut
+    (`reading_cut_answers`). Where the answer's tool calls cannot be read (the
     response parser's ValueError after the request generated: a call that is no JSON, or one `max_tokens` cut), the
     same tokens are answered again with `without_tool_calls(processor, model)`: the call's text stays in the message
     content, with no tool call, as vLLM's tool parsers leave it (`parsing`)."""
     try:
-        return await answer(processor, recorder), processor
+        return await answer(reading_cut_answers(processor), recorder), processor
     except ValueError:
         unparsed = without_tool_calls(processor, model)
         if recorder.answer is None or unparsed is processor:  # not the parse of a tool call that failed
             raise
         logger.warning("an answer's tool call could not be parsed; its text stays in the answer's content")
-        return await answer(unparsed, recorder), unparsed
+        return await answer(reading_cut_answers(unparsed), recorder), unparsed
 
 
 def _decode(tokenizer, token_ids: list[int]) -> str:

@@ -164,6 +164,7 @@ class EngineManager(BaseGenerateManager):
             finish_reason=stream.finish_reason,
             **stream.prompt_fields(),
         )
+        generated.parse_text = stream.parse_text()
         return text, len(stream.prompt_ids), generated
 
     def stop(self) -> None:

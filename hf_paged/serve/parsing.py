@@ -40,6 +40,25 @@ def without_tool_calls(processor, model):
     return processor
 
 
+def reading_cut_answers(processor):
+    """A shallow copy of `processor` (and of its tokenizer) whose tokenizer's `parse_response` reads an answer a
+    stop string cut (a `GeneratedIds` with `parse_text`) as cut, where transformers' handlers hand it the answer's
+    ids, whose decode runs past the stop string; other answers as the tokenizer reads them."""
+    tokenizer = copy.copy(getattr(processor, "tokenizer", processor))
+    parse = tokenizer.parse_response
+
+    def parse_response(response, *args, **kwargs):
+        text = getattr(response, "parse_text", None)
+        return parse(response if text is None else text, *args, **kwargs)
+
+    tokenizer.parse_response = parse_response
+    if getattr(processor, "tokenizer", processor) is processor:
+        return tokenizer
+    processor = copy.copy(processor)
+    processor.tokenizer = tokenizer
+    return processor
+
+
 @dataclass(frozen=True)
 class ToolCallFallback:
     """How a stream reads on once its parser cannot read a tool call (`RequestStream(tool_call_fallback=)`).

@@ -102,6 +102,9 @@ class GeneratedIds(list):
         self.text_end = text_end  # where the answer's text ends (a stop string cut it), when known
         self.prompt_ids, self.prompt_logprobs = list(prompt_ids), prompt_logprobs
         self.prompt_text = prompt_text  # the string prompt the answer starts with (else its ids decoded)
+        # A whole answer a stop string cut: its text with special tokens, cut there, which a response parser reads
+        # (`parsing.reading_cut_answers`) instead of decoding the ids again.
+        self.parse_text: str | None = None
 
 
 class IncrementalText:
@@ -604,17 +607,26 @@ class RequestStream:
             )
         )
 
-    def _final_text(self) -> str:
-        """The whole output decoded at once, cut where a stop string ended the request: at the first one that ends
-        after the text of its first `min_tokens` tokens (before them none counts, as `deliver` checks them)."""
-        text = self.decode_text(self.token_ids)
+    def _final_text(self, decode: Callable[[list[int]], str] | None = None) -> str:
+        """The whole output decoded at once (by `decode`, default `decode_text`), cut where a stop string ended the
+        request: at the first one that ends after the text of its first `min_tokens` tokens (before them none counts,
+        as `deliver` checks them)."""
+        decode = self.decode_text if decode is None else decode
+        text = decode(self.token_ids)
         if not self.stopped:
             return text
         min_tokens = self.sampling.get("min_tokens", 0)
         # the text of the first min_tokens tokens, without a character the next ones complete (as `_min_chars`)
-        allowed = len(unfinished_cut(self.decode_text(self.token_ids[:min_tokens]))) if min_tokens else 0
+        allowed = len(unfinished_cut(decode(self.token_ids[:min_tokens]))) if min_tokens else 0
         positions = [i for i in (text.find(stop, max(allowed - len(stop) + 1, 0)) for stop in self._stops) if i >= 0]
         return text[: min(positions)] if positions else text
+
+    def parse_text(self) -> str | None:
+        """What a response parser reads of an answer a stop string cut: its text with special tokens (as a stream's
+        parser is fed), cut at that stop string; None for one no stop string cut."""
+        if not self.stopped:
+            return None
+        return self._final_text(lambda ids: self.logprob_tokenizer.decode(ids, skip_special_tokens=False))
 
     def decode_text(self, token_ids: list[int]) -> str:
         """The text of generated `token_ids` as the answer has it: decoded whole, after the prompt's last tokens where
