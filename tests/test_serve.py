@@ -2002,6 +2002,16 @@ def test_the_models_repetition_penalty_and_min_new_tokens_apply_unless_the_reque
             CHAT_BODY | {"generation_config": {"stop_strings": 5}},
             "generation_config.stop_strings",
         ),
+        (  # as the top-level stop: "" would end the answer at its first character
+            "/v1/completions",
+            {"prompt": "hi", "max_tokens": 3, "generation_config": {"stop_strings": [""]}},
+            "generation_config.stop_strings",
+        ),
+        (
+            "/v1/responses",
+            {"input": "hi", "max_output_tokens": 3, "generation_config": {"stop_strings": ""}},
+            "generation_config.stop_strings",
+        ),
         ("/v1/chat/completions", chat_with("hi \ud800"), "messages[0].content"),
         ("/v1/completions", {"prompt": "hi \ud800", "max_tokens": 3}, "prompt"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream": "false"}, "stream"),

@@ -135,9 +135,12 @@ APPLIED_GENERATION_VALUES = {
     ),
     "seed": (is_int, "an integer"),
     "repetition_penalty": (lambda v: _is_number(v) and v > 0, "a number > 0"),
-    "stop_strings": (
-        lambda v: isinstance(v, str) or (isinstance(v, list) and all(isinstance(item, str) for item in v)),
-        "a string or a list of strings",
+    "stop_strings": (  # as the top-level stop: "" would end every answer at its first character
+        lambda v: (
+            (isinstance(v, str) and v != "")
+            or (isinstance(v, list) and all(isinstance(item, str) and item != "" for item in v))
+        ),
+        "a non-empty string or a list of them",
     ),
 }
 APPLIED_GENERATION_KEYS = frozenset(APPLIED_GENERATION_VALUES)
