@@ -2020,6 +2020,7 @@ def test_the_models_repetition_penalty_and_min_new_tokens_apply_unless_the_reque
             {"prompt": "hi", "max_tokens": 3, "stream": True, "stream_options": {"include_usage": "yes"}},
             "stream_options.include_usage",
         ),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream_options": {}}, "stream_options"),
         ("/v1/responses", {"input": [{"type": "input_text"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": [{"text": "hi"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": "hi", "instructions": 5, "max_output_tokens": 3}, "instructions"),

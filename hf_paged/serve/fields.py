@@ -549,6 +549,8 @@ def _check_stream_fields(body: dict) -> None:
         return
     if not isinstance(options, dict):
         raise InvalidRequest(f"stream_options must be an object, got {_short(options)}", "stream_options")
+    if stream is not True:  # OpenAI's rule, and vLLM's
+        raise InvalidRequest("stream_options is only allowed with stream: true; allowed here: null", "stream_options")
     usage = options.get("include_usage")
     if usage is not None and not isinstance(usage, bool):
         raise InvalidRequest(
