@@ -1335,35 +1335,19 @@ def test_a_parsed_chat_stream_sends_each_tokens_log_probability_with_the_text_it
     carries the log probabilities of the tokens delivered since the last chunk of text (so the reasoning's come with
     the reasoning, not all at the end), a tool call's tokens go with the next text or the last chunk's empty
     content, and over the stream every token's comes once, in order, as the answer in one body has them."""
-    from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS, ReasoningText, ResponseParser, ToolCall
+    from transformers.cli.serving.utils import ReasoningText, ToolCall
 
-    from hf_paged.engine.sampling import TokenLogprob
     from hf_paged.serve.handlers import PagedChatCompletionHandler
     from hf_paged.serve.stream import LoggedText
 
-    tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, "Paris"])
-    template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
+    tokenizer = parsed_tokenizer()
     answer = f"<think> hello there </think> Paris <tool_call> {LOOKUP_CALL} </tool_call>"
     ids = tokenizer.encode(answer, add_special_tokens=False)
-    records = [TokenLogprob(-1.0 - index, ()) for index in range(len(ids))]
-    loop = asyncio.new_event_loop()
-    try:
-        stream = request_stream(
-            loop,
-            tokenizer,
-            [tokenizer.bos_token_id],
-            sampling={"logprobs": 0},
-            response_parser=ResponseParser(template, prefix=""),
-        )
-        for index, token in enumerate(ids):
-            stream.deliver([token], index == len(ids) - 1, logprobs=[records[index]])
-        items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
-    finally:
-        loop.close()
+    items, stream = parsed_stream_items(tokenizer, answer, sampling={"logprobs": 0})
+    records = stream.logprobs
     assert items[-1] is None and any(isinstance(item, ToolCall) for item in items)
     logged = [item for item in items if isinstance(item, LoggedText)]
-    assert [r.logprob for item in logged for r in item.generated.logprobs] == [r.logprob for r in records]
+    assert [r.logprob for item in logged for r in item.generated.logprobs] == [-1.0 - i for i in range(len(ids))]
     reasoning = [item for item in logged if isinstance(item, ReasoningText)]
     assert reasoning and "".join(reasoning).strip().startswith("hello")
     first_content = next(item for item in logged if not isinstance(item, ReasoningText) and item)
@@ -1494,7 +1478,7 @@ def parsed_tokenizer() -> PreTrainedTokenizerFast:
     from transformers.cli.serving.utils import _RESPONSE_TEMPLATE_FALLBACKS
 
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, BAD_CALL])
+    tokenizer.add_tokens(["<think>", "</think>", "<tool_call>", "</tool_call>", LOOKUP_CALL, BAD_CALL, "Paris"])
     template = next(t for kinds, t in _RESPONSE_TEMPLATE_FALLBACKS.items() if "qwen3" in kinds)
     # where the answer starts in the prompt's text: CHAT_TEMPLATE's generation prompt (Qwen's <|im_start|>assistant)
     tokenizer.response_template = {**copying.deepcopy(template), "start_anchor": "assistant :"}

@@ -33,11 +33,7 @@ def without_tool_calls(processor, model):
     del unparsed["fields"]["tool_calls"]
     tokenizer = copy.copy(getattr(processor, "tokenizer", processor))
     tokenizer.response_template = unparsed
-    if getattr(processor, "tokenizer", processor) is processor:
-        return tokenizer
-    processor = copy.copy(processor)
-    processor.tokenizer = tokenizer
-    return processor
+    return _with_tokenizer(processor, tokenizer)
 
 
 def reading_cut_answers(processor):
@@ -52,6 +48,12 @@ def reading_cut_answers(processor):
         return parse(response if text is None else text, *args, **kwargs)
 
     tokenizer.parse_response = parse_response
+    return _with_tokenizer(processor, tokenizer)
+
+
+def _with_tokenizer(processor, tokenizer):
+    """`tokenizer` (a changed copy of the processor's) where the processor is its tokenizer, else a shallow copy of
+    the processor holding it."""
     if getattr(processor, "tokenizer", processor) is processor:
         return tokenizer
     processor = copy.copy(processor)
