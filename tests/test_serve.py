@@ -2005,6 +2005,16 @@ def test_the_models_repetition_penalty_and_min_new_tokens_apply_unless_the_reque
             "stream_options.include_usage",
         ),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 3, "stream_options": {}}, "stream_options"),
+        (
+            "/v1/chat/completions",
+            CHAT_BODY | {"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]},
+            "tools[0].function.parameters",
+        ),
+        (
+            "/v1/responses",
+            {"input": "hi", "tools": [{"type": "function", "name": "f", "parameters": []}]},
+            "tools[0].parameters",
+        ),
         ("/v1/responses", {"input": [{"type": "input_text"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": [{"text": "hi"}], "max_output_tokens": 3}, "input"),
         ("/v1/responses", {"input": "hi", "instructions": 5, "max_output_tokens": 3}, "instructions"),

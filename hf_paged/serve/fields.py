@@ -468,6 +468,10 @@ def _check_tools(tools, endpoint: str) -> None:
                 f"built-in tool, got {_short(tool)}",
                 f"tools[{index}]",
             )
+        parameters = (tool["function"] if endpoint == CHAT else tool).get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):  # OpenAI's rule: a JSON Schema object
+            where = f"tools[{index}].function.parameters" if endpoint == CHAT else f"tools[{index}].parameters"
+            raise InvalidRequest(f"{where} must be a JSON Schema object, got {_short(parameters)}", where)
 
 
 def _is_function_tool(tool, endpoint: str) -> bool:
