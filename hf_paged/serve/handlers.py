@@ -309,10 +309,10 @@ class _Recorder:
 async def read_unparsed_on_failure(processor, model, recorder: _Recorder, answer):
     """`(await answer(processor, recorder), processor)`: a transformers handler's answer in one body, of the request
     `recorder` runs, and the processor it was read with; an answer a stop string cut is read as cut
-    (`reading_cut_answers`). Where the answer's tool calls cannot be read (the
-    response parser's ValueError after the request generated: a call that is no JSON, or one `max_tokens` cut), the
-    same tokens are answered again with `without_tool_calls(processor, model)`: the call's text stays in the message
-    content, with no tool call, as vLLM's tool parsers leave it (`parsing`)."""
+    (`reading_cut_answers`). Where the answer's tool calls cannot be read (the response parser's ValueError after the
+    request generated: a call that is no JSON, or one `max_tokens` cut), the same tokens are answered again with
+    `without_tool_calls(processor, model)`: the call's text stays in the message content, with no tool call, as
+    vLLM's tool parsers leave it (`parsing`)."""
     try:
         return await answer(reading_cut_answers(processor), recorder), processor
     except ValueError:

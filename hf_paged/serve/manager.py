@@ -162,9 +162,9 @@ class EngineManager(BaseGenerateManager):
             text_offset=stream.echo_chars,
             text_end=stream.echo_chars + len(text),
             finish_reason=stream.finish_reason,
+            parse_text=stream.parse_text(),
             **stream.prompt_fields(),
         )
-        generated.parse_text = stream.parse_text()
         return text, len(stream.prompt_ids), generated
 
     def stop(self) -> None:

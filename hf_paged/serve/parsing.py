@@ -27,13 +27,18 @@ def without_tool_calls(processor, model):
     lacks the `tool_calls` field, or `processor` itself where its template parses no tool calls. The tools stay in
     the prompt, as OpenAI keeps them in the model's context."""
     template = get_response_template(processor, model)
-    if template is None or "tool_calls" not in template.get("fields", {}):
+    if _tool_calls_field(template) is None:
         return processor
     unparsed = copy.deepcopy(template)
     del unparsed["fields"]["tool_calls"]
     tokenizer = copy.copy(getattr(processor, "tokenizer", processor))
     tokenizer.response_template = unparsed
     return _with_tokenizer(processor, tokenizer)
+
+
+def _tool_calls_field(template: dict | None) -> dict | None:
+    """A response template's `tool_calls` field; None where it parses no tool calls (or there is no template)."""
+    return None if template is None else template.get("fields", {}).get("tool_calls")
 
 
 def reading_cut_answers(processor):
@@ -78,13 +83,14 @@ class ToolCallFallback:
 
 def tool_call_fallback(processor, model, input_ids) -> ToolCallFallback | None:
     """The `ToolCallFallback` of an answer to the prompt `input_ids` that `processor` reads; None where its template
-    parses no tool calls (nothing is left to fall back to)."""
-    unparsed = without_tool_calls(processor, model)
-    if unparsed is processor:
+    parses no tool calls (nothing is left to fall back to). The processor without tool calls is made only when a
+    stream falls back."""
+    field = _tool_calls_field(get_response_template(processor, model))
+    if field is None:
         return None
-    field = get_response_template(processor, model)["fields"]["tool_calls"]
     close = field.get("close_pattern") or (re.escape(field["close"]) if field.get("close") else None)
-    return ToolCallFallback(
-        parser=lambda from_start: build_response_parser(unparsed, model, input_ids if from_start else []),
-        call_close=re.compile(close) if close else None,
-    )
+
+    def parser(from_start: bool):
+        return build_response_parser(without_tool_calls(processor, model), model, input_ids if from_start else [])
+
+    return ToolCallFallback(parser=parser, call_close=re.compile(close) if close else None)

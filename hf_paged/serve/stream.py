@@ -75,7 +75,7 @@ class GeneratedIds(list):
     prompt's last ones, see `RequestStream`). A streamed piece's also carry where their text starts in the answer
     (`text_offset`); once the answer has ended, where its text ends (`text_end`: the tokens' texts are cut there, at a
     stop string). A whole answer's also carry why it ended (`finish_reason`: the Engine's "stop" or "length", "stop"
-    for a stop string).
+    for a stop string), and where a stop string cut it, its text with special tokens cut there (`parse_text`).
 
     An answer that echoes its prompt with log probabilities (completions' `echo` with `logprobs`) starts with the
     prompt's tokens (`prompt_ids`) and their `TokenLogprob`s (`prompt_logprobs`, entry i prompt token i + 1's: the
@@ -94,6 +94,7 @@ class GeneratedIds(list):
         prompt_ids=(),
         prompt_logprobs: list | None = None,
         prompt_text: str | None = None,
+        parse_text: str | None = None,
     ):
         super().__init__(token_ids)
         self.logprobs = list(logprobs)
@@ -104,7 +105,7 @@ class GeneratedIds(list):
         self.prompt_text = prompt_text  # the string prompt the answer starts with (else its ids decoded)
         # A whole answer a stop string cut: its text with special tokens, cut there, which a response parser reads
         # (`parsing.reading_cut_answers`) instead of decoding the ids again.
-        self.parse_text: str | None = None
+        self.parse_text = parse_text
 
 
 class IncrementalText:
@@ -669,7 +670,7 @@ class RequestStream:
             except (ValueError, RuntimeError):  # stopped inside a structured region (a tool call cut by max_tokens)
                 events = []
             self._queue_parsed(events)
-            if self._unsent_logprobs[0] and not self.content_logprobs:
+            if self._unsent_logprobs[0]:
                 # tokens after the last piece of text (a tool call, the answer's end markers): a chunk of their own
                 self.queue.put_nowait(self._logged(""))
         self.queue.put_nowait(None)
