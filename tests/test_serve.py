@@ -1879,6 +1879,38 @@ def test_penalties_and_logit_bias_change_the_output(server, saved):
     assert set(words(logit_bias={str(fox): 100})) == {"fox"}
 
 
+@pytest.mark.parametrize(
+    "fields, param, bad",
+    [
+        (lambda vocab: {"logit_bias": {str(vocab): 5}}, "logit_bias", lambda vocab: vocab),
+        (lambda vocab: {"stop_token_ids": [3, vocab + 7]}, "stop_token_ids", lambda vocab: vocab + 7),
+        (
+            lambda vocab: {"generation_config": {"eos_token_id": [vocab]}},
+            "generation_config.eos_token_id",
+            lambda vocab: vocab,
+        ),
+        (
+            lambda vocab: {"generation_config": json.dumps({"eos_token_id": -1})},
+            "generation_config.eos_token_id",
+            lambda vocab: -1,
+        ),
+    ],
+)
+def test_token_ids_outside_the_vocabulary_are_refused_naming_the_field(server, saved, fields, param, bad):
+    """A token id the request names (logit_bias, stop_token_ids, its generation_config's eos_token_id) that the model
+    cannot produce is a 400 naming the field, the id and the allowed range, in one body and before a stream starts
+    (as vLLM refuses an out-of-vocabulary logit_bias); an id inside the vocabulary is taken."""
+    vocab = saved[2].config.vocab_size
+    body = {"model": server.model_dir, "prompt": "the quick brown fox", "max_tokens": 2, "temperature": 0}
+    for stream in (False, True):
+        status, answer = post_json(server, "/v1/completions", body | fields(vocab) | {"stream": stream})
+        assert status == 400 and answer["error"]["param"] == param, answer
+        message = answer["error"]["message"]
+        assert f"{param} holds token id {bad(vocab)}," in message and f"[0, {vocab})" in message, message
+    status, answer = post_json(server, "/v1/completions", body | {"stop_token_ids": [vocab - 1]})
+    assert status == 200, answer
+
+
 def test_generation_config_as_text_or_object_keeps_the_models_eos_and_its_max_new_tokens(server):
     import types
 

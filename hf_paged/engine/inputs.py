@@ -73,8 +73,18 @@ class PromptLimits:
     def logit_bias_error(self, logit_bias) -> str | None:
         """Why the model cannot take `logit_bias` ((token id, bias) pairs): a token id outside its vocabulary, or
         None."""
-        if self.vocab_size is not None and any(not 0 <= token < self.vocab_size for token, _ in logit_bias):
-            return f"logit_bias names a token id outside the vocabulary of {self.vocab_size}"
+        return self.token_ids_error("logit_bias", [token for token, _ in logit_bias])
+
+    def token_ids_error(self, name: str, token_ids) -> str | None:
+        """Why the model cannot take the token ids `name` holds (`logit_bias`'s keys, `stop_token_ids`): the first
+        one outside its vocabulary, or None."""
+        if self.vocab_size is not None:
+            for token in token_ids:
+                if not 0 <= token < self.vocab_size:
+                    return (
+                        f"{name} holds token id {token}, outside the model's vocabulary: ids must be in "
+                        f"[0, {self.vocab_size})"
+                    )
         return None
 
     def cap_new_tokens(self, num_prompt: int, max_new_tokens: int) -> int:

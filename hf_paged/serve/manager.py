@@ -202,8 +202,15 @@ class EngineManager(BaseGenerateManager):
         # the handler reads it back for the finish reason
         gen_config.max_new_tokens = 0 if options.prompt_only else max_new_tokens
         sampling = engine_sampling(gen_config)
-        if (error := self.engine.limits.logit_bias_error(sampling["logit_bias"])) is not None:  # before a stream starts
-            raise InvalidRequest(error, "logit_bias")
+        # Token ids the request names, against the model's vocabulary, before a stream starts.
+        requested_ids = {
+            "logit_bias": [token for token, _ in sampling["logit_bias"]],
+            "stop_token_ids": options.stop_token_ids,
+            "generation_config.eos_token_id": options.requested_eos_ids,
+        }
+        for name, token_ids in requested_ids.items():
+            if (error := self.engine.limits.token_ids_error(name, token_ids)) is not None:
+                raise InvalidRequest(error, name)
         try:
             SamplingParams(max_new_tokens=max_new_tokens, **sampling)
         except ValueError as error:

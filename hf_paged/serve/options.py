@@ -61,6 +61,9 @@ class RequestOptions:
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # The end-of-sequence ids of the request's own generation_config (the model's are not checked): the server
+    # refuses one outside the model's vocabulary, as it refuses such stop_token_ids.
+    requested_eos_ids: tuple[int, ...] = ()
 
 
 def _number(body: dict, name: str) -> float | None:
@@ -237,6 +240,7 @@ def read_options(body: dict, chat: bool = True, responses: bool = False) -> Requ
         logit_bias=_logit_bias(body),
         min_tokens=min_tokens,
         stop_token_ids=tuple(stop_token_ids),
+        requested_eos_ids=_eos_ids(generation.get("eos_token_id")),
         **penalties,
     )
 
@@ -247,6 +251,13 @@ def _generation_config(body: dict) -> dict:
     if isinstance(value, str):
         value = json.loads(value)
     return value if isinstance(value, dict) else {}
+
+
+def _eos_ids(value) -> tuple[int, ...]:
+    """generation_config.eos_token_id (fields.check_body has checked it: null, an id or a list of them) as ids."""
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(value)
 
 
 def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
