@@ -1562,6 +1562,48 @@ def test_a_tool_call_that_is_no_json_stays_in_the_streamed_content():
         loop.close()
 
 
+@pytest.mark.parametrize("kind", ["plain", "parsed", "content"])
+def test_a_stop_string_inside_a_delivery_of_several_tokens_ends_the_log_probabilities_there(kind):
+    """The Engine may run several steps ahead of a stream's deliveries, so one delivery can hold a stop string's token
+    and tokens after it. Those are not the answer's: the stream's log probabilities end at the stop string's token,
+    as in one body and as when the tokens come one by one (a chat stream, parsed or not; the Responses API's message
+    pieces, which failed the stream there)."""
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.stream import LoggedText
+
+    tokenizer = parsed_tokenizer()
+    answer = "<think> the quick </think> the lazy dog jumps over the fox"
+    options = dict(sampling={"logprobs": 0}, stop_strings=("dog",), content_logprobs=kind == "content")
+    kept = tokenizer.encode("<think> the quick </think> the lazy dog", add_special_tokens=False)
+    for sizes in ((1,), (3,), (100,)):
+        if kind == "parsed":
+            items, stream = parsed_stream_items(tokenizer, answer, sizes=sizes, **options)
+        else:
+            ids, loop = tokenizer.encode(answer, add_special_tokens=False), asyncio.new_event_loop()
+            stream, start = request_stream(loop, tokenizer, [], **options), 0
+            while start < len(ids) and not stream.stopped:
+                end = min(start + sizes[0], len(ids))
+                logprobs = [TokenLogprob(-1.0 - i, ()) for i in range(start, end)]
+                stream.deliver(ids[start:end], end == len(ids), logprobs=logprobs)
+                start = end
+            items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+            loop.close()
+        assert items[-1] is None and all(isinstance(item, str) for item in items[:-1]), (sizes, items)
+        assert stream.stopped and stream.token_ids == kept
+        if kind == "content":
+            pieces = [*stream.content_logprobs_queue, *filter(None, [stream.content_logprobs_tail])]
+            logged = [(t, record) for piece in pieces for t, record in zip(piece, piece.logprobs)]
+        else:
+            logged = [
+                (t, record)
+                for item in items
+                if isinstance(item, LoggedText)
+                for t, record in zip(item.generated, item.generated.logprobs)
+            ]
+        assert [t for t, _ in logged] == kept, sizes
+        assert [record.logprob for _, record in logged] == [-1.0 - i for i in range(len(kept))], sizes
+
+
 def test_a_stream_reads_on_past_tool_calls_it_cannot_read_in_random_answers():
     """Random answers of words, reasoning, tool calls that are JSON, that are not, and cut ones, and stray markers,
     delivered one to several tokens at a time: the stream never errs, sends each word once (as content or

@@ -474,10 +474,11 @@ class RequestStream:
             self.prompt_logprobs = prompt_logprobs
         if logprobs is not None:
             self.logprobs.extend(logprobs)
-            if self.streaming and not self.content_logprobs:
-                self._unsent_logprobs[0].extend(token_ids[: len(logprobs)])
-                self._unsent_logprobs[1].extend(logprobs)
-        for token_id in token_ids:
+        unsent = logprobs is not None and self.streaming and not self.content_logprobs
+        for position, token_id in enumerate(token_ids):
+            if unsent and position < len(logprobs):
+                self._unsent_logprobs[0].append(token_id)
+                self._unsent_logprobs[1].append(logprobs[position])
             self.token_ids.append(token_id)
             self.total_tokens += 1
             if self.streaming or self._stops:
@@ -490,6 +491,9 @@ class RequestStream:
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
             if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
                 self.stopped, self.finish_reason = True, "stop"
+                # The tokens delivered after this one (several come at once when the Engine ran ahead) are not the
+                # answer's: neither are their log probabilities.
+                del self.logprobs[len(self.token_ids) :]
                 self._finish()
                 self._on_cancel(self)  # the Engine request runs on otherwise
                 return
