@@ -1562,21 +1562,23 @@ def test_a_tool_call_that_is_no_json_stays_in_the_streamed_content():
         loop.close()
 
 
-@pytest.mark.parametrize("kind", ["plain", "parsed", "content"])
-def test_a_stop_string_inside_a_delivery_of_several_tokens_ends_the_log_probabilities_there(kind):
+@pytest.mark.parametrize("kind", ["plain", "parsed", "content", "parsed content"])
+def test_a_stream_cut_at_a_stop_string_ends_its_log_probabilities_as_one_body(kind):
     """The Engine may run several steps ahead of a stream's deliveries, so one delivery can hold a stop string's token
     and tokens after it. Those are not the answer's: the stream's log probabilities end at the stop string's token,
     as in one body and as when the tokens come one by one (a chat stream, parsed or not; the Responses API's message
-    pieces, which failed the stream there)."""
+    pieces, which failed the stream there). The token's text ends where the stop string starts inside it, as in one
+    body, a parsed stream's and a message piece's too."""
     from hf_paged.engine.sampling import TokenLogprob
-    from hf_paged.serve.stream import LoggedText
+    from hf_paged.serve.handlers import _logprob_rows
+    from hf_paged.serve.stream import GeneratedIds, LoggedText
 
     tokenizer = parsed_tokenizer()
     answer = "<think> the quick </think> the lazy dog jumps over the fox"
-    options = dict(sampling={"logprobs": 0}, stop_strings=("dog",), content_logprobs=kind == "content")
+    options = dict(sampling={"logprobs": 0}, stop_strings=("og",), content_logprobs=kind.endswith("content"))
     kept = tokenizer.encode("<think> the quick </think> the lazy dog", add_special_tokens=False)
     for sizes in ((1,), (3,), (100,)):
-        if kind == "parsed":
+        if kind.startswith("parsed"):
             items, stream = parsed_stream_items(tokenizer, answer, sizes=sizes, **options)
         else:
             ids, loop = tokenizer.encode(answer, add_special_tokens=False), asyncio.new_event_loop()
@@ -1590,18 +1592,21 @@ def test_a_stop_string_inside_a_delivery_of_several_tokens_ends_the_log_probabil
             loop.close()
         assert items[-1] is None and all(isinstance(item, str) for item in items[:-1]), (sizes, items)
         assert stream.stopped and stream.token_ids == kept
-        if kind == "content":
+        one_body = GeneratedIds(stream.token_ids, stream.logprobs, text_offset=0, text_end=len(stream._final_text()))
+        texts = [row[0] for row in _logprob_rows(tokenizer, one_body)]
+        assert texts[-2:] == [" lazy", " d"]
+        tokens, records = kept, [-1.0 - i for i in range(len(kept))]
+        if kind == "parsed content":  # the message's pieces: the content after the reasoning
+            texts, tokens, records = texts[-3:], tokens[-3:], records[-3:]
+        if kind.endswith("content"):
             pieces = [*stream.content_logprobs_queue, *filter(None, [stream.content_logprobs_tail])]
             logged = [(t, record) for piece in pieces for t, record in zip(piece, piece.logprobs)]
         else:
-            logged = [
-                (t, record)
-                for item in items
-                if isinstance(item, LoggedText)
-                for t, record in zip(item.generated, item.generated.logprobs)
-            ]
-        assert [t for t, _ in logged] == kept, sizes
-        assert [record.logprob for _, record in logged] == [-1.0 - i for i in range(len(kept))], sizes
+            pieces = [item.generated for item in items if isinstance(item, LoggedText)]
+            logged = [(t, record) for generated in pieces for t, record in zip(generated, generated.logprobs)]
+        assert [row[0] for piece in pieces for row in _logprob_rows(tokenizer, piece)] == texts, sizes
+        assert [t for t, _ in logged] == tokens, sizes
+        assert [record.logprob for _, record in logged] == records, sizes
 
 
 def test_a_stream_reads_on_past_tool_calls_it_cannot_read_in_random_answers():

@@ -609,8 +609,18 @@ class RequestStream:
                 [self.token_ids[i] for i in indices],
                 [self.logprobs[i] for i in indices],
                 previous=self.token_ids[max(first - 4 * PIECE_CONTEXT, 0) : first],
+                **self._parsed_cut(first),
             )
         )
+
+    def _parsed_cut(self, first: int) -> dict:
+        """`GeneratedIds` keywords that end the texts of the tokens from index `first` on where a stop string cut the
+        answer, for a stream read by a response parser (or giving its message's pieces): its offsets count the text
+        fed to the parser (special tokens kept), the tokens' texts are the answer's (skipped), so both ends are
+        taken from the answer decoded (none for an answer no stop string cut: nothing to end)."""
+        if not self.stopped or (self._parser is None and not self.content_logprobs):
+            return {}
+        return dict(text_offset=len(self.decode_text(self.token_ids[:first])), text_end=len(self._final_text()))
 
     def _final_text(self, decode: Callable[[list[int]], str] | None = None) -> str:
         """The whole output decoded at once (by `decode`, default `decode_text`), cut where a stop string ended the
@@ -690,12 +700,15 @@ class RequestStream:
         # token delivered at the last call (a piece goes out after its tokens are decoded).
         first = self._prompt_unsent
         self._prompt_sent = True
+        ends = dict(
+            text_offset=self.echo_chars + self._logged_chars,
+            text_end=None if self._text_end is None else self.echo_chars + self._text_end,
+        )
         generated = GeneratedIds(
             token_ids,
             logprobs,
             previous=self._context,
-            text_offset=self.echo_chars + self._logged_chars,
-            text_end=None if self._text_end is None else self.echo_chars + self._text_end,
+            **(ends | self._parsed_cut(len(self.token_ids) - len(token_ids))),
             **(self.prompt_fields() if first else {}),
         )
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
