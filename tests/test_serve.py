@@ -1562,20 +1562,22 @@ def test_a_tool_call_that_is_no_json_stays_in_the_streamed_content():
         loop.close()
 
 
+@pytest.mark.parametrize("stop, last_texts", [("og", [" lazy", " d"]), ("azy d", [" l", ""])])
 @pytest.mark.parametrize("kind", ["plain", "parsed", "content", "parsed content"])
-def test_a_stream_cut_at_a_stop_string_ends_its_log_probabilities_as_one_body(kind):
+def test_a_stream_cut_at_a_stop_string_ends_its_log_probabilities_as_one_body(kind, stop, last_texts):
     """The Engine may run several steps ahead of a stream's deliveries, so one delivery can hold a stop string's token
     and tokens after it. Those are not the answer's: the stream's log probabilities end at the stop string's token,
     as in one body and as when the tokens come one by one (a chat stream, parsed or not; the Responses API's message
     pieces, which failed the stream there). The token's text ends where the stop string starts inside it, as in one
-    body, a parsed stream's and a message piece's too."""
+    body, a parsed stream's and a message piece's too; a stop string that starts inside a token and ends in the next
+    holds that token's text back whole (with its log probability), so no chunk sent it uncut."""
     from hf_paged.engine.sampling import TokenLogprob
     from hf_paged.serve.handlers import _logprob_rows
     from hf_paged.serve.stream import GeneratedIds, LoggedText
 
     tokenizer = parsed_tokenizer()
     answer = "<think> the quick </think> the lazy dog jumps over the fox"
-    options = dict(sampling={"logprobs": 0}, stop_strings=("og",), content_logprobs=kind.endswith("content"))
+    options = dict(sampling={"logprobs": 0}, stop_strings=(stop,), content_logprobs=kind.endswith("content"))
     kept = tokenizer.encode("<think> the quick </think> the lazy dog", add_special_tokens=False)
     for sizes in ((1,), (3,), (100,)):
         if kind.startswith("parsed"):
@@ -1594,7 +1596,7 @@ def test_a_stream_cut_at_a_stop_string_ends_its_log_probabilities_as_one_body(ki
         assert stream.stopped and stream.token_ids == kept
         one_body = GeneratedIds(stream.token_ids, stream.logprobs, text_offset=0, text_end=len(stream._final_text()))
         texts = [row[0] for row in _logprob_rows(tokenizer, one_body)]
-        assert texts[-2:] == [" lazy", " d"]
+        assert texts[-2:] == last_texts
         tokens, records = kept, [-1.0 - i for i in range(len(kept))]
         if kind == "parsed content":  # the message's pieces: the content after the reasoning
             texts, tokens, records = texts[-3:], tokens[-3:], records[-3:]

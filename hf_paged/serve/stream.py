@@ -14,6 +14,7 @@ what follows are never sent).
 from __future__ import annotations
 
 import asyncio
+import bisect
 import collections
 import logging
 import re
@@ -313,9 +314,10 @@ class RequestStream:
     content_logprobs (`bool`): a stream (the Responses API's) whose log probabilities go with its content pieces:
         each content piece (a `response.output_text.delta`: what the parser gives as content, or every piece without
         a parser) takes the tokens whose text overlaps where the piece is in the text fed to the parser
-        (`content_logprobs_queue`, one `GeneratedIds` per piece, in order; without a parser, the tokens after the last
-        piece, whose text is empty, in `content_logprobs_tail` once it has ended); the tokens of reasoning, tool calls
-        and the markers around them go with none.
+        (`content_logprobs_queue`, one `GeneratedIds` per piece, in order; the tokens after the last piece, whose
+        text is empty, in `content_logprobs_tail` once it has ended: without a parser, or where a stop string cut
+        the content's last tokens away); the tokens of reasoning, tool calls and the markers around them go with
+        none.
     """
 
     def __init__(
@@ -378,6 +380,7 @@ class RequestStream:
         # after that call starts (after its close marker; 0 before one): where `_parsed` reads again from.
         self._parsed_sent = {"reasoning": "", "content": ""}
         self._after_call = 0
+        self._last_field: str | None = None  # the field of the parser's last piece of text
         # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order),
         # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
@@ -385,6 +388,12 @@ class RequestStream:
         self.content_logprobs_tail: GeneratedIds | None = None  # without a parser: the tokens after the last piece
         self._content = ContentTokens()
         self._pending = ""  # decoded text not sent yet
+        # A stream with log probabilities and stop strings: the decoded text's length after each token. Text held
+        # back for a possible stop string is held from a token's start, so that a chunk brings whole tokens' texts
+        # (a token whose text a stop string then cuts is sent cut, with the answer's end).
+        self._token_ends: list[int] | None = (
+            [] if streaming and stop_strings and sampling.get("logprobs") is not None else None
+        )
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
         # tokens it skips), which the next ones' texts are decoded after (stream); first the prompt's the text
@@ -484,6 +493,8 @@ class RequestStream:
             if self.streaming or self._stops:
                 piece = self._text.step(self.token_ids)
                 self._pending += piece
+                if self._token_ends is not None:
+                    self._token_ends.append(self._decoded_chars)
                 if self.content_logprobs:
                     self._content.token_ends.append(self._decoded_chars)
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
@@ -507,8 +518,14 @@ class RequestStream:
             self._finish()
         elif self.streaming:
             cut = max(len(self._pending) - self._hold, 0)
-            self._emit(self._pending[:cut])
-            self._pending = self._pending[cut:]
+            if self._token_ends is not None and cut < len(self._pending):
+                # back to the start of the token the held text starts in
+                pending_start = self._decoded_chars - len(self._pending)
+                ends = self._token_ends
+                boundary = ends[bisect.bisect_right(ends, pending_start + cut) - 1] if ends else 0
+                cut = max(boundary - pending_start, 0)
+            text, self._pending = self._pending[:cut], self._pending[cut:]
+            self._emit(text)
 
     def _cut_at_stop(self) -> bool:
         """Whether a stop string has appeared in the text not sent yet, ending after the text of the first
@@ -576,6 +593,8 @@ class RequestStream:
         """The parser's `events` as queue items; with `content_logprobs`, each content piece's tokens queued beside."""
         logged = self.content_logprobs  # with content_logprobs the handler reads the queue beside, not the items
         for event in events:
+            if event.get("type") == "region_chunk" and event.get("text"):
+                self._last_field = event.get("field")
             for taken in self._content.parsed([event]):  # where each piece is in the text fed (`_parsed` reads on)
                 if self.content_logprobs:
                     self._queue_content(taken)
@@ -684,6 +703,12 @@ class RequestStream:
             except (ValueError, RuntimeError):  # stopped inside a structured region (a tool call cut by max_tokens)
                 events = []
             self._queue_parsed(events)
+            if self.content_logprobs and self.stopped and self._content.next_token < len(self.logprobs):
+                # a stop string cut the text of the last tokens away: where the answer ended in its content, they are
+                # the message's, with no delta (one body reads them as content, their text empty)
+                if self._last_field == "content":
+                    self._queue_content(list(range(self._content.next_token, len(self.logprobs))))
+                    self.content_logprobs_tail = self.content_logprobs_queue.pop()
             if self._unsent_logprobs[0]:
                 # tokens after the last piece of text (a tool call, the answer's end markers): a chunk of their own
                 self.queue.put_nowait(self._logged(""))
@@ -693,9 +718,14 @@ class RequestStream:
         """`text`, carrying the log probabilities of the tokens not sent yet (a `kind`: `LoggedText`, or
         `LoggedReasoningText` for a parsed answer's reasoning) when there are some."""
         token_ids, logprobs = self._unsent_logprobs
+        start, rest = len(self.token_ids) - len(token_ids), ([], [])  # the first one's index; those left unsent
+        if self._token_ends is not None and not self._closed:
+            # only the tokens whose text is sent (not those of the text held for a possible stop string)
+            sent = max(bisect.bisect_right(self._token_ends, self._decoded_chars - len(self._pending)) - start, 0)
+            token_ids, logprobs, rest = token_ids[:sent], logprobs[:sent], (token_ids[sent:], logprobs[sent:])
         if not (token_ids or self._prompt_unsent):
             return text
-        self._unsent_logprobs = ([], [])
+        self._unsent_logprobs = rest
         # Where their text starts in the answer: the length of the text of the tokens before them, which were every
         # token delivered at the last call (a piece goes out after its tokens are decoded).
         first = self._prompt_unsent
@@ -708,11 +738,14 @@ class RequestStream:
             token_ids,
             logprobs,
             previous=self._context,
-            **(ends | self._parsed_cut(len(self.token_ids) - len(token_ids))),
+            **(ends | self._parsed_cut(start)),
             **(self.prompt_fields() if first else {}),
         )
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
-        self._logged_chars = self._decoded_chars
+        if rest[0]:  # the text of the tokens logged ends where the first one left starts
+            self._logged_chars = self._token_ends[start + len(token_ids) - 1] if token_ids else self._logged_chars
+        else:
+            self._logged_chars = self._decoded_chars
         return kind(text, generated, self.logprob_tokenizer)
 
     def prompt_fields(self) -> dict:
