@@ -1611,6 +1611,37 @@ def test_a_stream_cut_at_a_stop_string_ends_its_log_probabilities_as_one_body(ki
         assert [record.logprob for _, record in logged] == records, sizes
 
 
+@pytest.mark.parametrize("stop", ["the lazy", "he l", "the"])
+@pytest.mark.parametrize("size", [1, 2])
+def test_a_stop_string_that_starts_in_the_first_token_ends_a_stream_with_log_probabilities(stop, size):
+    """Text held back for a stop string from the start of the answer's first token: the stream ends where one body
+    does, with the same text and tokens."""
+    from hf_paged.engine.sampling import TokenLogprob
+
+    tokenizer = make_tokenizer()
+    ids = tokenizer.encode("the lazy dog", add_special_tokens=False)
+    loop = asyncio.new_event_loop()
+    answers = []
+    for streaming in (False, True):
+        stream, start = (
+            request_stream(loop, tokenizer, [], sampling={"logprobs": 0}, stop_strings=(stop,), streaming=streaming),
+            0,
+        )
+        while start < len(ids) and not stream.stopped:
+            end = min(start + size, len(ids))
+            stream.deliver(ids[start:end], end == len(ids), logprobs=[TokenLogprob(-1.0, ())] * (end - start))
+            start = end
+        if streaming:
+            items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+            assert items[-1] is None
+            answers.append(("".join(items[:-1]), stream.token_ids, stream.stopped))
+        else:
+            answers.append((loop.run_until_complete(stream.result), stream.token_ids, stream.stopped))
+    loop.close()
+    assert answers[0] == answers[1] and answers[0][2]
+    assert stop not in answers[0][0] and len(answers[0][1]) < len(ids)
+
+
 def test_a_stream_reads_on_past_tool_calls_it_cannot_read_in_random_answers():
     """Random answers of words, reasoning, tool calls that are JSON, that are not, and cut ones, and stray markers,
     delivered one to several tokens at a time: the stream never errs, sends each word once (as content or

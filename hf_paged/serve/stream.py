@@ -521,8 +521,8 @@ class RequestStream:
             if self._token_ends is not None and cut < len(self._pending):
                 # back to the start of the token the held text starts in
                 pending_start = self._decoded_chars - len(self._pending)
-                ends = self._token_ends
-                boundary = ends[bisect.bisect_right(ends, pending_start + cut) - 1] if ends else 0
+                fits = bisect.bisect_right(self._token_ends, pending_start + cut)  # tokens whose text ends by then
+                boundary = self._token_ends[fits - 1] if fits else 0
                 cut = max(boundary - pending_start, 0)
             text, self._pending = self._pending[:cut], self._pending[cut:]
             self._emit(text)
