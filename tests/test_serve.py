@@ -1642,6 +1642,28 @@ def test_a_stop_string_that_starts_in_the_first_token_ends_a_stream_with_log_pro
     assert stop not in answers[0][0] and len(answers[0][1]) < len(ids)
 
 
+def test_a_responses_stream_cut_inside_a_character_gives_its_last_token_the_replacement_character():
+    """max_tokens ends an answer inside a character's UTF-8 bytes: the Responses stream's last delta is U+FFFD, and
+    its token's text too, as in one body (a token of a character not complete adds nothing but at the end)."""
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _logprob_rows
+    from hf_paged.serve.stream import GeneratedIds
+
+    spm = byte_fallback_tokenizer()
+    ids = [spm.token_to_id("\u2581fox"), spm.token_to_id("<0xE2>")]
+    records = [TokenLogprob(-1.0, ()), TokenLogprob(-2.0, ())]
+    loop = asyncio.new_event_loop()
+    stream = request_stream(loop, spm, [], sampling={"logprobs": 0}, content_logprobs=True)
+    for index, token in enumerate(ids):
+        stream.deliver([token], index == 1, logprobs=[records[index]], finish_reason="length")
+    items = [stream.queue.get_nowait() for _ in range(stream.queue.qsize())]
+    loop.close()
+    streamed = [row[0] for piece in stream.content_logprobs_queue for row in _logprob_rows(spm, piece)]
+    one_body = GeneratedIds(ids, records, text_end=len("fox\ufffd"))
+    assert items == ["fox", "\ufffd", None]
+    assert streamed == [row[0] for row in _logprob_rows(spm, one_body)] == ["fox", "\ufffd"]
+
+
 def test_a_stream_reads_on_past_tool_calls_it_cannot_read_in_random_answers():
     """Random answers of words, reasoning, tool calls that are JSON, that are not, and cut ones, and stray markers,
     delivered one to several tokens at a time: the stream never errs, sends each word once (as content or

@@ -628,16 +628,17 @@ class RequestStream:
                 [self.token_ids[i] for i in indices],
                 [self.logprobs[i] for i in indices],
                 previous=self.token_ids[max(first - 4 * PIECE_CONTEXT, 0) : first],
-                **self._parsed_cut(first),
+                **self._final_ends(first),
             )
         )
 
-    def _parsed_cut(self, first: int) -> dict:
-        """`GeneratedIds` keywords that end the texts of the tokens from index `first` on where a stop string cut the
-        answer, for a stream read by a response parser (or giving its message's pieces): its offsets count the text
-        fed to the parser (special tokens kept), the tokens' texts are the answer's (skipped), so both ends are
-        taken from the answer decoded (none for an answer no stop string cut: nothing to end)."""
-        if not self.stopped or (self._parser is None and not self.content_logprobs):
+    def _final_ends(self, first: int) -> dict:
+        """`GeneratedIds` keywords that end the texts of the tokens from index `first` on where the answer ends (cut
+        at a stop string, or inside a character: its U+FFFD, as in one body), for the pieces of a stream that has
+        ended, read by a response parser or giving its message's pieces: its offsets count the text fed to the
+        parser (special tokens kept), the tokens' texts are the answer's (skipped), so both ends are taken from the
+        answer decoded. None while it runs (a plain stream's `_logged` has its own ends)."""
+        if not self._closed or (self._parser is None and not self.content_logprobs):
             return {}
         return dict(text_offset=len(self.decode_text(self.token_ids[:first])), text_end=len(self._final_text()))
 
@@ -738,7 +739,7 @@ class RequestStream:
             token_ids,
             logprobs,
             previous=self._context,
-            **(ends | self._parsed_cut(start)),
+            **(ends | self._final_ends(start)),
             **(self.prompt_fields() if first else {}),
         )
         self._context = [*self._context, *(t for t in token_ids if t not in self._skipped)][-PIECE_CONTEXT:]
