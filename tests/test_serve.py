@@ -2523,7 +2523,8 @@ def test_a_string_prompts_token_texts_are_those_of_its_ids():
 def test_logprob_texts_of_byte_fallback_tokens_add_up():
     """A ByteFallback decoder (Llama 2, Mistral, Gemma: a character outside the vocabulary as <0x..> byte tokens)
     ends a decode inside a character with one U+FFFD per byte: the texts give the character to the token that
-    completes it, and add up to the answer."""
+    completes it, and add up to the answer, also where characters of bytes follow each other ("😀😃", "日本") or a
+    newline's byte (the decoder joins a run of bytes, so a run ending inside a character decodes to U+FFFD whole)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     from hf_paged.engine.sampling import TokenLogprob
@@ -2545,6 +2546,11 @@ def test_logprob_texts_of_byte_fallback_tokens_add_up():
     generated = GeneratedIds(ids, [TokenLogprob(-1.0, ())] * len(ids))
     tokens = _completion_logprobs(tokenizer, generated)["tokens"]
     assert "".join(tokens) == tokenizer.decode(ids) and tokens[:5] == ["", "", "", "", "😀"], tokens  # "▁", 4 bytes
+    ids = tokenizer.encode("😀😃 the 日本\n😀 fox").ids
+    generated = GeneratedIds(ids, [TokenLogprob(-1.0, ())] * len(ids))
+    tokens = _completion_logprobs(tokenizer, generated)["tokens"]
+    assert "".join(tokens) == tokenizer.decode(ids) == "😀😃 the 日本\n😀 fox", tokens
+    assert tokens[1:9] == ["", "", "", "😀", "", "", "", "😃"], tokens  # each emoji with its last byte
 
 
 def test_streamed_logprob_texts_are_spelled_as_the_answer_in_one_body():

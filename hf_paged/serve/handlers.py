@@ -16,6 +16,7 @@ those of the tokens whose text it brings).
 from __future__ import annotations
 
 import asyncio
+import codecs
 import copy
 import dataclasses
 import itertools
@@ -48,6 +49,7 @@ from .manager import recording_submissions
 from .options import EXTENSION_FIELDS, OPTIONS_ATTRIBUTE, apply_options, read_options, with_model_defaults
 from .parsing import reading_cut_answers, without_tool_calls
 from .stream import (
+    BYTE_TOKEN,
     PIECE_CONTEXT,
     GeneratedIds,
     LoggedText,
@@ -336,6 +338,37 @@ def _added(text: str, longer: str, final: bool) -> str:
     return after[len(before) :] if after.startswith(before) else None
 
 
+def _byte_piece(tokenizer, context: list[int], token_id: int, final: bool) -> str | None:
+    """The text a ByteFallback byte token (`<0xE6>`) adds after the tokens `context`: what its byte completes of the
+    character the byte tokens before it began (a character whole, or "" inside one). Not from decodes of the run of
+    bytes: the decoder joins a run's bytes, and a run that ends inside a character decodes to U+FFFD whole, so the
+    decode before such a byte ("日" then the first byte of "本") is not where the decode with it starts. None for a
+    token that is no byte, and where the bytes are no UTF-8 or the answer ends inside a character (`final`): the
+    decodes' U+FFFD spell those."""
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
+
+    def byte(token: int) -> int | None:
+        spelling = backend.id_to_token(token) or ""
+        return int(spelling[3:5], 16) if BYTE_TOKEN.fullmatch(spelling) else None
+
+    value = byte(token_id)
+    if value is None:
+        return None
+    before = []  # the bytes of the run before it that its character may have begun with: at most 3
+    for previous in reversed(context[-3:]):
+        if (previous_value := byte(previous)) is None:
+            break
+        before.insert(0, previous_value)
+    while before and before[0] & 0xC0 == 0x80:  # a continuation byte: of a character before this one's
+        before.pop(0)
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    try:
+        decoder.decode(bytes(before))
+        return decoder.decode(bytes([value]), final=final)
+    except UnicodeDecodeError:
+        return None
+
+
 def _decode_all(tokenizer, sequences: list[list[int]]) -> list[str]:
     """`_decode` of each sequence, in one call of the Rust tokenizer's `decode_batch` where that decodes as
     `_decode` does (`_batch_decodes_alike`), else one by one."""
@@ -451,7 +484,9 @@ def _rows(
         if pieces is not None:
             piece = pieces[index]
         else:
-            piece = _added(before[index], with_token[index], final=index == final_index)
+            piece = _byte_piece(tokenizer, contexts[index], token_id, final=index == final_index)
+            if piece is None:
+                piece = _added(before[index], with_token[index], final=index == final_index)
         if piece is None:
             piece = _decode(tokenizer, [token_id])
         if room is not None:
