@@ -3263,3 +3263,46 @@ def test_the_startup_heap_is_frozen_out_of_full_collections():
     finally:
         gc.unfreeze()
     assert gc.get_freeze_count() == 0
+
+
+def test_a_stream_of_a_tokenizer_that_cleans_up_spaces_gives_its_one_body_text():
+    """transformers' clean-up after a WordPiece decoder (" ," -> ",", " ' " -> "'") changes text that a later token
+    completes ("don", " '", " t" -> "don't"): a stream holds back the last characters the clean-up may still change,
+    so what it sends, one token or several at a time, with a stop string or without, is the one body's text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
+    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    wordpiece.decoder = decoders.WordPiece(cleanup=False)
+    trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"])
+    wordpiece.train_from_iterator(["hello ' quote world , don ' t it ' s . ? !"] * 5, trainer)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
+    )
+    prompt, ids = wordpiece.encode("hello").ids, wordpiece.encode("hello , world . don ' t ! it ' s ?").ids
+    whole = tokenizer.decode(ids, skip_special_tokens=True)
+    assert whole == "hello, world. don't! it's?" != wordpiece.decode(ids)
+    stop = "t! i"
+    cases = [(True, (), [1] * len(ids)), (True, (), [3, 4, len(ids)]), (True, (stop,), [1] * len(ids))]
+    cases += [(True, (stop,), [2, 5, len(ids)]), (False, (stop,), [1] * len(ids)), (False, (), [len(ids)])]
+    loop = asyncio.new_event_loop()
+    try:
+        for streaming, stops, groups in cases:
+            stream = request_stream(loop, tokenizer, prompt, stop_strings=stops, streaming=streaming)
+            start = 0
+            for size in groups:
+                last = start + size >= len(ids)
+                stream.deliver(ids[start : start + size], last, finish_reason="length" if last else None)
+                start += size
+                if stream.stopped:
+                    break
+            if streaming:
+                text = "".join(stream.queue.get_nowait() for _ in range(stream.queue.qsize() - 1))
+            else:
+                text = loop.run_until_complete(stream.result)
+            expected = whole[: whole.index(stop)] if stops else whole
+            assert text == expected, (streaming, stops, groups, text)
+            assert stream.finish_reason == ("stop" if stops else "length"), stream.finish_reason
+    finally:
+        loop.close()

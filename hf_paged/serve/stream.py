@@ -109,15 +109,34 @@ class GeneratedIds(list):
         self.parse_text = parse_text
 
 
+# The last characters of a text cleaned up as transformers' `clean_up_tokenization` does that text still to come may
+# change: its patterns span at most 4 characters (" n't", " 've"), and one replacement may make another (" ' " then
+# " n't": ".! n ' t" -> ".!n't"), which the fifth covers.
+CLEAN_UP_HOLD = 5
+
+
 class IncrementalText:
     """The text each token adds to an answer's: tokenizers' `DecodeStream` after the tokens `prefix` ("" while a
     character is unfinished), and once it cannot continue (a ByteFallback run of bytes that begin no character changes
     the text before it, which tokenizers refuses) what the whole answer's decode (`whole`, of every token so far,
-    without an unfinished character at its end) has grown past the text so far. `chars`: the text's length so far."""
+    without an unfinished character at its end) has grown past the text so far. `chars`: the text's length so far.
 
-    def __init__(self, tokenizer, prefix: list[int], skip_special_tokens: bool, whole: Callable[[list[int]], str]):
-        self._tokenizer, self._whole = tokenizer, whole
+    `clean_up` (*optional*): the clean-up a transformers tokenizer's decode applies after its Rust decoder's
+    (`clean_up_tokenization`: " ," -> ","), applied to the Rust decoder's text so far, whose last `CLEAN_UP_HOLD`
+    characters wait for the text after them (`rest` gives them once the answer has ended); `whole` is such a decode
+    already."""
+
+    def __init__(
+        self,
+        tokenizer,
+        prefix: list[int],
+        skip_special_tokens: bool,
+        whole: Callable[[list[int]], str],
+        clean_up: Callable[[str], str] | None = None,
+    ):
+        self._tokenizer, self._whole, self._clean_up = tokenizer, whole, clean_up
         self._decoder: DecodeStream | None = DecodeStream(prefix, skip_special_tokens=skip_special_tokens)
+        self._raw = ""  # with clean_up: the Rust decoder's text so far
         self.chars = 0
 
     def step(self, token_ids: list[int]) -> str:
@@ -128,11 +147,27 @@ class IncrementalText:
             except Exception:  # tokenizers raises a bare Exception ("Invalid prefix encountered while decoding")
                 self._decoder = None
             else:
-                self.chars += len(piece)
-                return piece
-        text = unfinished_cut(self._whole(token_ids))
-        piece = text[self.chars :]
-        self.chars = max(self.chars, len(text))
+                if self._clean_up is None:
+                    self.chars += len(piece)
+                    return piece
+                self._raw += piece
+        return self._past(self._text(token_ids), hold=self._clean_up is not None)
+
+    def rest(self, token_ids: list[int]) -> str:
+        """The text held back for a clean-up, once the answer (`token_ids`) has ended ("" without a clean-up)."""
+        return self._past(self._text(token_ids), hold=False) if self._clean_up is not None else ""
+
+    def _text(self, token_ids: list[int]) -> str:
+        if self._decoder is not None:
+            return self._clean_up(self._raw)
+        return unfinished_cut(self._whole(token_ids))
+
+    def _past(self, text: str, hold: bool) -> str:
+        """What `text`, the text so far (its last `CLEAN_UP_HOLD` characters held back with `hold`), has grown past
+        the text given."""
+        end = len(text) - CLEAN_UP_HOLD if hold else len(text)
+        piece = text[self.chars : end]
+        self.chars = max(self.chars, end)
         return piece
 
 
@@ -372,7 +407,8 @@ class RequestStream:
             self._text_before = decode(self.text_after) if self.text_after else ""
             if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
                 self.text_after, self._text_before = [], ""
-        self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text)
+        clean_up = self.logprob_tokenizer.clean_up_tokenization if cleans_up_spaces(self.logprob_tokenizer) else None
+        self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text, clean_up)
         self._stops = stop_strings
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser, self._fallback = response_parser, tool_call_fallback
@@ -500,7 +536,7 @@ class RequestStream:
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
                     self._min_chars = self._decoded_chars
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
-            if self._stops and len(self.token_ids) > self.sampling.get("min_tokens", 0) and self._cut_at_stop():
+            if self._stops_allowed() and self._cut_at_stop():
                 self.stopped, self.finish_reason = True, "stop"
                 # The tokens delivered after this one (several come at once when the Engine ran ahead) are not the
                 # answer's: neither are their log probabilities.
@@ -515,6 +551,8 @@ class RequestStream:
         if error is not None:
             self._fail(error, invalid)
         elif finished:
+            if (self.streaming or self._stops) and self._rest() and self._stops_allowed() and self._cut_at_stop():
+                self.stopped, self.finish_reason = True, "stop"
             self._finish()
         elif self.streaming:
             cut = max(len(self._pending) - self._hold, 0)
@@ -526,6 +564,20 @@ class RequestStream:
                 cut = max(boundary - pending_start, 0)
             text, self._pending = self._pending[:cut], self._pending[cut:]
             self._emit(text)
+
+    def _stops_allowed(self) -> bool:
+        return bool(self._stops) and len(self.token_ids) > self.sampling.get("min_tokens", 0)
+
+    def _rest(self) -> bool:
+        """Take in the text a clean-up held back (`IncrementalText.rest`) once the answer has ended: the last
+        token's; whether there was some."""
+        rest = self._text.rest(self.token_ids)
+        if rest:
+            self._pending += rest
+            for ends in (self._token_ends, self._content.token_ends if self.content_logprobs else None):
+                if ends:
+                    ends[-1] = self._decoded_chars
+        return bool(rest)
 
     def _cut_at_stop(self) -> bool:
         """Whether a stop string has appeared in the text not sent yet, ending after the text of the first
