@@ -3306,3 +3306,33 @@ def test_a_stream_of_a_tokenizer_that_cleans_up_spaces_gives_its_one_body_text()
             assert stream.finish_reason == ("stop" if stops else "length"), stream.finish_reason
     finally:
         loop.close()
+
+
+@pytest.mark.parametrize("stop, kept", [("<s>", None), ("the lazy", 7), ("s> lazy", None), ("dog", 8)])
+@pytest.mark.parametrize("size", [1, 3])
+def test_a_parsed_stream_finds_stop_strings_in_the_answers_text_as_one_body(stop, kept, size):
+    """A parsed stream's parser reads the answer with its special tokens; its stop strings are found in the answer's
+    text without them, as in one body: a special token's text is no stop string, one between the words of a stop
+    string does not hide it, and the text the parser reads is cut where the stop string starts, as one body's parser
+    reads it (`parse_text`)."""
+    from transformers.cli.serving.utils import ReasoningText
+
+    tokenizer = parsed_tokenizer()
+    answer = "<think> the quick </think> the <s> lazy dog jumps over the fox"
+    ids = tokenizer.encode(answer, add_special_tokens=False)
+    items, stream = parsed_stream_items(tokenizer, answer, sizes=(size,), stop_strings=(stop,))
+    loop = asyncio.new_event_loop()
+    try:
+        one = request_stream(loop, tokenizer, [], stop_strings=(stop,), streaming=False)
+        one.deliver(ids, True, finish_reason="length")
+        loop.run_until_complete(one.result)
+    finally:
+        loop.close()
+    # the tokens up to the one the stop string ends in ("the <s> lazy": 7), all where it is none
+    assert (stream.stopped, stream.token_ids) == (one.stopped, one.token_ids) == (kept is not None, ids[:kept])
+    read = one.parse_text() if one.stopped else tokenizer.decode(ids, skip_special_tokens=False)
+    parsed = tokenizer.parse_response(read, prefix="")
+    reasoning = "".join(item for item in items if isinstance(item, ReasoningText))
+    content = "".join(item for item in items[:-1] if not isinstance(item, ReasoningText))
+    assert (reasoning.strip(), content.strip()) == (parsed["reasoning_content"], parsed.get("content") or "")
+    assert stop not in tokenizer.decode(tokenizer.encode(content, add_special_tokens=False), skip_special_tokens=True)

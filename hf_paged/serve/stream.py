@@ -61,6 +61,18 @@ def cleans_up_spaces(tokenizer) -> bool:
     return forced or backend is None or type(backend.model).__name__ != "BPE"
 
 
+def parsed_position(position: int, answer_ends: list[int], parsed_ends: list[int]) -> int:
+    """Where `position` of an answer's text (special tokens skipped) is in the text a response parser reads (special
+    tokens kept), token i's texts ending at `answer_ends[i]` and `parsed_ends[i]` of them: as far into the token
+    whose answer text holds it as it is into that text (the special tokens before the token kept, up to the token's
+    end)."""
+    index = bisect.bisect_right(answer_ends, position)  # the first token whose answer text ends past it
+    if index == len(answer_ends):
+        return parsed_ends[-1] if parsed_ends else 0
+    answer_start, parsed_start = (answer_ends[index - 1], parsed_ends[index - 1]) if index else (0, 0)
+    return min(parsed_start + position - answer_start, parsed_ends[index])
+
+
 def skipped_ids(tokenizer) -> frozenset[int]:
     """The special token ids a decode with `skip_special_tokens=True` leaves out (a transformers tokenizer's, or a
     `tokenizers.Tokenizer`'s special added tokens)."""
@@ -408,8 +420,21 @@ class RequestStream:
             if self._text_before.endswith(REPLACEMENT):  # they end inside a character: the text is decoded alone
                 self.text_after, self._text_before = [], ""
         clean_up = self.logprob_tokenizer.clean_up_tokenization if cleans_up_spaces(self.logprob_tokenizer) else None
-        self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, self.decode_text, clean_up)
+        # A parsed stream decodes the text its parser reads: with special tokens (their markers).
+        whole = self.decode_text if response_parser is None else self._parsed_decode
+        self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, whole, clean_up)
         self._stops = stop_strings
+        # A parsed stream with stop strings finds them in the answer's text, without special tokens, as one body does
+        # (`parse_text`): that text decoded beside, and both texts' lengths after each token, which place a stop
+        # string found in it in the text the parser reads (`parsed_position`).
+        self._answer: IncrementalText | None = None
+        if response_parser is not None and stop_strings:
+            self._answer = IncrementalText(tokenizer, [], True, self.decode_text, clean_up)
+        self._answer_text = ""
+        self._answer_ends: list[int] = []
+        self._parsed_ends: list[int] = []
+        self._answer_searched = 0  # the answer's text searched for stop strings so far
+        self._min_answer_chars = 0  # the length of the answer's text of the first min_tokens tokens
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
         self._parser, self._fallback = response_parser, tool_call_fallback
         # The parsed reasoning and content queued since the last tool call read, and where in the text fed the text
@@ -533,8 +558,13 @@ class RequestStream:
                     self._token_ends.append(self._decoded_chars)
                 if self.content_logprobs:
                     self._content.token_ends.append(self._decoded_chars)
+                if self._answer is not None:
+                    self._answer_text += self._answer.step(self.token_ids)
+                    self._answer_ends.append(self._answer.chars)
+                    self._parsed_ends.append(self._decoded_chars)
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
                     self._min_chars = self._decoded_chars
+                    self._min_answer_chars = len(self._answer_text)
             # No stop string before min_tokens (vLLM's rule): the sampler keeps stop tokens out until then too.
             if self._stops_allowed() and self._cut_at_stop():
                 self.stopped, self.finish_reason = True, "stop"
@@ -556,7 +586,12 @@ class RequestStream:
             self._finish()
         elif self.streaming:
             cut = max(len(self._pending) - self._hold, 0)
-            if self._token_ends is not None and cut < len(self._pending):
+            if self._answer is not None:
+                # up to the end of the tokens whose answer text ends before a stop string still to come can start
+                pending_start = self._decoded_chars - len(self._pending)
+                safe = bisect.bisect_left(self._answer_ends, len(self._answer_text) - self._hold)
+                cut = max((self._parsed_ends[safe - 1] if safe else 0) - pending_start, 0)
+            elif self._token_ends is not None and cut < len(self._pending):
                 # back to the start of the token the held text starts in
                 pending_start = self._decoded_chars - len(self._pending)
                 fits = bisect.bisect_right(self._token_ends, pending_start + cut)  # tokens whose text ends by then
@@ -577,12 +612,29 @@ class RequestStream:
             for ends in (self._token_ends, self._content.token_ends if self.content_logprobs else None):
                 if ends:
                     ends[-1] = self._decoded_chars
+        if self._answer is not None:
+            if self._parsed_ends:
+                self._parsed_ends[-1] = self._decoded_chars
+            answer_rest = self._answer.rest(self.token_ids)
+            if answer_rest:
+                self._answer_text += answer_rest
+                self._answer_ends[-1] = self._answer.chars
+                return True
         return bool(rest)
 
     def _cut_at_stop(self) -> bool:
         """Whether a stop string has appeared in the text not sent yet, ending after the text of the first
         `min_tokens` tokens (as `_final_text` finds it, however the tokens came); the text from it on is dropped."""
         pending_start = self._decoded_chars - len(self._pending)  # where the text not sent yet starts
+        if self._answer is not None:  # found in the answer's text, cut where it is in the text the parser reads
+            text, searched = self._answer_text, self._answer_searched
+            self._answer_searched = len(text)
+            starts = (max(searched, self._min_answer_chars) - len(stop) + 1 for stop in self._stops)
+            found = [i for i in (text.find(stop, max(start, 0)) for stop, start in zip(self._stops, starts)) if i >= 0]
+            if found:
+                cut = parsed_position(min(found), self._answer_ends, self._parsed_ends)
+                self._pending = self._pending[: max(cut - pending_start, 0)]
+            return bool(found)
         positions = [
             i
             for i in (
@@ -710,10 +762,30 @@ class RequestStream:
 
     def parse_text(self) -> str | None:
         """What a response parser reads of an answer a stop string cut: its text with special tokens (as a stream's
-        parser is fed), cut at that stop string; None for one no stop string cut."""
+        parser is fed), cut where the stop string is in the answer's text (without them, where it was found), as a
+        parsed stream cuts it (`parsed_position`); None for one no stop string cut."""
         if not self.stopped:
             return None
-        return self._final_text(lambda ids: self.logprob_tokenizer.decode(ids, skip_special_tokens=False))
+        ids, position = self.token_ids, len(self._final_text())
+
+        def ends(count: int) -> tuple[int, int]:  # both texts' lengths after the first `count` tokens
+            head = ids[:count]
+            return len(unfinished_cut(self.decode_text(head))), len(unfinished_cut(self._parsed_decode(head)))
+
+        # the first token whose answer text ends past the stop string's start (the lengths grow with the tokens)
+        low, high = 0, len(ids)
+        while low < high:
+            middle = (low + high) // 2
+            low, high = (low, middle) if ends(middle + 1)[0] > position else (middle + 1, high)
+        text = self._parsed_decode(ids)
+        if low == len(ids):
+            return text
+        (answer_start, parsed_start), (answer_end, parsed_end) = ends(low), ends(low + 1)
+        return text[: parsed_position(position, [answer_start, answer_end], [parsed_start, parsed_end])]
+
+    def _parsed_decode(self, token_ids: list[int]) -> str:
+        """The text of generated `token_ids` with special tokens, as a response parser reads it."""
+        return self.logprob_tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def decode_text(self, token_ids: list[int]) -> str:
         """The text of generated `token_ids` as the answer has it: decoded whole, after the prompt's last tokens where
