@@ -1193,10 +1193,9 @@ def test_a_stop_string_completed_after_min_tokens_ends_the_answer_in_one_body_an
     assert texts == ["fox", "fox"], texts
 
 
-def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
-    """A transformers tokenizer that cleans up spaces after its decoder (WordPiece's " '" -> "'") would join the
-    completion to the prompt's last word in one body and not in the stream (the Rust decoder does not clean up): its
-    completions are decoded alone, the same in one body and streamed."""
+def cleaning_up_wordpiece(corpus: str) -> tuple:
+    """A WordPiece tokenizer trained on `corpus` whose Rust decoder does not clean up spaces, and the transformers
+    tokenizer over it that does (`clean_up_tokenization_spaces`, as BERT's)."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
     wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
@@ -1204,10 +1203,18 @@ def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
     wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     wordpiece.decoder = decoders.WordPiece(cleanup=False)
     trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"])
-    wordpiece.train_from_iterator(["hello ' quote world"] * 5, trainer)
+    wordpiece.train_from_iterator([corpus] * 5, trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
     )
+    return wordpiece, tokenizer
+
+
+def test_a_completion_is_decoded_alone_where_the_tokenizer_cleans_up_spaces():
+    """A transformers tokenizer that cleans up spaces after its decoder (WordPiece's " '" -> "'") would join the
+    completion to the prompt's last word in one body and not in the stream (the Rust decoder does not clean up): its
+    completions are decoded alone, the same in one body and streamed."""
+    wordpiece, tokenizer = cleaning_up_wordpiece("hello ' quote world")
     prompt, generated = wordpiece.encode("hello").ids, wordpiece.encode("' quote").ids
     assert tokenizer.decode(prompt + generated) == "hello'quote"  # cleaned up
     (text, tokens), (streamed, streamed_tokens) = continued_texts(wordpiece, tokenizer, prompt, generated)
@@ -3269,17 +3276,7 @@ def test_a_stream_of_a_tokenizer_that_cleans_up_spaces_gives_its_one_body_text()
     """transformers' clean-up after a WordPiece decoder (" ," -> ",", " ' " -> "'") changes text that a later token
     completes ("don", " '", " t" -> "don't"): a stream holds back the last characters the clean-up may still change,
     so what it sends, one token or several at a time, with a stop string or without, is the one body's text."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-
-    wordpiece = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    wordpiece.normalizer = normalizers.BertNormalizer(lowercase=True)
-    wordpiece.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-    wordpiece.decoder = decoders.WordPiece(cleanup=False)
-    trainer = trainers.WordPieceTrainer(vocab_size=100, special_tokens=["[UNK]"])
-    wordpiece.train_from_iterator(["hello ' quote world , don ' t it ' s . ? !"] * 5, trainer)
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=wordpiece, unk_token="[UNK]", clean_up_tokenization_spaces=True
-    )
+    wordpiece, tokenizer = cleaning_up_wordpiece("hello ' quote world , don ' t it ' s . ? !")
     prompt, ids = wordpiece.encode("hello").ids, wordpiece.encode("hello , world . don ' t ! it ' s ?").ids
     whole = tokenizer.decode(ids, skip_special_tokens=True)
     assert whole == "hello, world. don't! it's?" != wordpiece.decode(ids)
