@@ -425,14 +425,13 @@ class RequestStream:
         self._text = IncrementalText(tokenizer, self.text_after, response_parser is None, whole, clean_up)
         self._stops = stop_strings
         # A parsed stream with stop strings finds them in the answer's text, without special tokens, as one body does
-        # (`parse_text`): that text decoded beside, and both texts' lengths after each token, which place a stop
-        # string found in it in the text the parser reads (`parsed_position`).
+        # (`parse_text`): that text decoded beside, and its length after each token, which with the parser's text's
+        # (`_token_ends`) places a stop string found in it in the text the parser reads (`parsed_position`).
         self._answer: IncrementalText | None = None
-        if response_parser is not None and stop_strings:
+        if response_parser is not None and stop_strings and streaming:
             self._answer = IncrementalText(tokenizer, [], True, self.decode_text, clean_up)
         self._answer_text = ""
         self._answer_ends: list[int] = []
-        self._parsed_ends: list[int] = []
         self._answer_searched = 0  # the answer's text searched for stop strings so far
         self._min_answer_chars = 0  # the length of the answer's text of the first min_tokens tokens
         self._hold = max((len(stop) for stop in stop_strings), default=1) - 1
@@ -449,11 +448,13 @@ class RequestStream:
         self.content_logprobs_tail: GeneratedIds | None = None  # without a parser: the tokens after the last piece
         self._content = ContentTokens()
         self._pending = ""  # decoded text not sent yet
-        # A stream with log probabilities and stop strings: the decoded text's length after each token. Text held
-        # back for a possible stop string is held from a token's start, so that a chunk brings whole tokens' texts
-        # (a token whose text a stop string then cuts is sent cut, with the answer's end).
+        # A stream with stop strings and log probabilities or a parser: the decoded text's length after each token.
+        # Text held back for a possible stop string is held from a token's start, so that a chunk brings whole
+        # tokens' texts (a token whose text a stop string then cuts is sent cut, with the answer's end).
         self._token_ends: list[int] | None = (
-            [] if streaming and stop_strings and sampling.get("logprobs") is not None else None
+            []
+            if streaming and stop_strings and (sampling.get("logprobs") is not None or self._answer is not None)
+            else None
         )
         self._unsent_logprobs: tuple[list, list] = ([], [])  # tokens and their TokenLogprobs not sent yet (stream)
         # The last PIECE_CONTEXT tokens whose TokenLogprobs went out that the answer's decode keeps (not the special
@@ -561,7 +562,6 @@ class RequestStream:
                 if self._answer is not None:
                     self._answer_text += self._answer.step(self.token_ids)
                     self._answer_ends.append(self._answer.chars)
-                    self._parsed_ends.append(self._decoded_chars)
                 if len(self.token_ids) == self.sampling.get("min_tokens", 0):
                     self._min_chars = self._decoded_chars
                     self._min_answer_chars = len(self._answer_text)
@@ -586,14 +586,13 @@ class RequestStream:
             self._finish()
         elif self.streaming:
             cut = max(len(self._pending) - self._hold, 0)
+            pending_start = self._decoded_chars - len(self._pending)
             if self._answer is not None:
                 # up to the end of the tokens whose answer text ends before a stop string still to come can start
-                pending_start = self._decoded_chars - len(self._pending)
                 safe = bisect.bisect_left(self._answer_ends, len(self._answer_text) - self._hold)
-                cut = max((self._parsed_ends[safe - 1] if safe else 0) - pending_start, 0)
+                cut = max((self._token_ends[safe - 1] if safe else 0) - pending_start, 0)
             elif self._token_ends is not None and cut < len(self._pending):
                 # back to the start of the token the held text starts in
-                pending_start = self._decoded_chars - len(self._pending)
                 fits = bisect.bisect_right(self._token_ends, pending_start + cut)  # tokens whose text ends by then
                 boundary = self._token_ends[fits - 1] if fits else 0
                 cut = max(boundary - pending_start, 0)
@@ -613,8 +612,6 @@ class RequestStream:
                 if ends:
                     ends[-1] = self._decoded_chars
         if self._answer is not None:
-            if self._parsed_ends:
-                self._parsed_ends[-1] = self._decoded_chars
             answer_rest = self._answer.rest(self.token_ids)
             if answer_rest:
                 self._answer_text += answer_rest
@@ -632,7 +629,7 @@ class RequestStream:
             starts = (max(searched, self._min_answer_chars) - len(stop) + 1 for stop in self._stops)
             found = [i for i in (text.find(stop, max(start, 0)) for stop, start in zip(self._stops, starts)) if i >= 0]
             if found:
-                cut = parsed_position(min(found), self._answer_ends, self._parsed_ends)
+                cut = parsed_position(min(found), self._answer_ends, self._token_ends)
                 self._pending = self._pending[: max(cut - pending_start, 0)]
             return bool(found)
         positions = [
@@ -768,20 +765,22 @@ class RequestStream:
             return None
         ids, position = self.token_ids, len(self._final_text())
 
-        def ends(count: int) -> tuple[int, int]:  # both texts' lengths after the first `count` tokens
-            head = ids[:count]
-            return len(unfinished_cut(self.decode_text(head))), len(unfinished_cut(self._parsed_decode(head)))
+        def answer_end(count: int) -> int:  # the answer's text's length after the first `count` tokens
+            return len(unfinished_cut(self.decode_text(ids[:count])))
+
+        def parsed_end(count: int) -> int:  # the parser's text's
+            return len(unfinished_cut(self._parsed_decode(ids[:count])))
 
         # the first token whose answer text ends past the stop string's start (the lengths grow with the tokens)
         low, high = 0, len(ids)
         while low < high:
             middle = (low + high) // 2
-            low, high = (low, middle) if ends(middle + 1)[0] > position else (middle + 1, high)
+            low, high = (low, middle) if answer_end(middle + 1) > position else (middle + 1, high)
         text = self._parsed_decode(ids)
         if low == len(ids):
             return text
-        (answer_start, parsed_start), (answer_end, parsed_end) = ends(low), ends(low + 1)
-        return text[: parsed_position(position, [answer_start, answer_end], [parsed_start, parsed_end])]
+        answer_ends, parsed_ends = [answer_end(low), answer_end(low + 1)], [parsed_end(low), parsed_end(low + 1)]
+        return text[: parsed_position(position, answer_ends, parsed_ends)]
 
     def _parsed_decode(self, token_ids: list[int]) -> str:
         """The text of generated `token_ids` with special tokens, as a response parser reads it."""
