@@ -1333,8 +1333,8 @@ def test_responses_log_probabilities_are_the_parsed_contents_tokens(answer, cont
     queued = list(stream.content_logprobs_queue)
     assert len(queued) == len(pieces)
     assert [r.logprob for piece in queued for r in piece.logprobs] == [records[i].logprob for i in content]
-    regions = parsed_content_tokens(tokenizer, ResponseParser(template, prefix=""), ids)
-    assert [index for indices, _ in regions for index in indices] == content
+    regions, tail = parsed_content_tokens(tokenizer, ResponseParser(template, prefix=""), ids)
+    assert [index for indices, _ in regions for index in indices] == content and tail == []
 
 
 def test_a_parsed_chat_stream_sends_each_tokens_log_probability_with_the_text_it_brings():
@@ -1375,16 +1375,72 @@ def test_one_body_responses_log_probabilities_are_those_of_its_parsed_text():
     message's text."""
     from hf_paged.serve.handlers import _answered_content, _stripped
 
-    def answer(text: str) -> dict:
-        return {"output": [{"type": "message", "content": [{"type": "output_text", "text": text}]}]}
-
     regions = [([0], "Hi"), ([4, 5], " after call")]
-    assert _answered_content(regions, answer("after call")) == [4, 5]
-    assert _answered_content(regions, answer("Hi after call")) == [0, 4, 5]
-    assert _answered_content(regions[:1], answer("Hi")) == [0]
+    assert _answered_content(regions, "after call") == [4, 5]
+    assert _answered_content(regions, "Hi after call") == [0, 4, 5]
+    assert _answered_content(regions[:1], "Hi") == [0]
     rows = [("\n\n", None, []), ("Checking", None, []), (" Paris", None, []), (" ", None, [])]
     assert [piece for piece, _, _ in _stripped(rows, "Checking Paris")] == ["Checking", " Paris"]
+    assert [piece for piece, _, _ in _stripped(rows, "Checking Paris", end=False)] == ["Checking", " Paris", " "]
     assert _stripped(rows, "\n\nChecking Paris ") == rows
+
+
+def test_responses_log_probabilities_of_answers_a_stop_string_cuts_are_the_same_streamed_and_in_one_body():
+    """Random parsed answers (reasoning and content, special tokens, markers) cut by a random stop string taken from
+    their text, streamed in pieces of 1-100 tokens and in one body: the message's log probabilities are the same
+    tokens where both give the message the same text. One body reads the answer's text only up to the cut, as the
+    stream's parser does, and keeps the stop string's tokens (their text cut away, whitespace before the stop
+    included) where the answer ended in its content, as the stream does, also where the cut came before the
+    parser's first piece of text."""
+    import random
+    import types
+
+    from transformers.cli.serving.utils import ReasoningText, build_response_parser
+
+    from hf_paged.engine.sampling import TokenLogprob
+    from hf_paged.serve.handlers import _logprob_rows, parsed_content_rows
+    from hf_paged.serve.stream import GeneratedIds
+
+    tokenizer, rng = parsed_tokenizer(), random.Random(0)
+    model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="llama"))
+    words = ["the", "quick", "lazy", "dog", "fox", "over", "jumps", "<s>", "</s>", "<pad>", "<think>", "</think>", ","]
+    compared = cut_before_any_piece = 0
+    for _ in range(150):
+        answer = [rng.choice(words) for _ in range(rng.randint(1, 10))]
+        if rng.random() < 0.6:
+            answer = ["<think>", *answer[: len(answer) // 2], "</think>", *answer[len(answer) // 2 :]]
+        ids = tokenizer.encode(" ".join(answer), add_special_tokens=False)
+        text = tokenizer.decode(ids, skip_special_tokens=rng.random() < 0.7)
+        start = rng.randrange(len(text))
+        stop = text[start : start + rng.randint(1, 8)]
+        options = dict(sampling={"logprobs": 0}, stop_strings=(stop,))
+        sizes = (rng.choice([1, 2, 3, 100]),)
+        items, stream = parsed_stream_items(tokenizer, " ".join(answer), sizes, content_logprobs=True, **options)
+        pieces = [*stream.content_logprobs_queue, *filter(None, [stream.content_logprobs_tail])]
+        streamed = [round(-record.logprob - 1) for piece in pieces for record in piece.logprobs]
+        loop = asyncio.new_event_loop()
+        one = request_stream(loop, tokenizer, [], streaming=False, **options)
+        for index, token in enumerate(ids):
+            one.deliver([token], index == len(ids) - 1, logprobs=[TokenLogprob(-1.0 - index, ())])
+            if one.stopped:
+                break
+        loop.run_until_complete(one.result)
+        loop.close()
+        generated = GeneratedIds(
+            one.token_ids, one.logprobs, text_end=len(one._final_text()), parse_text=one.parse_text()
+        )
+        read = generated.parse_text if one.stopped else tokenizer.decode(ids, skip_special_tokens=False)
+        content = tokenizer.parse_response(read, prefix="").get("content") or ""
+        streamed_text = "".join(i for i in items if isinstance(i, str) and not isinstance(i, ReasoningText))
+        if streamed_text.strip() != content.strip():  # one body keeps the last of two content regions only
+            continue
+        rows = _logprob_rows(tokenizer, generated)
+        parser = build_response_parser(tokenizer, model, [])
+        kept = parsed_content_rows(tokenizer, parser, generated, rows, content)
+        assert [round(-row[1].logprob - 1) for row in kept] == streamed, (answer, stop, sizes)
+        compared += 1
+        cut_before_any_piece += not streamed_text and bool(streamed)
+    assert compared > 120 and cut_before_any_piece > 0
 
 
 def test_a_response_cut_by_max_output_tokens_is_incomplete(server, saved):
@@ -1867,6 +1923,14 @@ def test_a_parsed_answer_cut_at_a_stop_string_is_cut_in_one_body_as_streamed(par
     status, response = post_json(server, "/v1/responses", request | {"generation_config": config})
     assert status == 200, response
     assert response_text(response) == expected
+    # its message's log probabilities: the same tokens in one body as streamed, the stop string's last
+    logged = request | {"generation_config": config, "include": ["message.output_text.logprobs"], "top_logprobs": 0}
+    status, response = post_json(server, "/v1/responses", logged)
+    assert status == 200, response
+    entries = [(entry["token"], entry["logprob"]) for entry in response["output"][-1]["content"][0]["logprobs"]]
+    done = next(e for e in events_of(server, "/v1/responses", logged) if e["type"] == "response.output_text.done")
+    assert entries and [(entry["token"], entry["logprob"]) for entry in done["logprobs"]] == entries
+    assert "".join(token for token, _ in entries).strip() == expected
 
 
 def test_parallel_tool_calls_false_keeps_the_first_tool_call_of_each_choice():

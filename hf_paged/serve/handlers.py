@@ -874,9 +874,7 @@ class PagedResponseHandler(RequestOptionsMixin, ResponseHandler):
             rows = _logprob_rows(tokenizer, recorder.generated)
             parser = build_response_parser(processor, model, inputs["input_ids"], tools=kw.get("tools"))
             if parser is not None:  # the tokens of the content the parser finds, as a stream would place them
-                regions = parsed_content_tokens(tokenizer, parser, list(recorder.generated))
-                kept = set(_answered_content(regions, answer))
-                rows = _stripped([row for index, row in enumerate(rows) if index in kept], _message_text(answer))
+                rows = parsed_content_rows(tokenizer, parser, recorder.generated, rows, _message_text(answer))
             answer["output"] = _with_logprobs(answer.get("output") or [], rows)
         return JSONResponse(_incomplete(answer) if recorder.generated.finish_reason == "length" else answer)
 
@@ -940,11 +938,24 @@ def _incomplete_item(item: dict) -> dict:
     return {**item, "status": "incomplete"} if item.get("type") == "message" else item
 
 
-def _answered_content(regions: list[tuple[list[int], str]], answer: dict) -> list[int]:
-    """The tokens of the content regions (`parsed_content_tokens`') that a one-body response's message text is: all
+def parsed_content_rows(tokenizer, parser, generated: GeneratedIds, rows: list, text: str) -> list:
+    """The `rows` (`_logprob_rows`' of the whole answer `generated`) of a one-body response's message `text`, the
+    content `parser` (a fresh `ResponseParser`) reads in the answer: its regions' tokens (`parsed_content_tokens`,
+    `_answered_content`), without whitespace at the ends that transformers' parse strips from the text, then the tail
+    of an answer a stop string cut (the stop string's tokens, kept whole with the text before them, as a stream
+    sends them)."""
+    regions, tail = parsed_content_tokens(tokenizer, parser, list(generated), generated.parse_text)
+    kept = set(_answered_content(regions, text))
+    content_rows = [row for index, row in enumerate(rows) if index in kept]
+    stopped = generated.parse_text is not None
+    return _stripped(content_rows, text, end=not stopped) + [rows[index] for index in tail]
+
+
+def _answered_content(regions: list[tuple[list[int], str]], text: str) -> list[int]:
+    """The tokens of the content regions (`parsed_content_tokens`') that a one-body response's message `text` is: all
     of them, or the last one's where the text is that region's alone (transformers' parse of a content, a tool call,
     then content again keeps the last)."""
-    text, whole = _message_text(answer).strip(), "".join(region_text for _, region_text in regions).strip()
+    text, whole = text.strip(), "".join(region_text for _, region_text in regions).strip()
     if len(regions) > 1 and regions[-1][1].strip() == text != whole:
         return regions[-1][0]
     return [index for indices, _ in regions for index in indices]
@@ -961,15 +972,15 @@ def _message_text(answer: dict) -> str:
     )
 
 
-def _stripped(rows: list, text: str) -> list:
-    """`rows` without those of whitespace alone at either end where `text` has none there (transformers strips a
-    parsed content: the "\n\n" after a reasoning's close)."""
-    start, end = 0, len(rows)
-    while start < end and rows[start][0].isspace() and not text[:1].isspace():
+def _stripped(rows: list, text: str, end: bool = True) -> list:
+    """`rows` without those of whitespace alone at either end (at its start only, unless `end`) where `text` has none
+    there (transformers strips a parsed content: the "\n\n" after a reasoning's close)."""
+    start, stop = 0, len(rows)
+    while start < stop and rows[start][0].isspace() and not text[:1].isspace():
         start += 1
-    while end > start and rows[end - 1][0].isspace() and not text[-1:].isspace():
-        end -= 1
-    return rows[start:end]
+    while end and stop > start and rows[stop - 1][0].isspace() and not text[-1:].isspace():
+        stop -= 1
+    return rows[start:stop]
 
 
 def _with_logprobs(output: list, rows: list) -> list:

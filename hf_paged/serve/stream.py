@@ -247,17 +247,27 @@ class ContentTokens:
         return taken
 
 
-def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple[list[int], str]]:
+def parsed_content_tokens(
+    tokenizer, parser, token_ids: list[int], parse_text: str | None = None
+) -> tuple[list[tuple[list[int], str]], list[int]]:
     """Per content region `parser` (a fresh `ResponseParser`) finds in `token_ids` (content, then a tool call, then
-    content again: two), the indices of the tokens whose text makes it up, and its text: the one-body answer's. The
-    tokens' texts are fed to the parser one token at a time and its pieces placed among them (`ContentTokens`), as
-    a stream of them is."""
+    content again: two), the indices of the tokens whose text makes it up, and its text: the one-body answer's; and
+    of an answer a stop string cut, the content's tokens whose text the cut shortened (the stop string's) and, where
+    the answer ended in its content, every token after its last piece: the tail, whose tokens the regions then leave
+    out. The tokens' texts are fed to the parser one token at a time and its pieces placed among them
+    (`ContentTokens`), as a stream of them is; of a cut answer only its text up to the cut (`parse_text`:
+    `RequestStream.parse_text`'s), as a stream's parser reads it."""
     backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
     content, regions = ContentTokens(), []  # the tokens' texts as the parser reads them: special tokens kept
     text = IncrementalText(backend, [], False, lambda ids: backend.decode(ids, skip_special_tokens=False))
+    field = answer_field(parser.initial_events)  # the field of the parser's last piece of text
+    cut = len(token_ids)  # the first token whose text the cut shortened
 
     def place(events: list) -> None:
+        nonlocal field
         for event in events:
+            if event.get("type") == "region_chunk" and event.get("text"):
+                field = event.get("field")
             pieces = content.parsed([event])  # a content piece's tokens; reasoning, a tool call's text passed over
             if event.get("field") != "content":
                 continue
@@ -269,17 +279,39 @@ def parsed_content_tokens(tokenizer, parser, token_ids: list[int]) -> list[tuple
 
     for index in range(len(token_ids)):
         piece = text.step(token_ids[: index + 1])
+        if parse_text is not None and len(content.fed) + len(piece) > len(parse_text):  # text past the cut
+            piece, cut = piece[: max(len(parse_text) - len(content.fed), 0)], min(cut, index)
         content.fed += piece
         content.token_ends.append(len(content.fed))
         try:
             place(parser.feed(piece))
         except (ValueError, RuntimeError):  # a structured region it cannot read (a tool call's JSON): no more
-            return regions
+            return regions, []
     try:
         place(parser.finalize()[1])
     except (ValueError, RuntimeError):  # an answer cut inside a structured region
-        pass
-    return regions
+        return regions, []
+    if parse_text is None:
+        return regions, []
+    tail = [index for index in regions[-1][0] if index >= cut] if regions else []
+    if tail:
+        regions[-1] = ([index for index in regions[-1][0] if index < cut], regions[-1][1])
+    if field == "content":
+        tail += range(content.next_token, len(token_ids))
+    return regions, tail
+
+
+def answer_field(initial_events: list) -> str:
+    """The field a response parser writes an answer's text to before the answer's first piece: the one the prompt's
+    prefill left open (a `<think>` the chat template wrote: the reasoning), else the content (where the text outside
+    every region goes in transformers' response templates)."""
+    field = "content"
+    for event in initial_events:
+        if event.get("type") == "region_open":
+            field = event.get("field")
+        elif event.get("type") == "region_close":
+            field = "content"
+    return field
 
 
 def _past(sent: str, text: str) -> tuple[str, str]:
@@ -440,7 +472,8 @@ class RequestStream:
         # after that call starts (after its close marker; 0 before one): where `_parsed` reads again from.
         self._parsed_sent = {"reasoning": "", "content": ""}
         self._after_call = 0
-        self._last_field: str | None = None  # the field of the parser's last piece of text
+        # the field of the parser's last piece of text (before the first, the one the prompt's prefill left open)
+        self._last_field = answer_field(response_parser.initial_events) if response_parser is not None else None
         # content_logprobs: the content pieces' tokens, each piece's a GeneratedIds (read by the handler, in order),
         # found where each piece's text is among the tokens' (`ContentTokens`).
         self.content_logprobs = content_logprobs and streaming and sampling.get("logprobs") is not None
