@@ -186,9 +186,10 @@ def test_prefill_with_the_tiles_of_sm_90(options, block_size, monkeypatch):
     over one warpgroup, or two with a softcap or the general addressing of a block size not a power of two), run
     here in the interpreter: chunks past a program's tokens over 62 and 63 cached keys, in bf16."""
     wide = launch_config.prefill_config(64, 2, torch.bfloat16, 90)
-    assert (wide.block_m, wide.block_q, wide.num_warps, wide.num_stages) == (128, 64, 4, 2)
+    assert (wide.block_m, wide.block_q, wide.num_warps, wide.num_stages) == (128, 64, 4, 3)
+    assert launch_config.ids_ahead(wide.num_stages)  # 3 stages keep the next tile's K/V in flight with the ids ahead
     capped = launch_config.prefill_config(64, 2, torch.bfloat16, 90, True)  # one warpgroup spills with the softcap
-    assert (capped.block_m, capped.num_warps) == (128, 8)
+    assert (capped.block_m, capped.num_warps, capped.num_stages) == (128, 8, 3)
     general = launch_config.prefill_config(64, 2, torch.bfloat16, 90, False, False)  # and the general addressing
     assert (general.block_m, general.num_warps) == (128, 8)
     assert launch_config.prefill_config(128, 4, torch.float16, 90).block_m == 128

@@ -148,15 +148,21 @@ PREFILL_BLOCK_M = 64
 # for half the rows). So 128 rows a program, with the warps and stages `python -m bench.prefill_tuning` timed on an
 # H200 (bf16, 32 q / 8 kv heads; a 2k and an 8k prompt and 8 chunks of 512 after 4k cached; bench/logs/
 # gpu-h200-9849b1a), the fastest that compiles without spills:
-# - 64 wide: 128 rows over one warpgroup (4 warps), 2 stages: 1.12x, 1.23x and 1.47x the 128 rows over 8 warps at
-#   2k, 8k and 512+4k; each K/V tile in shared memory serves 128 rows. 3 stages were 1.03-1.10x faster still but
-#   spill (255 registers and a stack frame), as the softcap's variant does with 2: that one keeps 8 warps.
+# - 64 wide: 128 rows over one warpgroup (4 warps): 1.12x, 1.23x and 1.47x the 128 rows over 8 warps at 2k, 8k and
+#   512+4k with 2 stages, 1.15x, 1.32x and 1.62x with 3; each K/V tile in shared memory serves 128 rows. The softcap's
+#   variant spills over one warpgroup: it keeps 8 warps.
 # - 128 wide: 128 rows over 8 warps (64 a warpgroup), 3 stages: 1.01-1.05x two stages, 1.08-1.13x 64 rows over 4.
+# 3 stages everywhere, with each tile's block ids read a tile ahead (`ids_ahead`): the sm_90 TTGIR of the loop without
+# a mask then waits with the next tile's K and V in flight (`ttg.async_wait {num = 2}`); with 2 stages it waits for
+# every copy (`num = 0`) at the top of each tile, the next tile's loads issued only after the tile's softmax, so that
+# their latency is paid in full each tile. Those 3-stage times were taken with the ids read within the tile (3 stages
+# then spilled at 64 wide: 255 registers and a stack frame); with them read ahead, the 64-wide variants compile to
+# 255 / 204 registers (softcap) on Triton 3.6 and 254 / 200 on Triton 3.9, without spills.
 # tests/test_kernel_compile.py checks every one for spills; registers are in docs/kernels.md. sm_80 keeps 64 rows
 # (the 128-wide variant spills there with 128); so do later GPUs until measured (sm_120's dots are sm_80's).
 PREFILL_SM90 = {
-    (64, False): (128, 4, 2),
-    (64, True): (128, 8, 2),
+    (64, False): (128, 4, 3),
+    (64, True): (128, 8, 3),
     (128, False): (128, 8, 3),
     (128, True): (128, 8, 3),
 }
