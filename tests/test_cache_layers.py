@@ -119,6 +119,51 @@ def test_reorder_repeat_select_and_crop_track_dynamic_cache():
     assert pool.num_used_blocks == 0
 
 
+def test_a_boolean_mask_selects_the_rows_it_keeps_as_dynamic_cache_does():
+    """`batch_select_indices` with a boolean mask keeps the rows where it is True, as tensor indexing (DynamicCache)
+    reads it, not rows 1 and 0; a mask of another length, or a selection of no row, is refused before any change."""
+    config = tiny_model("llama").config
+    generator = torch.Generator().manual_seed(2)
+    pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
+    caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    _step(caches, config, 3, 5, generator)
+    for cache in caches:
+        cache.batch_select_indices(torch.tensor([False, True, True]))
+    _step(caches, config, 2, 1, generator)
+    paged = caches[1]
+    with pytest.raises(IndexError, match=r"shape must be \(2,\), got \(3,\)"):
+        paged.batch_select_indices(torch.tensor([True, False, True]))
+    with pytest.raises(ValueError, match="keeps at least one row"):
+        paged.batch_select_indices(torch.tensor([False, False]))
+    with pytest.raises(ValueError, match="keeps at least one row"):
+        paged.batch_select_indices(torch.tensor([], dtype=torch.long))
+    _step(caches, config, 2, 1, generator)  # still in step with DynamicCache
+    paged.release()
+    pool.allocator.check_invariants()
+    assert pool.num_used_blocks == 0
+
+
+def test_a_row_change_under_a_reservation_the_pool_cannot_take_again_still_changes_the_rows():
+    """A compileable cache (`max_cache_len`) whose next forward's blocks are reserved takes them again for its new
+    rows after `batch_repeat_interleave`; where the pool has no room for them, the rows are still the ones asked
+    for (the repeat does not raise after changing them) and the next forward's reservation refuses that step."""
+    from hf_paged import PoolExhausted
+
+    config = tiny_model("llama").config
+    pool = BlockPool.for_model(config, num_blocks=3, block_size=4)
+    cache = PagedCache(config=config, pool=pool, max_cache_len=8)
+    for layer_idx in range(config.num_hidden_layers):
+        cache.update(*(torch.randn(_kv_shape(config, 1, 4)),) * 2, layer_idx)
+    assert cache.get_mask_sizes(1, 0) == (8, 0)  # reserves the next token's block: 1 block left free
+    cache.batch_repeat_interleave(3)  # three rows, each needing a block of its own for that token
+    assert len(cache.block_tables) == 3 and cache.get_seq_length() == 4
+    with pytest.raises(PoolExhausted):
+        cache.get_mask_sizes(1, 0)
+    cache.release()
+    pool.allocator.check_invariants()
+    assert pool.num_used_blocks == 0
+
+
 def test_crop_rejects_positive_values_like_dynamic_cache():
     cache = PagedCache(config=tiny_model("llama").config)
     with pytest.raises(ValueError, match="negative integer"):

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..errors import PoolExhausted
 from ..storage import BlockPool, block_hashes
 from .gather import workspace_for
 from .group_tables import GroupTables
@@ -78,11 +79,25 @@ class CacheRows:
         self.states.repeat_rows(repeats)
 
     def select(self, indices: torch.Tensor) -> None:
-        """Row i becomes row `indices[i]` (`batch_select_indices`)."""
-        self._select_rows(torch.as_tensor(indices).tolist())
+        """Row i becomes row `indices[i]` (`batch_select_indices`: row indices, or a boolean mask over the rows, the
+        rows it keeps in order, as tensor indexing reads both)."""
+        indices = torch.as_tensor(indices)
+        if indices.dtype == torch.bool:
+            num_rows = self.tables.num_rows
+            if indices.shape != (num_rows,):
+                raise IndexError(
+                    f"a boolean mask selects among the cache's {num_rows} rows: its shape must be ({num_rows},), "
+                    f"got {tuple(indices.shape)}"
+                )
+            indices = indices.nonzero().flatten()
+        self._select_rows(indices.tolist())
         self.states.select_rows(indices)
 
     def _select_rows(self, rows: list[int]) -> None:
+        if not rows and self.tables.num_rows:
+            raise ValueError(
+                "a PagedCache keeps at least one row: the row selection is empty (release() frees every row's blocks)"
+            )
         reserved = None
         if self._fixed is not None:
             self._fixed.settle()
@@ -90,7 +105,13 @@ class CacheRows:
         self.tables.select_rows(rows)
         self.indexer.select_rows(rows)
         if reserved is not None:  # the rows changed under the reservation: take it again for the new rows
-            self._fixed.reserve(reserved)
+            try:
+                self._fixed.reserve(reserved)
+            except PoolExhausted:
+                # The rows are the ones asked for, as a DynamicCache's would be; the next forward asks for its blocks
+                # again (get_mask_sizes, or reserve before a compiled forward), where a pool without them refuses
+                # that step whole.
+                pass
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last `-tokens_to_remove` tokens (a negative int, as in `DynamicCache.crop`)."""
