@@ -211,11 +211,11 @@ PREFILL_TEXT = (
     "sequence's longest programs start before its shorter ones, which fill the last wave (several sequences run last "
     "one first) (`python -m bench.prefill_tuning` times the ascending order beside it). With 3 stages the whole tiles'"
     " block ids are read one tile ahead (`ids_ahead` in launch_config): at head_dim 64 and 128 the sm_90 TTGIR of "
-    "that loop then waits with two tiles' K/V in flight (`ttg.async_wait {num = 2}`), where with the table read inside the tile "
-    "it waited for all (`num = 0`), as 2 stages do (they read the ids within the tile): the next tile's copies then "
-    "start after the tile's softmax and are waited for at the top of the next, their latency paid in full each tile. "
-    "The grid's order and the block ids read ahead are not yet timed on a GPU; at head_dim 64 3 stages spilled with "
-    "the ids read within the tile, and compile without spills with them read ahead."
+    "that loop then waits with two tiles' K/V in flight (`ttg.async_wait {num = 2}`), where with the table read "
+    "inside the tile it waited for all (`num = 0`), as 2 stages do (they read the ids within the tile): the next "
+    "tile's copies then start after the tile's softmax and are waited for at the top of the next, their latency "
+    "paid in full each tile. The grid's order and the block ids read ahead are not yet timed on a GPU; at head_dim "
+    "64 3 stages spilled with the ids read within the tile, and compile without spills with them read ahead."
 )
 
 
