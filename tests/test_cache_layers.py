@@ -119,9 +119,10 @@ def test_reorder_repeat_select_and_crop_track_dynamic_cache():
     assert pool.num_used_blocks == 0
 
 
-def test_a_boolean_mask_selects_the_rows_it_keeps_as_dynamic_cache_does():
+def test_a_boolean_mask_or_negative_indices_select_the_rows_dynamic_cache_keeps():
     """`batch_select_indices` with a boolean mask keeps the rows where it is True, as tensor indexing (DynamicCache)
-    reads it, not rows 1 and 0; a mask of another length, or a selection of no row, is refused before any change."""
+    reads it, not rows 1 and 0, and a negative index counts from the last row; a mask of another length, or a
+    selection of no row, is refused before any change."""
     config = tiny_model("llama").config
     generator = torch.Generator().manual_seed(2)
     pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
@@ -138,6 +139,9 @@ def test_a_boolean_mask_selects_the_rows_it_keeps_as_dynamic_cache_does():
     with pytest.raises(ValueError, match="keeps at least one row"):
         paged.batch_select_indices(torch.tensor([], dtype=torch.long))
     _step(caches, config, 2, 1, generator)  # still in step with DynamicCache
+    for cache in caches:
+        cache.batch_select_indices(torch.tensor([-1, 0, -2]))  # negative indices count from the last row
+    _step(caches, config, 3, 1, generator)
     paged.release()
     pool.allocator.check_invariants()
     assert pool.num_used_blocks == 0

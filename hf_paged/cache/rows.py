@@ -79,17 +79,18 @@ class CacheRows:
         self.states.repeat_rows(repeats)
 
     def select(self, indices: torch.Tensor) -> None:
-        """Row i becomes row `indices[i]` (`batch_select_indices`: row indices, or a boolean mask over the rows, the
-        rows it keeps in order, as tensor indexing reads both)."""
-        indices = torch.as_tensor(indices)
+        """Row i becomes row `indices[i]` (`batch_select_indices`: row indices, a negative one counted from the last
+        row, or a boolean mask over the rows, the rows it keeps in order, as tensor indexing reads them)."""
+        indices, num_rows = torch.as_tensor(indices), self.tables.num_rows
         if indices.dtype == torch.bool:
-            num_rows = self.tables.num_rows
             if indices.shape != (num_rows,):
                 raise IndexError(
                     f"a boolean mask selects among the cache's {num_rows} rows: its shape must be ({num_rows},), "
                     f"got {tuple(indices.shape)}"
                 )
             indices = indices.nonzero().flatten()
+        else:
+            indices = torch.where(indices < 0, indices + num_rows, indices)
         self._select_rows(indices.tolist())
         self.states.select_rows(indices)
 
