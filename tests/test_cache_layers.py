@@ -95,11 +95,17 @@ def test_crop_past_released_blocks_raises_like_dynamic_sliding_layers():
     cache.release()
 
 
-def test_reorder_repeat_select_and_crop_track_dynamic_cache():
+def _llama_caches(seed: int):
+    """(config, generator, pool, (DynamicCache, PagedCache on the pool)) of the tiny Llama, for tests that keep both
+    caches in step."""
     config = tiny_model("llama").config
-    generator = torch.Generator().manual_seed(1)
     pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
     caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    return config, torch.Generator().manual_seed(seed), pool, caches
+
+
+def test_reorder_repeat_select_and_crop_track_dynamic_cache():
+    config, generator, pool, caches = _llama_caches(seed=1)
     _step(caches, config, 2, 6, generator)
     for cache in caches:
         cache.batch_repeat_interleave(3)  # 6 rows sharing 2 rows' blocks
@@ -123,10 +129,7 @@ def test_a_boolean_mask_or_negative_indices_select_the_rows_dynamic_cache_keeps(
     """`batch_select_indices` with a boolean mask keeps the rows where it is True, as tensor indexing (DynamicCache)
     reads it, not rows 1 and 0, and a negative index counts from the last row; a mask of another length, or a
     selection of no row, is refused before any change."""
-    config = tiny_model("llama").config
-    generator = torch.Generator().manual_seed(2)
-    pool = BlockPool.for_model(config, num_blocks=64, block_size=4)
-    caches = (DynamicCache(config=config), PagedCache(config=config, pool=pool))
+    config, generator, pool, caches = _llama_caches(seed=2)
     _step(caches, config, 3, 5, generator)
     for cache in caches:
         cache.batch_select_indices(torch.tensor([False, True, True]))
