@@ -3,8 +3,10 @@
 For every (batch, context) cell, one new token per sequence attends to `context` cached tokens:
   (a) paged:         `hf_paged.attention.kernels.paged_decode_attention` reading the block pool through block tables
                      (K/V stored head-major, as a `BlockPool` stores them: each head's blocks contiguous);
-  (b) gather+sdpa:   copy each sequence's K/V out of the pool into contiguous tensors (the block-table gather),
-                     then `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
+  (b) gather+sdpa:   what a `PagedCache` runs under the sdpa attention where a batch's blocks are not one run:
+                     the library's gather (`GatherWorkspace`: one `index_select` of whole blocks per K and V into a
+                     reused buffer, its index made once as for a step's layers), then
+                     `torch.nn.functional.scaled_dot_product_attention`; the gather is inside the timing;
   (c) sdpa-contig:   SDPA on K/V that are already contiguous (what a non-paged cache would do; the bound to beat).
 With `--table-tokens N`, (a) also runs with block tables N tokens wide over the same rows (the columns past a row's
 blocks point at other blocks), as CUDA graphs' and a `max_cache_len` cache's tables are: as wide as the rows may
@@ -32,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 from tabulate import tabulate
@@ -39,6 +42,8 @@ from tabulate import tabulate
 from hf_paged import BlockPool
 from hf_paged.attention.kernels import gather_kv, paged_decode_attention, resolve_backend
 from hf_paged.attention.kernels.launch_config import INDEX_DTYPE
+from hf_paged.cache.block_tables import head_major_index
+from hf_paged.cache.gather import GatherWorkspace
 
 # Peak HBM bandwidth in bytes/s, matched against torch.cuda.get_device_name(); the first row whose words all occur
 # in the name wins, so the more specific rows come first.
@@ -207,6 +212,27 @@ def checked_ms(args, run, out: torch.Tensor, expected: torch.Tensor, device: tor
         return type(error).__name__
 
 
+class PoolTables:
+    """The cell's block tables as the library's gather reads a layer group's (`GatherTables`): one pool layer of
+    head-major K/V (`[kv_heads, num_blocks, block_size, head_dim]`, as a `BlockPool` stores them), every row's blocks
+    gathered (no row is one consecutive run of blocks, as in a batch)."""
+
+    def __init__(self, key_cache: torch.Tensor, value_cache: torch.Tensor, block_tables: torch.Tensor, block_size: int):
+        # key_cache / value_cache: the `[num_blocks, block_size, kv_heads, head_dim]` views of head-major tensors
+        heads_first = [cache.permute(2, 0, 1, 3) for cache in (key_cache, value_cache)]
+        assert all(cache.is_contiguous() for cache in heads_first), "a head-major pool tensor"
+        self.pool = types.SimpleNamespace(key_cache=heads_first[:1], value_cache=heads_first[1:], block_size=block_size)
+        self.num_rows = block_tables.shape[0]
+        self.memo: dict = {}
+        self._tables = block_tables
+
+    def consecutive_run(self, first_block: int, end_block: int) -> int | None:
+        return None
+
+    def gather_index(self, first_block: int, end_block: int, num_heads: int, num_pool_blocks: int) -> torch.Tensor:
+        return head_major_index(self._tables[:, first_block:end_block].long(), num_heads, num_pool_blocks)
+
+
 def widened_tables(block_tables: torch.Tensor, width: int, num_blocks: int) -> torch.Tensor:
     """`block_tables` `[B, n]` widened to `width` columns, the new ones other blocks of the pool (seeded), past every
     row's length as in a table made as wide as its rows may grow."""
@@ -242,9 +268,10 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
             query, key_cache, value_cache, block_tables, seq_lens, scale=scale, out=out, backend=args.backend
         )
 
+    tables, workspace = PoolTables(key_cache, value_cache, block_tables, args.block_size), GatherWorkspace()
+
     def gather_then_sdpa():
-        key = gather_kv(key_cache, block_tables, context)  # [B, Hkv, S, D]
-        value = gather_kv(value_cache, block_tables, context)
+        key, value = workspace.gather(tables, 0, 0, blocks_per_seq, 0, context)  # [B, Hkv, S, D] views
         return sdpa_decode(query, key, value, scale)
 
     backend = resolve_backend(args.backend, device)
@@ -275,6 +302,8 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
         rows[-1]["out"] = out.float()
     rows.append({**cell, "method": "gather+sdpa", "ms": time_ms(gather_then_sdpa, device, args.warmup_ms, args.rep_ms)})
     rows[-1]["graph_ms"] = graph_ms(gather_then_sdpa, device, args.graph_rep_ms)
+    rows[-1]["out"] = gather_then_sdpa().float()
+    tables = workspace = None  # keep the peak at the pool plus one copy
 
     key = gather_kv(key_cache, block_tables, context).contiguous()
     value = gather_kv(value_cache, block_tables, context).contiguous()
@@ -293,7 +322,7 @@ def bench_cell(args, batch: int, context: int, device: torch.device, peak: float
         row["bytes"] = read_bytes
         row["bandwidth_gbs"] = read_bytes / (row["ms"] * 1e-3) / 1e9
         row["peak_fraction"] = read_bytes / (row["ms"] * 1e-3) / peak if peak else None
-        if "out" in row:  # the paged runs'
+        if "out" in row:  # the paged runs' and the gather's
             row["max_abs_err_vs_sdpa"] = (expected - row.pop("out")).abs().max().item()
     return rows
 
