@@ -6,6 +6,7 @@ from .engine import Engine, SamplingParams
 from .errors import (
     BackendOptionError,
     DuplicateBackend,
+    GradientsUnsupported,
     LockstepError,
     PluginLoadError,
     PluginLoadWarning,
@@ -32,6 +33,7 @@ __all__ = [
     "DecodePlan",
     "DuplicateBackend",
     "Engine",
+    "GradientsUnsupported",
     "KVLayout",
     "LockstepError",
     "PagedCache",

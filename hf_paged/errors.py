@@ -88,6 +88,22 @@ class UnsupportedCacheAttribute(UnsupportedModel, AttributeError):
         )
 
 
+class GradientsUnsupported(RuntimeError):
+    """A forward that records autograd history (grad mode on, parameters that require grad) stores K/V in a
+    `PagedCache`: the pool is shared storage written in place, which keeps no history, so gradients through the cache
+    would be silently wrong. Raised at the first layer whose K/V require grad, before that layer writes, with the step
+    undone in the layers before it: the cache runs it again under `torch.no_grad()` (a hybrid model whose states
+    advanced: `IncompleteStep`, only `release()`)."""
+
+    def __init__(self, layer_idx: int):
+        self.layer_idx = layer_idx
+        super().__init__(
+            f"layer {layer_idx}'s key_states/value_states require grad: a PagedCache stores K/V in place in a shared "
+            "pool and keeps no autograd history. Run the forward under torch.no_grad() or torch.inference_mode() "
+            "(generate() does), or use DynamicCache to backpropagate through the cache"
+        )
+
+
 class UnknownRequest(ValueError):
     """An Engine was asked about a request id it never issued."""
 
@@ -137,6 +153,6 @@ class LockstepError(RuntimeError):
 
 
 class IncompleteStep(RuntimeError):
-    """A hybrid model's forward stopped part-way (`PoolExhausted` at an attention layer) after earlier layers had
-    advanced their recurrent or conv states: running the step again would apply it twice to those states, so the cache
-    is only good for `release()`."""
+    """A hybrid model's forward stopped part-way (`PoolExhausted` or `GradientsUnsupported` at an attention layer)
+    after earlier layers had advanced their recurrent or conv states: running the step again would apply it twice to
+    those states, so the cache is only good for `release()`."""

@@ -25,6 +25,13 @@ from hf_paged.attention.kernels import ops  # noqa: F401  (registers torch.ops.h
 MAX_NEW_TOKENS = 20
 
 
+@pytest.fixture(autouse=True)
+def no_grad():
+    """A PagedCache refuses K/V that require grad (GradientsUnsupported): these forwards run as generate()'s do."""
+    with torch.no_grad():
+        yield
+
+
 def compile_config() -> CompileConfig:
     """fullgraph: a graph break fails the compile instead of splitting the step."""
     config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)

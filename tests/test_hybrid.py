@@ -25,7 +25,7 @@ from transformers.cache_utils import DummyLayer, LinearAttentionLayer
 import hf_paged
 from hf_paged import BlockPool, Engine, KVLayout, PagedCache, PagedLayer, PoolExhausted, UnsupportedModel
 from hf_paged.cache.hybrid import PagedHybridLayer
-from hf_paged.errors import IncompleteStep
+from hf_paged.errors import GradientsUnsupported, IncompleteStep
 
 MODEL_TYPES = ("qwen3_next", "jamba", "lfm2", "falcon_h1", "nemotron_h", "recurrent_gemma")
 NEW_TOKENS = 6
@@ -331,6 +331,26 @@ def test_a_step_stopped_by_pool_exhausted_leaves_the_cache_good_for_release_only
     short = {"input_ids": prompt[:, :5], "attention_mask": torch.ones_like(prompt[:, :5])}
     got = model.generate(**short, past_key_values=cache, max_new_tokens=3, do_sample=False)
     assert torch.equal(got, model.generate(**short, max_new_tokens=3, do_sample=False))
+
+
+def test_a_forward_with_autograd_after_a_state_layer_leaves_the_cache_good_for_release_only():
+    """Qwen3-Next's layer 0 (linear attention) advanced its states before layer 1's K/V, which require grad, were
+    refused: the step cannot run again on those states."""
+    model = tiny("qwen3_next")
+    pool = BlockPool.for_model(model, num_blocks=8, block_size=4)
+    cache = PagedCache(config=model.config, pool=pool)
+    prompt = zoo.inputs(batch=1)["input_ids"]
+    with pytest.raises(GradientsUnsupported, match="layer 1's"):
+        model(prompt, past_key_values=cache)
+    assert pool.num_used_blocks == 0
+    with torch.no_grad(), pytest.raises(IncompleteStep, match="GradientsUnsupported.*release"):
+        model(prompt, past_key_values=cache)
+    cache.release()
+    with torch.no_grad():
+        got = model(prompt, past_key_values=cache).logits
+    torch.testing.assert_close(got, model(prompt).logits.detach())
+    cache.release()
+    assert pool.num_used_blocks == 0
 
 
 def test_paged_decode_applies_a_position_bias():

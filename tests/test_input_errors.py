@@ -5,8 +5,9 @@ import time
 
 import pytest
 import torch
+from transformers import DynamicCache
 
-from hf_paged import BlockPool, PagedCache, PoolExhausted, PoolMismatch, PoolTooLarge
+from hf_paged import BlockPool, GradientsUnsupported, PagedCache, PoolExhausted, PoolMismatch, PoolTooLarge
 from hf_paged.storage import parse_memory
 from tests.models import random_prompt, tiny_model
 
@@ -138,3 +139,66 @@ def test_a_prefix_caching_pool_serves_one_model(tmp_path):
     assert pool.num_used_blocks == 0
     # Without prefix caching no block is ever found by another cache: models of one shape may share a pool.
     PagedCache(config=second.config, pool=BlockPool.for_model(first, num_blocks=8, block_size=4))
+
+
+def _kv(batch: int, q_len: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random K and V of the tiny models' shape: [batch, 2 kv heads, q_len, 16]."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(batch, 2, q_len, 16, generator=generator) for _ in range(2))
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3"])  # one layer group; a sliding and a full group
+@pytest.mark.parametrize("grad_of", ["key", "value"])
+def test_states_that_require_grad_are_refused_with_the_step_undone(name, grad_of):
+    """Layer 1's K or V require grad (a model trained from that layer on) after layer 0 stored the step: the refusal
+    puts layer 0 back and gives back the step's blocks, so the step runs again as DynamicCache runs it."""
+    model = tiny_model(name)
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    cache, dynamic = PagedCache(config=model.config, pool=pool), DynamicCache(config=model.config)
+    for step, q_len in enumerate((8, 1, 1)):  # a first prefill, then decode steps (the first needs a new block)
+        states = [_kv(2, q_len, seed=10 * step + layer) for layer in range(2)]
+        used, lengths = pool.num_used_blocks, [layer.cumulative_length for layer in cache.layers]
+        cache.update(*states[0], 0)
+        key, value = states[1]
+        refused = (key.clone().requires_grad_(), value) if grad_of == "key" else (key, value.clone().requires_grad_())
+        with pytest.raises(GradientsUnsupported, match=r"layer 1's key_states/value_states require grad.*no_grad"):
+            cache.update(*refused, 1)
+        assert pool.num_used_blocks == used
+        assert [layer.cumulative_length for layer in cache.layers] == lengths
+        assert cache.get_seq_length() == sum(lengths) // 2
+        for layer in range(2):
+            got, expected = cache.update(*states[layer], layer), dynamic.update(*states[layer], layer)
+            torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert len(cache.layer_groups) == (2 if name == "gemma3" else 1)
+    cache.release()
+    assert pool.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("max_cache_len", [None, 32])  # an eager cache; a compileable one's reserved steps
+def test_a_forward_with_autograd_is_refused_and_runs_again_under_no_grad(max_cache_len):
+    """A model whose parameters require grad, called outside torch.no_grad() (generate() runs under it): every forward
+    is refused at layer 0 with the cache as it was (a compileable cache keeps the blocks it reserved for that forward,
+    before it), and the same forward then runs under no_grad as DynamicCache's."""
+    model = tiny_model("llama")
+    pool = BlockPool.for_model(model, num_blocks=16, block_size=4)
+    cache = PagedCache(config=model.config, pool=pool, max_cache_len=max_cache_len)
+    dynamic = DynamicCache(config=model.config)
+    input_ids = torch.randint(1, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    reservations = 0  # refused forwards that kept blocks reserved for them
+    for _ in range(3):  # a first prefill (a compileable cache reserves nothing for it), then decode steps
+        used = pool.num_used_blocks
+        assert torch.is_grad_enabled() and next(model.parameters()).requires_grad
+        with pytest.raises(GradientsUnsupported, match="layer 0's"):
+            model(input_ids, past_key_values=cache)
+        reserved = pool.num_used_blocks
+        reservations += reserved != used
+        with torch.no_grad():
+            got = model(input_ids, past_key_values=cache).logits
+            expected = model(input_ids, past_key_values=dynamic).logits
+        torch.testing.assert_close(got, expected)
+        if reserved != used:
+            assert pool.num_used_blocks == reserved  # the forward used the reservation
+        input_ids = expected[:, -1:].argmax(-1)
+    assert reservations == (1 if max_cache_len else 0)  # the 9th token's blocks: one reservation of a new block a row
+    cache.release()
+    assert pool.num_used_blocks == 0

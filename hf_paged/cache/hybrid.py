@@ -109,17 +109,18 @@ class HybridStates:
         return bool(self.layers)
 
     def stop_step(self) -> None:
-        """A step stopped part-way (`PoolExhausted`): the state layers before the failing layer advanced, and running
-        the step again would advance them twice, so every update raises `IncompleteStep` until `clear()`."""
+        """A step stopped part-way (`PoolExhausted`, `GradientsUnsupported`): the state layers before the failing
+        layer advanced, and running the step again would advance them twice, so every update raises `IncompleteStep`
+        until `clear()`."""
         self.incomplete = bool(self.layers)
 
     def check_complete(self) -> None:
         """Raise `IncompleteStep` after a step that stopped part-way (`incomplete`), until `clear()`."""
         if self.incomplete:
             raise IncompleteStep(
-                f"a forward of this {self.model_type!r} cache stopped part-way (PoolExhausted) after layers "
-                f"{self.layer_indices} may have advanced their states; release() it and start again (more blocks: "
-                "BlockPool num_blocks or max_memory)"
+                f"a forward of this {self.model_type!r} cache stopped part-way (PoolExhausted, GradientsUnsupported) "
+                f"after layers {self.layer_indices} may have advanced their states; release() it and start again "
+                "(more blocks: BlockPool num_blocks or max_memory; no states that require grad: torch.no_grad())"
             )
 
     def refuse_prefix_reuse(self, call: str) -> None:

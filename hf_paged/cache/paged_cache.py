@@ -31,7 +31,7 @@ import weakref
 import torch
 from transformers.cache_utils import Cache
 
-from ..errors import PoolMismatch, UnsupportedModel
+from ..errors import GradientsUnsupported, PoolMismatch, UnsupportedModel
 from ..storage import BlockPool, KVLayout, group_windows, sliding_windows
 from ..storage.layout import cache_layers, refuse_generate_cache
 from ..storage.pool import check_positive_int, resolve_dtype
@@ -166,12 +166,18 @@ class PagedCache(Cache):
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write `key_states`/`value_states` ([B, kv_heads, q_len, head_dim]) after the cached tokens of layer
-        `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim])."""
+        `layer_idx` and return that layer's visible K/V ([B, kv_heads, kv_len, head_dim]). States that require grad
+        are refused (`GradientsUnsupported`): the pool keeps no autograd history."""
         fixed = self._fixed
         if fixed is not None:
             if fixed.pending is not None or torch.compiler.is_compiling():
+                if key_states.requires_grad or value_states.requires_grad:
+                    # Nothing to undo: a reserved step writes fixed slots, and counts them after its last layer.
+                    raise GradientsUnsupported(layer_idx)
                 return fixed.update(key_states, value_states, layer_idx)
             fixed.settle()
+        if key_states.requires_grad or value_states.requires_grad:
+            self._update.refuse_step(layer_idx, GradientsUnsupported(layer_idx))
         return self._update.update(key_states, value_states, layer_idx)
 
     def reserve(self, num_new_tokens: int) -> None:

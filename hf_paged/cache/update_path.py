@@ -206,7 +206,24 @@ class UpdatePath:
         plan = metadata.memo[key] = (slots, metadata.writer_index(device) if subset else None)
         return plan
 
-    def _undo_step(self, layer_idx: int, num_past: int) -> None:
+    def refuse_step(self, layer_idx: int, error: Exception) -> None:
+        """Raise `error`, refusing decoder layer `layer_idx`'s update before it writes, with the step undone: the
+        layers that stored it (this forward's earlier ones) go back to the refused layer's length and their groups
+        give back the blocks they took for it, so the cache can run the step again (a first prefill leaves it
+        empty). A hybrid model's states that advanced cannot go back: its cache is then only good for `release()`
+        (`IncompleteStep`)."""
+        pool_layer = self._pool_layers[layer_idx] if layer_idx < len(self._pool_layers) else None
+        if pool_layer is not None and pool_layer > 0 and self._rows.tables.pool is not None:
+            num_past = self._rows.paged_layers[pool_layer].cumulative_length
+            self._undo_step(pool_layer, num_past, failing_group_too=True)
+            self._rows.indexer.truncate(num_past)
+            self.last_layer_updated = 0
+        states = self._rows.states
+        if any(index < layer_idx for index in states.layer_indices):
+            states.stop_step()
+        raise error
+
+    def _undo_step(self, layer_idx: int, num_past: int, *, failing_group_too: bool = False) -> None:
         """Layer `layer_idx` could not get blocks: put the layers of OTHER layer groups that stored this step back at
         `num_past` tokens and give back the blocks their groups took for it.
 
@@ -215,15 +232,16 @@ class UpdatePath:
         blocks are free, as a one-group cache can after a failed first layer. The failing group itself follows the
         per-call rule (as it was before this call); when it runs out at a later layer of its own (rows that turn
         out to differ need copies), its earlier layers keep the step and the cache is only good for `release()`.
-        What the undone groups keep: their copies-on-write (a row's private copy of a shared block, same contents)
-        and the sliding groups' release of blocks that left the window at the start of the step.
+        `failing_group_too`: undo the failing group's earlier layers as well (`refuse_step`: layer `layer_idx`
+        stored nothing). What the undone groups keep: their copies-on-write (a row's private copy of a shared block,
+        same contents) and the sliding groups' release of blocks that left the window at the start of the step.
         """
         tables = self._rows.tables
         failing = tables.of_layer(layer_idx)
         advanced = [
             (pool_layer, layer)
             for pool_layer, layer in enumerate(self._rows.paged_layers[:layer_idx])
-            if layer.cumulative_length > num_past and tables.of_layer(pool_layer) is not failing
+            if layer.cumulative_length > num_past and (failing_group_too or tables.of_layer(pool_layer) is not failing)
         ]
         touched: list[BlockTables] = []  # the tables of the advanced layers' groups, each once
         for pool_layer, layer in advanced:
